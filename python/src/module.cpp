@@ -1,0 +1,169 @@
+// mxmla — the compiled Python module (_mxmla_core), nanobind.
+//
+// It holds no torch or numpy headers: the Python layer passes each tensor as a plain descriptor
+// (data pointer, dtype name, shape, element strides, DLPack device type and index) read from the
+// torch tensor or numpy array, so one build serves every torch version. Outputs are allocated
+// by the Python layer. mxmla::Error surfaces as ValueError, CUDA failures as RuntimeError.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "mxmla/mxfp8.h"
+
+namespace nb = nanobind;
+using namespace mxmla;
+
+namespace {
+
+// (ptr, dtype, shape, strides, device_type (DLPack: 1 cpu, 2 cuda), device_index)
+using Desc = std::tuple<uintptr_t, std::string, std::vector<int64_t>, std::vector<int64_t>, int, int>;
+
+DType parse_dtype(const std::string& s) {
+  if (s == "float32") return DType::kFloat32;
+  if (s == "float16") return DType::kFloat16;
+  if (s == "bfloat16") return DType::kBFloat16;
+  if (s == "uint8") return DType::kUInt8;
+  if (s == "float8_e4m3") return DType::kFloat8E4M3;
+  if (s == "float8_e5m2") return DType::kFloat8E5M2;
+  if (s == "e8m0") return DType::kE8M0;
+  throw Error("mxmla", "dtype", "'" + s + "' is not a supported dtype");
+}
+
+TensorDesc to_desc(const Desc& d) {
+  const auto& [ptr, dtype, shape, strides, dev_type, dev_index] = d;
+  Device dev;
+  if (dev_type == 1) dev = Device{DeviceType::kCPU, 0};
+  else if (dev_type == 2) dev = Device{DeviceType::kCUDA, dev_index};
+  else throw Error("mxmla", "device", "DLPack device type " + std::to_string(dev_type) + " is not supported (cpu or cuda)");
+  return TensorDesc(reinterpret_cast<void*>(ptr), parse_dtype(dtype), shape, dev, strides);
+}
+TensorDesc opt_desc(const std::optional<Desc>& d) { return d ? to_desc(*d) : TensorDesc(); }
+
+Fp8Format parse_format(const std::string& s) {
+  if (s == "e4m3") return Fp8Format::kE4M3;
+  if (s == "e5m2") return Fp8Format::kE5M2;
+  throw Error("mxmla", "fp8_format", "must be 'e4m3' or 'e5m2', got '" + s + "'");
+}
+QKVLayout parse_layout(const std::string& s) {
+  if (s == "sbhd") return QKVLayout::kSBHD;
+  if (s == "bshd") return QKVLayout::kBSHD;
+  throw Error("mxmla", "layout", "must be 'sbhd' or 'bshd', got '" + s + "'");
+}
+ScaleLayout parse_scale_layout(const std::string& s) {
+  if (s == "compact") return ScaleLayout::kCompact;
+  if (s == "swizzled") return ScaleLayout::kSwizzled;
+  if (s == "bhsd") return ScaleLayout::kBHSD;
+  throw Error("mxmla", "scale_layout", "must be 'compact', 'swizzled' or 'bhsd', got '" + s + "'");
+}
+Stream to_stream(uintptr_t s) { return reinterpret_cast<Stream>(s); }
+
+MXFP8Tensor make_tensor(const std::optional<Desc>& rd, const std::optional<Desc>& rs, const std::optional<Desc>& cd,
+                        const std::optional<Desc>& cs) {
+  MXFP8Tensor t;
+  t.rowwise_data = opt_desc(rd), t.rowwise_scale_inv = opt_desc(rs);
+  t.columnwise_data = opt_desc(cd), t.columnwise_scale_inv = opt_desc(cs);
+  return t;
+}
+
+nb::tuple shapes_tuple(const MXFP8Shapes& s) { return nb::make_tuple(s.data, s.rowwise_scale, s.columnwise_scale); }
+
+// Output shapes for op `op`, whose input argument is `arg`: a shape error names that op and argument.
+template <typename Fn>
+nb::tuple shapes_for(const std::string& op, const std::string& arg, Fn&& fn) {
+  try {
+    return shapes_tuple(fn());
+  } catch (const Error& e) {
+    throw Error(op, arg, e.rule());
+  }
+}
+
+}  // namespace
+
+NB_MODULE(_mxmla_core, m) {
+  m.doc() = "mxmla compiled core (use the mxmla package)";
+  nb::exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
+
+  m.def("quantize_shapes", [](const std::vector<int64_t>& shape, bool swizzle, const std::string& op,
+                               const std::string& arg) {
+    return shapes_for(op, arg, [&] { return quantize_shapes(shape, swizzle); });
+  });
+  m.def("attention_shapes", [](const std::vector<int64_t>& shape, const std::string& layout, bool bhsd,
+                                const std::string& op, const std::string& arg) {
+    return shapes_for(op, arg, [&] { return attention_shapes(shape, parse_layout(layout), bhsd); });
+  });
+
+  m.def(
+      "quantize",
+      [](const Desc& x, const std::optional<Desc>& rd, const std::optional<Desc>& rs, const std::optional<Desc>& cd,
+         const std::optional<Desc>& cs, const std::string& fmt, bool swizzle, uintptr_t stream) {
+        QuantizeOptions o;
+        o.rowwise = rd.has_value(), o.columnwise = cd.has_value(), o.format = parse_format(fmt), o.swizzle = swizzle;
+        MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
+        nb::gil_scoped_release release;
+        quantize(to_desc(x), t, o, to_stream(stream));
+      },
+      nb::arg("x"), nb::arg("rowwise_data").none(), nb::arg("rowwise_scale").none(), nb::arg("columnwise_data").none(),
+      nb::arg("columnwise_scale").none(), nb::arg("fp8_format"), nb::arg("swizzle"), nb::arg("stream"));
+
+  m.def(
+      "quantize_attention",
+      [](const Desc& x, const std::optional<Desc>& rd, const std::optional<Desc>& rs, const std::optional<Desc>& cd,
+         const std::optional<Desc>& cs, const std::string& layout, const std::string& fmt, bool bhsd, uintptr_t stream) {
+        AttentionQuantizeOptions o;
+        o.layout = parse_layout(layout), o.rowwise = rd.has_value(), o.columnwise = cd.has_value();
+        o.format = parse_format(fmt), o.bhsd_scales = bhsd;
+        MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
+        nb::gil_scoped_release release;
+        quantize_attention(to_desc(x), t, o, to_stream(stream));
+      },
+      nb::arg("x"), nb::arg("rowwise_data").none(), nb::arg("rowwise_scale").none(), nb::arg("columnwise_data").none(),
+      nb::arg("columnwise_scale").none(), nb::arg("layout"), nb::arg("fp8_format"), nb::arg("bhsd"), nb::arg("stream"));
+
+  m.def(
+      "dequantize",
+      [](const Desc& data, const Desc& scale, const Desc& out, const std::vector<int64_t>& shape, const std::string& fmt,
+         const std::string& scale_layout, bool columnwise, bool attention, const std::string& layout, uintptr_t stream) {
+        MXFP8Tensor t;
+        t.shape = shape, t.format = parse_format(fmt), t.scale_layout = parse_scale_layout(scale_layout);
+        t.attention = attention, t.qkv_layout = parse_layout(layout);
+        (columnwise ? t.columnwise_data : t.rowwise_data) = to_desc(data);
+        (columnwise ? t.columnwise_scale_inv : t.rowwise_scale_inv) = to_desc(scale);
+        TensorDesc o = to_desc(out);
+        nb::gil_scoped_release release;
+        dequantize(t, o, columnwise, to_stream(stream));
+      },
+      nb::arg("data"), nb::arg("scale"), nb::arg("out"), nb::arg("shape"), nb::arg("fp8_format"),
+      nb::arg("scale_layout"), nb::arg("columnwise"), nb::arg("attention"), nb::arg("layout"), nb::arg("stream"));
+
+  m.def("swizzle_scales", [](const Desc& src, const Desc& dst, int64_t M, int64_t K, bool rowwise, uintptr_t stream) {
+    TensorDesc d = to_desc(dst);
+    nb::gil_scoped_release release;
+    swizzle_scales(to_desc(src), d, M, K, rowwise, to_stream(stream));
+  });
+  m.def("unswizzle_scales", [](const Desc& src, const Desc& dst, int64_t M, int64_t K, bool rowwise, uintptr_t stream) {
+    TensorDesc d = to_desc(dst);
+    nb::gil_scoped_release release;
+    unswizzle_scales(to_desc(src), d, M, K, rowwise, to_stream(stream));
+  });
+  m.def("attention_scales_to_bhsd", [](const Desc& src, const Desc& dst, const std::vector<int64_t>& shape,
+                                       const std::string& layout, bool rowwise, uintptr_t stream) {
+    TensorDesc d = to_desc(dst);
+    nb::gil_scoped_release release;
+    attention_scales_to_bhsd(to_desc(src), d, shape, parse_layout(layout), rowwise, to_stream(stream));
+  });
+
+  m.def("build_info", [] {
+    const BuildInfo b = build_info();
+    return nb::make_tuple(b.version, b.cuda_enabled, std::string(b.cuda_archs));
+  });
+  m.def("cuda_device_count", &cuda_device_count);
+  m.def("cuda_device_description", &cuda_device_description);
+}

@@ -1,0 +1,178 @@
+// mxmla internal — definitions shared by the CPU reference and the CUDA kernels:
+// the E8M0 scale rule of SPEC §2 (TransformerEngine's float_to_e8m0) and the scale layouts
+// (compact, F8_128x4 swizzle, BHSD). Element rounding is NOT shared: the reference rounds in
+// software (float64), the kernels with PTX cvt.rn.satfinite, and the tests compare the two.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define MXMLA_HD __host__ __device__ __forceinline__
+#else
+#define MXMLA_HD inline
+#endif
+
+namespace mxmla::detail {
+
+MXMLA_HD uint32_t f32_as_u32(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+MXMLA_HD float u32_as_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// fp32 reciprocal of the format's largest normal: 1/448 = 0x3B124925, 1/57344 = 0x37924925.
+constexpr uint32_t kRcpMaxE4M3Bits = 0x3B124925u;
+constexpr uint32_t kRcpMaxE5M2Bits = 0x37924925u;
+
+// TransformerEngine's float_to_e8m0 for a finite, non-negative fp32 value (round toward +inf,
+// saturating at 0xFE; values at or below 2^-127 give 0).
+MXMLA_HD uint8_t float_to_e8m0(float v) {
+  const uint32_t bits = f32_as_u32(v);
+  uint32_t e = bits >> 23;
+  const uint32_t m = bits & 0x7FFFFFu;
+  if (m > 0 && e != 0xFEu && !(e == 0 && m <= 0x400000u)) ++e;
+  return static_cast<uint8_t>(e);
+}
+
+// The multiplier applied before conversion: 2^(127-e), with TransformerEngine's e = 0 -> 1.0,
+// and (beyond TE) e = 254 (an Inf block) -> 2^-127 and e = 255 (a NaN block) -> NaN.
+MXMLA_HD float e8m0_quant_multiplier(uint8_t e) {
+  if (e == 0) return 1.0f;
+  if (e == 255) return u32_as_f32(0x7FFFFFFFu);
+  if (e == 254) return u32_as_f32(0x00200000u);  // 2^-127 (fp32 subnormal)
+  return u32_as_f32(static_cast<uint32_t>(254 - e) << 23);
+}
+
+// Scale byte from the magnitude maximum of a block given as fp32 bits with the sign cleared
+// (NaN bits > 0x7F800000, Inf == 0x7F800000).
+MXMLA_HD uint8_t block_scale_from_amax_bits(uint32_t amax_bits, uint32_t rcp_max_bits) {
+  if (amax_bits > 0x7F800000u) return 0xFF;
+  if (amax_bits == 0x7F800000u) return 0xFE;
+  return float_to_e8m0(u32_as_f32(amax_bits) * u32_as_f32(rcp_max_bits));
+}
+
+MXMLA_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+MXMLA_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// F8_128x4 swizzle (SPEC §2.1): i indexes the 128-row axis, j the 4-column axis.
+MXMLA_HD int64_t swizzle_offset(int64_t i, int64_t j, int64_t tiles_x) {
+  return ((i / 128) * tiles_x + j / 4) * 512 + (i % 32) * 16 + ((i % 128) / 32) * 4 + (j % 4);
+}
+
+enum class MapMode : uint8_t { kCompact, kSwizzled, kBHSD };
+
+// Where the scale of one block lands. The quantized tensor is viewed as [batch, rows, cols]
+// (columnwise blocks never cross a batch). For kBHSD the columns are [bc, H, D] with bc = B for
+// sbhd (batch == 1) and bc = 1 for bshd (batch == B): the (b, h) matrix is b*H + h.
+struct ScaleMap {
+  MapMode mode = MapMode::kCompact;
+  int64_t batch = 1, rows = 0, cols = 0;
+  int64_t H = 1, D = 32;     // kBHSD only
+  int64_t tiles_x = 0;       // swizzle tiles along j
+  int64_t mat_size = 0;      // kBHSD: bytes of one (b, h) matrix
+  int64_t nkb() const { return cols / 32; }
+  int64_t nrb() const { return ceil_div(rows, 32); }
+};
+
+// Rowwise: block (bi, r, kb) covers columns [32 kb, 32 kb + 32) of row r of batch bi.
+MXMLA_HD int64_t row_scale_offset(const ScaleMap& m, int64_t bi, int64_t r, int64_t kb) {
+  switch (m.mode) {
+    case MapMode::kCompact:
+      return (bi * m.rows + r) * (m.cols / 32) + kb;
+    case MapMode::kSwizzled:
+      return swizzle_offset(bi * m.rows + r, kb, m.tiles_x);
+    default: {
+      const int64_t nd = m.D / 32;
+      const int64_t bh = bi * (m.cols / m.D) + kb / nd;  // b*H + h
+      return bh * m.mat_size + swizzle_offset(r, kb % nd, m.tiles_x);
+    }
+  }
+}
+
+// Columnwise: block (bi, rb, c) covers rows [32 rb, 32 rb + 32) of column c of batch bi.
+MXMLA_HD int64_t col_scale_offset(const ScaleMap& m, int64_t bi, int64_t rb, int64_t c) {
+  const int64_t nrb = ceil_div(m.rows, 32);
+  switch (m.mode) {
+    case MapMode::kCompact:
+      return (bi * nrb + rb) * m.cols + c;
+    case MapMode::kSwizzled:
+      return swizzle_offset(c, bi * nrb + rb, m.tiles_x);
+    default: {
+      const int64_t bh = bi * (m.cols / m.D) + c / m.D;
+      return bh * m.mat_size + swizzle_offset(c % m.D, rb, m.tiles_x);
+    }
+  }
+}
+
+// Constructors of the maps (sizes in bytes via map_bytes()).
+inline ScaleMap make_row_map(MapMode mode, int64_t batch, int64_t rows, int64_t cols, int64_t H = 1,
+                             int64_t D = 32) {
+  ScaleMap m;
+  m.mode = mode, m.batch = batch, m.rows = rows, m.cols = cols, m.H = H, m.D = D;
+  if (mode == MapMode::kSwizzled) m.tiles_x = ceil_div(cols / 32, 4);
+  if (mode == MapMode::kBHSD) {
+    m.tiles_x = ceil_div(D / 32, 4);
+    m.mat_size = round_up(rows, 128) * round_up(D / 32, 4);
+  }
+  return m;
+}
+inline ScaleMap make_col_map(MapMode mode, int64_t batch, int64_t rows, int64_t cols, int64_t H = 1,
+                             int64_t D = 32) {
+  ScaleMap m;
+  m.mode = mode, m.batch = batch, m.rows = rows, m.cols = cols, m.H = H, m.D = D;
+  const int64_t nrb = ceil_div(rows, 32);
+  if (mode == MapMode::kSwizzled) m.tiles_x = ceil_div(batch * nrb, 4);
+  if (mode == MapMode::kBHSD) {
+    m.tiles_x = ceil_div(nrb, 4);
+    m.mat_size = round_up(nrb, 4) * round_up(D, 128);
+  }
+  return m;
+}
+// Bytes the scale buffer of a map spans (padding included) and the number of real blocks.
+inline int64_t row_map_bytes(const ScaleMap& m) {
+  switch (m.mode) {
+    case MapMode::kCompact: return m.batch * m.rows * (m.cols / 32);
+    case MapMode::kSwizzled: return round_up(m.batch * m.rows, 128) * round_up(m.cols / 32, 4);
+    default: return m.batch * (m.cols / m.D) * m.mat_size;
+  }
+}
+inline int64_t col_map_bytes(const ScaleMap& m) {
+  const int64_t nrb = ceil_div(m.rows, 32);
+  switch (m.mode) {
+    case MapMode::kCompact: return m.batch * nrb * m.cols;
+    case MapMode::kSwizzled: return round_up(m.batch * nrb, 4) * round_up(m.cols, 128);
+    default: return m.batch * (m.cols / m.D) * m.mat_size;
+  }
+}
+inline int64_t row_map_blocks(const ScaleMap& m) { return m.batch * m.rows * (m.cols / 32); }
+inline int64_t col_map_blocks(const ScaleMap& m) { return m.batch * ceil_div(m.rows, 32) * m.cols; }
+
+// Remap every real block of one direction from `src` to `dst` layout (same geometry).
+// Block index t enumerates (bi, r, kb) rowwise or (bi, rb, c) columnwise, row-major.
+MXMLA_HD void block_coords(const ScaleMap& m, bool rowwise, int64_t t, int64_t& bi, int64_t& a, int64_t& b) {
+  const int64_t inner = rowwise ? m.cols / 32 : m.cols;
+  const int64_t mid = rowwise ? m.rows : ceil_div(m.rows, 32);
+  b = t % inner;
+  t /= inner;
+  a = t % mid;
+  bi = t / mid;
+}
+MXMLA_HD int64_t scale_offset(const ScaleMap& m, bool rowwise, int64_t bi, int64_t a, int64_t b) {
+  return rowwise ? row_scale_offset(m, bi, a, b) : col_scale_offset(m, bi, a, b);
+}
+
+}  // namespace mxmla::detail

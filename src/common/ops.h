@@ -1,0 +1,55 @@
+// mxmla internal — the problem descriptions that api.cpp (validation, flattening) hands to the
+// backends: the CPU reference (src/cpu) and the CUDA kernels (src/cuda).
+#pragma once
+
+#include <cstdint>
+
+#include "common/mxfp8_common.h"
+#include "mxmla/mxfp8.h"
+
+namespace mxmla::detail {
+
+// Input viewed as [batch, rows, cols] (cols = last dim, a multiple of 32), element strides
+// (batch_stride, row_stride, 1). Codes are written contiguous [batch, rows, cols].
+struct QuantizeProblem {
+  const void* in = nullptr;
+  DType in_dtype = DType::kBFloat16;
+  Fp8Format fmt = Fp8Format::kE4M3;
+  int64_t batch = 1, rows = 0, cols = 0, batch_stride = 0, row_stride = 0;
+  uint8_t* row_codes = nullptr;  // null: no rowwise output
+  uint8_t* col_codes = nullptr;  // null: no columnwise output
+  uint8_t* row_scales = nullptr;
+  uint8_t* col_scales = nullptr;
+  ScaleMap row_map, col_map;
+};
+
+// Codes contiguous [batch, rows, cols]; one direction's scales through `map`.
+struct DequantizeProblem {
+  const uint8_t* codes = nullptr;
+  const uint8_t* scales = nullptr;
+  Fp8Format fmt = Fp8Format::kE4M3;
+  bool rowwise = true;
+  ScaleMap map;  // carries batch, rows, cols
+  void* out = nullptr;
+  DType out_dtype = DType::kFloat32;
+};
+
+// Copy every real block's scale from `src` (src_map) to `dst` (dst_map); dst padding is zeroed.
+struct RemapProblem {
+  const uint8_t* src = nullptr;
+  uint8_t* dst = nullptr;
+  ScaleMap src_map, dst_map;
+  bool rowwise = true;
+};
+
+void quantize_cpu(const QuantizeProblem& p);
+void dequantize_cpu(const DequantizeProblem& p);
+void remap_scales_cpu(const RemapProblem& p);
+
+void quantize_cuda(const QuantizeProblem& p, Stream stream);
+void dequantize_cuda(const DequantizeProblem& p, Stream stream);
+void remap_scales_cuda(const RemapProblem& p, Stream stream);
+
+inline uint32_t rcp_max_bits(Fp8Format f) { return f == Fp8Format::kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits; }
+
+}  // namespace mxmla::detail

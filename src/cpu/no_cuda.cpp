@@ -1,0 +1,27 @@
+// mxmla — stand-ins for the CUDA backend in a build without a CUDA compiler: every CUDA request
+// fails with a clear error instead of crashing.
+#include <string>
+
+#include "common/device.h"
+#include "common/ops.h"
+
+namespace mxmla {
+namespace detail {
+
+[[noreturn]] static void no_cuda(const char* op, const char* arg) {
+  throw Error(op, arg, "is on a CUDA device, but this mxmla build has no CUDA support (rebuild with nvcc)");
+}
+void check_cuda_pointer(const char* op, const char* arg, const void*, int) { no_cuda(op, arg); }
+CudaDeviceGuard::CudaDeviceGuard(int) : previous(0) { no_cuda("mxmla", "input"); }
+CudaDeviceGuard::~CudaDeviceGuard() = default;
+void quantize_cuda(const QuantizeProblem&, Stream) { no_cuda("mxmla.quantize", "input"); }
+void dequantize_cuda(const DequantizeProblem&, Stream) { no_cuda("mxmla.dequantize", "input"); }
+void remap_scales_cuda(const RemapProblem&, Stream) { no_cuda("mxmla.remap_scales", "input"); }
+
+}  // namespace detail
+
+BuildInfo build_info() { return {false, "", MXMLA_VERSION}; }
+int cuda_device_count() { return 0; }
+std::string cuda_device_description(int) { return "no CUDA support in this build"; }
+
+}  // namespace mxmla

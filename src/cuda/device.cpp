@@ -1,0 +1,68 @@
+// mxmla — CUDA device queries and pointer checks (host code, CUDA runtime).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "common/device.h"
+#include "cuda/cuda_check.h"
+#include "mxmla/mxfp8.h"
+
+namespace mxmla {
+namespace detail {
+
+void check_cuda_pointer(const char* op, const char* arg, const void* p, int index) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    throw Error(op, arg, "is on cuda:" + std::to_string(index) + " but no CUDA device is available");
+  }
+  if (index < 0 || index >= count)
+    throw Error(op, arg, "is on cuda:" + std::to_string(index) + " but only " + std::to_string(count) +
+                             " CUDA device(s) exist");
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    throw Error(op, arg, "data pointer is not a CUDA allocation");
+  }
+  if (a.type == cudaMemoryTypeUnregistered || a.type == cudaMemoryTypeHost)
+    throw Error(op, arg, "is described as cuda:" + std::to_string(index) + " but its data pointer is host memory");
+  if (a.type == cudaMemoryTypeDevice && a.device != index)
+    throw Error(op, arg, "is described as cuda:" + std::to_string(index) + " but its data lives on cuda:" +
+                             std::to_string(a.device));
+}
+
+CudaDeviceGuard::CudaDeviceGuard(int index) : previous(-1) {
+  MXMLA_CUDA_CHECK(cudaGetDevice(&previous));
+  if (previous != index) MXMLA_CUDA_CHECK(cudaSetDevice(index));
+}
+CudaDeviceGuard::~CudaDeviceGuard() {
+  int cur = -1;
+  if (cudaGetDevice(&cur) == cudaSuccess && cur != previous && previous >= 0) cudaSetDevice(previous);
+}
+
+}  // namespace detail
+
+BuildInfo build_info() { return {true, MXMLA_CUDA_ARCHS, MXMLA_VERSION}; }
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+std::string cuda_device_description(int index) {
+  cudaDeviceProp prop{};
+  MXMLA_CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
+  int drv = 0, rt = 0;
+  cudaDriverGetVersion(&drv);
+  cudaRuntimeGetVersion(&rt);
+  return std::string(prop.name) + ", sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ", " +
+         std::to_string(prop.multiProcessorCount) + " SMs, " + std::to_string(prop.totalGlobalMem >> 30) +
+         " GiB, L2 " + std::to_string(prop.l2CacheSize >> 20) + " MiB, driver " + std::to_string(drv) +
+         ", runtime " + std::to_string(rt);
+}
+
+}  // namespace mxmla

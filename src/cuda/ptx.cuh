@@ -1,0 +1,54 @@
+// mxmla internal — the one thin layer of inline PTX used by the CUDA kernels.
+// Every wrapper is guarded by the architecture it needs; compiling device code for an older
+// architecture is a hard error, never an empty body.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 890)
+#error "mxmla: the MXFP8 kernels need sm_89 or newer (cvt ... e4m3x2/e5m2x2); build for sm_90a"
+#endif
+
+namespace mxmla::ptx {
+
+// 16-byte read-only global load that does not allocate in L1 (streamed once).
+__device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Streaming stores (evict-first): outputs are not re-read by this kernel.
+__device__ __forceinline__ void st_stream_u64(void* p, uint64_t v) {
+  asm volatile("st.global.cs.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_stream_u32(void* p, uint32_t v) {
+  asm volatile("st.global.cs.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Two fp32 -> two FP8 codes, round to nearest even, saturating to +-max normal, NaN kept.
+// Result byte 0 is `lo`, byte 1 is `hi`.
+template <bool kE4M3>
+__device__ __forceinline__ uint16_t cvt_fp8x2(float lo, float hi) {
+  uint16_t r;
+  if constexpr (kE4M3)
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Two FP8 codes (byte 0, byte 1) -> two halves (exact), as a packed f16x2 register.
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t cvt_f16x2_from_fp8x2(uint16_t codes) {
+  uint32_t r;
+  if constexpr (kE4M3)
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(codes));
+  else
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(codes));
+  return r;
+}
+
+}  // namespace mxmla::ptx

@@ -1,0 +1,234 @@
+// mxmla — MXFP8 quantization kernel for SM90 (rowwise, columnwise, or both in one pass).
+//
+// Work decomposition (memory-bound; one pass over the input):
+//   the input is viewed as [batch, rows, cols]; one warp owns a tile of 32 rows x (32*VEC) cols,
+//   VEC = 16 bytes / sizeof(input) (8 for bf16/fp16, 4 for fp32). Lane l holds columns
+//   [l*VEC, l*VEC + VEC) of all 32 rows in registers (32 16-byte loads in flight per thread).
+//   * columnwise: each lane already holds its columns' 32 rows: amax with no communication;
+//   * rowwise: a 32-wide block spans LPB = 32/VEC adjacent lanes: amax by xor-shuffles.
+//   amax is an integer max of the magnitude bits (2 lanes per instruction for 16-bit inputs),
+//   which also detects NaN (bits > Inf) and Inf (bits == Inf) for the SPEC §2 policy.
+// Scales go through a ScaleMap (compact, swizzled or BHSD) so that the swizzle and the
+// attention layout are written directly by this kernel; padding is zeroed by the launcher.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "common/ops.h"
+#include "cuda/cuda_check.h"
+#include "cuda/ptx.cuh"
+
+namespace mxmla::detail {
+namespace {
+
+// Tile configuration.
+constexpr int kWarpsPerBlock = 4;
+constexpr int kThreads = kWarpsPerBlock * 32;
+constexpr int kTileRows = 32;  // = MXFP8 block size along the columnwise axis
+
+template <typename T>
+struct InputTraits;
+template <>
+struct InputTraits<__nv_bfloat16> {
+  static constexpr uint32_t kMagMask = 0x7FFF7FFFu;  // two elements per word
+  static constexpr int kPerWord = 2;
+  // fp32 bits of a bf16 magnitude
+  __device__ static uint32_t mag_to_f32_bits(uint32_t m) { return m << 16; }
+  __device__ static float2 to_float2(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+  }
+};
+template <>
+struct InputTraits<__half> {
+  static constexpr uint32_t kMagMask = 0x7FFF7FFFu;
+  static constexpr int kPerWord = 2;
+  __device__ static uint32_t mag_to_f32_bits(uint32_t m) {
+    if (m > 0x7C00u) return 0x7FC00000u;  // NaN
+    if (m == 0x7C00u) return 0x7F800000u;
+    return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(m))));
+  }
+  __device__ static float2 to_float2(uint32_t w) {
+    __half2 h = *reinterpret_cast<__half2*>(&w);
+    return __half22float2(h);
+  }
+};
+template <>
+struct InputTraits<float> {
+  static constexpr uint32_t kMagMask = 0x7FFFFFFFu;
+  static constexpr int kPerWord = 1;
+  __device__ static uint32_t mag_to_f32_bits(uint32_t m) { return m; }
+};
+
+// Max of the magnitudes of one word's elements (packed per 16-bit half for 16-bit types).
+template <typename T>
+__device__ __forceinline__ uint32_t word_mag(uint32_t w) {
+  return w & InputTraits<T>::kMagMask;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t mag_max(uint32_t a, uint32_t b) {
+  if constexpr (InputTraits<T>::kPerWord == 2)
+    return __vmaxu2(a, b);
+  else
+    return max(a, b);
+}
+// Collapse a packed magnitude word to the max of its elements.
+template <typename T>
+__device__ __forceinline__ uint32_t mag_collapse(uint32_t m) {
+  if constexpr (InputTraits<T>::kPerWord == 2)
+    return max(m & 0xFFFFu, m >> 16);
+  else
+    return m;
+}
+// Element j (0..kPerWord-1) of a packed magnitude word.
+template <typename T>
+__device__ __forceinline__ uint32_t mag_elem(uint32_t m, int j) {
+  if constexpr (InputTraits<T>::kPerWord == 2)
+    return j ? (m >> 16) : (m & 0xFFFFu);
+  else
+    return m;
+}
+
+// VEC elements held in one uint4 -> VEC codes (as bytes of a uint64 / uint32), each element
+// multiplied by mult[j] (or one multiplier for all).
+template <typename T, bool kE4M3>
+__device__ __forceinline__ void convert_vec(const uint4& v, const float* mult, uint8_t* codes_out) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (InputTraits<T>::kPerWord == 2) {
+    uint32_t packed[2];
+#pragma unroll
+    for (int k = 0; k < 4; k += 2) {
+      const float2 a = InputTraits<T>::to_float2(w[k]);
+      const float2 b = InputTraits<T>::to_float2(w[k + 1]);
+      const uint32_t lo = ptx::cvt_fp8x2<kE4M3>(a.x * mult[2 * k], a.y * mult[2 * k + 1]);
+      const uint32_t hi = ptx::cvt_fp8x2<kE4M3>(b.x * mult[2 * k + 2], b.y * mult[2 * k + 3]);
+      packed[k / 2] = lo | (hi << 16);
+    }
+    *reinterpret_cast<uint2*>(codes_out) = make_uint2(packed[0], packed[1]);
+  } else {
+    const uint32_t lo = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(w[0]) * mult[0], __uint_as_float(w[1]) * mult[1]);
+    const uint32_t hi = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(w[2]) * mult[2], __uint_as_float(w[3]) * mult[3]);
+    *reinterpret_cast<uint32_t*>(codes_out) = lo | (hi << 16);
+  }
+}
+
+template <int VEC>
+__device__ __forceinline__ void store_codes(uint8_t* dst, const uint8_t* src) {
+  if constexpr (VEC == 8)
+    ptx::st_stream_u64(dst, *reinterpret_cast<const uint64_t*>(src));
+  else
+    ptx::st_stream_u32(dst, *reinterpret_cast<const uint32_t*>(src));
+}
+
+template <typename T, bool kE4M3>
+__global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const QuantizeProblem p) {
+  constexpr int VEC = 16 / sizeof(T);  // elements per lane per row
+  constexpr int LPB = 32 / VEC;        // lanes per rowwise block
+  constexpr int kTileCols = 32 * VEC;  // columns per warp tile
+  constexpr uint32_t kRcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
+  static_assert(32 % VEC == 0 && VEC * sizeof(T) == 16, "one 16-byte vector per lane and row");
+
+  const int lane = threadIdx.x & 31;
+  const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t ntc = ceil_div(p.cols, kTileCols);
+  const int64_t ntr = ceil_div(p.rows, kTileRows);
+  if (warp_id >= p.batch * ntr * ntc) return;  // whole warp leaves together
+  const int64_t tc = warp_id % ntc;
+  const int64_t tr = (warp_id / ntc) % ntr;
+  const int64_t bi = warp_id / (ntc * ntr);
+
+  const int64_t col0 = tc * kTileCols + lane * VEC;
+  const bool active = col0 < p.cols;  // cols % 32 == 0: whole rowwise blocks are active or not
+  const int64_t row0 = tr * kTileRows;
+  const int nrows = static_cast<int>(p.rows - row0 < kTileRows ? p.rows - row0 : kTileRows);
+
+  // ---- load: 32 rows x VEC columns, missing rows / columns read as zero -------------------
+  uint4 v[kTileRows];
+  const T* src = static_cast<const T*>(p.in) + bi * p.batch_stride + row0 * p.row_stride + col0;
+#pragma unroll
+  for (int r = 0; r < kTileRows; ++r)
+    v[r] = (active && r < nrows) ? ptx::ld_stream_v4(src + r * p.row_stride) : make_uint4(0, 0, 0, 0);
+
+  // ---- rowwise: per row, amax over the block's LPB lanes, scale, convert, store -------------
+  if (p.row_codes != nullptr) {
+    const int64_t kb = col0 / 32;
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+      uint32_t m = mag_max<T>(mag_max<T>(word_mag<T>(v[r].x), word_mag<T>(v[r].y)),
+                              mag_max<T>(word_mag<T>(v[r].z), word_mag<T>(v[r].w)));
+      m = mag_collapse<T>(m);
+#pragma unroll
+      for (int o = 1; o < LPB; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+      if (!active || r >= nrows) continue;
+      const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(m), kRcp);
+      const float mul = e8m0_quant_multiplier(e);
+      float mult[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) mult[j] = mul;
+      alignas(8) uint8_t codes[VEC];
+      convert_vec<T, kE4M3>(v[r], mult, codes);
+      store_codes<VEC>(p.row_codes + ((bi * p.rows + row0 + r) * p.cols + col0), codes);
+      if (lane % LPB == 0) p.row_scales[row_scale_offset(p.row_map, bi, row0 + r, kb)] = e;
+    }
+  }
+
+  // ---- columnwise: each lane owns VEC columns of the 32 rows ---------------------------------
+  if (p.col_codes != nullptr && active) {
+    uint32_t cm[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+      cm[0] = mag_max<T>(cm[0], word_mag<T>(v[r].x));
+      cm[1] = mag_max<T>(cm[1], word_mag<T>(v[r].y));
+      cm[2] = mag_max<T>(cm[2], word_mag<T>(v[r].z));
+      cm[3] = mag_max<T>(cm[3], word_mag<T>(v[r].w));
+    }
+    float mult[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      constexpr int kPW = InputTraits<T>::kPerWord;
+      const uint32_t mag = mag_elem<T>(cm[j / kPW], j % kPW);
+      const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(mag), kRcp);
+      mult[j] = e8m0_quant_multiplier(e);
+      p.col_scales[col_scale_offset(p.col_map, bi, tr, col0 + j)] = e;
+    }
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) {
+      if (r >= nrows) break;
+      alignas(8) uint8_t codes[VEC];
+      convert_vec<T, kE4M3>(v[r], mult, codes);
+      store_codes<VEC>(p.col_codes + ((bi * p.rows + row0 + r) * p.cols + col0), codes);
+    }
+  }
+}
+
+template <typename T, bool kE4M3>
+void launch(const QuantizeProblem& p, cudaStream_t stream) {
+  constexpr int kTileCols = 32 * (16 / sizeof(T));
+  const int64_t warps = p.batch * ceil_div(p.rows, kTileRows) * ceil_div(p.cols, kTileCols);
+  const int64_t blocks = ceil_div(warps, kWarpsPerBlock);
+  if (blocks == 0) return;
+  if (blocks > 0x7FFFFFFF) throw Error("mxmla.quantize", "input", "too many elements for one launch");
+  sm90_mxfp8_quantize_kernel<T, kE4M3><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void quantize_cuda(const QuantizeProblem& p, Stream s) {
+  auto stream = reinterpret_cast<cudaStream_t>(s);
+  // Padding of swizzled / BHSD scale buffers is zero (SPEC §2.1): the kernel writes real blocks only.
+  if (p.row_codes && row_map_bytes(p.row_map) > row_map_blocks(p.row_map))
+    MXMLA_CUDA_CHECK(cudaMemsetAsync(p.row_scales, 0, row_map_bytes(p.row_map), stream));
+  if (p.col_codes && col_map_bytes(p.col_map) > col_map_blocks(p.col_map))
+    MXMLA_CUDA_CHECK(cudaMemsetAsync(p.col_scales, 0, col_map_bytes(p.col_map), stream));
+  const bool e4m3 = p.fmt == Fp8Format::kE4M3;
+  switch (p.in_dtype) {
+    case DType::kBFloat16:
+      return e4m3 ? launch<__nv_bfloat16, true>(p, stream) : launch<__nv_bfloat16, false>(p, stream);
+    case DType::kFloat16:
+      return e4m3 ? launch<__half, true>(p, stream) : launch<__half, false>(p, stream);
+    default:
+      return e4m3 ? launch<float, true>(p, stream) : launch<float, false>(p, stream);
+  }
+}
+
+}  // namespace mxmla::detail

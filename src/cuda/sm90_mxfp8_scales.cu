@@ -1,0 +1,111 @@
+// mxmla — MXFP8 dequantization and scale re-layout kernels (compact <-> swizzled, compact -> BHSD).
+// Both are memory-bound elementwise passes; the layouts come from common/mxfp8_common.h.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "common/ops.h"
+#include "cuda/cuda_check.h"
+#include "cuda/ptx.cuh"
+
+namespace mxmla::detail {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kDequantVec = 8;  // codes per thread (one 8-byte load); cols % 32 == 0
+
+// 2^(e-127) in fp32 (e = 0 -> 2^-127, a subnormal; e = 255 -> NaN).
+__device__ __forceinline__ float e8m0_to_float(uint8_t e) {
+  if (e == 255) return __uint_as_float(0x7FFFFFFFu);
+  if (e == 0) return __uint_as_float(0x00400000u);
+  return __uint_as_float(static_cast<uint32_t>(e) << 23);
+}
+
+// codes [batch, rows, cols] -> out (fp32 or bf16, same shape); one thread = 8 consecutive codes of a row.
+template <typename OutT, bool kE4M3>
+__global__ void __launch_bounds__(kThreads) sm90_mxfp8_dequantize_kernel(const DequantizeProblem p) {
+  const ScaleMap& m = p.map;
+  const int64_t groups_per_row = m.cols / kDequantVec;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (g >= m.batch * m.rows * groups_per_row) return;
+  const int64_t c0 = (g % groups_per_row) * kDequantVec;
+  const int64_t row = g / groups_per_row;  // bi * rows + r
+  const int64_t bi = row / m.rows, r = row % m.rows;
+  const int64_t idx0 = row * m.cols + c0;
+  const uint2 codes = *reinterpret_cast<const uint2*>(p.codes + idx0);
+  const uint32_t cw[2] = {codes.x, codes.y};
+  float out[kDequantVec];
+  const float row_scale = p.rowwise ? e8m0_to_float(p.scales[row_scale_offset(m, bi, r, c0 / 32)]) : 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint16_t pair = static_cast<uint16_t>(cw[k / 2] >> (16 * (k % 2)));
+    const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(pair);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    out[2 * k] = f.x;
+    out[2 * k + 1] = f.y;
+  }
+#pragma unroll
+  for (int j = 0; j < kDequantVec; ++j) {
+    out[j] *= p.rowwise ? row_scale : e8m0_to_float(p.scales[col_scale_offset(m, bi, r / 32, c0 + j)]);
+    if (isnan(out[j])) out[j] = __uint_as_float(0x7FC00000u);  // one NaN pattern (fp32 0x7FC00000, bf16 0x7FC0)
+  }
+  if constexpr (sizeof(OutT) == 4) {
+    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.out) + idx0);
+    dst[0] = make_float4(out[0], out[1], out[2], out[3]);
+    dst[1] = make_float4(out[4], out[5], out[6], out[7]);
+  } else {
+    uint32_t packed[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      __nv_bfloat162 b = __floats2bfloat162_rn(out[2 * k], out[2 * k + 1]);
+      packed[k] = *reinterpret_cast<uint32_t*>(&b);
+    }
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + idx0) =
+        make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+}
+
+// One thread per real block: dst[dst_map(block)] = src[src_map(block)].
+__global__ void __launch_bounds__(kThreads) sm90_remap_scales_kernel(const RemapProblem p, int64_t blocks) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (t >= blocks) return;
+  int64_t bi, a, b;
+  block_coords(p.src_map, p.rowwise, t, bi, a, b);
+  p.dst[scale_offset(p.dst_map, p.rowwise, bi, a, b)] = p.src[scale_offset(p.src_map, p.rowwise, bi, a, b)];
+}
+
+unsigned grid_for(int64_t threads, const char* op) {
+  const int64_t blocks = ceil_div(threads, kThreads);
+  if (blocks > 0x7FFFFFFF) throw Error(op, "input", "too many elements for one launch");
+  return static_cast<unsigned>(blocks);
+}
+
+}  // namespace
+
+void dequantize_cuda(const DequantizeProblem& p, Stream s) {
+  auto stream = reinterpret_cast<cudaStream_t>(s);
+  const int64_t threads = p.map.batch * p.map.rows * (p.map.cols / kDequantVec);
+  if (threads == 0) return;
+  const unsigned grid = grid_for(threads, "mxmla.dequantize");
+  const bool e4m3 = p.fmt == Fp8Format::kE4M3;
+  if (p.out_dtype == DType::kFloat32) {
+    if (e4m3) sm90_mxfp8_dequantize_kernel<float, true><<<grid, kThreads, 0, stream>>>(p);
+    else sm90_mxfp8_dequantize_kernel<float, false><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    if (e4m3) sm90_mxfp8_dequantize_kernel<__nv_bfloat16, true><<<grid, kThreads, 0, stream>>>(p);
+    else sm90_mxfp8_dequantize_kernel<__nv_bfloat16, false><<<grid, kThreads, 0, stream>>>(p);
+  }
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+void remap_scales_cuda(const RemapProblem& p, Stream s) {
+  auto stream = reinterpret_cast<cudaStream_t>(s);
+  const int64_t bytes = p.rowwise ? row_map_bytes(p.dst_map) : col_map_bytes(p.dst_map);
+  const int64_t blocks = p.rowwise ? row_map_blocks(p.src_map) : col_map_blocks(p.src_map);
+  if (bytes > blocks) MXMLA_CUDA_CHECK(cudaMemsetAsync(p.dst, 0, bytes, stream));
+  if (blocks == 0) return;
+  sm90_remap_scales_kernel<<<grid_for(blocks, "mxmla.remap_scales"), kThreads, 0, stream>>>(p, blocks);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace mxmla::detail
