@@ -88,34 +88,49 @@ struct ScaleMap {
   int64_t nrb() const { return ceil_div(rows, 32); }
 };
 
-// Rowwise: block (bi, r, kb) covers columns [32 kb, 32 kb + 32) of row r of batch bi.
-MXMLA_HD int64_t row_scale_offset(const ScaleMap& m, int64_t bi, int64_t r, int64_t kb) {
+// Scale offsets through cursors: the division-heavy part (which (b, h) matrix, which block column)
+// is computed once per (batch, block column) and the per-row part is shifts and adds.
+//   offset = base + (compact ? i * stride : swizzle_offset(i0 + i, j, tiles_x))
+struct ScaleCursor {
+  int64_t base, stride, i0, j, tiles_x;
+  bool compact;
+};
+MXMLA_HD int64_t cursor_offset(const ScaleCursor& c, int64_t i) {
+  return c.base + (c.compact ? i * c.stride : swizzle_offset(c.i0 + i, c.j, c.tiles_x));
+}
+
+// Rowwise: block (bi, r, kb) covers columns [32 kb, 32 kb + 32) of row r of batch bi; the cursor
+// is indexed by r.
+MXMLA_HD ScaleCursor row_cursor(const ScaleMap& m, int64_t bi, int64_t kb) {
+  const int64_t nkb = m.cols / 32;
   switch (m.mode) {
-    case MapMode::kCompact:
-      return (bi * m.rows + r) * (m.cols / 32) + kb;
-    case MapMode::kSwizzled:
-      return swizzle_offset(bi * m.rows + r, kb, m.tiles_x);
+    case MapMode::kCompact: return {bi * m.rows * nkb + kb, nkb, 0, 0, 0, true};
+    case MapMode::kSwizzled: return {0, 0, bi * m.rows, kb, m.tiles_x, false};
     default: {
       const int64_t nd = m.D / 32;
       const int64_t bh = bi * (m.cols / m.D) + kb / nd;  // b*H + h
-      return bh * m.mat_size + swizzle_offset(r, kb % nd, m.tiles_x);
+      return {bh * m.mat_size, 0, 0, kb % nd, m.tiles_x, false};
     }
   }
 }
-
-// Columnwise: block (bi, rb, c) covers rows [32 rb, 32 rb + 32) of column c of batch bi.
-MXMLA_HD int64_t col_scale_offset(const ScaleMap& m, int64_t bi, int64_t rb, int64_t c) {
+// Columnwise: block (bi, rb, c) covers rows [32 rb, 32 rb + 32) of column c of batch bi; the
+// cursor is indexed by the column offset dc from c (c + dc must stay in c's head for kBHSD).
+MXMLA_HD ScaleCursor col_cursor(const ScaleMap& m, int64_t bi, int64_t rb, int64_t c) {
   const int64_t nrb = ceil_div(m.rows, 32);
   switch (m.mode) {
-    case MapMode::kCompact:
-      return (bi * nrb + rb) * m.cols + c;
-    case MapMode::kSwizzled:
-      return swizzle_offset(c, bi * nrb + rb, m.tiles_x);
+    case MapMode::kCompact: return {(bi * nrb + rb) * m.cols + c, 1, 0, 0, 0, true};
+    case MapMode::kSwizzled: return {0, 0, c, bi * nrb + rb, m.tiles_x, false};
     default: {
       const int64_t bh = bi * (m.cols / m.D) + c / m.D;
-      return bh * m.mat_size + swizzle_offset(c % m.D, rb, m.tiles_x);
+      return {bh * m.mat_size, 0, c % m.D, rb, m.tiles_x, false};
     }
   }
+}
+MXMLA_HD int64_t row_scale_offset(const ScaleMap& m, int64_t bi, int64_t r, int64_t kb) {
+  return cursor_offset(row_cursor(m, bi, kb), r);
+}
+MXMLA_HD int64_t col_scale_offset(const ScaleMap& m, int64_t bi, int64_t rb, int64_t c) {
+  return cursor_offset(col_cursor(m, bi, rb, c), 0);
 }
 
 // Constructors of the maps (sizes in bytes via map_bytes()).

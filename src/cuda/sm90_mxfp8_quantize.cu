@@ -14,6 +14,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "common/ops.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ptx.cuh"
@@ -21,10 +23,11 @@
 namespace mxmla::detail {
 namespace {
 
-// Tile configuration.
-constexpr int kWarpsPerBlock = 4;
+// Tile configuration (per warp: kStages x 32 rows x 512 bytes of shared memory).
+constexpr int kWarpsPerBlock = 1;
 constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kTileRows = 32;  // = MXFP8 block size along the columnwise axis
+constexpr int kStages = 2;     // tile i+1 loads while tile i is computed
 
 template <typename T>
 struct InputTraits;
@@ -119,95 +122,159 @@ __device__ __forceinline__ void store_codes(uint8_t* dst, const uint8_t* src) {
     ptx::st_stream_u32(dst, *reinterpret_cast<const uint32_t*>(src));
 }
 
-template <typename T, bool kE4M3>
-__global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const QuantizeProblem p) {
-  constexpr int VEC = 16 / sizeof(T);  // elements per lane per row
-  constexpr int LPB = 32 / VEC;        // lanes per rowwise block
-  constexpr int kTileCols = 32 * VEC;  // columns per warp tile
-  constexpr uint32_t kRcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
-  static_assert(32 % VEC == 0 && VEC * sizeof(T) == 16, "one 16-byte vector per lane and row");
+// One warp tile: 32 rows x (32 * VEC) columns of batch bi, lane-private 16-byte slots in shared
+// memory: slot [r][lane] holds the lane's VEC elements of row r.
+struct TileCoord {
+  int64_t bi, tr, col0;
+  int nrows;
+  bool active;
+};
 
-  const int lane = threadIdx.x & 31;
-  const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+template <int VEC>
+__device__ __forceinline__ TileCoord tile_coord(const QuantizeProblem& p, int64_t t, int lane) {
+  constexpr int kTileCols = 32 * VEC;
   const int64_t ntc = ceil_div(p.cols, kTileCols);
   const int64_t ntr = ceil_div(p.rows, kTileRows);
-  if (warp_id >= p.batch * ntr * ntc) return;  // whole warp leaves together
-  const int64_t tc = warp_id % ntc;
-  const int64_t tr = (warp_id / ntc) % ntr;
-  const int64_t bi = warp_id / (ntc * ntr);
+  TileCoord c;
+  const int64_t tc = t % ntc;
+  c.tr = (t / ntc) % ntr;
+  c.bi = t / (ntc * ntr);
+  c.col0 = tc * kTileCols + lane * VEC;
+  c.active = c.col0 < p.cols;  // cols % 32 == 0: whole rowwise blocks are active or not
+  const int64_t left = p.rows - c.tr * kTileRows;
+  c.nrows = static_cast<int>(left < kTileRows ? left : kTileRows);
+  return c;
+}
 
-  const int64_t col0 = tc * kTileCols + lane * VEC;
-  const bool active = col0 < p.cols;  // cols % 32 == 0: whole rowwise blocks are active or not
-  const int64_t row0 = tr * kTileRows;
-  const int nrows = static_cast<int>(p.rows - row0 < kTileRows ? p.rows - row0 : kTileRows);
-
-  // ---- load: 32 rows x VEC columns, missing rows / columns read as zero -------------------
-  uint4 v[kTileRows];
-  const T* src = static_cast<const T*>(p.in) + bi * p.batch_stride + row0 * p.row_stride + col0;
+// Issue the tile's 32 row loads into `stage` (missing rows / columns are zero-filled).
+template <typename T>
+__device__ __forceinline__ void issue_tile(const QuantizeProblem& p, const TileCoord& c, uint4* stage, int lane) {
+  const T* src = static_cast<const T*>(p.in) + c.bi * p.batch_stride + c.tr * kTileRows * p.row_stride + c.col0;
 #pragma unroll
-  for (int r = 0; r < kTileRows; ++r)
-    v[r] = (active && r < nrows) ? ptx::ld_stream_v4(src + r * p.row_stride) : make_uint4(0, 0, 0, 0);
-
-  // ---- rowwise: per row, amax over the block's LPB lanes, scale, convert, store -------------
-  if (p.row_codes != nullptr) {
-    const int64_t kb = col0 / 32;
-#pragma unroll
-    for (int r = 0; r < kTileRows; ++r) {
-      uint32_t m = mag_max<T>(mag_max<T>(word_mag<T>(v[r].x), word_mag<T>(v[r].y)),
-                              mag_max<T>(word_mag<T>(v[r].z), word_mag<T>(v[r].w)));
-      m = mag_collapse<T>(m);
-#pragma unroll
-      for (int o = 1; o < LPB; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-      if (!active || r >= nrows) continue;
-      const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(m), kRcp);
-      const float mul = e8m0_quant_multiplier(e);
-      float mult[VEC];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) mult[j] = mul;
-      alignas(8) uint8_t codes[VEC];
-      convert_vec<T, kE4M3>(v[r], mult, codes);
-      store_codes<VEC>(p.row_codes + ((bi * p.rows + row0 + r) * p.cols + col0), codes);
-      if (lane % LPB == 0) p.row_scales[row_scale_offset(p.row_map, bi, row0 + r, kb)] = e;
-    }
-  }
-
-  // ---- columnwise: each lane owns VEC columns of the 32 rows ---------------------------------
-  if (p.col_codes != nullptr && active) {
-    uint32_t cm[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int r = 0; r < kTileRows; ++r) {
-      cm[0] = mag_max<T>(cm[0], word_mag<T>(v[r].x));
-      cm[1] = mag_max<T>(cm[1], word_mag<T>(v[r].y));
-      cm[2] = mag_max<T>(cm[2], word_mag<T>(v[r].z));
-      cm[3] = mag_max<T>(cm[3], word_mag<T>(v[r].w));
-    }
-    float mult[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      constexpr int kPW = InputTraits<T>::kPerWord;
-      const uint32_t mag = mag_elem<T>(cm[j / kPW], j % kPW);
-      const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(mag), kRcp);
-      mult[j] = e8m0_quant_multiplier(e);
-      p.col_scales[col_scale_offset(p.col_map, bi, tr, col0 + j)] = e;
-    }
-#pragma unroll
-    for (int r = 0; r < kTileRows; ++r) {
-      if (r >= nrows) break;
-      alignas(8) uint8_t codes[VEC];
-      convert_vec<T, kE4M3>(v[r], mult, codes);
-      store_codes<VEC>(p.col_codes + ((bi * p.rows + row0 + r) * p.cols + col0), codes);
-    }
+  for (int r = 0; r < kTileRows; ++r) {
+    const bool ok = c.active && r < c.nrows;
+    ptx::cp_async_16(stage + r * 32 + lane, ok ? static_cast<const void*>(src + r * p.row_stride) : p.in, ok ? 16 : 0);
   }
 }
 
 template <typename T, bool kE4M3>
+__device__ __forceinline__ void compute_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
+                                             int lane) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int LPB = 32 / VEC;  // lanes per rowwise block
+  constexpr uint32_t kRcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
+  const bool do_row = p.row_codes != nullptr, do_col = p.col_codes != nullptr;
+  const int64_t row0 = c.tr * kTileRows;
+  const int64_t out0 = (c.bi * p.rows + row0) * p.cols + c.col0;  // codes offset of (row0, col0)
+  const ScaleCursor rcur = row_cursor(p.row_map, c.bi, c.col0 / 32);
+  uint32_t cm[4] = {0, 0, 0, 0};
+
+  // ---- pass 1: rowwise blocks (amax across LPB lanes) and columnwise amax ------------------
+#pragma unroll 4
+  for (int r = 0; r < kTileRows; ++r) {
+    const uint4 v = stage[r * 32 + lane];
+    const uint32_t mx = word_mag<T>(v.x), my = word_mag<T>(v.y), mz = word_mag<T>(v.z), mw = word_mag<T>(v.w);
+    if (do_col) {
+      cm[0] = mag_max<T>(cm[0], mx), cm[1] = mag_max<T>(cm[1], my);
+      cm[2] = mag_max<T>(cm[2], mz), cm[3] = mag_max<T>(cm[3], mw);
+    }
+    if (do_row) {
+      uint32_t m = mag_collapse<T>(mag_max<T>(mag_max<T>(mx, my), mag_max<T>(mz, mw)));
+#pragma unroll
+      for (int o = 1; o < LPB; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+      if (c.active && r < c.nrows) {
+        const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(m), kRcp);
+        const float mul = e8m0_quant_multiplier(e);
+        float mult[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) mult[j] = mul;
+        alignas(8) uint8_t codes[VEC];
+        convert_vec<T, kE4M3>(v, mult, codes);
+        store_codes<VEC>(p.row_codes + out0 + r * p.cols, codes);
+        if (lane % LPB == 0) p.row_scales[cursor_offset(rcur, row0 + r)] = e;
+      }
+    }
+  }
+  if (!do_col || !c.active) return;
+
+  // ---- pass 2: columnwise scales and codes ---------------------------------------------------
+  float mult[VEC];
+  alignas(8) uint8_t scales[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    constexpr int kPW = InputTraits<T>::kPerWord;
+    const uint32_t mag = mag_elem<T>(cm[j / kPW], j % kPW);
+    scales[j] = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(mag), kRcp);
+    mult[j] = e8m0_quant_multiplier(scales[j]);
+  }
+  const ScaleCursor ccur = col_cursor(p.col_map, c.bi, c.tr, c.col0);
+  uint8_t* sdst = p.col_scales + cursor_offset(ccur, 0);
+  if (ccur.compact && (reinterpret_cast<uintptr_t>(sdst) % VEC) == 0) {
+    store_codes<VEC>(sdst, scales);  // VEC contiguous scale bytes
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) p.col_scales[cursor_offset(ccur, j)] = scales[j];
+  }
+#pragma unroll 4
+  for (int r = 0; r < kTileRows; ++r) {
+    if (r >= c.nrows) break;
+    alignas(8) uint8_t codes[VEC];
+    convert_vec<T, kE4M3>(stage[r * 32 + lane], mult, codes);
+    store_codes<VEC>(p.col_codes + out0 + r * p.cols, codes);
+  }
+}
+
+// Persistent warps: warp w handles tiles w, w + W, w + 2W, ... (W = all warps of the grid),
+// loading tile i+1 (cp.async into its second stage) while it computes tile i.
+template <typename T, bool kE4M3>
+__global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const QuantizeProblem p, int64_t num_tiles) {
+  constexpr int VEC = 16 / sizeof(T);
+  static_assert(32 % VEC == 0 && VEC * sizeof(T) == 16, "one 16-byte vector per lane and row");
+  extern __shared__ uint4 smem[];  // [warps][kStages][32 rows][32 lanes]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint4* ring = smem + warp * kStages * kTileRows * 32;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (t >= num_tiles) return;
+  TileCoord cur = tile_coord<VEC>(p, t, lane);
+  issue_tile<T>(p, cur, ring, lane);
+  ptx::cp_async_commit();
+  for (int it = 0; t < num_tiles; ++it, t += stride) {
+    const int64_t tn = t + stride;
+    TileCoord next{};
+    if (tn < num_tiles) {
+      next = tile_coord<VEC>(p, tn, lane);
+      issue_tile<T>(p, next, ring + ((it + 1) % kStages) * kTileRows * 32, lane);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();  // this tile's group has landed (each lane reads only its own slots)
+    compute_tile<T, kE4M3>(p, cur, ring + (it % kStages) * kTileRows * 32, lane);
+    cur = next;
+  }
+}
+
+constexpr int kSmemBytes = kWarpsPerBlock * kStages * kTileRows * 32 * 16;
+
+template <typename T, bool kE4M3>
 void launch(const QuantizeProblem& p, cudaStream_t stream) {
   constexpr int kTileCols = 32 * (16 / sizeof(T));
-  const int64_t warps = p.batch * ceil_div(p.rows, kTileRows) * ceil_div(p.cols, kTileCols);
-  const int64_t blocks = ceil_div(warps, kWarpsPerBlock);
-  if (blocks == 0) return;
-  if (blocks > 0x7FFFFFFF) throw Error("mxmla.quantize", "input", "too many elements for one launch");
-  sm90_mxfp8_quantize_kernel<T, kE4M3><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  const int64_t tiles = p.batch * ceil_div(p.rows, kTileRows) * ceil_div(p.cols, kTileCols);
+  if (tiles == 0) return;
+  // Persistent grid: as many blocks as fit on the device at once (cached per device).
+  static int cached_blocks[64] = {0};
+  int dev = 0;
+  MXMLA_CUDA_CHECK(cudaGetDevice(&dev));
+  int& fit = cached_blocks[dev & 63];
+  if (fit == 0) {
+    auto kernel = sm90_mxfp8_quantize_kernel<T, kE4M3>;
+    MXMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    int per_sm = 0, sms = 0;
+    MXMLA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmemBytes));
+    MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    fit = per_sm * sms > 0 ? per_sm * sms : 1;
+  }
+  const int64_t blocks = std::min<int64_t>(fit, ceil_div(tiles, kWarpsPerBlock));
+  sm90_mxfp8_quantize_kernel<T, kE4M3><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, tiles);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -57,8 +57,10 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_dequantize_kernel(const D
     uint32_t packed[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      __nv_bfloat162 b = __floats2bfloat162_rn(out[2 * k], out[2 * k + 1]);
-      packed[k] = *reinterpret_cast<uint32_t*>(&b);
+      // NaN was canonicalised above; the conversion keeps 0x7FC00000 -> 0x7FC0 only when done by hand
+      const uint32_t lo = isnan(out[2 * k]) ? 0x7FC0u : __bfloat16_as_ushort(__float2bfloat16_rn(out[2 * k]));
+      const uint32_t hi = isnan(out[2 * k + 1]) ? 0x7FC0u : __bfloat16_as_ushort(__float2bfloat16_rn(out[2 * k + 1]));
+      packed[k] = lo | (hi << 16);
     }
     *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + idx0) =
         make_uint4(packed[0], packed[1], packed[2], packed[3]);
