@@ -71,6 +71,33 @@ def torch_quant_both(x: torch.Tensor):
     return qr, er, qc.view(M, K), ec
 
 
+def bench_attention(iters, flush, dev, add):
+    """Q, K (d 192), V (d 128), b 2, h 16, s 4096, sbhd: phase 1 (compact), phase 2 (to BHSD), fused."""
+    b, h, s = 2, 16, 4096
+    qkv = [torch.randn(s, b, h, d, device=dev, dtype=torch.bfloat16) for d in (192, 192, 128)]
+    attn_bytes = sum(2.0 * t.numel() + 2.0 * t.numel() for t in qkv)
+
+    def phase1():
+        return [mxmla.quantize_attention(t, "sbhd", bhsd_scales=False) for t in qkv]
+
+    comp = phase1()
+
+    def phase2():
+        for t, qt in zip(qkv, comp):
+            mxmla.attention_scales_to_bhsd(qt.rowwise_scale_inv, t.shape, "sbhd", True)
+            mxmla.attention_scales_to_bhsd(qt.columnwise_scale_inv, t.shape, "sbhd", False)
+
+    def fused():
+        return [mxmla.quantize_attention(t, "sbhd", bhsd_scales=True) for t in qkv]
+
+    t1 = timer(phase1, iters, flush)
+    t2 = timer(phase2, iters, flush)
+    tf = timer(fused, iters, flush)
+    add("attn_bhsd", "phase 1: quantize Q,K,V", t1, attn_bytes)
+    add("attn_bhsd", "phase 2: 6x scales->BHSD", t2, 0.0, f"{100 * t2 / t1:.1f}% of phase 1")
+    add("attn_bhsd", "fused quantize->BHSD", tf, attn_bytes, f"{100 * tf / (t1 + t2):.0f}% of two-phase")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
@@ -78,6 +105,7 @@ def main() -> int:
     ap.add_argument("--K", type=int, default=24576)
     ap.add_argument("--json", default="")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
+    ap.add_argument("--quant-only", action="store_true", help="only the quantize cases (no peers, no attention)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench: no CUDA device: nothing to measure")
@@ -121,7 +149,7 @@ def main() -> int:
     add("quant_row", "mxmla", t_row, bytes_row, f"{100 * bytes_row / t_row / 1e6 / copy_bw:.0f}% of copy")
     t_row_swz = timer(lambda: mxmla.quantize(x, columnwise=False, swizzle=True), a.iters, flush)
     add("quant_row", "mxmla swizzled", t_row_swz, bytes_row, f"{100 * (t_row_swz / t_row - 1):+.1f}% vs compact")
-    if not a.no_compile:
+    if not a.no_compile and not a.quant_only:
         c_row = torch.compile(torch_quant_rowwise)
         c_both = torch.compile(torch_quant_both)
         t = timer(lambda: c_both(x), a.iters, flush)
@@ -131,29 +159,8 @@ def main() -> int:
 
     # --- attention hand-off: Q, K (192), V (128), b 2, h 16, s 4096, sbhd
     del x, y
-    b, h, s = 2, 16, 4096
-    qkv = [torch.randn(s, b, h, d, device=dev, dtype=torch.bfloat16) for d in (192, 192, 128)]
-    attn_bytes = sum(2.0 * t.numel() + 2.0 * t.numel() for t in qkv)
-
-    def phase1():
-        return [mxmla.quantize_attention(t, "sbhd", bhsd_scales=False) for t in qkv]
-
-    comp = phase1()
-
-    def phase2():
-        for t, qt in zip(qkv, comp):
-            mxmla.attention_scales_to_bhsd(qt.rowwise_scale_inv, t.shape, "sbhd", True)
-            mxmla.attention_scales_to_bhsd(qt.columnwise_scale_inv, t.shape, "sbhd", False)
-
-    def fused():
-        return [mxmla.quantize_attention(t, "sbhd", bhsd_scales=True) for t in qkv]
-
-    t1 = timer(phase1, a.iters, flush)
-    t2 = timer(phase2, a.iters, flush)
-    tf = timer(fused, a.iters, flush)
-    add("attn_bhsd", "phase 1: quantize Q,K,V", t1, attn_bytes)
-    add("attn_bhsd", "phase 2: 6x scales->BHSD", t2, 0.0, f"{100 * t2 / t1:.1f}% of phase 1")
-    add("attn_bhsd", "fused quantize->BHSD", tf, attn_bytes, f"{100 * tf / (t1 + t2):.0f}% of two-phase")
+    if not a.quant_only:
+        bench_attention(a.iters, flush, dev, add)
 
     print(f"\nGPU: {res['gpu']}  torch {res['torch']}  shape [{M}, {K}] bf16 -> E4M3; medians of {a.iters}, L2 flushed")
     print(f"torch formula and mxmla bit-exact on this input: {agree}")

@@ -1,7 +1,6 @@
 // mxmla — public API: argument validation, flattening to the backend problems, dispatch by device.
 #include <algorithm>
 #include <numeric>
-#include <sstream>
 #include <string>
 
 #include "common/device.h"
@@ -64,11 +63,9 @@ using detail::round_up;
 using detail::ScaleMap;
 
 std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
 }
 
 struct Check {

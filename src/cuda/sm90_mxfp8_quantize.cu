@@ -27,7 +27,14 @@ namespace {
 constexpr int kWarpsPerBlock = 1;
 constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kTileRows = 32;  // = MXFP8 block size along the columnwise axis
-constexpr int kStages = 2;     // tile i+1 loads while tile i is computed
+#ifndef MXMLA_QUANT_STAGES
+#define MXMLA_QUANT_STAGES 2
+#endif
+constexpr int kStages = MXMLA_QUANT_STAGES;  // tiles in flight per warp (tile i+1 loads while i computes)
+#ifndef MXMLA_QUANT_LANE_BYTES
+#define MXMLA_QUANT_LANE_BYTES 8
+#endif
+constexpr int kLaneBytes = MXMLA_QUANT_LANE_BYTES;  // bytes of one row a lane owns (8: 4 bf16 / 2 fp32)
 
 template <typename T>
 struct InputTraits;
@@ -91,39 +98,45 @@ __device__ __forceinline__ uint32_t mag_elem(uint32_t m, int j) {
     return m;
 }
 
-// VEC elements held in one uint4 -> VEC codes (as bytes of a uint64 / uint32), each element
-// multiplied by mult[j] (or one multiplier for all).
-template <typename T, bool kE4M3>
-__device__ __forceinline__ void convert_vec(const uint4& v, const float* mult, uint8_t* codes_out) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+// The lane's slot of one row: kWords 32-bit words (kLaneBytes = 4 * kWords bytes).
+template <int kWords>
+struct Slot {
+  uint32_t w[kWords];
+};
+
+// Slot elements -> codes (as bytes of a 4- or 8-byte word), element j multiplied by mult[j].
+template <typename T, bool kE4M3, int kWords>
+__device__ __forceinline__ uint64_t convert_slot(const Slot<kWords>& v, const float* mult) {
+  uint64_t out = 0;
   if constexpr (InputTraits<T>::kPerWord == 2) {
-    uint32_t packed[2];
 #pragma unroll
-    for (int k = 0; k < 4; k += 2) {
-      const float2 a = InputTraits<T>::to_float2(w[k]);
-      const float2 b = InputTraits<T>::to_float2(w[k + 1]);
-      const uint32_t lo = ptx::cvt_fp8x2<kE4M3>(a.x * mult[2 * k], a.y * mult[2 * k + 1]);
-      const uint32_t hi = ptx::cvt_fp8x2<kE4M3>(b.x * mult[2 * k + 2], b.y * mult[2 * k + 3]);
-      packed[k / 2] = lo | (hi << 16);
+    for (int k = 0; k < kWords; ++k) {
+      const float2 a = InputTraits<T>::to_float2(v.w[k]);
+      out |= static_cast<uint64_t>(ptx::cvt_fp8x2<kE4M3>(a.x * mult[2 * k], a.y * mult[2 * k + 1])) << (16 * k);
     }
-    *reinterpret_cast<uint2*>(codes_out) = make_uint2(packed[0], packed[1]);
   } else {
-    const uint32_t lo = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(w[0]) * mult[0], __uint_as_float(w[1]) * mult[1]);
-    const uint32_t hi = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(w[2]) * mult[2], __uint_as_float(w[3]) * mult[3]);
-    *reinterpret_cast<uint32_t*>(codes_out) = lo | (hi << 16);
+#pragma unroll
+    for (int k = 0; k < kWords; k += 2)
+      out |= static_cast<uint64_t>(ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.w[k]) * mult[k],
+                                                        __uint_as_float(v.w[k + 1]) * mult[k + 1]))
+             << (8 * k);
   }
+  return out;
 }
 
+// Store VEC code (or scale) bytes held in the low bytes of `v` (streaming: never re-read here).
 template <int VEC>
-__device__ __forceinline__ void store_codes(uint8_t* dst, const uint8_t* src) {
+__device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t v) {
   if constexpr (VEC == 8)
-    ptx::st_stream_u64(dst, *reinterpret_cast<const uint64_t*>(src));
+    __stcs(reinterpret_cast<unsigned long long*>(dst), static_cast<unsigned long long>(v));
+  else if constexpr (VEC == 4)
+    __stcs(reinterpret_cast<unsigned int*>(dst), static_cast<unsigned int>(v));
   else
-    ptx::st_stream_u32(dst, *reinterpret_cast<const uint32_t*>(src));
+    __stcs(reinterpret_cast<unsigned short*>(dst), static_cast<unsigned short>(v));
 }
 
-// One warp tile: 32 rows x (32 * VEC) columns of batch bi, lane-private 16-byte slots in shared
-// memory: slot [r][lane] holds the lane's VEC elements of row r.
+// One warp tile: 32 rows x (32 * VEC) columns of batch bi, in lane-private shared-memory slots:
+// slot [r][lane] holds the lane's VEC elements of row r.
 struct TileCoord {
   int64_t bi, tr, col0;
   int nrows;
@@ -147,39 +160,44 @@ __device__ __forceinline__ TileCoord tile_coord(const QuantizeProblem& p, int64_
 }
 
 // Issue the tile's 32 row loads into `stage` (missing rows / columns are zero-filled).
-template <typename T>
-__device__ __forceinline__ void issue_tile(const QuantizeProblem& p, const TileCoord& c, uint4* stage, int lane) {
+template <typename T, int kWords>
+__device__ __forceinline__ void issue_tile(const QuantizeProblem& p, const TileCoord& c, Slot<kWords>* stage,
+                                           int lane) {
   const T* src = static_cast<const T*>(p.in) + c.bi * p.batch_stride + c.tr * kTileRows * p.row_stride + c.col0;
 #pragma unroll
   for (int r = 0; r < kTileRows; ++r) {
     const bool ok = c.active && r < c.nrows;
-    ptx::cp_async_16(stage + r * 32 + lane, ok ? static_cast<const void*>(src + r * p.row_stride) : p.in, ok ? 16 : 0);
+    ptx::cp_async<4 * kWords>(stage + r * 32 + lane, ok ? static_cast<const void*>(src + r * p.row_stride) : p.in,
+                              ok ? 4 * kWords : 0);
   }
 }
 
-template <typename T, bool kE4M3>
-__device__ __forceinline__ void compute_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
-                                             int lane) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int LPB = 32 / VEC;  // lanes per rowwise block
+template <typename T, bool kE4M3, int kWords>
+__device__ __forceinline__ void compute_tile(const QuantizeProblem& p, const TileCoord& c,
+                                             const Slot<kWords>* stage, int lane) {
+  constexpr int kPW = InputTraits<T>::kPerWord;
+  constexpr int VEC = kWords * kPW;  // elements per lane and row
+  constexpr int LPB = 32 / VEC;      // lanes per rowwise block
   constexpr uint32_t kRcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
   const bool do_row = p.row_codes != nullptr, do_col = p.col_codes != nullptr;
   const int64_t row0 = c.tr * kTileRows;
   const int64_t out0 = (c.bi * p.rows + row0) * p.cols + c.col0;  // codes offset of (row0, col0)
   const ScaleCursor rcur = row_cursor(p.row_map, c.bi, c.col0 / 32);
-  uint32_t cm[4] = {0, 0, 0, 0};
+  uint32_t cm[kWords] = {};
 
-  // ---- pass 1: rowwise blocks (amax across LPB lanes) and columnwise amax ------------------
-#pragma unroll 4
+  // ---- pass 1: rowwise blocks (amax across LPB lanes) and the columnwise amax ----------------
+#pragma unroll 8
   for (int r = 0; r < kTileRows; ++r) {
-    const uint4 v = stage[r * 32 + lane];
-    const uint32_t mx = word_mag<T>(v.x), my = word_mag<T>(v.y), mz = word_mag<T>(v.z), mw = word_mag<T>(v.w);
-    if (do_col) {
-      cm[0] = mag_max<T>(cm[0], mx), cm[1] = mag_max<T>(cm[1], my);
-      cm[2] = mag_max<T>(cm[2], mz), cm[3] = mag_max<T>(cm[3], mw);
+    const Slot<kWords> v = stage[r * 32 + lane];
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) {
+      const uint32_t mk = word_mag<T>(v.w[k]);
+      cm[k] = mag_max<T>(cm[k], mk);
+      m = mag_max<T>(m, mk);
     }
     if (do_row) {
-      uint32_t m = mag_collapse<T>(mag_max<T>(mag_max<T>(mx, my), mag_max<T>(mz, mw)));
+      m = mag_collapse<T>(m);
 #pragma unroll
       for (int o = 1; o < LPB; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
       if (c.active && r < c.nrows) {
@@ -188,9 +206,7 @@ __device__ __forceinline__ void compute_tile(const QuantizeProblem& p, const Til
         float mult[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) mult[j] = mul;
-        alignas(8) uint8_t codes[VEC];
-        convert_vec<T, kE4M3>(v, mult, codes);
-        store_codes<VEC>(p.row_codes + out0 + r * p.cols, codes);
+        store_bytes<VEC>(p.row_codes + out0 + r * p.cols, convert_slot<T, kE4M3>(v, mult));
         if (lane % LPB == 0) p.row_scales[cursor_offset(rcur, row0 + r)] = e;
       }
     }
@@ -199,40 +215,38 @@ __device__ __forceinline__ void compute_tile(const QuantizeProblem& p, const Til
 
   // ---- pass 2: columnwise scales and codes ---------------------------------------------------
   float mult[VEC];
-  alignas(8) uint8_t scales[VEC];
+  uint64_t scales = 0;
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    constexpr int kPW = InputTraits<T>::kPerWord;
-    const uint32_t mag = mag_elem<T>(cm[j / kPW], j % kPW);
-    scales[j] = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(mag), kRcp);
-    mult[j] = e8m0_quant_multiplier(scales[j]);
+    const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(mag_elem<T>(cm[j / kPW], j % kPW)), kRcp);
+    scales |= static_cast<uint64_t>(e) << (8 * j);
+    mult[j] = e8m0_quant_multiplier(e);
   }
   const ScaleCursor ccur = col_cursor(p.col_map, c.bi, c.tr, c.col0);
   uint8_t* sdst = p.col_scales + cursor_offset(ccur, 0);
   if (ccur.compact && (reinterpret_cast<uintptr_t>(sdst) % VEC) == 0) {
-    store_codes<VEC>(sdst, scales);  // VEC contiguous scale bytes
+    store_bytes<VEC>(sdst, scales);  // VEC contiguous scale bytes
   } else {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) p.col_scales[cursor_offset(ccur, j)] = scales[j];
+    for (int j = 0; j < VEC; ++j) p.col_scales[cursor_offset(ccur, j)] = static_cast<uint8_t>(scales >> (8 * j));
   }
-#pragma unroll 4
+#pragma unroll 8
   for (int r = 0; r < kTileRows; ++r) {
     if (r >= c.nrows) break;
-    alignas(8) uint8_t codes[VEC];
-    convert_vec<T, kE4M3>(stage[r * 32 + lane], mult, codes);
-    store_codes<VEC>(p.col_codes + out0 + r * p.cols, codes);
+    store_bytes<VEC>(p.col_codes + out0 + r * p.cols, convert_slot<T, kE4M3>(stage[r * 32 + lane], mult));
   }
 }
 
 // Persistent warps: warp w handles tiles w, w + W, w + 2W, ... (W = all warps of the grid),
-// loading tile i+1 (cp.async into its second stage) while it computes tile i.
+// loading tile i+1 (cp.async into the next stage) while it computes tile i.
 template <typename T, bool kE4M3>
 __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const QuantizeProblem p, int64_t num_tiles) {
-  constexpr int VEC = 16 / sizeof(T);
-  static_assert(32 % VEC == 0 && VEC * sizeof(T) == 16, "one 16-byte vector per lane and row");
-  extern __shared__ uint4 smem[];  // [warps][kStages][32 rows][32 lanes]
+  constexpr int kWords = kLaneBytes / 4;
+  constexpr int VEC = kLaneBytes / sizeof(T);
+  static_assert(32 % VEC == 0 && kWords * 4 == kLaneBytes, "a lane's slot holds whole words");
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // [warps][kStages][32 rows][32 lanes] slots
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint4* ring = smem + warp * kStages * kTileRows * 32;
+  Slot<kWords>* ring = reinterpret_cast<Slot<kWords>*>(smem_raw) + warp * kStages * kTileRows * 32;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (t >= num_tiles) return;
@@ -248,16 +262,16 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();  // this tile's group has landed (each lane reads only its own slots)
-    compute_tile<T, kE4M3>(p, cur, ring + (it % kStages) * kTileRows * 32, lane);
+    compute_tile<T, kE4M3, kWords>(p, cur, ring + (it % kStages) * kTileRows * 32, lane);
     cur = next;
   }
 }
 
-constexpr int kSmemBytes = kWarpsPerBlock * kStages * kTileRows * 32 * 16;
+constexpr int kSmemBytes = kWarpsPerBlock * kStages * kTileRows * 32 * kLaneBytes;
 
 template <typename T, bool kE4M3>
 void launch(const QuantizeProblem& p, cudaStream_t stream) {
-  constexpr int kTileCols = 32 * (16 / sizeof(T));
+  constexpr int kTileCols = 32 * (kLaneBytes / sizeof(T));
   const int64_t tiles = p.batch * ceil_div(p.rows, kTileRows) * ceil_div(p.cols, kTileCols);
   if (tiles == 0) return;
   // Persistent grid: as many blocks as fit on the device at once (cached per device).

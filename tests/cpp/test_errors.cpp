@@ -86,6 +86,8 @@ TEST(Errors, AttentionAndScales) {
   expect_error([&] { quantize_attention(TensorDesc(x.data(), DType::kBFloat16, {8, 3, 64}), q.t, o); }, "input",
                "must be 4-D");
   expect_error([&] { attention_shapes({4, 2, 3, 48}, QKVLayout::kSBHD, true); }, "shape", "multiple of 32");
+  expect_error([&] { attention_shapes({4, 32}, QKVLayout::kSBHD, true); }, "shape", "must be 4-D");
+  expect_error([&] { attention_shapes({4, 32}, QKVLayout::kBSHD, false); }, "shape", "must be 4-D");
   expect_error([&] {
     quantize_attention(TensorDesc(x.data(), DType::kBFloat16, {4, 2, 3, 64}, Device{}, {384, 192, 1, 3}), q.t, o);
   }, "input", "contiguous");
