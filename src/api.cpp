@@ -175,7 +175,7 @@ void check_direction(const Check& c, const char* which, const TensorDesc& data, 
   c.output(d, data, data_shape, {DType::kUInt8, DType::kFloat8E4M3, DType::kFloat8E5M2}, dev);
   check_code_dtype(c, d, data, f);
   c.output(s, scales, scale_shape, {DType::kUInt8, DType::kE8M0}, dev);
-  if (dev.type == DeviceType::kCUDA && data.numel() > 0) c.aligned(d, data.data, 8);
+  if (dev.type == DeviceType::kCUDA && data.numel() > 0) c.aligned(d, data.data, 16);
   c.on_cuda(d, data);
   c.on_cuda(s, scales);
 }

@@ -1,15 +1,17 @@
 // mxmla — MXFP8 quantization kernel for SM90 (rowwise, columnwise, or both in one pass).
 //
-// Work decomposition (memory-bound; one pass over the input):
-//   the input is viewed as [batch, rows, cols]; one warp owns a tile of 32 rows x (32*VEC) cols,
-//   VEC = 16 bytes / sizeof(input) (8 for bf16/fp16, 4 for fp32). Lane l holds columns
-//   [l*VEC, l*VEC + VEC) of all 32 rows in registers (32 16-byte loads in flight per thread).
-//   * columnwise: each lane already holds its columns' 32 rows: amax with no communication;
-//   * rowwise: a 32-wide block spans LPB = 32/VEC adjacent lanes: amax by xor-shuffles.
-//   amax is an integer max of the magnitude bits (2 lanes per instruction for 16-bit inputs),
-//   which also detects NaN (bits > Inf) and Inf (bits == Inf) for the SPEC §2 policy.
-// Scales go through a ScaleMap (compact, swizzled or BHSD) so that the swizzle and the
-// attention layout are written directly by this kernel; padding is zeroed by the launcher.
+// Memory-bound: one read of the input, one write of each output. Persistent warps; each warp
+// streams tiles of 32 rows x 32 16-byte chunks (32 x 256 bf16, 32 x 128 fp32) through a
+// kStages-deep cp.async ring in shared memory and quantizes a tile while the next one loads.
+// Inside a tile the two directions use different thread mappings, so that every block's amax is
+// a thread-local reduction and every scale is computed once:
+//   * columnwise: lane = chunk (VEC columns), walking down the 32 rows;
+//   * rowwise   : lane = row, walking along the row's 32-element blocks.
+// Chunk c of row r sits at physical chunk c ^ r, which makes both walks bank-conflict free.
+// amax is an integer max of magnitude bits (two 16-bit lanes per instruction), which also sees
+// NaN (bits above Inf) and Inf for the SPEC §2 policy. Scales go through a ScaleCursor
+// (compact, swizzled or BHSD), so swizzled and attention layouts are written directly; padding
+// is zeroed by the launcher.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -23,18 +25,18 @@
 namespace mxmla::detail {
 namespace {
 
-// Tile configuration (per warp: kStages x 32 rows x 512 bytes of shared memory).
+// Tile configuration.
 constexpr int kWarpsPerBlock = 1;
 constexpr int kThreads = kWarpsPerBlock * 32;
-constexpr int kTileRows = 32;  // = MXFP8 block size along the columnwise axis
+constexpr int kTileRows = 32;    // = MXFP8 block size along the columnwise axis
+constexpr int kTileChunks = 32;  // 16-byte chunks per tile row (one per lane)
 #ifndef MXMLA_QUANT_STAGES
 #define MXMLA_QUANT_STAGES 2
 #endif
 constexpr int kStages = MXMLA_QUANT_STAGES;  // tiles in flight per warp (tile i+1 loads while i computes)
-#ifndef MXMLA_QUANT_LANE_BYTES
-#define MXMLA_QUANT_LANE_BYTES 8
-#endif
-constexpr int kLaneBytes = MXMLA_QUANT_LANE_BYTES;  // bytes of one row a lane owns (8: 4 bf16 / 2 fp32)
+constexpr int kTileBytes = kTileRows * kTileChunks * 16;
+constexpr int kSmemBytes = kWarpsPerBlock * kStages * kTileBytes;
+static_assert(kTileRows == 32 && kTileChunks == 32, "the XOR layout maps rows and chunks onto the 32 lanes");
 
 template <typename T>
 struct InputTraits;
@@ -98,122 +100,97 @@ __device__ __forceinline__ uint32_t mag_elem(uint32_t m, int j) {
     return m;
 }
 
-// The lane's slot of one row: kWords 32-bit words (kLaneBytes = 4 * kWords bytes).
-template <int kWords>
-struct Slot {
-  uint32_t w[kWords];
-};
-
-// Slot elements -> codes (as bytes of a 4- or 8-byte word), element j multiplied by mult[j].
-template <typename T, bool kE4M3, int kWords>
-__device__ __forceinline__ uint64_t convert_slot(const Slot<kWords>& v, const float* mult) {
-  uint64_t out = 0;
-  if constexpr (InputTraits<T>::kPerWord == 2) {
-#pragma unroll
-    for (int k = 0; k < kWords; ++k) {
-      const float2 a = InputTraits<T>::to_float2(v.w[k]);
-      out |= static_cast<uint64_t>(ptx::cvt_fp8x2<kE4M3>(a.x * mult[2 * k], a.y * mult[2 * k + 1])) << (16 * k);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kWords; k += 2)
-      out |= static_cast<uint64_t>(ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.w[k]) * mult[k],
-                                                        __uint_as_float(v.w[k + 1]) * mult[k + 1]))
-             << (8 * k);
-  }
-  return out;
-}
-
-// Store VEC code (or scale) bytes held in the low bytes of `v` (streaming: never re-read here).
+// Store VEC bytes held in the low bytes of `v` (streaming: never re-read here).
 template <int VEC>
 __device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t v) {
   if constexpr (VEC == 8)
     __stcs(reinterpret_cast<unsigned long long*>(dst), static_cast<unsigned long long>(v));
-  else if constexpr (VEC == 4)
-    __stcs(reinterpret_cast<unsigned int*>(dst), static_cast<unsigned int>(v));
   else
-    __stcs(reinterpret_cast<unsigned short*>(dst), static_cast<unsigned short>(v));
+    __stcs(reinterpret_cast<unsigned int*>(dst), static_cast<unsigned int>(v));
 }
 
-// One warp tile: 32 rows x (32 * VEC) columns of batch bi, in lane-private shared-memory slots:
-// slot [r][lane] holds the lane's VEC elements of row r.
+// Two elements of a word -> two codes (16 bits), each multiplied by its multiplier.
+template <typename T, bool kE4M3>
+__device__ __forceinline__ uint32_t cvt_word(uint32_t w, float m0, float m1) {
+  if constexpr (InputTraits<T>::kPerWord == 2) {
+    const float2 a = InputTraits<T>::to_float2(w);
+    return ptx::cvt_fp8x2<kE4M3>(a.x * m0, a.y * m1);
+  } else {
+    return 0;  // fp32 is converted two words at a time (cvt_words_f32)
+  }
+}
+
+// A chunk (16 bytes = VEC elements) -> VEC codes in the low bytes of a uint64 (VEC = 8) or
+// uint32 (VEC = 4), element j multiplied by mult[j].
+template <typename T, bool kE4M3>
+__device__ __forceinline__ uint64_t convert_chunk(const uint4& v, const float* mult) {
+  if constexpr (InputTraits<T>::kPerWord == 2) {
+    const uint32_t c0 = cvt_word<T, kE4M3>(v.x, mult[0], mult[1]), c1 = cvt_word<T, kE4M3>(v.y, mult[2], mult[3]);
+    const uint32_t c2 = cvt_word<T, kE4M3>(v.z, mult[4], mult[5]), c3 = cvt_word<T, kE4M3>(v.w, mult[6], mult[7]);
+    return static_cast<uint64_t>(c0 | (c1 << 16)) | (static_cast<uint64_t>(c2 | (c3 << 16)) << 32);
+  } else {
+    const uint32_t lo = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.x) * mult[0], __uint_as_float(v.y) * mult[1]);
+    const uint32_t hi = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.z) * mult[2], __uint_as_float(v.w) * mult[3]);
+    return lo | (hi << 16);
+  }
+}
+
+// Max magnitude (packed for 16-bit types) of a chunk's words.
+template <typename T>
+__device__ __forceinline__ uint32_t chunk_mag(const uint4& v) {
+  return mag_max<T>(mag_max<T>(word_mag<T>(v.x), word_mag<T>(v.y)), mag_max<T>(word_mag<T>(v.z), word_mag<T>(v.w)));
+}
+
 struct TileCoord {
-  int64_t bi, tr, col0;
+  int64_t bi, tr, tc;
   int nrows;
-  bool active;
 };
 
 template <int VEC>
-__device__ __forceinline__ TileCoord tile_coord(const QuantizeProblem& p, int64_t t, int lane) {
-  constexpr int kTileCols = 32 * VEC;
-  const int64_t ntc = ceil_div(p.cols, kTileCols);
+__device__ __forceinline__ TileCoord tile_coord(const QuantizeProblem& p, int64_t t) {
+  const int64_t ntc = ceil_div(p.cols, kTileChunks * VEC);
   const int64_t ntr = ceil_div(p.rows, kTileRows);
   TileCoord c;
-  const int64_t tc = t % ntc;
+  c.tc = t % ntc;
   c.tr = (t / ntc) % ntr;
   c.bi = t / (ntc * ntr);
-  c.col0 = tc * kTileCols + lane * VEC;
-  c.active = c.col0 < p.cols;  // cols % 32 == 0: whole rowwise blocks are active or not
   const int64_t left = p.rows - c.tr * kTileRows;
   c.nrows = static_cast<int>(left < kTileRows ? left : kTileRows);
   return c;
 }
 
-// Issue the tile's 32 row loads into `stage` (missing rows / columns are zero-filled).
-template <typename T, int kWords>
-__device__ __forceinline__ void issue_tile(const QuantizeProblem& p, const TileCoord& c, Slot<kWords>* stage,
-                                           int lane) {
-  const T* src = static_cast<const T*>(p.in) + c.bi * p.batch_stride + c.tr * kTileRows * p.row_stride + c.col0;
+// Lane l copies chunk l of each of the tile's rows into physical chunk l ^ r (missing rows and
+// columns are zero-filled without a read).
+template <typename T>
+__device__ __forceinline__ void issue_tile(const QuantizeProblem& p, const TileCoord& c, uint4* stage, int lane) {
+  constexpr int VEC = 16 / sizeof(T);
+  const int64_t col = (c.tc * kTileChunks + lane) * VEC;
+  const bool col_ok = col < p.cols;
+  const T* src = static_cast<const T*>(p.in) + c.bi * p.batch_stride + c.tr * kTileRows * p.row_stride + col;
 #pragma unroll
   for (int r = 0; r < kTileRows; ++r) {
-    const bool ok = c.active && r < c.nrows;
-    ptx::cp_async<4 * kWords>(stage + r * 32 + lane, ok ? static_cast<const void*>(src + r * p.row_stride) : p.in,
-                              ok ? 4 * kWords : 0);
+    const bool ok = col_ok && r < c.nrows;
+    ptx::cp_async<16>(stage + r * kTileChunks + (lane ^ r), ok ? static_cast<const void*>(src + r * p.row_stride) : p.in,
+                      ok ? 16 : 0);
   }
 }
 
-template <typename T, bool kE4M3, int kWords>
-__device__ __forceinline__ void compute_tile(const QuantizeProblem& p, const TileCoord& c,
-                                             const Slot<kWords>* stage, int lane) {
+// Columnwise: lane = chunk; 32 rows down, amax per column, then codes row by row.
+template <typename T, bool kE4M3>
+__device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
+                                                int lane) {
+  constexpr int VEC = 16 / sizeof(T);
   constexpr int kPW = InputTraits<T>::kPerWord;
-  constexpr int VEC = kWords * kPW;  // elements per lane and row
-  constexpr int LPB = 32 / VEC;      // lanes per rowwise block
   constexpr uint32_t kRcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
-  const bool do_row = p.row_codes != nullptr, do_col = p.col_codes != nullptr;
-  const int64_t row0 = c.tr * kTileRows;
-  const int64_t out0 = (c.bi * p.rows + row0) * p.cols + c.col0;  // codes offset of (row0, col0)
-  const ScaleCursor rcur = row_cursor(p.row_map, c.bi, c.col0 / 32);
-  uint32_t cm[kWords] = {};
-
-  // ---- pass 1: rowwise blocks (amax across LPB lanes) and the columnwise amax ----------------
+  const int64_t col = (c.tc * kTileChunks + lane) * VEC;
+  if (col >= p.cols) return;
+  uint32_t cm[4] = {0, 0, 0, 0};
 #pragma unroll 8
   for (int r = 0; r < kTileRows; ++r) {
-    const Slot<kWords> v = stage[r * 32 + lane];
-    uint32_t m = 0;
-#pragma unroll
-    for (int k = 0; k < kWords; ++k) {
-      const uint32_t mk = word_mag<T>(v.w[k]);
-      cm[k] = mag_max<T>(cm[k], mk);
-      m = mag_max<T>(m, mk);
-    }
-    if (do_row) {
-      m = mag_collapse<T>(m);
-#pragma unroll
-      for (int o = 1; o < LPB; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-      if (c.active && r < c.nrows) {
-        const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(m), kRcp);
-        const float mul = e8m0_quant_multiplier(e);
-        float mult[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) mult[j] = mul;
-        store_bytes<VEC>(p.row_codes + out0 + r * p.cols, convert_slot<T, kE4M3>(v, mult));
-        if (lane % LPB == 0) p.row_scales[cursor_offset(rcur, row0 + r)] = e;
-      }
-    }
+    const uint4 v = stage[r * kTileChunks + (lane ^ r)];
+    cm[0] = mag_max<T>(cm[0], word_mag<T>(v.x)), cm[1] = mag_max<T>(cm[1], word_mag<T>(v.y));
+    cm[2] = mag_max<T>(cm[2], word_mag<T>(v.z)), cm[3] = mag_max<T>(cm[3], word_mag<T>(v.w));
   }
-  if (!do_col || !c.active) return;
-
-  // ---- pass 2: columnwise scales and codes ---------------------------------------------------
   float mult[VEC];
   uint64_t scales = 0;
 #pragma unroll
@@ -222,7 +199,7 @@ __device__ __forceinline__ void compute_tile(const QuantizeProblem& p, const Til
     scales |= static_cast<uint64_t>(e) << (8 * j);
     mult[j] = e8m0_quant_multiplier(e);
   }
-  const ScaleCursor ccur = col_cursor(p.col_map, c.bi, c.tr, c.col0);
+  const ScaleCursor ccur = col_cursor(p.col_map, c.bi, c.tr, col);
   uint8_t* sdst = p.col_scales + cursor_offset(ccur, 0);
   if (ccur.compact && (reinterpret_cast<uintptr_t>(sdst) % VEC) == 0) {
     store_bytes<VEC>(sdst, scales);  // VEC contiguous scale bytes
@@ -230,10 +207,56 @@ __device__ __forceinline__ void compute_tile(const QuantizeProblem& p, const Til
 #pragma unroll
     for (int j = 0; j < VEC; ++j) p.col_scales[cursor_offset(ccur, j)] = static_cast<uint8_t>(scales >> (8 * j));
   }
+  uint8_t* dst = p.col_codes + (c.bi * p.rows + c.tr * kTileRows) * p.cols + col;
 #pragma unroll 8
   for (int r = 0; r < kTileRows; ++r) {
     if (r >= c.nrows) break;
-    store_bytes<VEC>(p.col_codes + out0 + r * p.cols, convert_slot<T, kE4M3>(stage[r * 32 + lane], mult));
+    store_bytes<VEC>(dst + r * p.cols, convert_chunk<T, kE4M3>(stage[r * kTileChunks + (lane ^ r)], mult));
+  }
+}
+
+// Rowwise: lane = row; each 32-element block is CPB chunks of that row.
+template <typename T, bool kE4M3>
+__device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
+                                             int lane) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int CPB = 32 / VEC;                // chunks per block
+  constexpr int kBlocks = kTileChunks / CPB;  // blocks per tile row
+  constexpr uint32_t kRcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
+  if (lane >= c.nrows) return;
+  const int64_t row = c.tr * kTileRows + lane;
+  const int64_t kb0 = c.tc * kBlocks;
+  uint8_t* dst = p.row_codes + (c.bi * p.rows + row) * p.cols + kb0 * 32;
+  const uint4* src = stage + lane * kTileChunks;
+#pragma unroll 2
+  for (int b = 0; b < kBlocks; ++b) {
+    if ((kb0 + b) * 32 >= p.cols) break;
+    uint4 v[CPB];
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < CPB; ++k) {
+      v[k] = src[(b * CPB + k) ^ lane];
+      m = mag_max<T>(m, chunk_mag<T>(v[k]));
+    }
+    const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(mag_collapse<T>(m)), kRcp);
+    const float mul = e8m0_quant_multiplier(e);
+    float mult[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) mult[j] = mul;
+    uint32_t codes[8];  // 32 codes
+#pragma unroll
+    for (int k = 0; k < CPB; ++k) {
+      const uint64_t q = convert_chunk<T, kE4M3>(v[k], mult);
+      if constexpr (VEC == 8) {
+        codes[2 * k] = static_cast<uint32_t>(q), codes[2 * k + 1] = static_cast<uint32_t>(q >> 32);
+      } else {
+        codes[k] = static_cast<uint32_t>(q);
+      }
+    }
+    uint4* out = reinterpret_cast<uint4*>(dst + b * 32);
+    __stcs(out, make_uint4(codes[0], codes[1], codes[2], codes[3]));
+    __stcs(out + 1, make_uint4(codes[4], codes[5], codes[6], codes[7]));
+    p.row_scales[cursor_offset(row_cursor(p.row_map, c.bi, kb0 + b), row)] = e;
   }
 }
 
@@ -241,37 +264,38 @@ __device__ __forceinline__ void compute_tile(const QuantizeProblem& p, const Til
 // loading tile i+1 (cp.async into the next stage) while it computes tile i.
 template <typename T, bool kE4M3>
 __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const QuantizeProblem p, int64_t num_tiles) {
-  constexpr int kWords = kLaneBytes / 4;
-  constexpr int VEC = kLaneBytes / sizeof(T);
-  static_assert(32 % VEC == 0 && kWords * 4 == kLaneBytes, "a lane's slot holds whole words");
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // [warps][kStages][32 rows][32 lanes] slots
+  constexpr int VEC = 16 / sizeof(T);
+  static_assert(32 % VEC == 0 && VEC * sizeof(T) == 16, "a chunk is 16 bytes of whole elements");
+  extern __shared__ __align__(16) uint4 smem[];  // [warps][kStages][32 rows][32 chunks]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  Slot<kWords>* ring = reinterpret_cast<Slot<kWords>*>(smem_raw) + warp * kStages * kTileRows * 32;
+  uint4* ring = smem + warp * kStages * kTileRows * kTileChunks;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (t >= num_tiles) return;
-  TileCoord cur = tile_coord<VEC>(p, t, lane);
+  TileCoord cur = tile_coord<VEC>(p, t);
   issue_tile<T>(p, cur, ring, lane);
   ptx::cp_async_commit();
   for (int it = 0; t < num_tiles; ++it, t += stride) {
     const int64_t tn = t + stride;
     TileCoord next{};
     if (tn < num_tiles) {
-      next = tile_coord<VEC>(p, tn, lane);
-      issue_tile<T>(p, next, ring + ((it + 1) % kStages) * kTileRows * 32, lane);
+      next = tile_coord<VEC>(p, tn);
+      issue_tile<T>(p, next, ring + ((it + 1) % kStages) * kTileRows * kTileChunks, lane);
     }
     ptx::cp_async_commit();
-    ptx::cp_async_wait<1>();  // this tile's group has landed (each lane reads only its own slots)
-    compute_tile<T, kE4M3, kWords>(p, cur, ring + (it % kStages) * kTileRows * 32, lane);
+    ptx::cp_async_wait<kStages - 1>();  // this tile's group has landed ...
+    __syncwarp();                       // ... for every lane (rows cross lanes in the rowwise walk)
+    const uint4* stage = ring + (it % kStages) * kTileRows * kTileChunks;
+    if (p.col_codes != nullptr) columnwise_tile<T, kE4M3>(p, cur, stage, lane);
+    if (p.row_codes != nullptr) rowwise_tile<T, kE4M3>(p, cur, stage, lane);
+    __syncwarp();  // every lane is done reading this stage before it is refilled
     cur = next;
   }
 }
 
-constexpr int kSmemBytes = kWarpsPerBlock * kStages * kTileRows * 32 * kLaneBytes;
-
 template <typename T, bool kE4M3>
 void launch(const QuantizeProblem& p, cudaStream_t stream) {
-  constexpr int kTileCols = 32 * (kLaneBytes / sizeof(T));
+  constexpr int kTileCols = kTileChunks * (16 / sizeof(T));
   const int64_t tiles = p.batch * ceil_div(p.rows, kTileRows) * ceil_div(p.cols, kTileCols);
   if (tiles == 0) return;
   // Persistent grid: as many blocks as fit on the device at once (cached per device).

@@ -157,9 +157,9 @@ TEST(Errors, CudaAlignmentAndDevice) {
   expect_error([&] { quantize(TensorDesc(buf.ptr, DType::kBFloat16, {64, 96}, Device{DeviceType::kCUDA, 64}), t, o); },
                "input", "CUDA device");
   MXFP8Tensor bad = t;
-  bad.rowwise_data.data = out.as<uint8_t>() + 3;
+  bad.rowwise_data.data = out.as<uint8_t>() + 8;
   expect_error([&] { quantize(TensorDesc(buf.ptr, DType::kBFloat16, {64, 96}, cuda), bad, o); }, "rowwise_data",
-               "8-byte aligned");
+               "16-byte aligned");
 }
 #endif
 
