@@ -383,20 +383,26 @@ void dequantize(const MXFP8Tensor& in, TensorDesc& out, bool columnwise, Stream 
 
 // ---------------------------------------------------------------- scale re-layout
 namespace {
-void run_remap(const Check& c, const TensorDesc& src, const char* src_arg, TensorDesc& dst, const char* dst_arg,
-               const std::vector<int64_t>& src_shape, const std::vector<int64_t>& dst_shape, const ScaleMap& sm,
-               const ScaleMap& dm, bool rowwise, Stream stream) {
-  c.output(src_arg, src, src_shape, {DType::kUInt8, DType::kE8M0}, src.device);
-  c.output(dst_arg, dst, dst_shape, {DType::kUInt8, DType::kE8M0}, src.device);
+// Checks one remap's buffers and describes it.
+detail::RemapProblem remap_job(const Check& c, const TensorDesc& src, const std::string& src_arg, const TensorDesc& dst,
+                               const std::string& dst_arg, const std::vector<int64_t>& src_shape,
+                               const std::vector<int64_t>& dst_shape, const ScaleMap& sm, const ScaleMap& dm,
+                               bool rowwise, const Device& dev) {
+  c.output(src_arg, src, src_shape, {DType::kUInt8, DType::kE8M0}, dev);
+  c.output(dst_arg, dst, dst_shape, {DType::kUInt8, DType::kE8M0}, dev);
   c.on_cuda(src_arg, src);
   c.on_cuda(dst_arg, dst);
   detail::RemapProblem p;
   p.src = static_cast<const uint8_t*>(src.data), p.dst = static_cast<uint8_t*>(dst.data);
   p.src_map = sm, p.dst_map = dm, p.rowwise = rowwise;
-  if (dst.numel() == 0) return;
-  if (src.device.type == DeviceType::kCPU) return detail::remap_scales_cpu(p);
-  detail::CudaDeviceGuard guard(src.device.index);
-  detail::remap_scales_cuda(p, stream);
+  return p;
+}
+
+void run_remaps(const std::vector<detail::RemapProblem>& jobs, const Device& dev, Stream stream) {
+  if (jobs.empty()) return;
+  if (dev.type == DeviceType::kCPU) return detail::remap_scales_cpu(jobs);
+  detail::CudaDeviceGuard guard(dev.index);
+  detail::remap_scales_cuda(jobs, stream);
 }
 
 void swizzle_common(const char* op, const TensorDesc& from, TensorDesc& to, int64_t M, int64_t K, bool rowwise,
@@ -409,10 +415,10 @@ void swizzle_common(const char* op, const TensorDesc& from, TensorDesc& to, int6
   const auto& ss = rowwise ? swz.rowwise_scale : swz.columnwise_scale;
   const ScaleMap cm = rowwise ? detail::make_row_map(MapMode::kCompact, 1, M, K) : detail::make_col_map(MapMode::kCompact, 1, M, K);
   const ScaleMap sm = rowwise ? detail::make_row_map(MapMode::kSwizzled, 1, M, K) : detail::make_col_map(MapMode::kSwizzled, 1, M, K);
-  if (to_swizzled)
-    run_remap(c, from, "compact", to, "swizzled", cs, ss, cm, sm, rowwise, stream);
-  else
-    run_remap(c, from, "swizzled", to, "compact", ss, cs, sm, cm, rowwise, stream);
+  const detail::RemapProblem job = to_swizzled
+                                       ? remap_job(c, from, "compact", to, "swizzled", cs, ss, cm, sm, rowwise, from.device)
+                                       : remap_job(c, from, "swizzled", to, "compact", ss, cs, sm, cm, rowwise, from.device);
+  run_remaps({job}, from.device, stream);
 }
 }  // namespace
 
@@ -423,17 +429,29 @@ void unswizzle_scales(const TensorDesc& swizzled, TensorDesc& compact, int64_t M
   swizzle_common("mxmla.unswizzle_scales", swizzled, compact, M, K, rowwise, false, s);
 }
 
+void attention_scales_to_bhsd(const std::vector<BhsdScaleJob>& jobs, Stream stream) {
+  const Check c{"mxmla.attention_scales_to_bhsd"};
+  std::vector<detail::RemapProblem> problems;
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    const BhsdScaleJob& j = jobs[k];
+    const std::string tag = jobs.size() > 1 ? "[" + std::to_string(k) + "]" : "";
+    const AttnGeom g = attn_geom(c, "shape" + tag, j.shape, j.layout);
+    const MXFP8Shapes cs = attention_shapes(j.shape, j.layout, false), bs = attention_shapes(j.shape, j.layout, true);
+    const ScaleMap cm = j.rowwise ? detail::make_row_map(MapMode::kCompact, g.batch, g.rows, g.cols, g.H, g.D)
+                                  : detail::make_col_map(MapMode::kCompact, g.batch, g.rows, g.cols, g.H, g.D);
+    const ScaleMap bm = j.rowwise ? detail::make_row_map(MapMode::kBHSD, g.batch, g.rows, g.cols, g.H, g.D)
+                                  : detail::make_col_map(MapMode::kBHSD, g.batch, g.rows, g.cols, g.H, g.D);
+    problems.push_back(remap_job(c, j.compact, "compact" + tag, j.bhsd, "bhsd" + tag,
+                                 j.rowwise ? cs.rowwise_scale : cs.columnwise_scale,
+                                 j.rowwise ? bs.rowwise_scale : bs.columnwise_scale, cm, bm, j.rowwise,
+                                 jobs[0].compact.device));
+  }
+  if (!jobs.empty()) run_remaps(problems, jobs[0].compact.device, stream);
+}
+
 void attention_scales_to_bhsd(const TensorDesc& compact, TensorDesc& bhsd, const std::vector<int64_t>& shape,
                               QKVLayout layout, bool rowwise, Stream stream) {
-  const Check c{"mxmla.attention_scales_to_bhsd"};
-  const AttnGeom g = attn_geom(c, "shape", shape, layout);
-  const MXFP8Shapes cs = attention_shapes(shape, layout, false), bs = attention_shapes(shape, layout, true);
-  const ScaleMap cm = rowwise ? detail::make_row_map(MapMode::kCompact, g.batch, g.rows, g.cols, g.H, g.D)
-                              : detail::make_col_map(MapMode::kCompact, g.batch, g.rows, g.cols, g.H, g.D);
-  const ScaleMap bm = rowwise ? detail::make_row_map(MapMode::kBHSD, g.batch, g.rows, g.cols, g.H, g.D)
-                              : detail::make_col_map(MapMode::kBHSD, g.batch, g.rows, g.cols, g.H, g.D);
-  run_remap(c, compact, "compact", bhsd, "bhsd", rowwise ? cs.rowwise_scale : cs.columnwise_scale,
-            rowwise ? bs.rowwise_scale : bs.columnwise_scale, cm, bm, rowwise, stream);
+  attention_scales_to_bhsd({BhsdScaleJob{compact, bhsd, shape, layout, rowwise}}, stream);
 }
 
 }  // namespace mxmla

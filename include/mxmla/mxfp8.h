@@ -90,6 +90,15 @@ void quantize_attention(const TensorDesc& input, MXFP8Tensor& out, const Attenti
                         Stream stream = nullptr);
 void attention_scales_to_bhsd(const TensorDesc& compact, TensorDesc& bhsd, const std::vector<int64_t>& shape,
                               QKVLayout layout, bool rowwise, Stream stream = nullptr);
+// Several phase-two conversions (e.g. Q, K, V in both directions) in one launch.
+struct BhsdScaleJob {
+  TensorDesc compact;  // compact attention scales (input)
+  TensorDesc bhsd;     // BHSD swizzled scales (output)
+  std::vector<int64_t> shape;
+  QKVLayout layout = QKVLayout::kSBHD;
+  bool rowwise = true;
+};
+void attention_scales_to_bhsd(const std::vector<BhsdScaleJob>& jobs, Stream stream = nullptr);
 
 // Build information for `mxmla info`.
 struct BuildInfo {

@@ -20,6 +20,7 @@ __all__ = [
     "unswizzle_scales",
     "quantize_attention",
     "attention_scales_to_bhsd",
+    "to_bhsd",
     "info",
 ]
 
@@ -238,6 +239,27 @@ def attention_scales_to_bhsd(scales: Any, shape: Sequence[int], layout: str = "s
     _core.attention_scales_to_bhsd(be.desc(scales, "scales"), be.desc(out, "out"), list(shape), layout, rowwise,
                                    be.stream())
     return out
+
+
+def to_bhsd(*tensors: MXFP8Tensor) -> list:
+    """Phase two for several tensors at once (e.g. Q, K, V): compact attention scales -> BHSD,
+    both directions, in one launch. Returns new MXFP8Tensors sharing the codes."""
+    jobs, outs = [], []
+    for i, q in enumerate(tensors):
+        if not isinstance(q, MXFP8Tensor) or not q.attention or q.scale_layout != "compact":
+            raise ValueError(f"mxmla.to_bhsd: argument 'tensors[{i}]': must come from quantize_attention(..., bhsd_scales=False)")
+        be = q._backend
+        shapes = _core.attention_shapes(list(q.shape), q.layout, True, "mxmla.to_bhsd", f"tensors[{i}]")
+        rs = be.empty(shapes[1], "uint8") if q.rowwise_scale_inv is not None else None
+        cs = be.empty(shapes[2], "uint8") if q.columnwise_scale_inv is not None else None
+        for src, dst, rowwise in ((q.rowwise_scale_inv, rs, True), (q.columnwise_scale_inv, cs, False)):
+            if src is not None:
+                jobs.append((be.desc(src, "scales"), be.desc(dst, "out"), list(q.shape), q.layout, rowwise))
+        outs.append(MXFP8Tensor(q.shape, q.fp8_format, "bhsd", q.rowwise_data, rs, q.columnwise_data, cs,
+                                layout=q.layout, attention=True, _backend=be))
+    if jobs:
+        _core.attention_scales_to_bhsd_batch(jobs, tensors[0]._backend.stream())
+    return outs
 
 
 def info() -> dict:

@@ -160,6 +160,15 @@ NB_MODULE(_mxmla_core, m) {
     attention_scales_to_bhsd(to_desc(src), d, shape, parse_layout(layout), rowwise, to_stream(stream));
   });
 
+  m.def("attention_scales_to_bhsd_batch",
+        [](const std::vector<std::tuple<Desc, Desc, std::vector<int64_t>, std::string, bool>>& jobs, uintptr_t stream) {
+          std::vector<BhsdScaleJob> js;
+          for (const auto& [src, dst, shape, layout, rowwise] : jobs)
+            js.push_back(BhsdScaleJob{to_desc(src), to_desc(dst), shape, parse_layout(layout), rowwise});
+          nb::gil_scoped_release release;
+          attention_scales_to_bhsd(js, to_stream(stream));
+        });
+
   m.def("build_info", [] {
     const BuildInfo b = build_info();
     return nb::make_tuple(b.version, b.cuda_enabled, std::string(b.cuda_archs));

@@ -158,14 +158,14 @@ inline ScaleMap make_col_map(MapMode mode, int64_t batch, int64_t rows, int64_t 
   return m;
 }
 // Bytes the scale buffer of a map spans (padding included) and the number of real blocks.
-inline int64_t row_map_bytes(const ScaleMap& m) {
+MXMLA_HD int64_t row_map_bytes(const ScaleMap& m) {
   switch (m.mode) {
     case MapMode::kCompact: return m.batch * m.rows * (m.cols / 32);
     case MapMode::kSwizzled: return round_up(m.batch * m.rows, 128) * round_up(m.cols / 32, 4);
     default: return m.batch * (m.cols / m.D) * m.mat_size;
   }
 }
-inline int64_t col_map_bytes(const ScaleMap& m) {
+MXMLA_HD int64_t col_map_bytes(const ScaleMap& m) {
   const int64_t nrb = ceil_div(m.rows, 32);
   switch (m.mode) {
     case MapMode::kCompact: return m.batch * nrb * m.cols;
@@ -189,5 +189,41 @@ MXMLA_HD void block_coords(const ScaleMap& m, bool rowwise, int64_t t, int64_t& 
 MXMLA_HD int64_t scale_offset(const ScaleMap& m, bool rowwise, int64_t bi, int64_t a, int64_t b) {
   return rowwise ? row_scale_offset(m, bi, a, b) : col_scale_offset(m, bi, a, b);
 }
+
+// The inverse: which block a byte `off` of a scale buffer holds. Returns false for padding.
+MXMLA_HD bool offset_coords(const ScaleMap& m, bool rowwise, int64_t off, int64_t& bi, int64_t& a, int64_t& b) {
+  if (m.mode == MapMode::kCompact) {
+    block_coords(m, rowwise, off, bi, a, b);
+    return true;
+  }
+  const int64_t nrb = ceil_div(m.rows, 32);
+  int64_t mat = 0;
+  if (m.mode == MapMode::kBHSD) mat = off / m.mat_size, off %= m.mat_size;
+  const int64_t tile = off / 512, o = off % 512;
+  const int64_t i = (tile / m.tiles_x) * 128 + ((o % 16) / 4) * 32 + o / 16;
+  const int64_t j = (tile % m.tiles_x) * 4 + o % 4;
+  if (m.mode == MapMode::kSwizzled) {
+    if (rowwise) {  // i = flattened row, j = block column
+      if (i >= m.batch * m.rows || j >= m.cols / 32) return false;
+      bi = i / m.rows, a = i % m.rows, b = j;
+    } else {  // i = column, j = flattened row block
+      if (i >= m.cols || j >= m.batch * nrb) return false;
+      bi = j / nrb, a = j % nrb, b = i;
+    }
+    return true;
+  }
+  const int64_t mats = m.cols / m.D;  // (b, h) matrices per batch entry
+  bi = mat / mats;
+  if (rowwise) {  // i = s, j = d block
+    if (i >= m.rows || j >= m.D / 32) return false;
+    a = i, b = (mat % mats) * (m.D / 32) + j;
+  } else {  // i = d, j = s block
+    if (i >= m.D || j >= nrb) return false;
+    a = j, b = (mat % mats) * m.D + i;
+  }
+  return true;
+}
+
+MXMLA_HD int64_t map_bytes(const ScaleMap& m, bool rowwise) { return rowwise ? row_map_bytes(m) : col_map_bytes(m); }
 
 }  // namespace mxmla::detail

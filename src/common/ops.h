@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "common/mxfp8_common.h"
 #include "mxmla/mxfp8.h"
@@ -34,7 +35,8 @@ struct DequantizeProblem {
   DType out_dtype = DType::kFloat32;
 };
 
-// Copy every real block's scale from `src` (src_map) to `dst` (dst_map); dst padding is zeroed.
+// Write every byte of `dst` (dst_map): the scale of the block it holds, read from `src` (src_map),
+// or zero for padding. Several remaps run as one launch.
 struct RemapProblem {
   const uint8_t* src = nullptr;
   uint8_t* dst = nullptr;
@@ -44,11 +46,11 @@ struct RemapProblem {
 
 void quantize_cpu(const QuantizeProblem& p);
 void dequantize_cpu(const DequantizeProblem& p);
-void remap_scales_cpu(const RemapProblem& p);
+void remap_scales_cpu(const std::vector<RemapProblem>& jobs);
 
 void quantize_cuda(const QuantizeProblem& p, Stream stream);
 void dequantize_cuda(const DequantizeProblem& p, Stream stream);
-void remap_scales_cuda(const RemapProblem& p, Stream stream);
+void remap_scales_cuda(const std::vector<RemapProblem>& jobs, Stream stream);
 
 inline uint32_t rcp_max_bits(Fp8Format f) { return f == Fp8Format::kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits; }
 

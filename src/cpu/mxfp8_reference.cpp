@@ -215,14 +215,15 @@ void dequantize_cpu(const DequantizeProblem& p) {
       }
 }
 
-void remap_scales_cpu(const RemapProblem& p) {
-  const int64_t bytes = p.rowwise ? row_map_bytes(p.dst_map) : col_map_bytes(p.dst_map);
-  const int64_t blocks = p.rowwise ? row_map_blocks(p.src_map) : col_map_blocks(p.src_map);
-  zero_padding(p.dst, bytes, blocks);
-  for (int64_t t = 0; t < blocks; ++t) {
-    int64_t bi, a, b;
-    block_coords(p.src_map, p.rowwise, t, bi, a, b);
-    p.dst[scale_offset(p.dst_map, p.rowwise, bi, a, b)] = p.src[scale_offset(p.src_map, p.rowwise, bi, a, b)];
+void remap_scales_cpu(const std::vector<RemapProblem>& jobs) {
+  for (const RemapProblem& p : jobs) {
+    const int64_t bytes = map_bytes(p.dst_map, p.rowwise);
+    for (int64_t off = 0; off < bytes; ++off) {
+      int64_t bi, a, b;
+      p.dst[off] = offset_coords(p.dst_map, p.rowwise, off, bi, a, b)
+                       ? p.src[scale_offset(p.src_map, p.rowwise, bi, a, b)]
+                       : 0;
+    }
   }
 }
 

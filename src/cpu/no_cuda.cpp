@@ -16,7 +16,7 @@ CudaDeviceGuard::CudaDeviceGuard(int) : previous(0) { no_cuda("mxmla", "input");
 CudaDeviceGuard::~CudaDeviceGuard() = default;
 void quantize_cuda(const QuantizeProblem&, Stream) { no_cuda("mxmla.quantize", "input"); }
 void dequantize_cuda(const DequantizeProblem&, Stream) { no_cuda("mxmla.dequantize", "input"); }
-void remap_scales_cuda(const RemapProblem&, Stream) { no_cuda("mxmla.remap_scales", "input"); }
+void remap_scales_cuda(const std::vector<RemapProblem>&, Stream) { no_cuda("mxmla.remap_scales", "input"); }
 
 }  // namespace detail
 

@@ -215,22 +215,29 @@ __device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const 
   }
 }
 
-// Rowwise: lane = row; each 32-element block is CPB chunks of that row.
+// Rowwise: lane = row; each 32-element block is CPB chunks of that row. Codes leave in full
+// 32-byte sectors: lanes 2k and 2k+1 swap halves so that each store instruction writes both
+// halves of one row's block. The tile row's scales leave in one wide store where contiguous.
 template <typename T, bool kE4M3>
 __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
                                              int lane) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CPB = 32 / VEC;                // chunks per block
-  constexpr int kBlocks = kTileChunks / CPB;  // blocks per tile row
+  constexpr int kBlocks = kTileChunks / CPB;  // blocks per tile row (8 bf16/fp16, 4 fp32)
   constexpr uint32_t kRcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
-  if (lane >= c.nrows) return;
+  const bool row_ok = lane < c.nrows;  // rows past the end still join the shuffles
   const int64_t row = c.tr * kTileRows + lane;
   const int64_t kb0 = c.tc * kBlocks;
-  uint8_t* dst = p.row_codes + (c.bi * p.rows + row) * p.cols + kb0 * 32;
+  const int64_t nkb = p.cols / 32;
+  const int odd = lane & 1;
+  // rows 2k (even lane) and 2k+1 (odd lane) of this pair; this lane writes bytes [16*odd, 16*odd+16)
+  uint8_t* dst_even = p.row_codes + (c.bi * p.rows + (row - odd)) * p.cols + kb0 * 32 + 16 * odd;
+  const bool even_ok = (lane - odd) < c.nrows, odd_ok = (lane | 1) < c.nrows;
   const uint4* src = stage + lane * kTileChunks;
+  uint64_t scales = 0;
 #pragma unroll 2
   for (int b = 0; b < kBlocks; ++b) {
-    if ((kb0 + b) * 32 >= p.cols) break;
+    if (kb0 + b >= nkb) break;  // uniform across the warp
     uint4 v[CPB];
     uint32_t m = 0;
 #pragma unroll
@@ -239,11 +246,12 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
       m = mag_max<T>(m, chunk_mag<T>(v[k]));
     }
     const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(mag_collapse<T>(m)), kRcp);
+    scales |= static_cast<uint64_t>(e) << (8 * b);
     const float mul = e8m0_quant_multiplier(e);
     float mult[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) mult[j] = mul;
-    uint32_t codes[8];  // 32 codes
+    uint32_t codes[8];  // this row's 32 codes
 #pragma unroll
     for (int k = 0; k < CPB; ++k) {
       const uint64_t q = convert_chunk<T, kE4M3>(v[k], mult);
@@ -253,10 +261,35 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
         codes[k] = static_cast<uint32_t>(q);
       }
     }
-    uint4* out = reinterpret_cast<uint4*>(dst + b * 32);
-    __stcs(out, make_uint4(codes[0], codes[1], codes[2], codes[3]));
-    __stcs(out + 1, make_uint4(codes[4], codes[5], codes[6], codes[7]));
-    p.row_scales[cursor_offset(row_cursor(p.row_map, c.bi, kb0 + b), row)] = e;
+    // even lane keeps codes[0..3] of its row and receives codes[0..3] of the odd row;
+    // odd lane keeps codes[4..7] of its row and receives codes[4..7] of the even row.
+    uint32_t mine[4], theirs[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      mine[k] = odd ? codes[4 + k] : codes[k];
+      const uint32_t give = odd ? codes[k] : codes[4 + k];
+      theirs[k] = __shfl_xor_sync(0xFFFFFFFFu, give, 1);
+    }
+    const uint4 even_half = odd ? make_uint4(theirs[0], theirs[1], theirs[2], theirs[3])
+                                : make_uint4(mine[0], mine[1], mine[2], mine[3]);
+    const uint4 odd_half = odd ? make_uint4(mine[0], mine[1], mine[2], mine[3])
+                               : make_uint4(theirs[0], theirs[1], theirs[2], theirs[3]);
+    if (even_ok) __stcs(reinterpret_cast<uint4*>(dst_even + b * 32), even_half);
+    if (odd_ok) __stcs(reinterpret_cast<uint4*>(dst_even + p.cols + b * 32), odd_half);
+  }
+  if (!row_ok) return;
+  const int nb = static_cast<int>(nkb - kb0 < kBlocks ? nkb - kb0 : kBlocks);
+  const ScaleCursor rc = row_cursor(p.row_map, c.bi, kb0);
+  uint8_t* sdst = p.row_scales + cursor_offset(rc, row);
+  if (rc.compact && nb == kBlocks && (reinterpret_cast<uintptr_t>(sdst) % kBlocks) == 0) {
+    store_bytes<kBlocks>(sdst, scales);  // kBlocks contiguous scale bytes
+  } else if (p.row_map.mode == MapMode::kSwizzled && nb % 4 == 0 &&
+             (reinterpret_cast<uintptr_t>(p.row_scales) % 4) == 0) {
+    for (int g = 0; g < nb; g += 4)  // F8_128x4: scale columns 4g..4g+3 of a row are 4 contiguous bytes
+      store_bytes<4>(p.row_scales + cursor_offset(row_cursor(p.row_map, c.bi, kb0 + g), row), scales >> (8 * g));
+  } else {
+    for (int b = 0; b < nb; ++b)
+      p.row_scales[cursor_offset(row_cursor(p.row_map, c.bi, kb0 + b), row)] = static_cast<uint8_t>(scales >> (8 * b));
   }
 }
 

@@ -4,6 +4,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "common/ops.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ptx.cuh"
@@ -67,13 +70,32 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_dequantize_kernel(const D
   }
 }
 
-// One thread per real block: dst[dst_map(block)] = src[src_map(block)].
-__global__ void __launch_bounds__(kThreads) sm90_remap_scales_kernel(const RemapProblem p, int64_t blocks) {
+// Remap jobs of one launch; thread t handles 4 destination bytes of the job its index falls in.
+constexpr int kMaxRemapJobs = 8;
+struct RemapBatch {
+  RemapProblem job[kMaxRemapJobs];
+  int64_t first[kMaxRemapJobs + 1];  // prefix sums of threads per job
+  int count;
+};
+
+__global__ void __launch_bounds__(kThreads) sm90_remap_scales_kernel(const __grid_constant__ RemapBatch batch) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (t >= blocks) return;
-  int64_t bi, a, b;
-  block_coords(p.src_map, p.rowwise, t, bi, a, b);
-  p.dst[scale_offset(p.dst_map, p.rowwise, bi, a, b)] = p.src[scale_offset(p.src_map, p.rowwise, bi, a, b)];
+  if (t >= batch.first[batch.count]) return;
+  int k = 0;
+  while (t >= batch.first[k + 1]) ++k;
+  const RemapProblem& p = batch.job[k];
+  const int64_t off0 = (t - batch.first[k]) * 4, bytes = map_bytes(p.dst_map, p.rowwise);
+  uint32_t word = 0;
+  for (int q = 0; q < 4 && off0 + q < bytes; ++q) {
+    int64_t bi, a, b;
+    if (offset_coords(p.dst_map, p.rowwise, off0 + q, bi, a, b))
+      word |= static_cast<uint32_t>(p.src[scale_offset(p.src_map, p.rowwise, bi, a, b)]) << (8 * q);
+  }
+  if (off0 + 4 <= bytes && (reinterpret_cast<uintptr_t>(p.dst + off0) % 4) == 0) {
+    *reinterpret_cast<uint32_t*>(p.dst + off0) = word;
+  } else {
+    for (int q = 0; q < 4 && off0 + q < bytes; ++q) p.dst[off0 + q] = static_cast<uint8_t>(word >> (8 * q));
+  }
 }
 
 unsigned grid_for(int64_t threads, const char* op) {
@@ -100,14 +122,19 @@ void dequantize_cuda(const DequantizeProblem& p, Stream s) {
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
-void remap_scales_cuda(const RemapProblem& p, Stream s) {
+void remap_scales_cuda(const std::vector<RemapProblem>& jobs, Stream s) {
   auto stream = reinterpret_cast<cudaStream_t>(s);
-  const int64_t bytes = p.rowwise ? row_map_bytes(p.dst_map) : col_map_bytes(p.dst_map);
-  const int64_t blocks = p.rowwise ? row_map_blocks(p.src_map) : col_map_blocks(p.src_map);
-  if (bytes > blocks) MXMLA_CUDA_CHECK(cudaMemsetAsync(p.dst, 0, bytes, stream));
-  if (blocks == 0) return;
-  sm90_remap_scales_kernel<<<grid_for(blocks, "mxmla.remap_scales"), kThreads, 0, stream>>>(p, blocks);
-  MXMLA_CUDA_CHECK(cudaGetLastError());
+  for (size_t j0 = 0; j0 < jobs.size(); j0 += kMaxRemapJobs) {
+    RemapBatch batch{};
+    batch.count = static_cast<int>(std::min<size_t>(kMaxRemapJobs, jobs.size() - j0));
+    for (int k = 0; k < batch.count; ++k) {
+      batch.job[k] = jobs[j0 + k];
+      batch.first[k + 1] = batch.first[k] + ceil_div(map_bytes(batch.job[k].dst_map, batch.job[k].rowwise), 4);
+    }
+    if (batch.first[batch.count] == 0) continue;
+    sm90_remap_scales_kernel<<<grid_for(batch.first[batch.count], "mxmla.remap_scales"), kThreads, 0, stream>>>(batch);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 }  // namespace mxmla::detail

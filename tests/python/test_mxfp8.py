@@ -148,6 +148,9 @@ def test_attention_bhsd_scales_follow_spec(layout):
     np.testing.assert_array_equal(mxmla.attention_scales_to_bhsd(p1.rowwise_scale_inv, xin.shape, layout, True), q.rowwise_scale_inv)
     np.testing.assert_array_equal(mxmla.attention_scales_to_bhsd(p1.columnwise_scale_inv, xin.shape, layout, False), q.columnwise_scale_inv)
     np.testing.assert_array_equal(q.dequantize("float32", columnwise=True), p1.dequantize("float32", columnwise=True))
+    (b1,) = mxmla.to_bhsd(p1)
+    np.testing.assert_array_equal(b1.rowwise_scale_inv, q.rowwise_scale_inv)
+    np.testing.assert_array_equal(b1.columnwise_scale_inv, q.columnwise_scale_inv)
 
 
 def test_strided_numpy_input():
