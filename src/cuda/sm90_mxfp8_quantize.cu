@@ -143,19 +143,21 @@ __device__ __forceinline__ uint32_t chunk_mag(const uint4& v) {
 
 struct TileCoord {
   int64_t bi, tr, tc;
-  int nrows;
+  int nrows;  // 0: a row tile past the end (groups of 4 row tiles may overhang)
 };
 
+// Tiles come in groups of 4 consecutive row tiles of one column tile (the rows of one 128-row
+// swizzle tile), walked in order by one warp: group g, member q.
 template <int VEC>
-__device__ __forceinline__ TileCoord tile_coord(const QuantizeProblem& p, int64_t t) {
+__device__ __forceinline__ TileCoord tile_coord(const QuantizeProblem& p, int64_t g, int q) {
   const int64_t ntc = ceil_div(p.cols, kTileChunks * VEC);
-  const int64_t ntr = ceil_div(p.rows, kTileRows);
+  const int64_t ntr4 = ceil_div(p.rows, 4 * kTileRows);
   TileCoord c;
-  c.tc = t % ntc;
-  c.tr = (t / ntc) % ntr;
-  c.bi = t / (ntc * ntr);
+  c.tc = g % ntc;
+  c.tr = ((g / ntc) % ntr4) * 4 + q;
+  c.bi = g / (ntc * ntr4);
   const int64_t left = p.rows - c.tr * kTileRows;
-  c.nrows = static_cast<int>(left < kTileRows ? left : kTileRows);
+  c.nrows = static_cast<int>(left <= 0 ? 0 : left < kTileRows ? left : kTileRows);
   return c;
 }
 
@@ -175,10 +177,29 @@ __device__ __forceinline__ void issue_tile(const QuantizeProblem& p, const TileC
   }
 }
 
+__device__ __forceinline__ bool ccur_compact(const QuantizeProblem& p) { return p.col_map.mode == MapMode::kCompact; }
+
+// Store the group's collected columnwise scales (swizzled / BHSD): one 4-byte word per column.
+template <int VEC>
+__device__ __forceinline__ void store_group_scales(const QuantizeProblem& p, int64_t bi, int64_t tr0, int64_t col,
+                                                   const uint32_t* group_scales) {
+  if (col >= p.cols) return;
+  const ScaleCursor cc = col_cursor(p.col_map, bi, tr0, col);  // tr0 % 4 == 0: word-aligned j
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    uint8_t* d = p.col_scales + cursor_offset(cc, j);
+    if ((reinterpret_cast<uintptr_t>(d) % 4) == 0) {
+      *reinterpret_cast<uint32_t*>(d) = group_scales[j];
+    } else {
+      for (int q = 0; q < 4; ++q) d[q] = static_cast<uint8_t>(group_scales[j] >> (8 * q));
+    }
+  }
+}
+
 // Columnwise: lane = chunk; 32 rows down, amax per column, then codes row by row.
 template <typename T, bool kE4M3>
 __device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
-                                                int lane) {
+                                                int lane, int q, uint32_t* group_scales) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int kPW = InputTraits<T>::kPerWord;
   constexpr uint32_t kRcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
@@ -199,13 +220,19 @@ __device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const 
     scales |= static_cast<uint64_t>(e) << (8 * j);
     mult[j] = e8m0_quant_multiplier(e);
   }
-  const ScaleCursor ccur = col_cursor(p.col_map, c.bi, c.tr, col);
-  uint8_t* sdst = p.col_scales + cursor_offset(ccur, 0);
-  if (ccur.compact && (reinterpret_cast<uintptr_t>(sdst) % VEC) == 0) {
-    store_bytes<VEC>(sdst, scales);  // VEC contiguous scale bytes
-  } else {
+  if (!ccur_compact(p)) {
+    // F8_128x4 / BHSD: the row blocks 4g..4g+3 of a column are 4 contiguous bytes; collect the
+    // group's scales and store them once per column after its last member (q == 3).
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) p.col_scales[cursor_offset(ccur, j)] = static_cast<uint8_t>(scales >> (8 * j));
+    for (int j = 0; j < VEC; ++j) group_scales[j] |= static_cast<uint32_t>((scales >> (8 * j)) & 0xFF) << (8 * q);
+  } else {
+    uint8_t* sdst = p.col_scales + cursor_offset(col_cursor(p.col_map, c.bi, c.tr, col), 0);
+    if ((reinterpret_cast<uintptr_t>(sdst) % VEC) == 0) {
+      store_bytes<VEC>(sdst, scales);  // VEC contiguous scale bytes
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sdst[j] = static_cast<uint8_t>(scales >> (8 * j));
+    }
   }
   uint8_t* dst = p.col_codes + (c.bi * p.rows + c.tr * kTileRows) * p.cols + col;
 #pragma unroll 8
@@ -293,34 +320,45 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
   }
 }
 
-// Persistent warps: warp w handles tiles w, w + W, w + 2W, ... (W = all warps of the grid),
-// loading tile i+1 (cp.async into the next stage) while it computes tile i.
+// Persistent warps: warp w walks the tile groups w, w + W, w + 2W, ... (W = all warps of the
+// grid), four row tiles per group, loading the next tile (cp.async into the next stage) while it
+// computes the current one.
 template <typename T, bool kE4M3>
-__global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const QuantizeProblem p, int64_t num_tiles) {
+__global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const QuantizeProblem p, int64_t num_groups) {
   constexpr int VEC = 16 / sizeof(T);
   static_assert(32 % VEC == 0 && VEC * sizeof(T) == 16, "a chunk is 16 bytes of whole elements");
   extern __shared__ __align__(16) uint4 smem[];  // [warps][kStages][32 rows][32 chunks]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint4* ring = smem + warp * kStages * kTileRows * kTileChunks;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (t >= num_tiles) return;
-  TileCoord cur = tile_coord<VEC>(p, t);
+  const int64_t g0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (g0 >= num_groups) return;
+  const int64_t steps = 4 * ceil_div(num_groups - g0, stride);  // this warp's tiles, in order
+  auto tile_at = [&](int64_t k) { return tile_coord<VEC>(p, g0 + (k / 4) * stride, static_cast<int>(k % 4)); };
+  TileCoord cur = tile_at(0);
   issue_tile<T>(p, cur, ring, lane);
   ptx::cp_async_commit();
-  for (int it = 0; t < num_tiles; ++it, t += stride) {
-    const int64_t tn = t + stride;
+  uint32_t group_scales[VEC] = {};
+  for (int64_t k = 0; k < steps; ++k) {
     TileCoord next{};
-    if (tn < num_tiles) {
-      next = tile_coord<VEC>(p, tn);
-      issue_tile<T>(p, next, ring + ((it + 1) % kStages) * kTileRows * kTileChunks, lane);
+    if (k + 1 < steps) {
+      next = tile_at(k + 1);
+      issue_tile<T>(p, next, ring + ((k + 1) % kStages) * kTileRows * kTileChunks, lane);
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<kStages - 1>();  // this tile's group has landed ...
     __syncwarp();                       // ... for every lane (rows cross lanes in the rowwise walk)
-    const uint4* stage = ring + (it % kStages) * kTileRows * kTileChunks;
-    if (p.col_codes != nullptr) columnwise_tile<T, kE4M3>(p, cur, stage, lane);
-    if (p.row_codes != nullptr) rowwise_tile<T, kE4M3>(p, cur, stage, lane);
+    const uint4* stage = ring + (k % kStages) * kTileRows * kTileChunks;
+    const int q = static_cast<int>(k % 4);
+    if (cur.nrows > 0) {
+      if (p.col_codes != nullptr) columnwise_tile<T, kE4M3>(p, cur, stage, lane, q, group_scales);
+      if (p.row_codes != nullptr) rowwise_tile<T, kE4M3>(p, cur, stage, lane);
+    }
+    if (q == 3 && p.col_codes != nullptr && !ccur_compact(p)) {
+      store_group_scales<VEC>(p, cur.bi, cur.tr - 3, (cur.tc * kTileChunks + lane) * VEC, group_scales);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) group_scales[j] = 0;
+    }
     __syncwarp();  // every lane is done reading this stage before it is refilled
     cur = next;
   }
@@ -329,8 +367,8 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
 template <typename T, bool kE4M3>
 void launch(const QuantizeProblem& p, cudaStream_t stream) {
   constexpr int kTileCols = kTileChunks * (16 / sizeof(T));
-  const int64_t tiles = p.batch * ceil_div(p.rows, kTileRows) * ceil_div(p.cols, kTileCols);
-  if (tiles == 0) return;
+  const int64_t groups = p.batch * ceil_div(p.rows, 4 * kTileRows) * ceil_div(p.cols, kTileCols);
+  if (groups == 0) return;
   // Persistent grid: as many blocks as fit on the device at once (cached per device).
   static int cached_blocks[64] = {0};
   int dev = 0;
@@ -344,8 +382,8 @@ void launch(const QuantizeProblem& p, cudaStream_t stream) {
     MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     fit = per_sm * sms > 0 ? per_sm * sms : 1;
   }
-  const int64_t blocks = std::min<int64_t>(fit, ceil_div(tiles, kWarpsPerBlock));
-  sm90_mxfp8_quantize_kernel<T, kE4M3><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, tiles);
+  const int64_t blocks = std::min<int64_t>(fit, ceil_div(groups, kWarpsPerBlock));
+  sm90_mxfp8_quantize_kernel<T, kE4M3><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, groups);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 

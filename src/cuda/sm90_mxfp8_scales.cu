@@ -78,6 +78,45 @@ struct RemapBatch {
   int count;
 };
 
+// A swizzled or BHSD destination word (off % 4 == 0) holds scale columns j..j+3 of one row i
+// of a 128x4 tile: the coordinates of its first block, and how many of its 4 bytes are real
+// blocks (0..4; the rest is padding). Index arithmetic in I (uint32_t when everything fits).
+template <typename I>
+__device__ __forceinline__ int swizzled_word_coords(const ScaleMap& m, bool rowwise, I off, I& bi, I& a, I& b) {
+  I mat = 0;
+  if (m.mode == MapMode::kBHSD) {
+    mat = off / static_cast<I>(m.mat_size);
+    off -= mat * static_cast<I>(m.mat_size);
+  }
+  const I tx = static_cast<I>(m.tiles_x), tile = off / 512, o = off % 512;
+  const I i = (tile / tx) * 128 + ((o % 16) / 4) * 32 + o / 16;
+  const I j = (tile % tx) * 4;
+  const I rows = static_cast<I>(m.rows), cols = static_cast<I>(m.cols), nrb = (rows + 31) / 32;
+  I jlim;
+  if (m.mode == MapMode::kSwizzled) {  // plain tensors: batch == 1
+    if (rowwise) {
+      if (i >= rows) return 0;
+      bi = 0, a = i, b = j, jlim = cols / 32;
+    } else {
+      if (i >= cols) return 0;
+      bi = 0, a = j, b = i, jlim = nrb;
+    }
+  } else {
+    const I D = static_cast<I>(m.D), mats = cols / D, mm = mat % mats;
+    bi = mat / mats;
+    if (rowwise) {
+      if (i >= rows) return 0;
+      a = i, b = mm * (D / 32) + j, jlim = D / 32;
+    } else {
+      if (i >= D) return 0;
+      a = j, b = mm * D + i, jlim = nrb;
+    }
+  }
+  if (j >= jlim) return 0;
+  return static_cast<int>(jlim - j < 4 ? jlim - j : 4);
+}
+
+template <typename I>
 __global__ void __launch_bounds__(kThreads) sm90_remap_scales_kernel(const __grid_constant__ RemapBatch batch) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (t >= batch.first[batch.count]) return;
@@ -86,10 +125,19 @@ __global__ void __launch_bounds__(kThreads) sm90_remap_scales_kernel(const __gri
   const RemapProblem& p = batch.job[k];
   const int64_t off0 = (t - batch.first[k]) * 4, bytes = map_bytes(p.dst_map, p.rowwise);
   uint32_t word = 0;
-  for (int q = 0; q < 4 && off0 + q < bytes; ++q) {
-    int64_t bi, a, b;
-    if (offset_coords(p.dst_map, p.rowwise, off0 + q, bi, a, b))
+  if (p.dst_map.mode != MapMode::kCompact) {
+    I bi, a, b;
+    const int n = swizzled_word_coords<I>(p.dst_map, p.rowwise, static_cast<I>(off0), bi, a, b);
+    for (int q = 0; q < n; ++q)  // rowwise steps the block column, columnwise the row block
+      word |= static_cast<uint32_t>(p.src[scale_offset(p.src_map, p.rowwise, bi, p.rowwise ? a : a + q,
+                                                       p.rowwise ? b + q : b)])
+              << (8 * q);
+  } else {
+    for (int q = 0; q < 4 && off0 + q < bytes; ++q) {
+      int64_t bi, a, b;
+      offset_coords(p.dst_map, p.rowwise, off0 + q, bi, a, b);
       word |= static_cast<uint32_t>(p.src[scale_offset(p.src_map, p.rowwise, bi, a, b)]) << (8 * q);
+    }
   }
   if (off0 + 4 <= bytes && (reinterpret_cast<uintptr_t>(p.dst + off0) % 4) == 0) {
     *reinterpret_cast<uint32_t*>(p.dst + off0) = word;
@@ -132,7 +180,17 @@ void remap_scales_cuda(const std::vector<RemapProblem>& jobs, Stream s) {
       batch.first[k + 1] = batch.first[k] + ceil_div(map_bytes(batch.job[k].dst_map, batch.job[k].rowwise), 4);
     }
     if (batch.first[batch.count] == 0) continue;
-    sm90_remap_scales_kernel<<<grid_for(batch.first[batch.count], "mxmla.remap_scales"), kThreads, 0, stream>>>(batch);
+    bool fits32 = true;  // 32-bit index arithmetic when every buffer and extent fits
+    for (int k = 0; k < batch.count; ++k) {
+      const ScaleMap& m = batch.job[k].dst_map;
+      fits32 = fits32 && map_bytes(m, batch.job[k].rowwise) < (int64_t{1} << 31) && m.cols < (int64_t{1} << 31) &&
+               m.rows < (int64_t{1} << 31);
+    }
+    const unsigned grid = grid_for(batch.first[batch.count], "mxmla.remap_scales");
+    if (fits32)
+      sm90_remap_scales_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(batch);
+    else
+      sm90_remap_scales_kernel<int64_t><<<grid, kThreads, 0, stream>>>(batch);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
 }
