@@ -140,17 +140,21 @@ TEST_P(AttentionGpu, MatchesReferenceBitExact) {
   expect_same(gpu, cpu, "quantize_attention");
 }
 
+std::string attn_name(const ::testing::TestParamInfo<AttnParam>& info) {
+  const QKVLayout layout = std::get<0>(info.param);
+  const AttnShape a = std::get<1>(info.param);
+  return std::string(layout == QKVLayout::kSBHD ? "sbhd_" : "bshd_") + "s" + std::to_string(a.S) + "_b" +
+         std::to_string(a.B) + "_h" + std::to_string(a.H) + "_d" + std::to_string(a.D) +
+         (std::get<2>(info.param) ? "_fused" : "_compact");
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Layouts, AttentionGpu,
     ::testing::Combine(::testing::Values(QKVLayout::kSBHD, QKVLayout::kBSHD),
                        ::testing::Values(AttnShape{33, 2, 3, 192}, AttnShape{128, 1, 1, 128}, AttnShape{300, 3, 2, 64},
                                          AttnShape{1, 2, 1, 32}, AttnShape{257, 2, 16, 192}),
                        ::testing::Values(true, false)),
-    [](const ::testing::TestParamInfo<AttnParam>& info) {
-      const auto [layout, a, bhsd] = info.param;
-      return std::string(layout == QKVLayout::kSBHD ? "sbhd_" : "bshd_") + "s" + std::to_string(a.S) + "_b" +
-             std::to_string(a.B) + "_h" + std::to_string(a.H) + "_d" + std::to_string(a.D) + (bhsd ? "_fused" : "_compact");
-    });
+    attn_name);
 
 // BHSD scales do not depend on the token-major layout: quantize the same Q as sbhd and as bshd.
 TEST(AttentionCpu, BhsdScalesIndependentOfLayout) {
