@@ -32,8 +32,8 @@ def timer(fn, iters: int, flush: torch.Tensor) -> float:
     end = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
         flush.fill_(i & 0xFF)
-        # keep the GPU busy while Python enqueues fn(), so host overhead stays outside the events
-        torch.cuda._sleep(200_000)
+        # keep the GPU busy (~1 ms) while Python enqueues fn(), so host overhead stays outside the events
+        torch.cuda._sleep(2_000_000)
         start[i].record()
         fn()
         end[i].record()

@@ -314,6 +314,14 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
              (reinterpret_cast<uintptr_t>(p.row_scales) % 4) == 0) {
     for (int g = 0; g < nb; g += 4)  // F8_128x4: scale columns 4g..4g+3 of a row are 4 contiguous bytes
       store_bytes<4>(p.row_scales + cursor_offset(row_cursor(p.row_map, c.bi, kb0 + g), row), scales >> (8 * g));
+  } else if (p.row_map.mode == MapMode::kBHSD) {
+    // one division for the tile row, then step the d block (crossing into the next head's matrix)
+    const int64_t nd = p.row_map.D / 32;
+    ScaleCursor cur = rc;
+    for (int b = 0; b < nb; ++b) {
+      p.row_scales[cursor_offset(cur, row)] = static_cast<uint8_t>(scales >> (8 * b));
+      if (++cur.j == nd) cur.j = 0, cur.base += p.row_map.mat_size;
+    }
   } else {
     for (int b = 0; b < nb; ++b)
       p.row_scales[cursor_offset(row_cursor(p.row_map, c.bi, kb0 + b), row)] = static_cast<uint8_t>(scales >> (8 * b));
