@@ -1,17 +1,18 @@
 // mxmla — MXFP8 quantization kernel for SM90 (rowwise, columnwise, or both in one pass).
 //
-// Memory-bound: one read of the input, one write of each output. Persistent warps; each warp
-// streams tiles of 32 rows x 32 16-byte chunks (32 x 256 bf16, 32 x 128 fp32) through a
-// kStages-deep cp.async ring in shared memory and quantizes a tile while the next one loads.
+// Memory-bound: one read of the input, one write of each output. Persistent blocks of two warps
+// stream tiles of 32 rows x 32 16-byte chunks (32 x 256 bf16, 32 x 128 fp32) through a
+// kStages-deep cp.async ring in shared memory and quantize a tile while the next one loads.
 // Inside a tile the two directions use different thread mappings, so that every block's amax is
-// a thread-local reduction and every scale is computed once:
-//   * columnwise: lane = chunk (VEC columns), walking down the 32 rows;
-//   * rowwise   : lane = row, walking along the row's 32-element blocks.
+// a thread-local reduction and every scale is computed once, and they run on different warps:
+//   * columnwise (warp 0): lane = chunk (VEC columns), walking down the 32 rows;
+//   * rowwise    (warp 1): lane = row, walking along the row's 32-element blocks.
 // Chunk c of row r sits at physical chunk c ^ r, which makes both walks bank-conflict free.
 // amax is an integer max of magnitude bits (two 16-bit lanes per instruction), which also sees
 // NaN (bits above Inf) and Inf for the SPEC §2 policy. Scales go through a ScaleCursor
 // (compact, swizzled or BHSD), so swizzled and attention layouts are written directly; padding
-// is zeroed by the launcher.
+// is zeroed by the launcher. Tiles are walked in groups of four row tiles (one 128-row swizzle
+// tile), so swizzled columnwise scales leave as whole words.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -26,7 +27,7 @@ namespace mxmla::detail {
 namespace {
 
 // Tile configuration.
-constexpr int kWarpsPerBlock = 1;
+constexpr int kWarpsPerBlock = 2;  // share one tile ring: columnwise and rowwise passes run side by side
 constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kTileRows = 32;    // = MXFP8 block size along the columnwise axis
 constexpr int kTileChunks = 32;  // 16-byte chunks per tile row (one per lane)
@@ -35,7 +36,7 @@ constexpr int kTileChunks = 32;  // 16-byte chunks per tile row (one per lane)
 #endif
 constexpr int kStages = MXMLA_QUANT_STAGES;  // tiles in flight per warp (tile i+1 loads while i computes)
 constexpr int kTileBytes = kTileRows * kTileChunks * 16;
-constexpr int kSmemBytes = kWarpsPerBlock * kStages * kTileBytes;
+constexpr int kSmemBytes = kStages * kTileBytes;  // one ring per block
 static_assert(kTileRows == 32 && kTileChunks == 32, "the XOR layout maps rows and chunks onto the 32 lanes");
 
 template <typename T>
@@ -161,18 +162,22 @@ __device__ __forceinline__ TileCoord tile_coord(const QuantizeProblem& p, int64_
   return c;
 }
 
-// Lane l copies chunk l of each of the tile's rows into physical chunk l ^ r (missing rows and
-// columns are zero-filled without a read).
+// Lane l of warp w copies chunk l of rows [16w, 16w + 16) of the tile into physical chunk l ^ r
+// (missing rows and columns are zero-filled without a read).
 template <typename T>
-__device__ __forceinline__ void issue_tile(const QuantizeProblem& p, const TileCoord& c, uint4* stage, int lane) {
+__device__ __forceinline__ void issue_tile(const QuantizeProblem& p, const TileCoord& c, uint4* stage, int lane,
+                                           int warp) {
   constexpr int VEC = 16 / sizeof(T);
+  constexpr int kRowsPerWarp = kTileRows / kWarpsPerBlock;
   const int64_t col = (c.tc * kTileChunks + lane) * VEC;
   const bool col_ok = col < p.cols;
-  const T* src = static_cast<const T*>(p.in) + c.bi * p.batch_stride + c.tr * kTileRows * p.row_stride + col;
+  const int r0 = warp * kRowsPerWarp;
+  const T* src = static_cast<const T*>(p.in) + c.bi * p.batch_stride + (c.tr * kTileRows + r0) * p.row_stride + col;
 #pragma unroll
-  for (int r = 0; r < kTileRows; ++r) {
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = r0 + i;
     const bool ok = col_ok && r < c.nrows;
-    ptx::cp_async<16>(stage + r * kTileChunks + (lane ^ r), ok ? static_cast<const void*>(src + r * p.row_stride) : p.in,
+    ptx::cp_async<16>(stage + r * kTileChunks + (lane ^ r), ok ? static_cast<const void*>(src + i * p.row_stride) : p.in,
                       ok ? 16 : 0);
   }
 }
@@ -247,7 +252,7 @@ __device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const 
 // halves of one row's block. The tile row's scales leave in one wide store where contiguous.
 template <typename T, bool kE4M3>
 __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
-                                             int lane) {
+                                             int lane, int b_begin, int b_end) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CPB = 32 / VEC;                // chunks per block
   constexpr int kBlocks = kTileChunks / CPB;  // blocks per tile row (8 bf16/fp16, 4 fp32)
@@ -263,7 +268,7 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
   const uint4* src = stage + lane * kTileChunks;
   uint64_t scales = 0;
 #pragma unroll 2
-  for (int b = 0; b < kBlocks; ++b) {
+  for (int b = b_begin; b < b_end; ++b) {
     if (kb0 + b >= nkb) break;  // uniform across the warp
     uint4 v[CPB];
     uint32_t m = 0;
@@ -305,15 +310,23 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
     if (odd_ok) __stcs(reinterpret_cast<uint4*>(dst_even + p.cols + b * 32), odd_half);
   }
   if (!row_ok) return;
-  const int nb = static_cast<int>(nkb - kb0 < kBlocks ? nkb - kb0 : kBlocks);
-  const ScaleCursor rc = row_cursor(p.row_map, c.bi, kb0);
+  // scales of blocks [b_begin, b_begin + nb) of this row, in bits [8 b, 8 b + 8) of `scales`
+  const int64_t b_stop = nkb - kb0 < b_end ? nkb - kb0 : b_end;
+  const int nb = static_cast<int>(b_stop - b_begin);
+  if (nb <= 0) return;
+  scales >>= 8 * b_begin;
+  const ScaleCursor rc = row_cursor(p.row_map, c.bi, kb0 + b_begin);
   uint8_t* sdst = p.row_scales + cursor_offset(rc, row);
-  if (rc.compact && nb == kBlocks && (reinterpret_cast<uintptr_t>(sdst) % kBlocks) == 0) {
-    store_bytes<kBlocks>(sdst, scales);  // kBlocks contiguous scale bytes
-  } else if (p.row_map.mode == MapMode::kSwizzled && nb % 4 == 0 &&
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(sdst);
+  if (rc.compact && nb == 8 && addr % 8 == 0) {
+    store_bytes<8>(sdst, scales);  // contiguous scale bytes
+  } else if (rc.compact && nb == 4 && addr % 4 == 0) {
+    store_bytes<4>(sdst, scales);
+  } else if (p.row_map.mode == MapMode::kSwizzled && nb % 4 == 0 && (kb0 + b_begin) % 4 == 0 &&
              (reinterpret_cast<uintptr_t>(p.row_scales) % 4) == 0) {
     for (int g = 0; g < nb; g += 4)  // F8_128x4: scale columns 4g..4g+3 of a row are 4 contiguous bytes
-      store_bytes<4>(p.row_scales + cursor_offset(row_cursor(p.row_map, c.bi, kb0 + g), row), scales >> (8 * g));
+      store_bytes<4>(p.row_scales + cursor_offset(row_cursor(p.row_map, c.bi, kb0 + b_begin + g), row),
+                     scales >> (8 * g));
   } else if (p.row_map.mode == MapMode::kBHSD) {
     // one division for the tile row, then step the d block (crossing into the next head's matrix)
     const int64_t nd = p.row_map.D / 32;
@@ -324,50 +337,57 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
     }
   } else {
     for (int b = 0; b < nb; ++b)
-      p.row_scales[cursor_offset(row_cursor(p.row_map, c.bi, kb0 + b), row)] = static_cast<uint8_t>(scales >> (8 * b));
+      p.row_scales[cursor_offset(row_cursor(p.row_map, c.bi, kb0 + b_begin + b), row)] =
+          static_cast<uint8_t>(scales >> (8 * b));
   }
 }
 
-// Persistent warps: warp w walks the tile groups w, w + W, w + 2W, ... (W = all warps of the
-// grid), four row tiles per group, loading the next tile (cp.async into the next stage) while it
-// computes the current one.
+// Persistent blocks of two warps: block i walks the tile groups i, i + G, i + 2G, ... (G = grid
+// size), four row tiles per group, loading the next tile (cp.async into the next stage) while it
+// quantizes the current one. With both directions, warp 0 runs the columnwise pass and warp 1
+// the rowwise pass of the same tile; with one direction the warps split it (rowwise: half the
+// blocks of each row each; columnwise: warp 0 alone).
 template <typename T, bool kE4M3>
 __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const QuantizeProblem p, int64_t num_groups) {
   constexpr int VEC = 16 / sizeof(T);
+  constexpr int kBlocks = kTileChunks * VEC / 32;  // rowwise blocks per tile row
   static_assert(32 % VEC == 0 && VEC * sizeof(T) == 16, "a chunk is 16 bytes of whole elements");
-  extern __shared__ __align__(16) uint4 smem[];  // [warps][kStages][32 rows][32 chunks]
+  static_assert(kWarpsPerBlock == 2, "the pass split below is written for two warps");
+  extern __shared__ __align__(16) uint4 smem[];  // [kStages][32 rows][32 chunks]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint4* ring = smem + warp * kStages * kTileRows * kTileChunks;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  const int64_t g0 = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  const bool do_col = p.col_codes != nullptr, do_row = p.row_codes != nullptr;
+  const bool col_warp = do_col && warp == 0;
+  const bool row_warp = do_row && (!do_col || warp == 1);
+  const int b_begin = do_col ? 0 : warp * (kBlocks / 2), b_end = do_col ? kBlocks : b_begin + kBlocks / 2;
+  const int64_t g0 = blockIdx.x, stride = gridDim.x;
   if (g0 >= num_groups) return;
-  const int64_t steps = 4 * ceil_div(num_groups - g0, stride);  // this warp's tiles, in order
+  const int64_t steps = 4 * ceil_div(num_groups - g0, stride);  // this block's tiles, in order
   auto tile_at = [&](int64_t k) { return tile_coord<VEC>(p, g0 + (k / 4) * stride, static_cast<int>(k % 4)); };
   TileCoord cur = tile_at(0);
-  issue_tile<T>(p, cur, ring, lane);
+  issue_tile<T>(p, cur, smem, lane, warp);
   ptx::cp_async_commit();
   uint32_t group_scales[VEC] = {};
   for (int64_t k = 0; k < steps; ++k) {
     TileCoord next{};
     if (k + 1 < steps) {
       next = tile_at(k + 1);
-      issue_tile<T>(p, next, ring + ((k + 1) % kStages) * kTileRows * kTileChunks, lane);
+      issue_tile<T>(p, next, smem + ((k + 1) % kStages) * kTileRows * kTileChunks, lane, warp);
     }
     ptx::cp_async_commit();
-    ptx::cp_async_wait<kStages - 1>();  // this tile's group has landed ...
-    __syncwarp();                       // ... for every lane (rows cross lanes in the rowwise walk)
-    const uint4* stage = ring + (k % kStages) * kTileRows * kTileChunks;
+    ptx::cp_async_wait<kStages - 1>();  // this thread's copies of tile k have landed ...
+    __syncthreads();                    // ... and everybody's
+    const uint4* stage = smem + (k % kStages) * kTileRows * kTileChunks;
     const int q = static_cast<int>(k % 4);
     if (cur.nrows > 0) {
-      if (p.col_codes != nullptr) columnwise_tile<T, kE4M3>(p, cur, stage, lane, q, group_scales);
-      if (p.row_codes != nullptr) rowwise_tile<T, kE4M3>(p, cur, stage, lane);
+      if (col_warp) columnwise_tile<T, kE4M3>(p, cur, stage, lane, q, group_scales);
+      if (row_warp) rowwise_tile<T, kE4M3>(p, cur, stage, lane, b_begin, b_end);
     }
-    if (q == 3 && p.col_codes != nullptr && !ccur_compact(p)) {
+    if (q == 3 && col_warp && !ccur_compact(p)) {
       store_group_scales<VEC>(p, cur.bi, cur.tr - 3, (cur.tc * kTileChunks + lane) * VEC, group_scales);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) group_scales[j] = 0;
     }
-    __syncwarp();  // every lane is done reading this stage before it is refilled
+    __syncthreads();  // the stage is read by both warps before it is refilled
     cur = next;
   }
 }
@@ -390,7 +410,7 @@ void launch(const QuantizeProblem& p, cudaStream_t stream) {
     MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     fit = per_sm * sms > 0 ? per_sm * sms : 1;
   }
-  const int64_t blocks = std::min<int64_t>(fit, ceil_div(groups, kWarpsPerBlock));
+  const int64_t blocks = std::min<int64_t>(fit, groups);
   sm90_mxfp8_quantize_kernel<T, kE4M3><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, groups);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
