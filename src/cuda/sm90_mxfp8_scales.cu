@@ -70,7 +70,9 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_dequantize_kernel(const D
   }
 }
 
-// Remap jobs of one launch; thread t handles 4 destination bytes of the job its index falls in.
+// Remap jobs of one launch. A compact destination is written 4 bytes per thread; a swizzled or
+// BHSD destination one 512-byte (128 x 4) tile per warp, 16 bytes per lane: lane l owns rows
+// i = l, l + 32, l + 64, l + 96 of the tile (SPEC §2.1: byte (i % 32) * 16 + (i % 128) / 32 * 4 + j % 4).
 constexpr int kMaxRemapJobs = 8;
 struct RemapBatch {
   RemapProblem job[kMaxRemapJobs];
@@ -78,19 +80,13 @@ struct RemapBatch {
   int count;
 };
 
-// A swizzled or BHSD destination word (off % 4 == 0) holds scale columns j..j+3 of one row i
-// of a 128x4 tile: the coordinates of its first block, and how many of its 4 bytes are real
-// blocks (0..4; the rest is padding). Index arithmetic in I (uint32_t when everything fits).
+__host__ __device__ inline bool swizzled_dst(const RemapProblem& p) { return p.dst_map.mode != MapMode::kCompact; }
+
+// Block coordinates of scale column j of row i in (b, h) matrix `mat` of a swizzled / BHSD
+// layout, and how many of the columns j..j+3 are real blocks (0..4; the rest is padding).
+// Index arithmetic in I (uint32_t when everything fits).
 template <typename I>
-__device__ __forceinline__ int swizzled_word_coords(const ScaleMap& m, bool rowwise, I off, I& bi, I& a, I& b) {
-  I mat = 0;
-  if (m.mode == MapMode::kBHSD) {
-    mat = off / static_cast<I>(m.mat_size);
-    off -= mat * static_cast<I>(m.mat_size);
-  }
-  const I tx = static_cast<I>(m.tiles_x), tile = off / 512, o = off % 512;
-  const I i = (tile / tx) * 128 + ((o % 16) / 4) * 32 + o / 16;
-  const I j = (tile % tx) * 4;
+__device__ __forceinline__ int swizzled_coords(const ScaleMap& m, bool rowwise, I mat, I i, I j, I& bi, I& a, I& b) {
   const I rows = static_cast<I>(m.rows), cols = static_cast<I>(m.cols), nrb = (rows + 31) / 32;
   I jlim;
   if (m.mode == MapMode::kSwizzled) {  // plain tensors: batch == 1
@@ -123,21 +119,41 @@ __global__ void __launch_bounds__(kThreads) sm90_remap_scales_kernel(const __gri
   int k = 0;
   while (t >= batch.first[k + 1]) ++k;
   const RemapProblem& p = batch.job[k];
-  const int64_t off0 = (t - batch.first[k]) * 4, bytes = map_bytes(p.dst_map, p.rowwise);
-  uint32_t word = 0;
-  if (p.dst_map.mode != MapMode::kCompact) {
-    I bi, a, b;
-    const int n = swizzled_word_coords<I>(p.dst_map, p.rowwise, static_cast<I>(off0), bi, a, b);
-    for (int q = 0; q < n; ++q)  // rowwise steps the block column, columnwise the row block
-      word |= static_cast<uint32_t>(p.src[scale_offset(p.src_map, p.rowwise, bi, p.rowwise ? a : a + q,
-                                                       p.rowwise ? b + q : b)])
-              << (8 * q);
-  } else {
-    for (int q = 0; q < 4 && off0 + q < bytes; ++q) {
-      int64_t bi, a, b;
-      offset_coords(p.dst_map, p.rowwise, off0 + q, bi, a, b);
-      word |= static_cast<uint32_t>(p.src[scale_offset(p.src_map, p.rowwise, bi, a, b)]) << (8 * q);
+  const int64_t tl = t - batch.first[k];
+  if (swizzled_dst(p)) {
+    const int lane = static_cast<int>(tl % 32);
+    const I tile = static_cast<I>(tl / 32);
+    I mat = 0, tm = tile;
+    if (p.dst_map.mode == MapMode::kBHSD) {
+      const I per_mat = static_cast<I>(p.dst_map.mat_size / 512);
+      mat = tile / per_mat, tm = tile % per_mat;
     }
+    const I tx = static_cast<I>(p.dst_map.tiles_x), i0 = (tm / tx) * 128 + lane, j = (tm % tx) * 4;
+    uint32_t w[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      I bi, a, b;
+      const int n = swizzled_coords<I>(p.dst_map, p.rowwise, mat, i0 + 32 * m, j, bi, a, b);
+      w[m] = 0;
+      for (int q = 0; q < n; ++q)  // rowwise steps the block column, columnwise the row block
+        w[m] |= static_cast<uint32_t>(p.src[scale_offset(p.src_map, p.rowwise, bi, p.rowwise ? a : a + q,
+                                                         p.rowwise ? b + q : b)])
+                << (8 * q);
+    }
+    uint8_t* d = p.dst + static_cast<int64_t>(tile) * 512 + lane * 16;
+    if ((reinterpret_cast<uintptr_t>(d) % 16) == 0) {
+      *reinterpret_cast<uint4*>(d) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      for (int q = 0; q < 16; ++q) d[q] = static_cast<uint8_t>(w[q / 4] >> (8 * (q % 4)));
+    }
+    return;
+  }
+  const int64_t off0 = tl * 4, bytes = map_bytes(p.dst_map, p.rowwise);
+  uint32_t word = 0;
+  for (int q = 0; q < 4 && off0 + q < bytes; ++q) {
+    int64_t bi, a, b;
+    offset_coords(p.dst_map, p.rowwise, off0 + q, bi, a, b);
+    word |= static_cast<uint32_t>(p.src[scale_offset(p.src_map, p.rowwise, bi, a, b)]) << (8 * q);
   }
   if (off0 + 4 <= bytes && (reinterpret_cast<uintptr_t>(p.dst + off0) % 4) == 0) {
     *reinterpret_cast<uint32_t*>(p.dst + off0) = word;
@@ -177,7 +193,8 @@ void remap_scales_cuda(const std::vector<RemapProblem>& jobs, Stream s) {
     batch.count = static_cast<int>(std::min<size_t>(kMaxRemapJobs, jobs.size() - j0));
     for (int k = 0; k < batch.count; ++k) {
       batch.job[k] = jobs[j0 + k];
-      batch.first[k + 1] = batch.first[k] + ceil_div(map_bytes(batch.job[k].dst_map, batch.job[k].rowwise), 4);
+      const int64_t bytes = map_bytes(batch.job[k].dst_map, batch.job[k].rowwise);  // whole tiles when swizzled
+      batch.first[k + 1] = batch.first[k] + (swizzled_dst(batch.job[k]) ? bytes / 512 * 32 : ceil_div(bytes, 4));
     }
     if (batch.first[batch.count] == 0) continue;
     bool fits32 = true;  // 32-bit index arithmetic when every buffer and extent fits
