@@ -29,11 +29,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32).
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 // Two fp32 -> two FP8 codes, round to nearest even, saturating to +-max normal, NaN kept.
 // Result byte 0 is `lo`, byte 1 is `hi`.
 template <bool kE4M3>

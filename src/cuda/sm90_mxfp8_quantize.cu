@@ -5,9 +5,8 @@
 // kStages-deep cp.async ring in shared memory and quantize a tile while the next one loads.
 // Inside a tile the two directions use different thread mappings, so that every block's amax is
 // a thread-local reduction and every scale is computed once, and they run on different warps:
-//   * columnwise (warps 0-1): lane = chunk (VEC columns), walking down 16 rows each, amax
-//     exchanged between the two halves;
-//   * rowwise    (warps 2-3): lane = row, walking along half of the row's 32-element blocks each.
+//   * columnwise (warp 0): lane = chunk (VEC columns), walking down the 32 rows;
+//   * rowwise    (warp 1): lane = row, walking along the row's 32-element blocks.
 // Chunk c of row r sits at physical chunk c ^ r, which makes both walks bank-conflict free.
 // amax is an integer max of magnitude bits (two 16-bit lanes per instruction), which also sees
 // NaN (bits above Inf) and Inf for the SPEC §2 policy. Scales go through a ScaleCursor
@@ -28,7 +27,7 @@ namespace mxmla::detail {
 namespace {
 
 // Tile configuration.
-constexpr int kWarpsPerBlock = 4;  // share one tile ring: 2 columnwise + 2 rowwise warps per tile
+constexpr int kWarpsPerBlock = 2;  // share one tile ring: columnwise and rowwise passes run side by side
 constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kTileRows = 32;    // = MXFP8 block size along the columnwise axis
 constexpr int kTileChunks = 32;  // 16-byte chunks per tile row (one per lane)
@@ -37,8 +36,7 @@ constexpr int kTileChunks = 32;  // 16-byte chunks per tile row (one per lane)
 #endif
 constexpr int kStages = MXMLA_QUANT_STAGES;  // tiles in flight per warp (tile i+1 loads while i computes)
 constexpr int kTileBytes = kTileRows * kTileChunks * 16;
-constexpr int kXchgBytes = 2 * 32 * 4 * 4;  // columnwise partial amax of the two row halves
-constexpr int kSmemBytes = kStages * kTileBytes + kXchgBytes;  // one ring per block
+constexpr int kSmemBytes = kStages * kTileBytes;  // one ring per block
 static_assert(kTileRows == 32 && kTileChunks == 32, "the XOR layout maps rows and chunks onto the 32 lanes");
 
 template <typename T>
@@ -203,31 +201,22 @@ __device__ __forceinline__ void store_group_scales(const QuantizeProblem& p, int
   }
 }
 
-// Columnwise: lane = chunk; warp `half` takes rows [16 half, 16 half + 16): partial amax, exchange
-// with the other half through shared memory, then scales and the codes of its own rows.
+// Columnwise: lane = chunk; 32 rows down, amax per column, then codes row by row.
 template <typename T, bool kE4M3>
 __device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
-                                                int lane, int half, int q, uint32_t* group_scales, uint4* xchg) {
+                                                int lane, int q, uint32_t* group_scales) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int kPW = InputTraits<T>::kPerWord;
-  constexpr int kHalf = kTileRows / 2;
   constexpr uint32_t kRcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
   const int64_t col = (c.tc * kTileChunks + lane) * VEC;
-  const int r0 = half * kHalf;
+  if (col >= p.cols) return;
   uint32_t cm[4] = {0, 0, 0, 0};
 #pragma unroll 8
-  for (int i = 0; i < kHalf; ++i) {
-    const int r = r0 + i;
+  for (int r = 0; r < kTileRows; ++r) {
     const uint4 v = stage[r * kTileChunks + (lane ^ r)];
     cm[0] = mag_max<T>(cm[0], word_mag<T>(v.x)), cm[1] = mag_max<T>(cm[1], word_mag<T>(v.y));
     cm[2] = mag_max<T>(cm[2], word_mag<T>(v.z)), cm[3] = mag_max<T>(cm[3], word_mag<T>(v.w));
   }
-  xchg[half * 32 + lane] = make_uint4(cm[0], cm[1], cm[2], cm[3]);
-  ptx::named_barrier_sync(1, 64);  // the two columnwise warps only
-  const uint4 o = xchg[(1 - half) * 32 + lane];
-  cm[0] = mag_max<T>(cm[0], o.x), cm[1] = mag_max<T>(cm[1], o.y);
-  cm[2] = mag_max<T>(cm[2], o.z), cm[3] = mag_max<T>(cm[3], o.w);
-  if (col >= p.cols) return;
   float mult[VEC];
   uint64_t scales = 0;
 #pragma unroll
@@ -236,26 +225,23 @@ __device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const 
     scales |= static_cast<uint64_t>(e) << (8 * j);
     mult[j] = e8m0_quant_multiplier(e);
   }
-  if (half == 0) {
-    if (!ccur_compact(p)) {
-      // F8_128x4 / BHSD: the row blocks 4g..4g+3 of a column are 4 contiguous bytes; collect the
-      // group's scales and store them once per column after its last member (q == 3).
+  if (!ccur_compact(p)) {
+    // F8_128x4 / BHSD: the row blocks 4g..4g+3 of a column are 4 contiguous bytes; collect the
+    // group's scales and store them once per column after its last member (q == 3).
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) group_scales[j] |= static_cast<uint32_t>((scales >> (8 * j)) & 0xFF) << (8 * q);
+    for (int j = 0; j < VEC; ++j) group_scales[j] |= static_cast<uint32_t>((scales >> (8 * j)) & 0xFF) << (8 * q);
+  } else {
+    uint8_t* sdst = p.col_scales + cursor_offset(col_cursor(p.col_map, c.bi, c.tr, col), 0);
+    if ((reinterpret_cast<uintptr_t>(sdst) % VEC) == 0) {
+      store_bytes<VEC>(sdst, scales);  // VEC contiguous scale bytes
     } else {
-      uint8_t* sdst = p.col_scales + cursor_offset(col_cursor(p.col_map, c.bi, c.tr, col), 0);
-      if ((reinterpret_cast<uintptr_t>(sdst) % VEC) == 0) {
-        store_bytes<VEC>(sdst, scales);  // VEC contiguous scale bytes
-      } else {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) sdst[j] = static_cast<uint8_t>(scales >> (8 * j));
-      }
+      for (int j = 0; j < VEC; ++j) sdst[j] = static_cast<uint8_t>(scales >> (8 * j));
     }
   }
   uint8_t* dst = p.col_codes + (c.bi * p.rows + c.tr * kTileRows) * p.cols + col;
 #pragma unroll 8
-  for (int i = 0; i < kHalf; ++i) {
-    const int r = r0 + i;
+  for (int r = 0; r < kTileRows; ++r) {
     if (r >= c.nrows) break;
     store_bytes<VEC>(dst + r * p.cols, convert_chunk<T, kE4M3>(stage[r * kTileChunks + (lane ^ r)], mult));
   }
@@ -356,26 +342,23 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
   }
 }
 
-// Persistent blocks of four warps: block i walks the tile groups i, i + G, i + 2G, ... (G = grid
+// Persistent blocks of two warps: block i walks the tile groups i, i + G, i + 2G, ... (G = grid
 // size), four row tiles per group, loading the next tile (cp.async into the next stage) while it
-// quantizes the current one. With both directions, warps 0-1 run the columnwise pass (one row
-// half each) and warps 2-3 the rowwise pass (half the blocks of each row each); rowwise only: all
-// four warps share the blocks; columnwise only: warps 0-1.
+// quantizes the current one. With both directions, warp 0 runs the columnwise pass and warp 1
+// the rowwise pass of the same tile; with one direction the warps split it (rowwise: half the
+// blocks of each row each; columnwise: warp 0 alone).
 template <typename T, bool kE4M3>
 __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const QuantizeProblem p, int64_t num_groups) {
   constexpr int VEC = 16 / sizeof(T);
-  constexpr int kBlocks = kTileChunks * VEC / 32;  // rowwise blocks per tile row (8 or 4)
+  constexpr int kBlocks = kTileChunks * VEC / 32;  // rowwise blocks per tile row
   static_assert(32 % VEC == 0 && VEC * sizeof(T) == 16, "a chunk is 16 bytes of whole elements");
-  static_assert(kWarpsPerBlock == 4, "the pass split below is written for four warps");
-  extern __shared__ __align__(16) uint4 smem[];  // [kStages][32 rows][32 chunks], then the amax exchange
-  uint4* xchg = smem + kStages * kTileRows * kTileChunks;
+  static_assert(kWarpsPerBlock == 2, "the pass split below is written for two warps");
+  extern __shared__ __align__(16) uint4 smem[];  // [kStages][32 rows][32 chunks]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool do_col = p.col_codes != nullptr, do_row = p.row_codes != nullptr;
-  const bool col_warp = do_col && warp < 2;
-  const bool row_warp = do_row && (!do_col || warp >= 2);
-  const int row_warps = do_col ? 2 : 4, row_rank = do_col ? warp - 2 : warp;
-  const int per = kBlocks / row_warps > 0 ? kBlocks / row_warps : 1;
-  const int b_begin = row_rank * per, b_end = b_begin + per;
+  const bool col_warp = do_col && warp == 0;
+  const bool row_warp = do_row && (!do_col || warp == 1);
+  const int b_begin = do_col ? 0 : warp * (kBlocks / 2), b_end = do_col ? kBlocks : b_begin + kBlocks / 2;
   const int64_t g0 = blockIdx.x, stride = gridDim.x;
   if (g0 >= num_groups) return;
   const int64_t steps = 4 * ceil_div(num_groups - g0, stride);  // this block's tiles, in order
@@ -396,15 +379,15 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
     const uint4* stage = smem + (k % kStages) * kTileRows * kTileChunks;
     const int q = static_cast<int>(k % 4);
     if (cur.nrows > 0) {
-      if (col_warp) columnwise_tile<T, kE4M3>(p, cur, stage, lane, warp, q, group_scales, xchg);
-      if (row_warp && b_begin < kBlocks) rowwise_tile<T, kE4M3>(p, cur, stage, lane, b_begin, b_end);
+      if (col_warp) columnwise_tile<T, kE4M3>(p, cur, stage, lane, q, group_scales);
+      if (row_warp) rowwise_tile<T, kE4M3>(p, cur, stage, lane, b_begin, b_end);
     }
-    if (q == 3 && col_warp && warp == 0 && !ccur_compact(p)) {
+    if (q == 3 && col_warp && !ccur_compact(p)) {
       store_group_scales<VEC>(p, cur.bi, cur.tr - 3, (cur.tc * kTileChunks + lane) * VEC, group_scales);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) group_scales[j] = 0;
     }
-    __syncthreads();  // the stage (and the exchange) are read by every warp before they are refilled
+    __syncthreads();  // the stage is read by both warps before it is refilled
     cur = next;
   }
 }
