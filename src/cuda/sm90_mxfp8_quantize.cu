@@ -34,9 +34,14 @@ constexpr int kTileChunks = 32;  // 16-byte chunks per tile row (one per lane)
 #ifndef MXMLA_QUANT_STAGES
 #define MXMLA_QUANT_STAGES 2
 #endif
+#ifndef MXMLA_QUANT_ROW_UNROLL
+#define MXMLA_QUANT_ROW_UNROLL 2
+#endif
+constexpr int kRowUnroll = MXMLA_QUANT_ROW_UNROLL;  // rowwise blocks in flight per lane
 constexpr int kStages = MXMLA_QUANT_STAGES;  // tiles in flight per warp (tile i+1 loads while i computes)
 constexpr int kTileBytes = kTileRows * kTileChunks * 16;
-constexpr int kSmemBytes = kStages * kTileBytes;  // one ring per block
+constexpr int kRowSinkBytes = kTileRows * 4 * 8;  // compact rowwise scales of a column group
+constexpr int kSmemBytes = kStages * kTileBytes + kRowSinkBytes;  // one ring per block
 static_assert(kTileRows == 32 && kTileChunks == 32, "the XOR layout maps rows and chunks onto the 32 lanes");
 
 template <typename T>
@@ -144,22 +149,44 @@ __device__ __forceinline__ uint32_t chunk_mag(const uint4& v) {
 
 struct TileCoord {
   int64_t bi, tr, tc;
-  int nrows;  // 0: a row tile past the end (groups of 4 row tiles may overhang)
+  int nrows;  // 0: a tile past the end (groups of 4 tiles may overhang)
 };
 
-// Tiles come in groups of 4 consecutive row tiles of one column tile (the rows of one 128-row
-// swizzle tile), walked in order by one warp: group g, member q.
+// Tiles come in groups of 4 walked in order by one block: 4 consecutive row tiles of one column
+// tile (swizzled / BHSD scales: the rows of one 128-row swizzle tile, so columnwise scales leave
+// as words), or, with compact scales, 4 consecutive column tiles of one row tile (so a row's
+// rowwise scales leave as one 32-byte sector). Group g, member q.
 template <int VEC>
-__device__ __forceinline__ TileCoord tile_coord(const QuantizeProblem& p, int64_t g, int q) {
+__device__ __forceinline__ TileCoord tile_coord(const QuantizeProblem& p, int64_t g, int q, bool by_columns) {
   const int64_t ntc = ceil_div(p.cols, kTileChunks * VEC);
-  const int64_t ntr4 = ceil_div(p.rows, 4 * kTileRows);
+  const int64_t ntr = ceil_div(p.rows, kTileRows);
   TileCoord c;
-  c.tc = g % ntc;
-  c.tr = ((g / ntc) % ntr4) * 4 + q;
-  c.bi = g / (ntc * ntr4);
-  const int64_t left = p.rows - c.tr * kTileRows;
+  int64_t left;
+  if (by_columns) {
+    const int64_t ntc4 = ceil_div(ntc, 4);
+    c.tc = (g % ntc4) * 4 + q;
+    c.tr = (g / ntc4) % ntr;
+    c.bi = g / (ntc4 * ntr);
+    left = c.tc < ntc ? p.rows - c.tr * kTileRows : 0;
+  } else {
+    const int64_t ntr4 = ceil_div(ntr, 4);
+    c.tc = g % ntc;
+    c.tr = ((g / ntc) % ntr4) * 4 + q;
+    c.bi = g / (ntc * ntr4);
+    left = p.rows - c.tr * kTileRows;
+  }
   c.nrows = static_cast<int>(left <= 0 ? 0 : left < kTileRows ? left : kTileRows);
   return c;
+}
+
+// Rows of the tile row that a column group covers (every member shares the row tile).
+__device__ __forceinline__ int cur_rows_of_group(const QuantizeProblem& p, const TileCoord& c) {
+  const int64_t left = p.rows - c.tr * kTileRows;
+  return static_cast<int>(left < kTileRows ? left : kTileRows);
+}
+
+__device__ __forceinline__ bool groups_by_columns(const QuantizeProblem& p) {
+  return p.row_map.mode == MapMode::kCompact && p.col_map.mode == MapMode::kCompact;
 }
 
 // Lane l of warp w copies chunk l of rows [16w, 16w + 16) of the tile into physical chunk l ^ r
@@ -252,7 +279,7 @@ __device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const 
 // halves of one row's block. The tile row's scales leave in one wide store where contiguous.
 template <typename T, bool kE4M3>
 __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
-                                             int lane, int b_begin, int b_end) {
+                                             int lane, int b_begin, int b_end, uint8_t* scale_sink) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CPB = 32 / VEC;                // chunks per block
   constexpr int kBlocks = kTileChunks / CPB;  // blocks per tile row (8 bf16/fp16, 4 fp32)
@@ -267,7 +294,7 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
   const bool even_ok = (lane - odd) < c.nrows, odd_ok = (lane | 1) < c.nrows;
   const uint4* src = stage + lane * kTileChunks;
   uint64_t scales = 0;
-#pragma unroll 2
+#pragma unroll kRowUnroll
   for (int b = b_begin; b < b_end; ++b) {
     if (kb0 + b >= nkb) break;  // uniform across the warp
     uint4 v[CPB];
@@ -310,6 +337,10 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
     if (odd_ok) __stcs(reinterpret_cast<uint4*>(dst_even + p.cols + b * 32), odd_half);
   }
   if (!row_ok) return;
+  if (scale_sink != nullptr) {  // compact: collected per row for the whole column group
+    for (int b = b_begin; b < b_end; ++b) scale_sink[b] = static_cast<uint8_t>(scales >> (8 * b));
+    return;
+  }
   // scales of blocks [b_begin, b_begin + nb) of this row, in bits [8 b, 8 b + 8) of `scales`
   const int64_t b_stop = nkb - kb0 < b_end ? nkb - kb0 : b_end;
   const int nb = static_cast<int>(b_stop - b_begin);
@@ -362,7 +393,12 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
   const int64_t g0 = blockIdx.x, stride = gridDim.x;
   if (g0 >= num_groups) return;
   const int64_t steps = 4 * ceil_div(num_groups - g0, stride);  // this block's tiles, in order
-  auto tile_at = [&](int64_t k) { return tile_coord<VEC>(p, g0 + (k / 4) * stride, static_cast<int>(k % 4)); };
+  const bool by_cols = groups_by_columns(p);
+  auto tile_at = [&](int64_t k) {
+    return tile_coord<VEC>(p, g0 + (k / 4) * stride, static_cast<int>(k % 4), by_cols);
+  };
+  // compact rowwise scales of a column group: [32 rows][4 tiles x kBlocks] bytes
+  uint8_t* row_sink = reinterpret_cast<uint8_t*>(smem + kStages * kTileRows * kTileChunks);
   TileCoord cur = tile_at(0);
   issue_tile<T>(p, cur, smem, lane, warp);
   ptx::cp_async_commit();
@@ -380,7 +416,9 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
     const int q = static_cast<int>(k % 4);
     if (cur.nrows > 0) {
       if (col_warp) columnwise_tile<T, kE4M3>(p, cur, stage, lane, q, group_scales);
-      if (row_warp) rowwise_tile<T, kE4M3>(p, cur, stage, lane, b_begin, b_end);
+      if (row_warp)
+        rowwise_tile<T, kE4M3>(p, cur, stage, lane, b_begin, b_end,
+                               by_cols ? row_sink + lane * 4 * kBlocks + q * kBlocks : nullptr);
     }
     if (q == 3 && col_warp && !ccur_compact(p)) {
       store_group_scales<VEC>(p, cur.bi, cur.tr - 3, (cur.tc * kTileChunks + lane) * VEC, group_scales);
@@ -388,6 +426,22 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
       for (int j = 0; j < VEC; ++j) group_scales[j] = 0;
     }
     __syncthreads();  // the stage is read by both warps before it is refilled
+    if (q == 3 && by_cols && do_row && warp == kWarpsPerBlock - 1) {
+      // the group's rowwise scales of row `lane`: 4 * kBlocks contiguous bytes
+      const int64_t kb0 = (cur.tc - 3) * kBlocks, nkb = p.cols / 32;
+      const int64_t row = cur.tr * kTileRows + lane;
+      const int64_t n = nkb - kb0 < 4 * kBlocks ? nkb - kb0 : 4 * kBlocks;
+      if (lane < cur_rows_of_group(p, cur) && n > 0) {
+        uint8_t* d = p.row_scales + (cur.bi * p.rows + row) * nkb + kb0;
+        const uint4* srow = reinterpret_cast<const uint4*>(row_sink + lane * 4 * kBlocks);
+        if (n == 4 * kBlocks && (reinterpret_cast<uintptr_t>(d) % 16) == 0) {
+#pragma unroll
+          for (int v = 0; v < 4 * kBlocks / 16; ++v) reinterpret_cast<uint4*>(d)[v] = srow[v];
+        } else {
+          for (int64_t b = 0; b < n; ++b) d[b] = row_sink[lane * 4 * kBlocks + b];
+        }
+      }
+    }
     cur = next;
   }
 }
@@ -395,7 +449,9 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
 template <typename T, bool kE4M3>
 void launch(const QuantizeProblem& p, cudaStream_t stream) {
   constexpr int kTileCols = kTileChunks * (16 / sizeof(T));
-  const int64_t groups = p.batch * ceil_div(p.rows, 4 * kTileRows) * ceil_div(p.cols, kTileCols);
+  const bool by_cols = p.row_map.mode == MapMode::kCompact && p.col_map.mode == MapMode::kCompact;
+  const int64_t groups = by_cols ? p.batch * ceil_div(p.rows, kTileRows) * ceil_div(ceil_div(p.cols, kTileCols), 4)
+                                 : p.batch * ceil_div(p.rows, 4 * kTileRows) * ceil_div(p.cols, kTileCols);
   if (groups == 0) return;
   // Persistent grid: as many blocks as fit on the device at once (cached per device).
   static int cached_blocks[64] = {0};
