@@ -32,10 +32,10 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kTileRows = 32;    // = MXFP8 block size along the columnwise axis
 constexpr int kTileChunks = 32;  // 16-byte chunks per tile row (one per lane)
 #ifndef MXMLA_QUANT_STAGES
-#define MXMLA_QUANT_STAGES 2
+#define MXMLA_QUANT_STAGES 3
 #endif
 #ifndef MXMLA_QUANT_ROW_UNROLL
-#define MXMLA_QUANT_ROW_UNROLL 2
+#define MXMLA_QUANT_ROW_UNROLL 4
 #endif
 constexpr int kRowUnroll = MXMLA_QUANT_ROW_UNROLL;  // rowwise blocks in flight per lane
 constexpr int kStages = MXMLA_QUANT_STAGES;  // tiles in flight per warp (tile i+1 loads while i computes)
