@@ -399,19 +399,20 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
   };
   // compact rowwise scales of a column group: [32 rows][4 tiles x kBlocks] bytes
   uint8_t* row_sink = reinterpret_cast<uint8_t*>(smem + kStages * kTileRows * kTileChunks);
-  TileCoord cur = tile_at(0);
-  issue_tile<T>(p, cur, smem, lane, warp);
-  ptx::cp_async_commit();
+  // Pipeline: tile k + kStages - 1 is issued while tile k is quantized.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) issue_tile<T>(p, tile_at(s), smem + s * kTileRows * kTileChunks, lane, warp);
+    ptx::cp_async_commit();
+  }
   uint32_t group_scales[VEC] = {};
   for (int64_t k = 0; k < steps; ++k) {
-    TileCoord next{};
-    if (k + 1 < steps) {
-      next = tile_at(k + 1);
-      issue_tile<T>(p, next, smem + ((k + 1) % kStages) * kTileRows * kTileChunks, lane, warp);
-    }
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<kStages - 1>();  // this thread's copies of tile k have landed ...
-    __syncthreads();                    // ... and everybody's
+    const int64_t kn = k + kStages - 1;  // refills the stage that tile k - 1 used
+    if (kn < steps) issue_tile<T>(p, tile_at(kn), smem + (kn % kStages) * kTileRows * kTileChunks, lane, warp);
+    ptx::cp_async_commit();             // one group per step (empty at the tail): the count below holds
+    ptx::cp_async_wait<kStages - 1>();  // groups of tiles <= k have landed for this thread ...
+    __syncthreads();                    // ... and for everybody
+    const TileCoord cur = tile_at(k);
     const uint4* stage = smem + (k % kStages) * kTileRows * kTileChunks;
     const int q = static_cast<int>(k % 4);
     if (cur.nrows > 0) {
@@ -442,7 +443,6 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
         }
       }
     }
-    cur = next;
   }
 }
 
