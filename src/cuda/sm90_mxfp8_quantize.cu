@@ -2,7 +2,7 @@
 //
 // Memory-bound: one read of the input, one write of each output. Persistent blocks of two warps
 // stream tiles of 32 rows x 32 16-byte chunks (32 x 256 bf16, 32 x 128 fp32) through a
-// kStages-deep cp.async ring in shared memory and quantize a tile while the next one loads.
+// kStages-deep cp.async ring in shared memory and quantize a tile while the next ones load.
 // Inside a tile the two directions use different thread mappings, so that every block's amax is
 // a thread-local reduction and every scale is computed once, and they run on different warps:
 //   * columnwise (warp 0): lane = chunk (VEC columns), walking down the 32 rows;
@@ -38,7 +38,7 @@ constexpr int kTileChunks = 32;  // 16-byte chunks per tile row (one per lane)
 #define MXMLA_QUANT_ROW_UNROLL 4
 #endif
 constexpr int kRowUnroll = MXMLA_QUANT_ROW_UNROLL;  // rowwise blocks in flight per lane
-constexpr int kStages = MXMLA_QUANT_STAGES;  // tiles in flight per warp (tile i+1 loads while i computes)
+constexpr int kStages = MXMLA_QUANT_STAGES;  // ring depth: tiles k+1 .. k+kStages-1 load while k is quantized
 constexpr int kTileBytes = kTileRows * kTileChunks * 16;
 constexpr int kRowSinkBytes = kTileRows * 4 * 8;  // compact rowwise scales of a column group
 constexpr int kSmemBytes = kStages * kTileBytes + kRowSinkBytes;  // one ring per block
@@ -115,15 +115,12 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t v) {
     __stcs(reinterpret_cast<unsigned int*>(dst), static_cast<unsigned int>(v));
 }
 
-// Two elements of a word -> two codes (16 bits), each multiplied by its multiplier.
+// Two 16-bit elements of a word -> two codes (16 bits), each multiplied by its multiplier.
 template <typename T, bool kE4M3>
 __device__ __forceinline__ uint32_t cvt_word(uint32_t w, float m0, float m1) {
-  if constexpr (InputTraits<T>::kPerWord == 2) {
-    const float2 a = InputTraits<T>::to_float2(w);
-    return ptx::cvt_fp8x2<kE4M3>(a.x * m0, a.y * m1);
-  } else {
-    return 0;  // fp32 is converted two words at a time (cvt_words_f32)
-  }
+  static_assert(InputTraits<T>::kPerWord == 2, "fp32 words are converted in pairs by convert_chunk");
+  const float2 a = InputTraits<T>::to_float2(w);
+  return ptx::cvt_fp8x2<kE4M3>(a.x * m0, a.y * m1);
 }
 
 // A chunk (16 bytes = VEC elements) -> VEC codes in the low bytes of a uint64 (VEC = 8) or
