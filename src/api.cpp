@@ -1,6 +1,5 @@
 // mxmla — public API: argument validation, flattening to the backend problems, dispatch by device.
 #include <algorithm>
-#include <numeric>
 #include <string>
 
 #include "common/device.h"

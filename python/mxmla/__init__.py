@@ -104,10 +104,6 @@ def _check_format(fp8_format: str) -> str:
     return fp8_format
 
 
-def _shape_of(x: Any) -> list:
-    return list(x.shape)
-
-
 # ----------------------------------------------------------------------------- MXFP8Tensor
 @dataclass
 class MXFP8Tensor:
