@@ -18,6 +18,8 @@ const char* dtype_name(DType t) {
     case DType::kFloat8E5M2: return "float8_e5m2";
     case DType::kE8M0: return "e8m0";
     case DType::kUInt8: return "uint8";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
   }
   return "?";
 }
@@ -27,6 +29,8 @@ int64_t dtype_size(DType t) {
     case DType::kFloat32: return 4;
     case DType::kFloat16:
     case DType::kBFloat16: return 2;
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
     default: return 1;
   }
 }

@@ -87,6 +87,8 @@ int cmd_info() {
   const char* ops[] = {"quantize (row/col/both)", "dequantize", "swizzle/unswizzle_scales", "quantize_attention (BHSD)",
                        "attention_scales_to_bhsd"};
   for (const char* op : ops) std::printf("%-28s %-22s %s\n", op, "reference (float64)", gpu);
+  for (const char* op : {"apply_rope / rope_backward", "rope_tables (plain, YaRN)"})
+    std::printf("%-28s %-22s %s\n", op, "reference (float64)", "not yet (issue 3)");
   return 0;
 }
 

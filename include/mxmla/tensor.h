@@ -26,6 +26,8 @@ enum class DType : uint8_t {
   kFloat8E5M2,  // MXFP8 element codes, E5M2
   kE8M0,        // MXFP8 block scales: biased power-of-two exponents
   kUInt8,       // raw bytes (accepted wherever codes or scales are expected)
+  kInt32,       // index tensors (cu_seqlens)
+  kInt64,
 };
 
 enum class DeviceType : uint8_t { kCPU, kCUDA };

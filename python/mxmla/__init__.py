@@ -22,6 +22,15 @@ __all__ = [
     "attention_scales_to_bhsd",
     "to_bhsd",
     "info",
+    "apply_rope",
+    "rope_backward",
+    "rope_tables",
+    "rope_inv_freq",
+    "yarn_softmax_scale",
+    "positions_arange",
+    "positions_from_cu_seqlens",
+    "positions_context_parallel",
+    "DEEPSEEK_V3_YARN",
 ]
 
 __version__ = _core.build_info()[0]
@@ -63,9 +72,11 @@ class _Backend:
 
     def empty(self, shape: Sequence[int], dtype: str) -> Any:
         if self.torch:
-            tdt = {"uint8": self._t.uint8, "float32": self._t.float32, "bfloat16": self._t.bfloat16}[dtype]
+            tdt = {"uint8": self._t.uint8, "float32": self._t.float32, "bfloat16": self._t.bfloat16,
+                   "float16": self._t.float16}[dtype]
             return self._t.empty(tuple(shape), dtype=tdt, device=self.device)
-        ndt = {"uint8": self._np.uint8, "float32": self._np.float32, "bfloat16": self._np.uint16}[dtype]
+        ndt = {"uint8": self._np.uint8, "float32": self._np.float32, "bfloat16": self._np.uint16,
+               "float16": self._np.float16}[dtype]
         return self._np.empty(tuple(shape), dtype=ndt)
 
     def desc(self, a: Any, arg: str, bf16_from_uint16: bool = False) -> tuple:
@@ -74,7 +85,8 @@ class _Backend:
             t = self._t
             if not isinstance(a, t.Tensor):
                 raise TypeError(f"mxmla: argument '{arg}': expected a torch.Tensor, got {type(a).__name__}")
-            names = {t.float32: "float32", t.float16: "float16", t.bfloat16: "bfloat16", t.uint8: "uint8"}
+            names = {t.float32: "float32", t.float16: "float16", t.bfloat16: "bfloat16", t.uint8: "uint8",
+                     t.int32: "int32", t.int64: "int64"}
             if a.dtype not in names:
                 raise ValueError(f"mxmla: argument '{arg}': dtype {a.dtype} is not supported")
             dev = a.device
@@ -86,7 +98,8 @@ class _Backend:
         if a.dtype == np.uint16 and bf16_from_uint16:
             name = "bfloat16"
         else:
-            names = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.uint8): "uint8"}
+            names = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.uint8): "uint8",
+                     np.dtype(np.int32): "int32", np.dtype(np.int64): "int64"}
             if a.dtype not in names:
                 raise ValueError(
                     f"mxmla: argument '{arg}': dtype {a.dtype} is not supported "
@@ -268,3 +281,16 @@ def info() -> dict:
         "cuda_archs": archs,
         "gpus": [_core.cuda_device_description(i) for i in range(n)],
     }
+
+
+from .rope import (  # noqa: E402  (uses _Backend above)
+    DEEPSEEK_V3_YARN,
+    apply_rope,
+    positions_arange,
+    positions_context_parallel,
+    positions_from_cu_seqlens,
+    rope_backward,
+    rope_inv_freq,
+    rope_tables,
+    yarn_softmax_scale,
+)

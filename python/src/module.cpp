@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "mxmla/mxfp8.h"
+#include "mxmla/rope.h"
 
 namespace nb = nanobind;
 using namespace mxmla;
@@ -34,6 +35,8 @@ DType parse_dtype(const std::string& s) {
   if (s == "float8_e4m3") return DType::kFloat8E4M3;
   if (s == "float8_e5m2") return DType::kFloat8E5M2;
   if (s == "e8m0") return DType::kE8M0;
+  if (s == "int32") return DType::kInt32;
+  if (s == "int64") return DType::kInt64;
   throw Error("mxmla", "dtype", "'" + s + "' is not a supported dtype");
 }
 
@@ -64,6 +67,26 @@ ScaleLayout parse_scale_layout(const std::string& s) {
   throw Error("mxmla", "scale_layout", "must be 'compact', 'swizzled' or 'bhsd', got '" + s + "'");
 }
 Stream to_stream(uintptr_t s) { return reinterpret_cast<Stream>(s); }
+
+RopeStyle parse_style(const std::string& s) {
+  if (s == "interleaved_in_halves_out") return RopeStyle::kInterleavedInHalvesOut;
+  if (s == "interleaved") return RopeStyle::kInterleaved;
+  if (s == "rotate_half") return RopeStyle::kRotateHalf;
+  throw Error("mxmla", "style", "must be 'interleaved_in_halves_out', 'interleaved' or 'rotate_half', got '" + s + "'");
+}
+RopeLayout parse_rope_layout(const std::string& s) {
+  if (s == "sbhd") return RopeLayout::kSBHD;
+  if (s == "bshd") return RopeLayout::kBSHD;
+  if (s == "thd") return RopeLayout::kTHD;
+  throw Error("mxmla", "layout", "must be 'sbhd', 'bshd' or 'thd', got '" + s + "'");
+}
+YarnParams parse_yarn(const std::optional<std::tuple<double, int64_t, double, double, double, double>>& y) {
+  YarnParams p;
+  if (!y) return p;
+  p.enabled = true;
+  std::tie(p.factor, p.original_max_position, p.beta_fast, p.beta_slow, p.mscale, p.mscale_all_dim) = *y;
+  return p;
+}
 
 MXFP8Tensor make_tensor(const std::optional<Desc>& rd, const std::optional<Desc>& rs, const std::optional<Desc>& cd,
                         const std::optional<Desc>& cs) {
@@ -168,6 +191,44 @@ NB_MODULE(_mxmla_core, m) {
           nb::gil_scoped_release release;
           attention_scales_to_bhsd(js, to_stream(stream));
         });
+
+  m.def(
+      "rope",
+      [](const Desc& x, const Desc& cos, const Desc& sin, const Desc& out, const std::string& style,
+         const std::string& layout, int64_t rope_dim, bool per_token, const std::optional<Desc>& cu, bool backward,
+         uintptr_t stream) {
+        RopeOptions o;
+        o.style = parse_style(style), o.layout = parse_rope_layout(layout), o.rope_dim = rope_dim;
+        o.tables_per_token = per_token;
+        TensorDesc od = to_desc(out);
+        TensorDesc cud = cu ? to_desc(*cu) : TensorDesc();
+        nb::gil_scoped_release release;
+        if (backward)
+          rope_backward(to_desc(x), to_desc(cos), to_desc(sin), od, o, cu ? &cud : nullptr, to_stream(stream));
+        else
+          apply_rope(to_desc(x), to_desc(cos), to_desc(sin), od, o, cu ? &cud : nullptr, to_stream(stream));
+      },
+      nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"), nb::arg("style"), nb::arg("layout"),
+      nb::arg("rope_dim"), nb::arg("tables_per_token"), nb::arg("cu_seqlens").none(), nb::arg("backward"),
+      nb::arg("stream"));
+  m.def("rope_tables", [](const std::vector<double>& positions, int64_t rope_dim, double base,
+                          const std::optional<std::tuple<double, int64_t, double, double, double, double>>& yarn,
+                          const std::string& style, const Desc& cos, const Desc& sin) {
+    TensorDesc c = to_desc(cos), s = to_desc(sin);
+    rope_tables(positions, rope_dim, base, parse_yarn(yarn), parse_style(style), c, s);
+  }, nb::arg("positions"), nb::arg("rope_dim"), nb::arg("base"), nb::arg("yarn").none(), nb::arg("style"),
+     nb::arg("cos"), nb::arg("sin"));
+  m.def("rope_inv_freq", [](int64_t rope_dim, double base,
+                            const std::optional<std::tuple<double, int64_t, double, double, double, double>>& yarn) {
+    return rope_inv_freq(rope_dim, base, parse_yarn(yarn));
+  }, nb::arg("rope_dim"), nb::arg("base"), nb::arg("yarn").none());
+  m.def("yarn_softmax_scale", [](int64_t head_dim,
+                                 const std::optional<std::tuple<double, int64_t, double, double, double, double>>& yarn) {
+    return yarn_softmax_scale(head_dim, parse_yarn(yarn));
+  }, nb::arg("head_dim"), nb::arg("yarn").none());
+  m.def("positions_arange", &positions_arange, nb::arg("n"), nb::arg("offset") = 0);
+  m.def("positions_from_cu_seqlens", &positions_from_cu_seqlens);
+  m.def("positions_context_parallel", &positions_context_parallel);
 
   m.def("build_info", [] {
     const BuildInfo b = build_info();

@@ -119,19 +119,67 @@ uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+namespace {
+// Round to nearest even with `mant_bits` explicit mantissa bits and smallest normal exponent
+// `emin`; results above `max_finite` overflow to Inf.
+double round_to_precision(double v, int mant_bits, int emin, double max_finite) {
+  if (std::isnan(v) || std::isinf(v) || v == 0.0) return v;
+  const double a = std::fabs(v);
+  int exp2;
+  std::frexp(a, &exp2);
+  const int e = std::max(exp2 - 1, emin);
+  const double q = std::ldexp(1.0, e - mant_bits);
+  const double n = a / q, fl = std::floor(n), frac = n - fl;
+  const double k = (frac > 0.5 || (frac == 0.5 && std::fmod(fl, 2.0) != 0.0)) ? fl + 1.0 : fl;
+  const double r = k * q > max_finite ? INFINITY : k * q;
+  return std::copysign(r, v);
+}
+}  // namespace
+
+uint16_t double_to_bf16(double v) {
+  if (std::isnan(v)) return 0x7FC0;
+  const float f = static_cast<float>(round_to_precision(v, 7, -126, 3.3895313892515355e38));  // exact
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+uint16_t double_to_fp16(double v) {
+  if (std::isnan(v)) return 0x7E00;
+  const double r = round_to_precision(v, 10, -14, 65504.0);
+  const uint16_t sign = std::signbit(r) ? 0x8000 : 0;
+  const double a = std::fabs(r);
+  if (std::isinf(a)) return sign | 0x7C00;
+  if (a < std::ldexp(1.0, -14)) return sign | static_cast<uint16_t>(a / std::ldexp(1.0, -24));
+  int exp2;
+  std::frexp(a, &exp2);
+  const int e = exp2 - 1;
+  return sign | static_cast<uint16_t>(((e + 15) << 10) | static_cast<int>((a / std::ldexp(1.0, e) - 1.0) * 1024));
+}
+
+double load_as_double(const void* base, DType t, int64_t off) {
+  switch (t) {
+    case DType::kFloat32: return static_cast<const float*>(base)[off];
+    case DType::kBFloat16: return bf16_to_double(static_cast<const uint16_t*>(base)[off]);
+    default: return fp16_to_double(static_cast<const uint16_t*>(base)[off]);
+  }
+}
+
+void store_from_double(void* base, DType t, int64_t off, double v) {
+  switch (t) {
+    case DType::kFloat32: static_cast<float*>(base)[off] = static_cast<float>(v); break;
+    case DType::kBFloat16: static_cast<uint16_t*>(base)[off] = double_to_bf16(v); break;
+    default: static_cast<uint16_t*>(base)[off] = double_to_fp16(v); break;
+  }
+}
+
 }  // namespace mxmla::ref
 
 namespace mxmla::detail {
 
 namespace {
 
-double load_elem(const void* base, DType t, int64_t off) {
-  switch (t) {
-    case DType::kFloat32: return static_cast<const float*>(base)[off];
-    case DType::kBFloat16: return ref::bf16_to_double(static_cast<const uint16_t*>(base)[off]);
-    default: return ref::fp16_to_double(static_cast<const uint16_t*>(base)[off]);
-  }
-}
+double load_elem(const void* base, DType t, int64_t off) { return ref::load_as_double(base, t, off); }
 
 // Quantize one block of 32 (or fewer, at a tail) values; writes codes through `code_at`.
 template <typename CodeAt>

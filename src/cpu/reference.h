@@ -23,5 +23,11 @@ double bf16_to_double(uint16_t bits);
 double fp16_to_double(uint16_t bits);
 // float -> bf16 bits, round to nearest even (NaN -> 0x7FC0).
 uint16_t float_to_bf16(float f);
+// double -> bf16 / fp16 bits in one rounding (nearest even, overflow to Inf, NaN -> 0x7FC0 / 0x7E00).
+uint16_t double_to_bf16(double v);
+uint16_t double_to_fp16(double v);
+// Element access by dtype (bf16, fp16, fp32) for the reference loops.
+double load_as_double(const void* base, DType t, int64_t offset);
+void store_from_double(void* base, DType t, int64_t offset, double v);
 
 }  // namespace mxmla::ref

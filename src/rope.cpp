@@ -1,0 +1,235 @@
+// mxmla — RoPE API: validation, table-row mapping, tables, positions, YaRN.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "common/rope_ops.h"
+#include "cpu/reference.h"
+#include "mxmla/rope.h"
+
+namespace mxmla {
+
+namespace {
+
+[[noreturn]] void fail(const char* op, const std::string& arg, const std::string& rule) { throw Error(op, arg, rule); }
+
+bool is_float(DType t) { return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16; }
+
+std::string dims(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+// cu_seqlens as int64 values, checked: 1-D int32/int64 on the CPU, starts at 0, non-decreasing,
+// ends at the number of tokens.
+std::vector<int64_t> read_cu_seqlens(const char* op, const TensorDesc& cu, int64_t tokens) {
+  if (cu.device.type != DeviceType::kCPU) fail(op, "cu_seqlens", "must be on the CPU");
+  if (cu.dtype != DType::kInt32 && cu.dtype != DType::kInt64)
+    fail(op, "cu_seqlens", std::string("dtype ") + dtype_name(cu.dtype) + " must be int32 or int64");
+  if (cu.ndim() != 1 || cu.shape[0] < 2) fail(op, "cu_seqlens", "must be 1-D with at least 2 entries, got " + dims(cu.shape));
+  if (cu.data == nullptr) fail(op, "cu_seqlens", "data pointer is null");
+  std::vector<int64_t> v(cu.shape[0]);
+  const int64_t st = cu.stride(0);
+  for (int64_t i = 0; i < cu.shape[0]; ++i)
+    v[i] = cu.dtype == DType::kInt64 ? static_cast<const int64_t*>(cu.data)[i * st]
+                                     : static_cast<const int32_t*>(cu.data)[i * st];
+  if (v[0] != 0) fail(op, "cu_seqlens", "must start at 0, got " + std::to_string(v[0]));
+  for (size_t i = 1; i < v.size(); ++i)
+    if (v[i] < v[i - 1]) fail(op, "cu_seqlens", "must be non-decreasing (entry " + std::to_string(i) + " is smaller)");
+  if (v.back() != tokens)
+    fail(op, "cu_seqlens", "last entry " + std::to_string(v.back()) + " is out of range: it must equal the number of tokens " +
+                               std::to_string(tokens));
+  return v;
+}
+
+void run_rope(const char* op, const TensorDesc& x, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& out,
+              const RopeOptions& o, const TensorDesc* cu_seqlens, bool backward) {
+  const char* xn = backward ? "grad" : "x";
+  const char* on = backward ? "dx" : "out";
+  const bool thd = o.layout == RopeLayout::kTHD;
+  const int64_t want_nd = thd ? 3 : 4;
+  if (x.ndim() != want_nd)
+    fail(op, xn, std::string("must be ") + (thd ? "3-D [t, h, d]" : "4-D [s, b, h, d] or [b, s, h, d]") + ", got " +
+                     dims(x.shape));
+  if (!x.strides.empty() && x.strides.size() != x.shape.size()) fail(op, xn, "strides do not match the shape");
+  if (!is_float(x.dtype)) fail(op, xn, std::string("dtype ") + dtype_name(x.dtype) + " is not supported");
+  if (out.shape != x.shape) fail(op, on, "shape " + dims(out.shape) + " must be " + dims(x.shape));
+  if (!is_float(out.dtype)) fail(op, on, std::string("dtype ") + dtype_name(out.dtype) + " is not supported");
+  const int64_t D = x.shape.back();
+  if (o.rope_dim <= 0 || o.rope_dim % 2 != 0)
+    fail(op, "rope_dim", std::to_string(o.rope_dim) + " must be positive and even");
+  if (o.rope_dim > D) fail(op, "rope_dim", std::to_string(o.rope_dim) + " exceeds the head dimension " + std::to_string(D));
+  if (x.numel() > 0 && (x.data == nullptr || out.data == nullptr)) fail(op, x.data ? on : xn, "data pointer is null");
+  if (out.data == x.data && x.numel() > 0) {
+    bool same = out.dtype == x.dtype;
+    for (int64_t i = 0; i < x.ndim(); ++i) same = same && out.stride(i) == x.stride(i);
+    if (!same) fail(op, on, "aliases the input with another dtype or strides (in place needs both equal)");
+  }
+  for (const auto* t : {&cos, &sin}) {
+    const char* n = t == &cos ? "cos" : "sin";
+    if (t->ndim() != 2 || t->shape[1] != o.rope_dim)
+      fail(op, n, "shape " + dims(t->shape) + " must be [T, rope_dim = " + std::to_string(o.rope_dim) + "]");
+    if (t->dtype != DType::kFloat32 && t->dtype != DType::kBFloat16)
+      fail(op, n, std::string("dtype ") + dtype_name(t->dtype) + " must be float32 or bfloat16");
+    if (t->numel() > 0 && t->data == nullptr) fail(op, n, "data pointer is null");
+  }
+  if (sin.shape != cos.shape || sin.dtype != cos.dtype || sin.stride(0) != cos.stride(0) || sin.stride(1) != cos.stride(1))
+    fail(op, "sin", "must match cos in shape, dtype and strides");
+  for (const TensorDesc* t : {&x, static_cast<const TensorDesc*>(&out), &cos, &sin})
+    if (t->device != x.device) fail(op, t == &cos ? "cos" : t == &sin ? "sin" : on, "is on another device than the input");
+  if (x.device.type != DeviceType::kCPU)
+    fail(op, xn, "is on a CUDA device: the CUDA RoPE kernels are not implemented yet (CPU reference only)");
+
+  detail::RopeProblem p;
+  p.in = x.data, p.in_t = x.dtype, p.out = out.data, p.out_t = out.dtype;
+  p.H = x.shape[want_nd - 2], p.D = D, p.rope_dim = o.rope_dim, p.style = o.style, p.backward = backward;
+  p.cos = cos.data, p.sin = sin.data, p.tab_t = cos.dtype, p.tab_st[0] = cos.stride(0), p.tab_st[1] = cos.stride(1);
+  const int64_t T = cos.shape[0];
+  if (thd) {
+    p.S = x.shape[0], p.B = 1;
+    p.in_st[0] = x.stride(0), p.in_st[1] = 0, p.in_st[2] = x.stride(1), p.in_st[3] = x.stride(2);
+    p.out_st[0] = out.stride(0), p.out_st[1] = 0, p.out_st[2] = out.stride(1), p.out_st[3] = out.stride(2);
+  } else {
+    const bool sbhd = o.layout == RopeLayout::kSBHD;
+    p.S = x.shape[sbhd ? 0 : 1], p.B = x.shape[sbhd ? 1 : 0];
+    const int sd = sbhd ? 0 : 1, bd = sbhd ? 1 : 0;
+    p.in_st[0] = x.stride(sd), p.in_st[1] = x.stride(bd), p.in_st[2] = x.stride(2), p.in_st[3] = x.stride(3);
+    p.out_st[0] = out.stride(sd), p.out_st[1] = out.stride(bd), p.out_st[2] = out.stride(2), p.out_st[3] = out.stride(3);
+  }
+  const int64_t tokens = p.S * p.B;
+  p.row_of_token.resize(tokens);
+  if (cu_seqlens != nullptr && !thd) fail(op, "cu_seqlens", "is only for the thd layout");
+  if (o.tables_per_token) {
+    if (cu_seqlens != nullptr) fail(op, "cu_seqlens", "cannot be combined with tables_per_token");
+    if (T != tokens) fail(op, "cos", "has " + std::to_string(T) + " rows; tables_per_token needs one per token (" + std::to_string(tokens) + ")");
+    const bool sbhd = o.layout != RopeLayout::kBSHD;  // thd: B == 1
+    for (int64_t s = 0; s < p.S; ++s)
+      for (int64_t b = 0; b < p.B; ++b) p.row_of_token[s * p.B + b] = sbhd ? s * p.B + b : b * p.S + s;
+  } else if (thd && cu_seqlens != nullptr) {
+    const std::vector<int64_t> cu = read_cu_seqlens(op, *cu_seqlens, tokens);
+    int64_t longest = 0;
+    for (size_t i = 0; i + 1 < cu.size(); ++i) {
+      longest = std::max(longest, cu[i + 1] - cu[i]);
+      for (int64_t t = cu[i]; t < cu[i + 1]; ++t) p.row_of_token[t] = t - cu[i];
+    }
+    if (T < longest) fail(op, "cos", "has " + std::to_string(T) + " rows; the longest sequence needs " + std::to_string(longest));
+  } else {
+    if (T < p.S) fail(op, "cos", "has " + std::to_string(T) + " rows; " + std::to_string(p.S) + " positions are needed");
+    for (int64_t s = 0; s < p.S; ++s)
+      for (int64_t b = 0; b < p.B; ++b) p.row_of_token[s * p.B + b] = s;
+  }
+  if (x.numel() == 0) return;
+  detail::rope_cpu(p);
+}
+
+}  // namespace
+
+void apply_rope(const TensorDesc& x, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& out,
+                const RopeOptions& opts, const TensorDesc* cu_seqlens, Stream) {
+  run_rope("mxmla.apply_rope", x, cos, sin, out, opts, cu_seqlens, false);
+}
+
+void rope_backward(const TensorDesc& grad, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& dx,
+                   const RopeOptions& opts, const TensorDesc* cu_seqlens, Stream) {
+  run_rope("mxmla.rope_backward", grad, cos, sin, dx, opts, cu_seqlens, true);
+}
+
+// ---------------------------------------------------------------- tables
+namespace {
+double yarn_get_mscale(double scale, double mscale) { return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
+// DeepSeek-V3 model.py: find_correction_dim
+double correction_dim(double rotations, int64_t dim, double base, int64_t max_pos) {
+  return dim * std::log(max_pos / (rotations * 2.0 * M_PI)) / (2.0 * std::log(base));
+}
+}  // namespace
+
+std::vector<double> rope_inv_freq(int64_t rope_dim, double base, const YarnParams& y) {
+  const char* op = "mxmla.rope_inv_freq";
+  if (rope_dim <= 0 || rope_dim % 2) fail(op, "rope_dim", std::to_string(rope_dim) + " must be positive and even");
+  if (!(base > 1.0)) fail(op, "base", "must be > 1");
+  const int64_t half = rope_dim / 2;
+  std::vector<double> f(half);
+  for (int64_t i = 0; i < half; ++i) f[i] = 1.0 / std::pow(base, static_cast<double>(2 * i) / rope_dim);
+  if (!y.enabled) return f;
+  if (!(y.factor >= 1.0)) fail(op, "yarn.factor", "must be >= 1");
+  if (y.original_max_position <= 0) fail(op, "yarn.original_max_position", "must be positive");
+  const double lo_d = std::floor(correction_dim(y.beta_fast, rope_dim, base, y.original_max_position));
+  const double hi_d = std::ceil(correction_dim(y.beta_slow, rope_dim, base, y.original_max_position));
+  const double low = std::max(lo_d, 0.0);
+  double high = std::min(hi_d, static_cast<double>(rope_dim - 1));
+  if (low == high) high += 0.001;
+  for (int64_t i = 0; i < half; ++i) {
+    const double ramp = std::clamp((i - low) / (high - low), 0.0, 1.0);
+    const double smooth = 1.0 - ramp;
+    f[i] = f[i] / y.factor * (1.0 - smooth) + f[i] * smooth;
+  }
+  return f;
+}
+
+void rope_tables(const std::vector<double>& positions, int64_t rope_dim, double base, const YarnParams& y,
+                 RopeStyle style, TensorDesc& cos, TensorDesc& sin) {
+  const char* op = "mxmla.rope_tables";
+  const std::vector<double> f = rope_inv_freq(rope_dim, base, y);
+  const std::vector<int64_t> want = {static_cast<int64_t>(positions.size()), rope_dim};
+  for (auto* t : {&cos, &sin}) {
+    const char* n = t == &cos ? "cos" : "sin";
+    if (t->shape != want) fail(op, n, "shape " + dims(t->shape) + " must be " + dims(want));
+    if (t->dtype != DType::kFloat32 && t->dtype != DType::kBFloat16) fail(op, n, "dtype must be float32 or bfloat16");
+    if (t->device.type != DeviceType::kCPU) fail(op, n, "must be on the CPU (copy the small table to the GPU after)");
+    if (!t->is_contiguous()) fail(op, n, "must be contiguous");
+    if (!positions.empty() && t->data == nullptr) fail(op, n, "data pointer is null");
+  }
+  const double m = y.enabled ? yarn_get_mscale(y.factor, y.mscale) / yarn_get_mscale(y.factor, y.mscale_all_dim) : 1.0;
+  const int64_t half = rope_dim / 2;
+  for (size_t t = 0; t < positions.size(); ++t)
+    for (int64_t j = 0; j < rope_dim; ++j) {
+      // kInterleaved: angles [t0, t0, t1, t1, ...]; the others: [t0 .. t(h-1), t0 .. t(h-1)]
+      const int64_t i = style == RopeStyle::kInterleaved ? j / 2 : j % half;
+      const double a = positions[t] * f[i];
+      ref::store_from_double(cos.data, cos.dtype, static_cast<int64_t>(t) * rope_dim + j, m * std::cos(a));
+      ref::store_from_double(sin.data, sin.dtype, static_cast<int64_t>(t) * rope_dim + j, m * std::sin(a));
+    }
+}
+
+double yarn_softmax_scale(int64_t head_dim, const YarnParams& y) {
+  if (head_dim <= 0) fail("mxmla.yarn_softmax_scale", "head_dim", "must be positive");
+  double s = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  if (y.enabled) {
+    const double m = yarn_get_mscale(y.factor, y.mscale_all_dim);
+    s *= m * m;
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------- positions
+std::vector<double> positions_arange(int64_t n, int64_t offset) {
+  if (n < 0) fail("mxmla.positions_arange", "n", "must be >= 0");
+  std::vector<double> p(n);
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<double>(offset + i);
+  return p;
+}
+
+std::vector<double> positions_from_cu_seqlens(const std::vector<int64_t>& cu) {
+  const char* op = "mxmla.positions_from_cu_seqlens";
+  if (cu.size() < 2 || cu[0] != 0) fail(op, "cu_seqlens", "must start at 0 and have at least 2 entries");
+  std::vector<double> p;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    if (cu[i + 1] < cu[i]) fail(op, "cu_seqlens", "must be non-decreasing (entry " + std::to_string(i + 1) + ")");
+    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) p.push_back(static_cast<double>(t - cu[i]));
+  }
+  return p;
+}
+
+std::vector<double> positions_context_parallel(int64_t L, int64_t cp, int64_t r) {
+  const char* op = "mxmla.positions_context_parallel";
+  if (L <= 0 || L % 2) fail(op, "local_len", std::to_string(L) + " must be positive and even");
+  if (cp <= 0) fail(op, "cp_size", "must be positive");
+  if (r < 0 || r >= cp) fail(op, "cp_rank", std::to_string(r) + " must be in [0, cp_size)");
+  std::vector<double> p(L);
+  for (int64_t s = 0; s < L; ++s)
+    p[s] = static_cast<double>(s < L / 2 ? s + r * L / 2 : s + L * cp - (r + 1) * L / 2 - L / 2);
+  return p;
+}
+
+}  // namespace mxmla

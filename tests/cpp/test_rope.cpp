@@ -1,0 +1,120 @@
+// RoPE CPU reference (issue 3): SPEC §3 formulas, transpose property, errors, positions, YaRN.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+
+#include "mxmla/rope.h"
+#include "test_util.h"
+
+namespace mxmla {
+namespace {
+
+struct RopeCase {
+  int64_t S = 5, B = 2, H = 3, D = 96, R = 32;
+  std::vector<float> x, c, s, y;
+  explicit RopeCase(uint64_t seed) {
+    util::Rng rng(seed);
+    x.resize(S * B * H * D), c.resize(S * R), s.resize(S * R), y.resize(x.size());
+    for (auto& v : x) v = static_cast<float>(rng.normal());
+    for (auto& v : c) v = static_cast<float>(rng.normal());
+    for (auto& v : s) v = static_cast<float>(rng.normal());
+  }
+  TensorDesc xd() { return TensorDesc(x.data(), DType::kFloat32, {S, B, H, D}); }
+  TensorDesc yd() { return TensorDesc(y.data(), DType::kFloat32, {S, B, H, D}); }
+  TensorDesc cd() { return TensorDesc(c.data(), DType::kFloat32, {S, R}); }
+  TensorDesc sd() { return TensorDesc(s.data(), DType::kFloat32, {S, R}); }
+};
+
+// SPEC §3 default style, written out: out = [x1 c[:h] - x2 s[:h] | x2 c[h:] + x1 s[h:]].
+TEST(RopeCpu, InterleavedInHalvesOutFollowsSpec) {
+  RopeCase t(1);
+  RopeOptions o;
+  o.rope_dim = t.R;
+  TensorDesc y = t.yd();
+  apply_rope(t.xd(), t.cd(), t.sd(), y, o);
+  const int64_t h = t.R / 2, nope = t.D - t.R;
+  for (int64_t si = 0; si < t.S; ++si)
+    for (int64_t bh = 0; bh < t.B * t.H; ++bh) {
+      const float* x = &t.x[(si * t.B * t.H + bh) * t.D + nope];
+      const float* y = &t.y[(si * t.B * t.H + bh) * t.D + nope];
+      const float* c = &t.c[si * t.R];
+      const float* s = &t.s[si * t.R];
+      for (int64_t i = 0; i < h; ++i) {
+        ASSERT_EQ(y[i], static_cast<float>(double(x[2 * i]) * c[i] - double(x[2 * i + 1]) * s[i]));
+        ASSERT_EQ(y[h + i], static_cast<float>(double(x[2 * i + 1]) * c[h + i] + double(x[2 * i]) * s[h + i]));
+      }
+      for (int64_t d = 0; d < nope; ++d) ASSERT_EQ(t.y[(si * t.B * t.H + bh) * t.D + d], t.x[(si * t.B * t.H + bh) * t.D + d]);
+    }
+}
+
+class RopeStyles : public ::testing::TestWithParam<RopeStyle> {};
+// <R x, g> == <x, R^T g> for every style and layout.
+TEST_P(RopeStyles, BackwardIsTranspose) {
+  for (RopeLayout l : {RopeLayout::kSBHD, RopeLayout::kBSHD}) {
+    RopeCase a(2), g(3);
+    RopeOptions o;
+    o.style = GetParam(), o.layout = l, o.rope_dim = a.R;
+    // bshd: the same buffers read as [B, S, H, D]
+    auto shape = [&](RopeCase& t) {
+      return l == RopeLayout::kSBHD ? std::vector<int64_t>{t.S, t.B, t.H, t.D} : std::vector<int64_t>{t.B, t.S, t.H, t.D};
+    };
+    TensorDesc rx(a.y.data(), DType::kFloat32, shape(a)), rtg(g.y.data(), DType::kFloat32, shape(g));
+    apply_rope(TensorDesc(a.x.data(), DType::kFloat32, shape(a)), a.cd(), a.sd(), rx, o);
+    rope_backward(TensorDesc(g.x.data(), DType::kFloat32, shape(g)), a.cd(), a.sd(), rtg, o);
+    double lhs = 0, rhs = 0;
+    for (size_t i = 0; i < a.x.size(); ++i) lhs += double(a.y[i]) * g.x[i], rhs += double(a.x[i]) * g.y[i];
+    EXPECT_NEAR(lhs, rhs, 1e-5 * std::fabs(lhs) + 1e-4);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(All, RopeStyles,
+                         ::testing::Values(RopeStyle::kInterleavedInHalvesOut, RopeStyle::kInterleaved,
+                                           RopeStyle::kRotateHalf));
+
+void expect_rope_error(const std::function<void()>& fn, const std::string& arg, const std::string& rule) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error for " << arg;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + arg + "'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(rule), std::string::npos) << e.what();
+  }
+}
+
+TEST(RopeCpu, Errors) {
+  RopeCase t(4);
+  TensorDesc y = t.yd();
+  RopeOptions odd;
+  odd.rope_dim = 31;
+  expect_rope_error([&] { apply_rope(t.xd(), t.cd(), t.sd(), y, odd); }, "rope_dim", "even");
+  RopeOptions big;
+  big.rope_dim = 128;
+  expect_rope_error([&] { apply_rope(t.xd(), t.cd(), t.sd(), y, big); }, "rope_dim", "exceeds the head dimension");
+  RopeOptions thd;
+  thd.layout = RopeLayout::kTHD, thd.rope_dim = t.R;
+  TensorDesc x3(t.x.data(), DType::kFloat32, {t.S * t.B, t.H, t.D}), y3(t.y.data(), DType::kFloat32, {t.S * t.B, t.H, t.D});
+  std::vector<int64_t> bad = {0, 4, 2, 10};
+  TensorDesc cu(bad.data(), DType::kInt64, {4});
+  expect_rope_error([&] { apply_rope(x3, t.cd(), t.sd(), y3, thd, &cu); }, "cu_seqlens", "non-decreasing");
+  std::vector<int64_t> over = {0, 4, 11};
+  TensorDesc cu2(over.data(), DType::kInt64, {3});
+  expect_rope_error([&] { apply_rope(x3, t.cd(), t.sd(), y3, thd, &cu2); }, "cu_seqlens", "out of range");
+  TensorDesc fx(t.x.data(), DType::kFloat32, {t.S, t.B, t.H, t.D}, Device{DeviceType::kCUDA, 0});
+  RopeOptions ok;
+  ok.rope_dim = t.R;
+  EXPECT_THROW(apply_rope(fx, t.cd(), t.sd(), y, ok), Error);  // devices differ / CUDA not implemented
+}
+
+TEST(RopeCpu, PositionsAndYarn) {
+  const auto p = positions_context_parallel(8, 4, 1);
+  EXPECT_EQ(p, (std::vector<double>{4, 5, 6, 7, 24, 25, 26, 27}));
+  EXPECT_EQ(positions_from_cu_seqlens({0, 2, 2, 5}), (std::vector<double>{0, 1, 0, 1, 2}));
+  EXPECT_NEAR(yarn_softmax_scale(192, YarnParams::deepseek_v3()), 0.135234, 1e-6);
+  const auto f = rope_inv_freq(64, 10000.0, YarnParams::deepseek_v3());
+  const auto f0 = rope_inv_freq(64, 10000.0, YarnParams{});
+  for (int i = 0; i <= 10; ++i) EXPECT_DOUBLE_EQ(f[i], f0[i]);       // below the ramp: unchanged
+  for (int i = 23; i < 32; ++i) EXPECT_DOUBLE_EQ(f[i], f0[i] / 40);  // above: interpolated by the factor
+}
+
+}  // namespace
+}  // namespace mxmla
