@@ -43,8 +43,10 @@ std::vector<int64_t> read_cu_seqlens(const char* op, const TensorDesc& cu, int64
   return v;
 }
 
-void run_rope(const char* op, const TensorDesc& x, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& out,
-              const RopeOptions& o, const TensorDesc* cu_seqlens, bool backward) {
+// Validates and describes a RoPE call (out may be a caller-provided placeholder for the fused op).
+detail::RopeProblem make_problem(const char* op, const TensorDesc& x, const TensorDesc& cos, const TensorDesc& sin,
+                                 const TensorDesc& out, const RopeOptions& o, const TensorDesc* cu_seqlens,
+                                 bool backward) {
   const char* xn = backward ? "grad" : "x";
   const char* on = backward ? "dx" : "out";
   const bool thd = o.layout == RopeLayout::kTHD;
@@ -119,8 +121,13 @@ void run_rope(const char* op, const TensorDesc& x, const TensorDesc& cos, const 
     for (int64_t s = 0; s < p.S; ++s)
       for (int64_t b = 0; b < p.B; ++b) p.row_of_token[s * p.B + b] = s;
   }
-  if (x.numel() == 0) return;
-  detail::rope_cpu(p);
+  return p;
+}
+
+void run_rope(const char* op, const TensorDesc& x, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& out,
+              const RopeOptions& o, const TensorDesc* cu_seqlens, bool backward) {
+  const detail::RopeProblem p = make_problem(op, x, cos, sin, out, o, cu_seqlens, backward);
+  if (x.numel() > 0) detail::rope_cpu(p);
 }
 
 }  // namespace
@@ -133,6 +140,42 @@ void apply_rope(const TensorDesc& x, const TensorDesc& cos, const TensorDesc& si
 void rope_backward(const TensorDesc& grad, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& dx,
                    const RopeOptions& opts, const TensorDesc* cu_seqlens, Stream) {
   run_rope("mxmla.rope_backward", grad, cos, sin, dx, opts, cu_seqlens, true);
+}
+
+void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const TensorDesc& sin, MXFP8Tensor& out,
+                            TensorDesc* dx_copy, const RopeBackwardQuantizeOptions& opts,
+                            const TensorDesc* cu_seqlens, Stream stream) {
+  const char* op = "mxmla.rope_backward_quantize";
+  // dx in fp32, contiguous in dq's shape: the placeholder descriptor only carries the shape here
+  std::vector<float> dx(static_cast<size_t>(std::max<int64_t>(dq.numel(), 0)));
+  TensorDesc dxd(dx.data(), DType::kFloat32, dq.shape, dq.device);
+  detail::RopeProblem p = make_problem(op, dq, cos, sin, dxd, opts.rope, cu_seqlens, true);
+  const int64_t H = p.H, D = p.D, T = p.S * p.B;
+  if (D % 32 != 0) fail(op, "grad", "head dimension " + std::to_string(D) + " must be a multiple of 32");
+  if (dx_copy != nullptr) {
+    if (dx_copy->shape != dq.shape || !dx_copy->is_contiguous() ||
+        (dx_copy->dtype != DType::kBFloat16 && dx_copy->dtype != DType::kFloat32))
+      fail(op, "dx_copy", "must be a contiguous bfloat16 or float32 tensor of shape " + dims(dq.shape));
+    if (dq.numel() > 0 && dx_copy->data == nullptr) fail(op, "dx_copy", "data pointer is null");
+    if (dx_copy->device != dq.device) fail(op, "dx_copy", "is on another device than the input");
+  }
+  if (dq.numel() == 0) return;
+  p.out = dx.data(), p.out_t = DType::kFloat32, p.fp32_fma = true;
+  // contiguous strides of dq's logical shape, mapped to (s, b, h, d)
+  const bool bshd = opts.rope.layout == RopeLayout::kBSHD, thd = opts.rope.layout == RopeLayout::kTHD;
+  p.out_st[3] = 1, p.out_st[2] = D;
+  if (thd) p.out_st[0] = H * D, p.out_st[1] = 0;
+  else if (bshd) p.out_st[0] = H * D, p.out_st[1] = p.S * H * D;
+  else p.out_st[0] = p.B * H * D, p.out_st[1] = H * D;
+  detail::rope_cpu(p);
+  QuantizeOptions qo;
+  qo.rowwise = opts.rowwise, qo.columnwise = opts.columnwise, qo.format = opts.format, qo.swizzle = opts.swizzle;
+  // the outputs are validated by quantize (data [tokens, h*d], scales of quantize_shapes)
+  quantize(TensorDesc(dx.data(), DType::kFloat32, {T, H * D}), out, qo, stream);
+  if (dx_copy != nullptr && dx_copy->dtype == DType::kFloat32)
+    std::copy(dx.begin(), dx.end(), static_cast<float*>(dx_copy->data));
+  else if (dx_copy != nullptr)
+    for (size_t i = 0; i < dx.size(); ++i) static_cast<uint16_t*>(dx_copy->data)[i] = ref::float_to_bf16(dx[i]);
 }
 
 // ---------------------------------------------------------------- tables

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "mxmla/mxfp8.h"
 #include "mxmla/tensor.h"
 
 namespace mxmla {
@@ -42,6 +43,27 @@ void apply_rope(const TensorDesc& x, const TensorDesc& cos, const TensorDesc& si
 // dx = R^T g (the gradient of apply_rope); same conventions; dx may alias g.
 void rope_backward(const TensorDesc& grad, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& dx,
                    const RopeOptions& opts, const TensorDesc* cu_seqlens = nullptr, Stream stream = nullptr);
+
+// RoPE backward fused with MXFP8 quantization (what the backward GEMMs of the Q up-projection
+// read): dq [s,b,h,d] / [b,s,h,d] / [t,h,d] (bf16, fp16, fp32) -> dx = R^T dq in fp32 ->
+// MXFP8 codes of dx viewed as [tokens, h*d] (tokens in dq's memory order; rowwise blocks along
+// h*d never cross a head since d % 32 == 0; columnwise blocks along tokens), and optionally a
+// copy of dx (bf16, rounded to nearest even, or the fp32 values themselves). Exact fp32 semantics (the CUDA kernel must match bit for bit): for each dx
+// element k with contributions j1 (a(j1) = k) and j2 (b(j2) = k),
+//   dx[k] = fmaf(sign(j2) * s[j2], g[j2], c[j1] * g[j1]);  nope elements pass through;
+// amax and codes then follow SPEC §2 on these fp32 values (not re-rounded to bf16).
+struct RopeBackwardQuantizeOptions {
+  RopeOptions rope;
+  bool rowwise = true;
+  bool columnwise = true;
+  Fp8Format format = Fp8Format::kE4M3;
+  bool swizzle = false;
+};
+// `out` holds caller-allocated outputs of quantize_shapes({tokens, h*d}, swizzle) (data
+// [tokens, h*d]); `dx_copy` (optional) is a contiguous bf16 or fp32 tensor of dq's shape.
+void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const TensorDesc& sin, MXFP8Tensor& out,
+                            TensorDesc* dx_copy, const RopeBackwardQuantizeOptions& opts,
+                            const TensorDesc* cu_seqlens = nullptr, Stream stream = nullptr);
 
 // YaRN (DeepSeek-V3: factor 40, original length 4096, beta_fast 32, beta_slow 1, mscale 1).
 struct YarnParams {

@@ -66,6 +66,44 @@ def rope_backward(grad: Any, cos: Any, sin: Any, style: str = "interleaved_in_ha
     return _rope(grad, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token, out, True)
 
 
+def rope_backward_quantize(dq: Any, cos: Any, sin: Any, rowwise: bool = True, columnwise: bool = True,
+                           fp8_format: str = "e4m3", swizzle: bool = False, dx_copy: Optional[str] = None,
+                           style: str = "interleaved_in_halves_out", layout: str = "sbhd", rope_dim: int = 64,
+                           cu_seqlens: Any = None, tables_per_token: bool = False) -> Any:
+    """dQ -> RoPE backward (fp32) -> MXFP8 of dx viewed as [tokens, h*d] in one pass.
+
+    Returns an MXFP8Tensor of shape (tokens, h*d) (codes: reshape to dq's shape), or
+    (MXFP8Tensor, dx) with dx_copy="bfloat16" (or "float32": the exact fp32 values quantized)."""
+    from . import MXFP8Tensor, _Backend, _alloc_outputs, _check_format, _descs
+
+    _check_format(fp8_format)
+    if style not in STYLES:
+        raise ValueError(f"mxmla: argument 'style': must be one of {STYLES}, got {style!r}")
+    if not rowwise and not columnwise:
+        raise ValueError("mxmla.rope_backward_quantize: argument 'rowwise'/'columnwise': at least one must be True")
+    be = _Backend(dq)
+    dd = be.desc(dq, "dq", bf16_from_uint16=True)
+    shape = dd[2]
+    if len(shape) < 3:
+        raise ValueError(f"mxmla.rope_backward_quantize: argument 'dq': must be [s,b,h,d], [b,s,h,d] or [t,h,d], got {shape}")
+    tokens = int(np.prod(shape[:-2]))
+    hd = shape[-2] * shape[-1]
+    outs = _alloc_outputs(be, _core.quantize_shapes([tokens, hd], swizzle, "mxmla.rope_backward_quantize", "dq"),
+                          rowwise, columnwise)
+    if dx_copy not in (None, "bfloat16", "float32"):
+        raise ValueError(f"mxmla.rope_backward_quantize: argument 'dx_copy': must be None, 'bfloat16' or 'float32', got {dx_copy!r}")
+    dx = be.empty(shape, dx_copy) if dx_copy else None
+    cu = None
+    if cu_seqlens is not None:
+        cu = _Backend(cu_seqlens).desc(cu_seqlens, "cu_seqlens")
+    _core.rope_backward_quantize(dd, be.desc(cos, "cos", bf16_from_uint16=True), be.desc(sin, "sin", bf16_from_uint16=True),
+                                 *_descs(be, outs), None if dx is None else be.desc(dx, "dx", bf16_from_uint16=True),
+                                 style, layout, int(rope_dim), bool(tables_per_token), cu, fp8_format, swizzle,
+                                 be.stream())
+    q = MXFP8Tensor((tokens, hd), fp8_format, "swizzled" if swizzle else "compact", *outs, _backend=be)
+    return (q, dx) if dx_copy else q
+
+
 def rope_inv_freq(rope_dim: int = 64, base: float = 10000.0, yarn: Union[None, str, dict] = None) -> np.ndarray:
     """Inverse frequencies (rope_dim/2), YaRN-corrected as in DeepSeek-V3's precompute_freqs_cis."""
     return np.asarray(_core.rope_inv_freq(int(rope_dim), float(base), _yarn(yarn)), dtype=np.float64)

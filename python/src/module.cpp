@@ -211,6 +211,27 @@ NB_MODULE(_mxmla_core, m) {
       nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"), nb::arg("style"), nb::arg("layout"),
       nb::arg("rope_dim"), nb::arg("tables_per_token"), nb::arg("cu_seqlens").none(), nb::arg("backward"),
       nb::arg("stream"));
+  m.def(
+      "rope_backward_quantize",
+      [](const Desc& dq, const Desc& cos, const Desc& sin, const std::optional<Desc>& rd, const std::optional<Desc>& rs,
+         const std::optional<Desc>& cd, const std::optional<Desc>& cs, const std::optional<Desc>& dx,
+         const std::string& style, const std::string& layout, int64_t rope_dim, bool per_token,
+         const std::optional<Desc>& cu, const std::string& fmt, bool swizzle, uintptr_t stream) {
+        RopeBackwardQuantizeOptions o;
+        o.rope.style = parse_style(style), o.rope.layout = parse_rope_layout(layout), o.rope.rope_dim = rope_dim;
+        o.rope.tables_per_token = per_token;
+        o.rowwise = rd.has_value(), o.columnwise = cd.has_value(), o.format = parse_format(fmt), o.swizzle = swizzle;
+        MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
+        TensorDesc dxd = dx ? to_desc(*dx) : TensorDesc();
+        TensorDesc cud = cu ? to_desc(*cu) : TensorDesc();
+        nb::gil_scoped_release release;
+        rope_backward_quantize(to_desc(dq), to_desc(cos), to_desc(sin), t, dx ? &dxd : nullptr, o, cu ? &cud : nullptr,
+                               to_stream(stream));
+      },
+      nb::arg("dq"), nb::arg("cos"), nb::arg("sin"), nb::arg("rowwise_data").none(), nb::arg("rowwise_scale").none(),
+      nb::arg("columnwise_data").none(), nb::arg("columnwise_scale").none(), nb::arg("dx").none(), nb::arg("style"),
+      nb::arg("layout"), nb::arg("rope_dim"), nb::arg("tables_per_token"), nb::arg("cu_seqlens").none(),
+      nb::arg("fp8_format"), nb::arg("swizzle"), nb::arg("stream"));
   m.def("rope_tables", [](const std::vector<double>& positions, int64_t rope_dim, double base,
                           const std::optional<std::tuple<double, int64_t, double, double, double, double>>& yarn,
                           const std::string& style, const Desc& cos, const Desc& sin) {

@@ -1,5 +1,6 @@
 // mxmla — CPU reference of RoPE forward and backward (SPEC §3): float64 arithmetic, one rounding
 // to the output dtype.
+#include <cmath>
 #include <vector>
 
 #include "common/rope_ops.h"
@@ -41,13 +42,22 @@ void rope_cpu(const RopeProblem& p) {
         const int64_t ob = si * p.out_st[0] + bi * p.out_st[1] + h * p.out_st[2];
         for (int64_t d = 0; d < R; ++d) x[d] = ref::load_as_double(p.in, p.in_t, ib + (nope + d) * p.in_st[3]);
         std::fill(y.begin(), y.end(), 0.0);
-        for (int64_t j = 0; j < R; ++j) {
-          const Term t = term(p.style, j, R);
-          if (!p.backward) {
-            y[j] = c[j] * x[t.a] + t.sign * s[j] * x[t.b];
-          } else {  // transpose: x here is the incoming gradient g
-            y[t.a] += c[j] * x[j];
-            y[t.b] += t.sign * s[j] * x[j];
+        if (p.fp32_fma && p.backward) {
+          // rope_backward_quantize's exact fp32 semantics: dx[k] = fmaf(sign(j2) s[j2], g[j2], c[j1] g[j1])
+          for (int64_t j = 0; j < R; ++j) y[term(p.style, j, R).a] = static_cast<float>(c[j]) * static_cast<float>(x[j]);
+          for (int64_t j = 0; j < R; ++j) {
+            const Term t = term(p.style, j, R);
+            y[t.b] = std::fma(static_cast<float>(t.sign * s[j]), static_cast<float>(x[j]), static_cast<float>(y[t.b]));
+          }
+        } else {
+          for (int64_t j = 0; j < R; ++j) {
+            const Term t = term(p.style, j, R);
+            if (!p.backward) {
+              y[j] = c[j] * x[t.a] + t.sign * s[j] * x[t.b];
+            } else {  // transpose: x here is the incoming gradient g
+              y[t.a] += c[j] * x[j];
+              y[t.b] += t.sign * s[j] * x[j];
+            }
           }
         }
         // pass-through first (reads before writes also when out aliases in), then the rotated part

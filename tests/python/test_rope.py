@@ -200,3 +200,91 @@ def test_rope_cuda_is_not_claimed():
     c, s = mxmla.rope_tables(torch.arange(4, device="cuda"))
     with pytest.raises(ValueError, match="not implemented yet"):
         mxmla.apply_rope(x, c, s)
+
+
+# ----------------------------------------------------------------------------- rope_backward_quantize
+def f32_round(v):
+    """Fraction -> nearest-even float32 (exact; no double rounding)."""
+    from fractions import Fraction
+
+    if v == 0:
+        return np.float32(0.0)
+    a = abs(v)
+    e = max(math.floor(math.log2(a)), -126)
+    while Fraction(2) ** e > a:  # log2 of a Fraction can be off by one
+        e -= 1
+    while Fraction(2) ** (e + 1) <= a:
+        e += 1
+    e = max(e, -126)
+    q = Fraction(2) ** (e - 23)
+    r = round(a / q) * q  # Fraction.__round__: half to even
+    return np.float32(float(r) if v > 0 else -float(r))
+
+
+def emulate_dx_fp32(g, c, s, style, R):
+    """dx[k] = fmaf(sign(j2) s[j2], g[j2], c[j1] g[j1]) on the rope part, in exact arithmetic."""
+    from fractions import Fraction
+
+    h = R // 2
+    def term(j):
+        if style == "interleaved_in_halves_out":
+            return (2 * j, 2 * j + 1, -1) if j < h else (2 * (j - h) + 1, 2 * (j - h), 1)
+        if style == "interleaved":
+            return (j, j + 1, -1) if j % 2 == 0 else (j, j - 1, 1)
+        return (j, j + h, -1) if j < h else (j, j - h, 1)
+    out = g.astype(np.float32).copy()
+    nope = g.shape[-1] - R
+    for idx in np.ndindex(*g.shape[:-1]):
+        row = idx[0]  # sbhd tables: row = s
+        gr = g[idx][nope:]
+        prod = {}
+        for j in range(R):
+            a, b, sg = term(j)
+            prod[a] = f32_round(Fraction(float(c[row, j])) * Fraction(float(gr[j])))
+        res = {}
+        for j in range(R):
+            a, b, sg = term(j)
+            res[b] = f32_round(Fraction(sg * float(s[row, j])) * Fraction(float(gr[j])) + Fraction(float(prod[b])))
+        out[idx][nope:] = [res[k] for k in range(R)]
+    return out
+
+
+def bf16_rne(x32):
+    u = x32.view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_rope_backward_quantize_is_bit_exact_to_fp32_semantics(style):
+    S, B, H, D, R = 6, 2, 2, 96, 32
+    g = rand(S, B, H, D, seed=20) * np.float32(3.0)
+    c, s = rand(S, R, seed=21), rand(S, R, seed=22)
+    dx32 = emulate_dx_fp32(g, c, s, style, R)
+    q, dxb = mxmla.rope_backward_quantize(g, c, s, style=style, rope_dim=R, dx_copy="bfloat16")
+    _, dxf = mxmla.rope_backward_quantize(g, c, s, style=style, rope_dim=R, dx_copy="float32")
+    np.testing.assert_array_equal(dxf, dx32)  # the fp32 values, bit for bit
+    ref = mxmla.quantize(dx32.reshape(S * B, H * D))
+    for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        np.testing.assert_array_equal(getattr(q, name), getattr(ref, name), err_msg=name)
+    np.testing.assert_array_equal(dxb, bf16_rne(dx32))
+    # the fp32 semantics is RoPE backward to within fp32 rounding (and not the float64 path's rounding)
+    d64 = mxmla.rope_backward(g, c, s, style=style, rope_dim=R)
+    np.testing.assert_allclose(dx32, d64, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_backward_quantize_layouts_and_swizzle():
+    T, H, D = 45, 3, 192
+    cu = np.array([0, 20, 45], np.int64)
+    g = rand(T, H, D, seed=23)
+    c, s = mxmla.rope_tables(mxmla.positions_arange(25), yarn="deepseek_v3")
+    q = mxmla.rope_backward_quantize(g, c, s, layout="thd", cu_seqlens=cu, rowwise=False)
+    assert q.rowwise_data is None and q.columnwise_scale_inv.shape == (2, H * D)
+    dx = mxmla.rope_backward(g, c, s, layout="thd", cu_seqlens=cu)
+    back = q.dequantize("float32", columnwise=True).reshape(T, H, D)
+    assert np.abs(back - dx).max() <= np.abs(dx).max() * 2 ** -3
+    qs = mxmla.rope_backward_quantize(g, c, s, layout="thd", cu_seqlens=cu, swizzle=True)
+    qc = mxmla.rope_backward_quantize(g, c, s, layout="thd", cu_seqlens=cu)
+    np.testing.assert_array_equal(qs.rowwise_scale_inv, mxmla.swizzle_scales(qc.rowwise_scale_inv, T, H * D))
+    np.testing.assert_array_equal(qs.columnwise_data, qc.columnwise_data)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxmla.rope_backward_quantize(rand(4, 1, 2, 80), c, s, rope_dim=64)
