@@ -160,7 +160,7 @@ void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const T
     if (dx_copy->device != dq.device) fail(op, "dx_copy", "is on another device than the input");
   }
   if (dq.numel() == 0) return;
-  p.out = dx.data(), p.out_t = DType::kFloat32, p.fp32_fma = true;
+  p.out = dx.data(), p.out_t = DType::kFloat32;
   // contiguous strides of dq's logical shape, mapped to (s, b, h, d)
   const bool bshd = opts.rope.layout == RopeLayout::kBSHD, thd = opts.rope.layout == RopeLayout::kTHD;
   p.out_st[3] = 1, p.out_st[2] = D;

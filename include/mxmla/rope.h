@@ -8,6 +8,10 @@
 //   kInterleaved (DeepSeek reference, complex multiply): a = j, b = j^1, sign -1 for even j.
 //   kRotateHalf (TE default): a = j, b = j +- R/2, sign -1 for j < R/2.
 // The backward is the transpose: dx[a(j)] += c[j] g[j], dx[b(j)] += sign(j) s[j] g[j].
+// fp32 semantics (CPU reference and kernels alike, so results compare bit for bit):
+//   forward  out[j] = fmaf(sign(j) s[j], x[b(j)], c[j] * x[a(j)])
+//   backward dx[k]  = fmaf(sign(j2) s[j2], g[j2], c[j1] * g[j1])   with a(j1) = k, b(j2) = k
+// (the product rounded to fp32 first), then one rounding to the output dtype.
 // Tables: kInterleaved uses per-element angles [t0, t0, t1, t1, ...]; the other two use
 // [t0, t1, ..., t0, t1, ...] (rope_tables() builds the right one for a style).
 #pragma once
@@ -48,10 +52,9 @@ void rope_backward(const TensorDesc& grad, const TensorDesc& cos, const TensorDe
 // read): dq [s,b,h,d] / [b,s,h,d] / [t,h,d] (bf16, fp16, fp32) -> dx = R^T dq in fp32 ->
 // MXFP8 codes of dx viewed as [tokens, h*d] (tokens in dq's memory order; rowwise blocks along
 // h*d never cross a head since d % 32 == 0; columnwise blocks along tokens), and optionally a
-// copy of dx (bf16, rounded to nearest even, or the fp32 values themselves). Exact fp32 semantics (the CUDA kernel must match bit for bit): for each dx
-// element k with contributions j1 (a(j1) = k) and j2 (b(j2) = k),
-//   dx[k] = fmaf(sign(j2) * s[j2], g[j2], c[j1] * g[j1]);  nope elements pass through;
-// amax and codes then follow SPEC §2 on these fp32 values (not re-rounded to bf16).
+// copy of dx (bf16, rounded to nearest even, or the fp32 values themselves). dx is the
+// backward's fp32 value above (nope elements pass through); amax and codes follow SPEC §2 on
+// these fp32 values (not re-rounded to bf16).
 struct RopeBackwardQuantizeOptions {
   RopeOptions rope;
   bool rowwise = true;

@@ -24,7 +24,6 @@ struct RopeProblem {
   int64_t rope_dim = 64;
   RopeStyle style = RopeStyle::kInterleavedInHalvesOut;
   bool backward = false;
-  bool fp32_fma = false;  // exact fp32 semantics of rope_backward_quantize instead of float64
   std::vector<int64_t> row_of_token;
 };
 

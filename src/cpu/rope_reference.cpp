@@ -1,5 +1,7 @@
-// mxmla — CPU reference of RoPE forward and backward (SPEC §3): float64 arithmetic, one rounding
-// to the output dtype.
+// mxmla — CPU reference of RoPE forward and backward (SPEC §3). RoPE's arithmetic is two terms
+// per element; the reference evaluates exactly the fp32 sequence the kernels promise (a rounded
+// product, then one fused multiply-add: include/mxmla/rope.h), so GPU results can be compared bit
+// for bit; the tests check it against float64 formulas written independently.
 #include <cmath>
 #include <vector>
 
@@ -41,23 +43,18 @@ void rope_cpu(const RopeProblem& p) {
         const int64_t ib = si * p.in_st[0] + bi * p.in_st[1] + h * p.in_st[2];
         const int64_t ob = si * p.out_st[0] + bi * p.out_st[1] + h * p.out_st[2];
         for (int64_t d = 0; d < R; ++d) x[d] = ref::load_as_double(p.in, p.in_t, ib + (nope + d) * p.in_st[3]);
-        std::fill(y.begin(), y.end(), 0.0);
-        if (p.fp32_fma && p.backward) {
-          // rope_backward_quantize's exact fp32 semantics: dx[k] = fmaf(sign(j2) s[j2], g[j2], c[j1] g[j1])
+        // The fp32 semantics (include/mxmla/rope.h), written out: a product, then one fma.
+        if (!p.backward) {  // out[j] = fmaf(sign(j) s[j], x[b(j)], c[j] x[a(j)])
+          for (int64_t j = 0; j < R; ++j) {
+            const Term t = term(p.style, j, R);
+            const float prod = static_cast<float>(c[j]) * static_cast<float>(x[t.a]);
+            y[j] = std::fma(static_cast<float>(t.sign * s[j]), static_cast<float>(x[t.b]), prod);
+          }
+        } else {  // dx[k] = fmaf(sign(j2) s[j2], g[j2], c[j1] g[j1]) with a(j1) = k, b(j2) = k
           for (int64_t j = 0; j < R; ++j) y[term(p.style, j, R).a] = static_cast<float>(c[j]) * static_cast<float>(x[j]);
           for (int64_t j = 0; j < R; ++j) {
             const Term t = term(p.style, j, R);
             y[t.b] = std::fma(static_cast<float>(t.sign * s[j]), static_cast<float>(x[j]), static_cast<float>(y[t.b]));
-          }
-        } else {
-          for (int64_t j = 0; j < R; ++j) {
-            const Term t = term(p.style, j, R);
-            if (!p.backward) {
-              y[j] = c[j] * x[t.a] + t.sign * s[j] * x[t.b];
-            } else {  // transpose: x here is the incoming gradient g
-              y[t.a] += c[j] * x[j];
-              y[t.b] += t.sign * s[j] * x[j];
-            }
           }
         }
         // pass-through first (reads before writes also when out aliases in), then the rotated part

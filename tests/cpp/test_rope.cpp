@@ -26,7 +26,8 @@ struct RopeCase {
   TensorDesc sd() { return TensorDesc(s.data(), DType::kFloat32, {S, R}); }
 };
 
-// SPEC §3 default style, written out: out = [x1 c[:h] - x2 s[:h] | x2 c[h:] + x1 s[h:]].
+// SPEC §3 default style, written out: out = [x1 c[:h] - x2 s[:h] | x2 c[h:] + x1 s[h:]], in the fp32
+// semantics of include/mxmla/rope.h.
 TEST(RopeCpu, InterleavedInHalvesOutFollowsSpec) {
   RopeCase t(1);
   RopeOptions o;
@@ -40,9 +41,10 @@ TEST(RopeCpu, InterleavedInHalvesOutFollowsSpec) {
       const float* y = &t.y[(si * t.B * t.H + bh) * t.D + nope];
       const float* c = &t.c[si * t.R];
       const float* s = &t.s[si * t.R];
-      for (int64_t i = 0; i < h; ++i) {
-        ASSERT_EQ(y[i], static_cast<float>(double(x[2 * i]) * c[i] - double(x[2 * i + 1]) * s[i]));
-        ASSERT_EQ(y[h + i], static_cast<float>(double(x[2 * i + 1]) * c[h + i] + double(x[2 * i]) * s[h + i]));
+      for (int64_t i = 0; i < h; ++i) {  // fp32 semantics: fmaf(sign s, x_b, c * x_a)
+        ASSERT_EQ(y[i], std::fma(-s[i], x[2 * i + 1], c[i] * x[2 * i]));
+        ASSERT_EQ(y[h + i], std::fma(s[h + i], x[2 * i], c[h + i] * x[2 * i + 1]));
+        ASSERT_NEAR(y[i], double(x[2 * i]) * c[i] - double(x[2 * i + 1]) * s[i], 1e-5);  // the SPEC formula
       }
       for (int64_t d = 0; d < nope; ++d) ASSERT_EQ(t.y[(si * t.B * t.H + bh) * t.D + d], t.x[(si * t.B * t.H + bh) * t.D + d]);
     }
