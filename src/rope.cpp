@@ -3,6 +3,8 @@
 #include <cmath>
 #include <string>
 
+#include "common/device.h"
+#include "common/rope_cuda.h"
 #include "common/rope_ops.h"
 #include "cpu/reference.h"
 #include "mxmla/rope.h"
@@ -80,8 +82,6 @@ detail::RopeProblem make_problem(const char* op, const TensorDesc& x, const Tens
     fail(op, "sin", "must match cos in shape, dtype and strides");
   for (const TensorDesc* t : {&x, static_cast<const TensorDesc*>(&out), &cos, &sin})
     if (t->device != x.device) fail(op, t == &cos ? "cos" : t == &sin ? "sin" : on, "is on another device than the input");
-  if (x.device.type != DeviceType::kCPU)
-    fail(op, xn, "is on a CUDA device: the CUDA RoPE kernels are not implemented yet (CPU reference only)");
 
   detail::RopeProblem p;
   p.in = x.data, p.in_t = x.dtype, p.out = out.data, p.out_t = out.dtype;
@@ -100,16 +100,20 @@ detail::RopeProblem make_problem(const char* op, const TensorDesc& x, const Tens
     p.out_st[0] = out.stride(sd), p.out_st[1] = out.stride(bd), p.out_st[2] = out.stride(2), p.out_st[3] = out.stride(3);
   }
   const int64_t tokens = p.S * p.B;
-  p.row_of_token.resize(tokens);
+  const bool cpu = x.device.type == DeviceType::kCPU;
+  p.row_of_token.resize(cpu ? tokens : 0);  // the CUDA kernel computes rows itself
   if (cu_seqlens != nullptr && !thd) fail(op, "cu_seqlens", "is only for the thd layout");
   if (o.tables_per_token) {
     if (cu_seqlens != nullptr) fail(op, "cu_seqlens", "cannot be combined with tables_per_token");
     if (T != tokens) fail(op, "cos", "has " + std::to_string(T) + " rows; tables_per_token needs one per token (" + std::to_string(tokens) + ")");
     const bool sbhd = o.layout != RopeLayout::kBSHD;  // thd: B == 1
-    for (int64_t s = 0; s < p.S; ++s)
+    for (int64_t s = 0; cpu && s < p.S; ++s)
       for (int64_t b = 0; b < p.B; ++b) p.row_of_token[s * p.B + b] = sbhd ? s * p.B + b : b * p.S + s;
   } else if (thd && cu_seqlens != nullptr) {
     const std::vector<int64_t> cu = read_cu_seqlens(op, *cu_seqlens, tokens);
+    if (!cpu)
+      fail(op, "cu_seqlens", "is not supported by the CUDA kernel yet: build per-token tables with "
+                             "positions_from_cu_seqlens and pass tables_per_token");
     int64_t longest = 0;
     for (size_t i = 0; i + 1 < cu.size(); ++i) {
       longest = std::max(longest, cu[i + 1] - cu[i]);
@@ -118,28 +122,72 @@ detail::RopeProblem make_problem(const char* op, const TensorDesc& x, const Tens
     if (T < longest) fail(op, "cos", "has " + std::to_string(T) + " rows; the longest sequence needs " + std::to_string(longest));
   } else {
     if (T < p.S) fail(op, "cos", "has " + std::to_string(T) + " rows; " + std::to_string(p.S) + " positions are needed");
-    for (int64_t s = 0; s < p.S; ++s)
+    for (int64_t s = 0; cpu && s < p.S; ++s)
       for (int64_t b = 0; b < p.B; ++b) p.row_of_token[s * p.B + b] = s;
   }
   return p;
 }
 
+#if MXMLA_CUDA_ROPE
+// The CUDA kernel's extra rules (vector access), then the launch.
+void run_rope_cuda(const char* op, const char* xn, const char* on, const TensorDesc& x, const TensorDesc& cos,
+                   const TensorDesc& sin, const TensorDesc& out, const RopeOptions& o, const detail::RopeProblem& p,
+                   Stream stream) {
+  if (out.dtype != x.dtype) fail(op, on, "must have the input's dtype on the CUDA path");
+  if (p.rope_dim % 16 != 0) fail(op, "rope_dim", "must be a multiple of 16 on the CUDA path");
+  if ((p.D - p.rope_dim) % 8 != 0) fail(op, xn, "head dimension minus rope_dim must be a multiple of 8 on the CUDA path");
+  const int64_t es = dtype_size(x.dtype), ts = dtype_size(cos.dtype);
+  for (const TensorDesc* t : {&x, static_cast<const TensorDesc*>(&out)}) {
+    const char* n = t == &x ? xn : on;
+    if (t->stride(t->ndim() - 1) != 1) fail(op, n, "last dimension must be contiguous on the CUDA path");
+    for (int64_t i = 0; i + 1 < t->ndim(); ++i)
+      if ((t->stride(i) * es) % 16 != 0) fail(op, n, "strides must be multiples of 16 bytes on the CUDA path");
+    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) fail(op, n, "data pointer must be 16-byte aligned");
+    detail::check_cuda_pointer(op, n, t->data, x.device.index);
+  }
+  for (const TensorDesc* t : {&cos, &sin}) {
+    const char* n = t == &cos ? "cos" : "sin";
+    if (t->stride(1) != 1 || (t->stride(0) * ts) % 16 != 0 || reinterpret_cast<uintptr_t>(t->data) % 16 != 0)
+      fail(op, n, "rows must be contiguous, 16-byte aligned and 16-byte strided on the CUDA path");
+    detail::check_cuda_pointer(op, n, t->data, x.device.index);
+  }
+  detail::RopeKernelParams k;
+  k.in = x.data, k.out = out.data, k.cos = cos.data, k.sin = sin.data, k.io_t = x.dtype, k.tab_t = cos.dtype;
+  k.S = p.S, k.B = p.B, k.H = p.H, k.D = p.D, k.R = p.rope_dim;
+  for (int i = 0; i < 3; ++i) k.in_st[i] = p.in_st[i], k.out_st[i] = p.out_st[i];
+  k.tab_row_stride = p.tab_st[0];
+  k.sbhd = o.layout != RopeLayout::kBSHD, k.row_per_token = o.tables_per_token, k.copy_nope = out.data != x.data;
+  k.backward = p.backward, k.style = p.style;
+  detail::CudaDeviceGuard guard(x.device.index);
+  detail::rope_cuda(k, stream);
+}
+#endif
+
 void run_rope(const char* op, const TensorDesc& x, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& out,
-              const RopeOptions& o, const TensorDesc* cu_seqlens, bool backward) {
+              const RopeOptions& o, const TensorDesc* cu_seqlens, bool backward, Stream stream) {
   const detail::RopeProblem p = make_problem(op, x, cos, sin, out, o, cu_seqlens, backward);
-  if (x.numel() > 0) detail::rope_cpu(p);
+  if (x.numel() == 0) return;
+  if (x.device.type == DeviceType::kCPU) return detail::rope_cpu(p);
+#if MXMLA_CUDA_ROPE
+  run_rope_cuda(op, backward ? "grad" : "x", backward ? "dx" : "out", x, cos, sin, out, o, p, stream);
+#else
+  (void)stream;
+  fail(op, backward ? "grad" : "x",
+       "is on a CUDA device, but this build's CUDA RoPE kernel is off (CMake MXMLA_CUDA_ROPE; it awaits GPU "
+       "verification): use CPU tensors");
+#endif
 }
 
 }  // namespace
 
 void apply_rope(const TensorDesc& x, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& out,
-                const RopeOptions& opts, const TensorDesc* cu_seqlens, Stream) {
-  run_rope("mxmla.apply_rope", x, cos, sin, out, opts, cu_seqlens, false);
+                const RopeOptions& opts, const TensorDesc* cu_seqlens, Stream stream) {
+  run_rope("mxmla.apply_rope", x, cos, sin, out, opts, cu_seqlens, false, stream);
 }
 
 void rope_backward(const TensorDesc& grad, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& dx,
-                   const RopeOptions& opts, const TensorDesc* cu_seqlens, Stream) {
-  run_rope("mxmla.rope_backward", grad, cos, sin, dx, opts, cu_seqlens, true);
+                   const RopeOptions& opts, const TensorDesc* cu_seqlens, Stream stream) {
+  run_rope("mxmla.rope_backward", grad, cos, sin, dx, opts, cu_seqlens, true, stream);
 }
 
 void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const TensorDesc& sin, MXFP8Tensor& out,
@@ -149,6 +197,8 @@ void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const T
   // dx in fp32, contiguous in dq's shape: the placeholder descriptor only carries the shape here
   std::vector<float> dx(static_cast<size_t>(std::max<int64_t>(dq.numel(), 0)));
   TensorDesc dxd(dx.data(), DType::kFloat32, dq.shape, dq.device);
+  if (dq.device.type != DeviceType::kCPU)
+    fail(op, "grad", "is on a CUDA device: the fused CUDA kernel is not implemented yet (CPU reference only)");
   detail::RopeProblem p = make_problem(op, dq, cos, sin, dxd, opts.rope, cu_seqlens, true);
   const int64_t H = p.H, D = p.D, T = p.S * p.B;
   if (D % 32 != 0) fail(op, "grad", "head dimension " + std::to_string(D) + " must be a multiple of 32");

@@ -274,12 +274,13 @@ def to_bhsd(*tensors: MXFP8Tensor) -> list:
 
 def info() -> dict:
     """Build and device information."""
-    version, cuda, archs = _core.build_info()
+    version, cuda, archs, cuda_rope = _core.build_info()
     n = _core.cuda_device_count()
     return {
         "version": version,
         "cuda_enabled": cuda,
         "cuda_archs": archs,
+        "cuda_rope": cuda_rope,
         "gpus": [_core.cuda_device_description(i) for i in range(n)],
     }
 

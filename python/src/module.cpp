@@ -253,7 +253,7 @@ NB_MODULE(_mxmla_core, m) {
 
   m.def("build_info", [] {
     const BuildInfo b = build_info();
-    return nb::make_tuple(b.version, b.cuda_enabled, std::string(b.cuda_archs));
+    return nb::make_tuple(b.version, b.cuda_enabled, std::string(b.cuda_archs), b.cuda_rope);
   });
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_device_description", &cuda_device_description);

@@ -167,7 +167,9 @@ double load_as_double(const void* base, DType t, int64_t off) {
 
 void store_from_double(void* base, DType t, int64_t off, double v) {
   switch (t) {
-    case DType::kFloat32: static_cast<float*>(base)[off] = static_cast<float>(v); break;
+    case DType::kFloat32:  // one NaN pattern, 0x7FC00000, as the kernels write
+      static_cast<float*>(base)[off] = std::isnan(v) ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(v);
+      break;
     case DType::kBFloat16: static_cast<uint16_t*>(base)[off] = double_to_bf16(v); break;
     default: static_cast<uint16_t*>(base)[off] = double_to_fp16(v); break;
   }

@@ -20,7 +20,7 @@ void remap_scales_cuda(const std::vector<RemapProblem>&, Stream) { no_cuda("mxml
 
 }  // namespace detail
 
-BuildInfo build_info() { return {false, "", MXMLA_VERSION}; }
+BuildInfo build_info() { return {false, "", MXMLA_VERSION, false}; }
 int cuda_device_count() { return 0; }
 std::string cuda_device_description(int) { return "no CUDA support in this build"; }
 

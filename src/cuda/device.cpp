@@ -42,7 +42,11 @@ CudaDeviceGuard::~CudaDeviceGuard() {
 
 }  // namespace detail
 
-BuildInfo build_info() { return {true, MXMLA_CUDA_ARCHS, MXMLA_VERSION}; }
+#if MXMLA_CUDA_ROPE
+BuildInfo build_info() { return {true, MXMLA_CUDA_ARCHS, MXMLA_VERSION, true}; }
+#else
+BuildInfo build_info() { return {true, MXMLA_CUDA_ARCHS, MXMLA_VERSION, false}; }
+#endif
 
 int cuda_device_count() {
   int n = 0;

@@ -193,14 +193,25 @@ def test_rope_errors(call, match):
         call(x, c)
 
 
-def test_rope_cuda_is_not_claimed():
+def test_rope_torch_cuda():
+    """CUDA tensors: the kernel (when this build has it) equals the CPU reference bit for bit;
+    otherwise a clear error."""
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible: nothing to check")
-    x = torch.randn(4, 1, 2, 192, device="cuda")
-    c, s = mxmla.rope_tables(torch.arange(4, device="cuda"))
-    with pytest.raises(ValueError, match="not implemented yet"):
-        mxmla.apply_rope(x, c, s)
+    if not torch.cuda.is_available() or not mxmla.info()["gpus"]:
+        pytest.skip("no CUDA device visible: GPU test skipped")
+    x = torch.randn(33, 2, 3, 192, dtype=torch.bfloat16)
+    c, s = mxmla.rope_tables(torch.arange(33), yarn="deepseek_v3")
+    if not mxmla.info()["cuda_rope"]:
+        with pytest.raises(ValueError, match="CUDA RoPE kernel is off"):
+            mxmla.apply_rope(x.cuda(), c.cuda(), s.cuda())
+        return
+    for style in STYLES:
+        want = mxmla.apply_rope(x, c, s, style=style)
+        got = mxmla.apply_rope(x.cuda(), c.cuda(), s.cuda(), style=style)
+        assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), style
+        xg = x.cuda().clone()
+        mxmla.rope_backward(xg, c.cuda(), s.cuda(), style=style, out=xg)  # in place
+        assert torch.equal(xg.cpu().view(torch.int16), mxmla.rope_backward(x, c, s, style=style).view(torch.int16))
 
 
 # ----------------------------------------------------------------------------- rope_backward_quantize
