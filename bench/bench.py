@@ -10,7 +10,9 @@ Cases (issue 2):
   quant_swz    rowwise + columnwise with swizzled scales (cost vs compact)
   attn_bhsd    Q, K (d 192), V (d 128), b 2, h 16, s 4096, sbhd: phase-2 BHSD transpose+swizzle
                of all six scale tensors vs quantizing them (phase 1); fused vs two-phase
-Peers: device-to-device copy (torch), torch.compile'd MXFP8 quantizers (rowwise, rowwise+columnwise).
+  rope         RoPE forward / backward, [16384, 128, 192] bf16 (when the CUDA RoPE kernel is built)
+Peers: device-to-device copy (torch), torch.compile'd MXFP8 quantizers (rowwise, rowwise+columnwise),
+torch.compile'd RoPE.
 """
 from __future__ import annotations
 
@@ -103,6 +105,39 @@ def bench_attention(iters, flush, dev, add):
     add("attn_bhsd", "fused quantize->BHSD", tf, attn_bytes, f"{100 * tf / (t1 + t2):.0f}% of two-phase")
 
 
+def torch_rope_iho(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """interleaved_in_halves_out RoPE on the trailing 64 of each 192-wide head, fp32 math (the peer)."""
+    nope, pe = x[..., :128], x[..., 128:].float()
+    x1, x2 = pe[..., 0::2], pe[..., 1::2]
+    c, s = c[:, None, :].float(), s[:, None, :].float()
+    out = torch.cat([x1 * c[..., :32] - x2 * s[..., :32], x2 * c[..., 32:] + x1 * s[..., 32:]], dim=-1)
+    return torch.cat([nope, out.to(x.dtype)], dim=-1)
+
+
+def bench_rope(iters, flush, dev, add, compile_peer: bool):
+    """RoPE forward / backward on [16384, 128, 192] bf16 (thd, fp32 tables [T, 64])."""
+    T, H, D = 16384, 128, 192
+    x = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
+    c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
+    full = 2.0 * 2 * x.numel() + 2 * c.numel() * 4  # out of place: read + write every element
+    rope_only = 2.0 * 2 * T * H * 64 + 2 * c.numel() * 4  # in place: the rotated part only
+    y = torch.empty_like(x)
+    t_copy = timer(lambda: y.copy_(x), iters, flush)
+    add("rope", "d2d copy (torch)", t_copy, 4.0 * x.numel())
+    copy_bw = 4.0 * x.numel() / t_copy / 1e6
+    t_f = timer(lambda: mxmla.apply_rope(x, c, s, layout="thd", out=y), iters, flush)
+    add("rope", "mxmla fwd (out of place)", t_f, full, f"{100 * full / t_f / 1e6 / copy_bw:.0f}% of copy")
+    t_b = timer(lambda: mxmla.rope_backward(x, c, s, layout="thd", out=y), iters, flush)
+    add("rope", "mxmla bwd (out of place)", t_b, full, f"{100 * full / t_b / 1e6 / copy_bw:.0f}% of copy")
+    t_i = timer(lambda: mxmla.apply_rope(y, c, s, layout="thd", out=y), iters, flush)
+    add("rope", "mxmla fwd (in place)", t_i, rope_only, f"{100 * rope_only / t_i / 1e6 / copy_bw:.0f}% of copy")
+    if compile_peer:
+        peer = torch.compile(torch_rope_iho)
+        ok = torch.equal(peer(x, c, s), mxmla.apply_rope(x, c, s, layout="thd"))
+        t = timer(lambda: peer(x, c, s), iters, flush)
+        add("rope", "torch.compile fwd", t, full, f"mxmla {t / t_f:.2f}x faster; peer bit-equal: {ok}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
@@ -166,6 +201,8 @@ def main() -> int:
     del x, y
     if not a.quant_only:
         bench_attention(a.iters, flush, dev, add)
+        if mxmla.info()["cuda_rope"]:
+            bench_rope(a.iters, flush, dev, add, not a.no_compile)
 
     print(f"\nGPU: {res['gpu']}  torch {res['torch']}  shape [{M}, {K}] bf16 -> E4M3; medians of {a.iters}, L2 flushed")
     print(f"torch formula and mxmla bit-exact on this input: {agree}")
