@@ -39,7 +39,7 @@ def _rope(x: Any, cos: Any, sin: Any, style: str, layout: str, rope_dim: int, cu
     be = _Backend(x)
     xd = be.desc(x, "grad" if backward else "x", bf16_from_uint16=True)
     if out is None:
-        out = be.empty(xd[2], xd[1]) if xd[1] != "bfloat16" else be.empty(xd[2], "bfloat16")
+        out = be.empty(xd[2], xd[1])
     cu = None
     if cu_seqlens is not None:
         cu_be = _Backend(cu_seqlens)
