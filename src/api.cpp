@@ -4,6 +4,7 @@
 
 #include "common/device.h"
 #include "common/ops.h"
+#include "common/text.h"
 #include "mxmla/mxfp8.h"
 
 namespace mxmla {
@@ -65,11 +66,7 @@ using detail::MapMode;
 using detail::round_up;
 using detail::ScaleMap;
 
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
-}
+using detail::shape_str;
 
 struct Check {
   const char* op;

@@ -1,11 +1,13 @@
 // mxmla — RoPE API: validation, table-row mapping, tables, positions, YaRN.
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <string>
 
 #include "common/device.h"
 #include "common/rope_cuda.h"
 #include "common/rope_ops.h"
+#include "common/text.h"
 #include "cpu/reference.h"
 #include "mxmla/rope.h"
 
@@ -17,10 +19,17 @@ namespace {
 
 bool is_float(DType t) { return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16; }
 
-std::string dims(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
+std::string dims(const std::vector<int64_t>& s) { return detail::shape_str(s); }
+
+// [lowest, highest] byte touched by a strided tensor (for overlap checks).
+std::pair<intptr_t, intptr_t> byte_extent(const TensorDesc& t) {
+  intptr_t lo = reinterpret_cast<intptr_t>(t.data), hi = lo;
+  const int64_t es = dtype_size(t.dtype);
+  for (int64_t i = 0; i < t.ndim(); ++i) {
+    const int64_t span = (t.shape[i] - 1) * t.stride(i) * es;
+    (span < 0 ? lo : hi) += span;
+  }
+  return {lo, hi + es - 1};
 }
 
 // cu_seqlens as int64 values, checked: 1-D int32/int64 on the CPU, starts at 0, non-decreasing,
@@ -56,7 +65,9 @@ detail::RopeProblem make_problem(const char* op, const TensorDesc& x, const Tens
   if (x.ndim() != want_nd)
     fail(op, xn, std::string("must be ") + (thd ? "3-D [t, h, d]" : "4-D [s, b, h, d] or [b, s, h, d]") + ", got " +
                      dims(x.shape));
-  if (!x.strides.empty() && x.strides.size() != x.shape.size()) fail(op, xn, "strides do not match the shape");
+  for (const TensorDesc* t : {&x, &out, &cos, &sin})
+    if (!t->strides.empty() && t->strides.size() != t->shape.size())
+      fail(op, t == &x ? xn : t == &out ? on : t == &cos ? "cos" : "sin", "has strides that do not match its shape");
   if (!is_float(x.dtype)) fail(op, xn, std::string("dtype ") + dtype_name(x.dtype) + " is not supported");
   if (out.shape != x.shape) fail(op, on, "shape " + dims(out.shape) + " must be " + dims(x.shape));
   if (!is_float(out.dtype)) fail(op, on, std::string("dtype ") + dtype_name(out.dtype) + " is not supported");
@@ -69,6 +80,10 @@ detail::RopeProblem make_problem(const char* op, const TensorDesc& x, const Tens
     bool same = out.dtype == x.dtype;
     for (int64_t i = 0; i < x.ndim(); ++i) same = same && out.stride(i) == x.stride(i);
     if (!same) fail(op, on, "aliases the input with another dtype or strides (in place needs both equal)");
+  } else if (x.numel() > 0) {
+    const auto a = byte_extent(x), b = byte_extent(out);
+    if (a.first <= b.second && b.first <= a.second)
+      fail(op, on, "overlaps the input without being the same tensor (in place must pass the input itself)");
   }
   for (const auto* t : {&cos, &sin}) {
     const char* n = t == &cos ? "cos" : "sin";

@@ -300,3 +300,10 @@ def test_rope_backward_quantize_layouts_and_swizzle():
     np.testing.assert_array_equal(qs.columnwise_data, qc.columnwise_data)
     with pytest.raises(ValueError, match="multiple of 32"):
         mxmla.rope_backward_quantize(rand(4, 1, 2, 80), c, s, rope_dim=64)
+
+
+def test_partial_overlap_is_rejected():
+    a = rand(5, 2, 3, 192, seed=30)
+    c, s = mxmla.rope_tables(mxmla.positions_arange(4))
+    with pytest.raises(ValueError, match="overlaps the input"):
+        mxmla.apply_rope(a[:4], c, s, out=a[1:])
