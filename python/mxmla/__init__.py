@@ -2,7 +2,7 @@
 
 Every op accepts torch tensors (CPU or CUDA; CUDA work runs on torch's current stream) and numpy
 arrays (float32, float16, and bfloat16 given as uint16 bit patterns), and returns the same kind.
-CPU data runs the float64 reference, CUDA data the sm_90a kernels. This layer only checks,
+CPU data runs the CPU reference, CUDA data the sm_90a kernels. This layer only checks,
 allocates and calls the compiled core; the rules live in C++ and their errors are ValueError.
 """
 from __future__ import annotations
