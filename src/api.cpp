@@ -36,11 +36,12 @@ int64_t dtype_size(DType t) {
   }
 }
 
-int64_t TensorDesc::numel() const {
+int64_t numel(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
   return n;
 }
+int64_t TensorDesc::numel() const { return mxmla::numel(shape); }
 int64_t TensorDesc::stride(int64_t dim) const {
   if (!strides.empty()) return strides[dim];
   int64_t s = 1;
@@ -124,8 +125,6 @@ struct Check {
     if (t.device.type == DeviceType::kCUDA && t.numel() > 0) detail::check_cuda_pointer(op, arg.c_str(), t.data, t.device.index);
   }
 };
-
-const std::vector<DType> kCodeTypes = {DType::kUInt8, DType::kFloat8E4M3, DType::kFloat8E5M2};
 
 void check_code_dtype(const Check& c, const std::string& arg, const TensorDesc& t, Fp8Format f) {
   const DType want = f == Fp8Format::kE4M3 ? DType::kFloat8E4M3 : DType::kFloat8E5M2;
@@ -347,7 +346,7 @@ void dequantize(const MXFP8Tensor& in, TensorDesc& out, bool columnwise, Stream 
   const TensorDesc& data = columnwise ? in.columnwise_data : in.rowwise_data;
   const TensorDesc& scales = columnwise ? in.columnwise_scale_inv : in.rowwise_scale_inv;
   const char* which = columnwise ? "columnwise" : "rowwise";
-  if (data.data == nullptr && !in.shape.empty() && TensorDesc(nullptr, DType::kUInt8, in.shape).numel() > 0)
+  if (data.data == nullptr && !in.shape.empty() && numel(in.shape) > 0)
     c.fail(std::string(which) + "_data", "is absent: the tensor was not quantized in this direction");
   if (in.shape.empty()) c.fail("input", "shape must have at least one dimension");
   const Device dev = data.device;
@@ -362,7 +361,7 @@ void dequantize(const MXFP8Tensor& in, TensorDesc& out, bool columnwise, Stream 
   } else {
     if (in.scale_layout == ScaleLayout::kBHSD) c.fail("input", "BHSD scales need an attention-quantized tensor");
     shapes = quantize_shapes(in.shape, in.scale_layout == ScaleLayout::kSwizzled);
-    const int64_t K = in.shape.back(), M = TensorDesc(nullptr, DType::kUInt8, in.shape).numel() / K;
+    const int64_t K = in.shape.back(), M = numel(in.shape) / K;
     map = columnwise ? detail::make_col_map(mode_of(in.scale_layout), 1, M, K)
                      : detail::make_row_map(mode_of(in.scale_layout), 1, M, K);
   }

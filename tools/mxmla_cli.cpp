@@ -105,11 +105,6 @@ MXFP8Tensor describe(const std::vector<int64_t>& shape, const MXFP8Shapes& s, vo
   return t;
 }
 
-int64_t numel(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (auto x : s) n *= x;
-  return n;
-}
 
 // CPU reference run (no GPU): quantize, then check the round trip against the MX error bound.
 int run_cpu(const RunArgs& a) {

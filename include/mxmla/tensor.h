@@ -40,6 +40,8 @@ struct Device {
 };
 
 const char* dtype_name(DType t);
+// Number of elements of a shape (1 for a 0-D shape).
+int64_t numel(const std::vector<int64_t>& shape);
 const char* device_name(DeviceType t);
 int64_t dtype_size(DType t);
 

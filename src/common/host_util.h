@@ -7,6 +7,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/reference.h"
+
 #if MXMLA_WITH_CUDA
 #include <cuda_runtime.h>
 
@@ -32,13 +34,7 @@ struct Rng {
   }
 };
 
-inline uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+inline uint16_t to_bf16(float f) { return ref::float_to_bf16(f); }  // round to nearest even
 
 // Activation-like bf16 data: N(0, 1) per element times a per-row scale drawn log-uniformly
 // over [2^-lo, 2^hi], so that blocks exercise many scale exponents.

@@ -84,8 +84,6 @@ struct ScaleMap {
   int64_t H = 1, D = 32;     // kBHSD only
   int64_t tiles_x = 0;       // swizzle tiles along j
   int64_t mat_size = 0;      // kBHSD: bytes of one (b, h) matrix
-  int64_t nkb() const { return cols / 32; }
-  int64_t nrb() const { return ceil_div(rows, 32); }
 };
 
 // Scale offsets through cursors: the division-heavy part (which (b, h) matrix, which block column)

@@ -181,8 +181,6 @@ namespace mxmla::detail {
 
 namespace {
 
-double load_elem(const void* base, DType t, int64_t off) { return ref::load_as_double(base, t, off); }
-
 // Quantize one block of 32 (or fewer, at a tail) values; writes codes through `code_at`.
 template <typename CodeAt>
 uint8_t quantize_block(const double* v, int n, Fp8Format fmt, CodeAt code_at) {
@@ -226,7 +224,7 @@ void quantize_cpu(const QuantizeProblem& p) {
       for (int64_t r = 0; r < p.rows; ++r)
         for (int64_t kb = 0; kb < p.cols / 32; ++kb) {
           const int64_t in0 = bi * p.batch_stride + r * p.row_stride + kb * 32;
-          for (int i = 0; i < 32; ++i) v[i] = load_elem(p.in, p.in_dtype, in0 + i);
+          for (int i = 0; i < 32; ++i) v[i] = ref::load_as_double(p.in, p.in_dtype, in0 + i);
           uint8_t* out = p.row_codes + (bi * p.rows + r) * p.cols + kb * 32;
           p.row_scales[row_scale_offset(p.row_map, bi, r, kb)] =
               quantize_block(v, 32, p.fmt, [&](int i) -> uint8_t& { return out[i]; });
@@ -239,7 +237,7 @@ void quantize_cpu(const QuantizeProblem& p) {
         const int n = static_cast<int>(std::min<int64_t>(32, p.rows - rb * 32));  // tail block: n < 32
         for (int64_t c = 0; c < p.cols; ++c) {
           for (int i = 0; i < n; ++i)
-            v[i] = load_elem(p.in, p.in_dtype, bi * p.batch_stride + (rb * 32 + i) * p.row_stride + c);
+            v[i] = ref::load_as_double(p.in, p.in_dtype, bi * p.batch_stride + (rb * 32 + i) * p.row_stride + c);
           uint8_t* out = p.col_codes + (bi * p.rows + rb * 32) * p.cols + c;
           p.col_scales[col_scale_offset(p.col_map, bi, rb, c)] =
               quantize_block(v, n, p.fmt, [&](int i) -> uint8_t& { return out[i * p.cols]; });

@@ -13,11 +13,6 @@ namespace {
 using test::Data;
 using test::HostQ;
 
-int64_t numel(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (auto x : s) n *= x;
-  return n;
-}
 
 void expect_same(const HostQ& gpu, const HostQ& cpu, const std::string& what) {
   EXPECT_EQ(test::first_mismatch(gpu.row, cpu.row), "") << what << ": rowwise codes";

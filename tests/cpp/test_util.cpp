@@ -76,11 +76,6 @@ std::vector<float> make_data(int64_t rows, int64_t cols, Data kind, uint64_t see
   return v;
 }
 
-static int64_t numel(const std::vector<int64_t>& s) {
-  int64_t n = 1;
-  for (auto x : s) n *= x;
-  return n;
-}
 
 HostQ alloc_host(const MXFP8Shapes& s, bool rowwise, bool columnwise) {
   HostQ h;
