@@ -114,6 +114,16 @@ def torch_rope_iho(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.T
     return torch.cat([nope, out.to(x.dtype)], dim=-1)
 
 
+def torch_rope_iho_bwd(g: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The gradient of torch_rope_iho (the backward peer): dx = R^T g on the rope part."""
+    nope, pe = g[..., :128], g[..., 128:].float()
+    g1, g2 = pe[..., :32], pe[..., 32:]
+    c, s = c[:, None, :].float(), s[:, None, :].float()
+    dx1 = g1 * c[..., :32] + g2 * s[..., 32:]
+    dx2 = g2 * c[..., 32:] - g1 * s[..., :32]
+    return torch.cat([nope, torch.stack([dx1, dx2], dim=-1).flatten(-2).to(g.dtype)], dim=-1)
+
+
 def bench_rope(iters, flush, dev, add, compile_peer: bool):
     """RoPE forward / backward on [16384, 128, 192] bf16 (thd, fp32 tables [T, 64])."""
     T, H, D = 16384, 128, 192
@@ -136,6 +146,27 @@ def bench_rope(iters, flush, dev, add, compile_peer: bool):
         ok = torch.equal(peer(x, c, s), mxmla.apply_rope(x, c, s, layout="thd"))
         t = timer(lambda: peer(x, c, s), iters, flush)
         add("rope", "torch.compile fwd", t, full, f"mxmla {t / t_f:.2f}x faster; peer bit-equal: {ok}")
+        peer_b = torch.compile(torch_rope_iho_bwd)
+        ok = torch.equal(peer_b(x, c, s), mxmla.rope_backward(x, c, s, layout="thd"))
+        t = timer(lambda: peer_b(x, c, s), iters, flush)
+        add("rope", "torch.compile bwd", t, full, f"mxmla {t / t_b:.2f}x faster; peer bit-equal: {ok}")
+
+    # rope_backward_quantize (rowwise + columnwise, compact scales) vs the project's own two ops
+    n = x.numel()
+    fused_bytes = 2.0 * n + 2.0 * n + 2.0 * n / 32 + 2 * c.numel() * 4  # read dq; codes + scales of both
+    t_q = timer(lambda: mxmla.rope_backward_quantize(x, c, s, layout="thd"), iters, flush)
+    add("rope_bq", "mxmla fused", t_q, fused_bytes, f"{100 * fused_bytes / t_q / 1e6 / copy_bw:.0f}% of copy")
+
+    def separate():
+        mxmla.rope_backward(x, c, s, layout="thd", out=y)
+        mxmla.quantize(y.view(T, H * D))
+
+    t_sep = timer(separate, iters, flush)
+    saved = 4.0 * n  # the bf16 dx written and read back
+    need = t_sep - saved / copy_bw / 1e6
+    add("rope_bq", "rope_backward + quantize", t_sep, fused_bytes + saved,
+        f"fused {t_sep / t_q:.2f}x faster; saved traffic alone allows {t_sep / need:.2f}x "
+        f"({'met' if t_q <= need else 'NOT met'})")
 
 
 def main() -> int:
@@ -146,6 +177,7 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
     ap.add_argument("--quant-only", action="store_true", help="only the quantize cases (no peers, no attention)")
+    ap.add_argument("--rope-only", action="store_true", help="only the copy ceiling and the RoPE cases")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench: no CUDA device: nothing to measure")
@@ -181,6 +213,10 @@ def main() -> int:
 
     bytes_both = 2.0 * M * K + 2.0 * M * K + 2.0 * M * K / 32
     bytes_row = 2.0 * M * K + 1.0 * M * K + M * K / 32
+    if a.rope_only:
+        del x, y
+        bench_rope(a.iters, flush, dev, add, not a.no_compile)
+        return report(a, res, rows, agree)
     t_both = timer(lambda: mxmla.quantize(x), a.iters, flush)
     add("quant_both", "mxmla", t_both, bytes_both, f"{100 * bytes_both / t_both / 1e6 / copy_bw:.0f}% of copy")
     t_swz = timer(lambda: mxmla.quantize(x, swizzle=True), a.iters, flush)
@@ -201,9 +237,12 @@ def main() -> int:
     del x, y
     if not a.quant_only:
         bench_attention(a.iters, flush, dev, add)
-        if mxmla.info()["cuda_rope"]:
-            bench_rope(a.iters, flush, dev, add, not a.no_compile)
+        bench_rope(a.iters, flush, dev, add, not a.no_compile)
+    return report(a, res, rows, agree)
 
+
+def report(a, res, rows, agree) -> int:
+    M, K = res["M"], res["K"]
     print(f"\nGPU: {res['gpu']}  torch {res['torch']}  shape [{M}, {K}] bf16 -> E4M3; medians of {a.iters}, L2 flushed")
     print(f"torch formula and mxmla bit-exact on this input: {agree}")
     print(f"{'case':<11} {'what':<28} {'ms':>9} {'GB/s':>8}  note")

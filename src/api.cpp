@@ -179,6 +179,14 @@ void check_direction(const Check& c, const char* which, const TensorDesc& data, 
   c.on_cuda(s, scales);
 }
 
+// The output pointers of a problem (null for a direction that is off: its data pointer is null).
+void set_outputs(detail::QuantizeProblem& p, const MXFP8Tensor& out) {
+  p.row_codes = static_cast<uint8_t*>(out.rowwise_data.data);
+  p.row_scales = p.row_codes ? static_cast<uint8_t*>(out.rowwise_scale_inv.data) : nullptr;
+  p.col_codes = static_cast<uint8_t*>(out.columnwise_data.data);
+  p.col_scales = p.col_codes ? static_cast<uint8_t*>(out.columnwise_scale_inv.data) : nullptr;
+}
+
 void run_quantize(const detail::QuantizeProblem& p, const Device& dev, Stream stream) {
   if (dev.type == DeviceType::kCPU) return detail::quantize_cpu(p);
   detail::CudaDeviceGuard g(dev.index);
@@ -208,6 +216,34 @@ AttnGeom attn_geom(const Check& c, const std::string& arg, const std::vector<int
 }
 
 }  // namespace
+
+namespace detail {
+QuantizeProblem quantize_outputs(const char* op, const std::vector<int64_t>& shape, MXFP8Tensor& out,
+                                 const QuantizeOptions& opts, const Device& dev) {
+  const Check c{op};
+  const MXFP8Shapes shapes = quantize_shapes(shape, opts.swizzle);
+  if (opts.rowwise)
+    check_direction(c, "rowwise", out.rowwise_data, out.rowwise_scale_inv, shapes.data, shapes.rowwise_scale,
+                    opts.format, dev);
+  if (opts.columnwise)
+    check_direction(c, "columnwise", out.columnwise_data, out.columnwise_scale_inv, shapes.data,
+                    shapes.columnwise_scale, opts.format, dev);
+  out.shape = shape;
+  out.format = opts.format;
+  out.scale_layout = opts.swizzle ? ScaleLayout::kSwizzled : ScaleLayout::kCompact;
+  out.attention = false;
+  if (!opts.rowwise) out.rowwise_data.data = nullptr, out.rowwise_scale_inv.data = nullptr;
+  if (!opts.columnwise) out.columnwise_data.data = nullptr, out.columnwise_scale_inv.data = nullptr;
+  const int64_t K = shape.back(), M = numel(shape) / std::max<int64_t>(K, 1);
+  QuantizeProblem p;
+  p.fmt = opts.format, p.batch = 1, p.rows = M, p.cols = K;
+  const MapMode mode = opts.swizzle ? MapMode::kSwizzled : MapMode::kCompact;
+  p.row_map = make_row_map(mode, 1, M, K);
+  p.col_map = make_col_map(mode, 1, M, K);
+  set_outputs(p, out);
+  return p;
+}
+}  // namespace detail
 
 // ---------------------------------------------------------------- shapes
 MXFP8Shapes quantize_shapes(const std::vector<int64_t>& shape, bool swizzle) {
@@ -251,38 +287,12 @@ void quantize(const TensorDesc& input, MXFP8Tensor& out, const QuantizeOptions& 
   if (!opts.rowwise && !opts.columnwise) c.fail("options", "at least one of rowwise / columnwise must be set");
   int64_t M;
   const int64_t row_stride = collapse_rows(c, "input", input, M);
-  const int64_t K = input.shape.back();
   check_cuda_input_alignment(c, "input", input, row_stride, 0);
   c.on_cuda("input", input);
-  const MXFP8Shapes shapes = quantize_shapes(input.shape, opts.swizzle);
-  if (opts.rowwise)
-    check_direction(c, "rowwise", out.rowwise_data, out.rowwise_scale_inv, shapes.data, shapes.rowwise_scale,
-                    opts.format, input.device);
-  if (opts.columnwise)
-    check_direction(c, "columnwise", out.columnwise_data, out.columnwise_scale_inv, shapes.data,
-                    shapes.columnwise_scale, opts.format, input.device);
-  out.shape = input.shape;
-  out.format = opts.format;
-  out.scale_layout = opts.swizzle ? ScaleLayout::kSwizzled : ScaleLayout::kCompact;
-  out.attention = false;
-  if (!opts.rowwise) out.rowwise_data.data = nullptr, out.rowwise_scale_inv.data = nullptr;
-  if (!opts.columnwise) out.columnwise_data.data = nullptr, out.columnwise_scale_inv.data = nullptr;
+  detail::QuantizeProblem p = detail::quantize_outputs(c.op, input.shape, out, opts, input.device);
   if (input.numel() == 0) return;
-
-  detail::QuantizeProblem p;
-  p.in = input.data, p.in_dtype = input.dtype, p.fmt = opts.format;
-  p.batch = 1, p.rows = M, p.cols = K, p.batch_stride = 0, p.row_stride = row_stride;
-  const MapMode mode = opts.swizzle ? MapMode::kSwizzled : MapMode::kCompact;
-  p.row_map = detail::make_row_map(mode, 1, M, K);
-  p.col_map = detail::make_col_map(mode, 1, M, K);
-  if (opts.rowwise) {
-    p.row_codes = static_cast<uint8_t*>(out.rowwise_data.data);
-    p.row_scales = static_cast<uint8_t*>(out.rowwise_scale_inv.data);
-  }
-  if (opts.columnwise) {
-    p.col_codes = static_cast<uint8_t*>(out.columnwise_data.data);
-    p.col_scales = static_cast<uint8_t*>(out.columnwise_scale_inv.data);
-  }
+  p.in = input.data, p.in_dtype = input.dtype;
+  p.batch_stride = 0, p.row_stride = row_stride;
   run_quantize(p, input.device, stream);
 }
 
@@ -329,14 +339,7 @@ void quantize_attention(const TensorDesc& input, MXFP8Tensor& out, const Attenti
   const MapMode mode = opts.bhsd_scales ? MapMode::kBHSD : MapMode::kCompact;
   p.row_map = detail::make_row_map(mode, g.batch, g.rows, g.cols, g.H, g.D);
   p.col_map = detail::make_col_map(mode, g.batch, g.rows, g.cols, g.H, g.D);
-  if (opts.rowwise) {
-    p.row_codes = static_cast<uint8_t*>(out.rowwise_data.data);
-    p.row_scales = static_cast<uint8_t*>(out.rowwise_scale_inv.data);
-  }
-  if (opts.columnwise) {
-    p.col_codes = static_cast<uint8_t*>(out.columnwise_data.data);
-    p.col_scales = static_cast<uint8_t*>(out.columnwise_scale_inv.data);
-  }
+  set_outputs(p, out);
   run_quantize(p, input.device, stream);
 }
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common/device.h"
+#include "common/ops.h"
 #include "common/rope_cuda.h"
 #include "common/rope_ops.h"
 #include "common/text.h"
@@ -125,14 +126,12 @@ detail::RopeProblem make_problem(const char* op, const TensorDesc& x, const Tens
     for (int64_t s = 0; cpu && s < p.S; ++s)
       for (int64_t b = 0; b < p.B; ++b) p.row_of_token[s * p.B + b] = sbhd ? s * p.B + b : b * p.S + s;
   } else if (thd && cu_seqlens != nullptr) {
-    const std::vector<int64_t> cu = read_cu_seqlens(op, *cu_seqlens, tokens);
-    if (!cpu)
-      fail(op, "cu_seqlens", "is not supported by the CUDA kernel yet: build per-token tables with "
-                             "positions_from_cu_seqlens and pass tables_per_token");
+    p.cu = read_cu_seqlens(op, *cu_seqlens, tokens);
+    const std::vector<int64_t>& cu = p.cu;
     int64_t longest = 0;
     for (size_t i = 0; i + 1 < cu.size(); ++i) {
       longest = std::max(longest, cu[i + 1] - cu[i]);
-      for (int64_t t = cu[i]; t < cu[i + 1]; ++t) p.row_of_token[t] = t - cu[i];
+      for (int64_t t = cu[i]; cpu && t < cu[i + 1]; ++t) p.row_of_token[t] = t - cu[i];
     }
     if (T < longest) fail(op, "cos", "has " + std::to_string(T) + " rows; the longest sequence needs " + std::to_string(longest));
   } else {
@@ -143,16 +142,18 @@ detail::RopeProblem make_problem(const char* op, const TensorDesc& x, const Tens
   return p;
 }
 
-#if MXMLA_CUDA_ROPE
-// The CUDA kernel's extra rules (vector access), then the launch.
-void run_rope_cuda(const char* op, const char* xn, const char* on, const TensorDesc& x, const TensorDesc& cos,
-                   const TensorDesc& sin, const TensorDesc& out, const RopeOptions& o, const detail::RopeProblem& p,
-                   Stream stream) {
-  if (out.dtype != x.dtype) fail(op, on, "must have the input's dtype on the CUDA path");
+#if MXMLA_WITH_CUDA
+// The CUDA kernels' extra rules (vector access) for the input x (and out when given); the kernel
+// parameters of the rope part.
+detail::RopeKernelParams cuda_rope_params(const char* op, const char* xn, const char* on, const TensorDesc& x,
+                                          const TensorDesc& cos, const TensorDesc& sin, const TensorDesc* out,
+                                          const RopeOptions& o, const detail::RopeProblem& p) {
+  if (out != nullptr && out->dtype != x.dtype) fail(op, on, "must have the input's dtype on the CUDA path");
   if (p.rope_dim % 16 != 0) fail(op, "rope_dim", "must be a multiple of 16 on the CUDA path");
   if ((p.D - p.rope_dim) % 8 != 0) fail(op, xn, "head dimension minus rope_dim must be a multiple of 8 on the CUDA path");
   const int64_t es = dtype_size(x.dtype), ts = dtype_size(cos.dtype);
-  for (const TensorDesc* t : {&x, static_cast<const TensorDesc*>(&out)}) {
+  for (const TensorDesc* t : {&x, out}) {
+    if (t == nullptr) continue;
     const char* n = t == &x ? xn : on;
     if (t->stride(t->ndim() - 1) != 1) fail(op, n, "last dimension must be contiguous on the CUDA path");
     for (int64_t i = 0; i + 1 < t->ndim(); ++i)
@@ -167,14 +168,16 @@ void run_rope_cuda(const char* op, const char* xn, const char* on, const TensorD
     detail::check_cuda_pointer(op, n, t->data, x.device.index);
   }
   detail::RopeKernelParams k;
-  k.in = x.data, k.out = out.data, k.cos = cos.data, k.sin = sin.data, k.io_t = x.dtype, k.tab_t = cos.dtype;
+  k.in = x.data, k.out = out ? out->data : nullptr, k.cos = cos.data, k.sin = sin.data, k.io_t = x.dtype;
+  k.tab_t = cos.dtype;
   k.S = p.S, k.B = p.B, k.H = p.H, k.D = p.D, k.R = p.rope_dim;
   for (int i = 0; i < 3; ++i) k.in_st[i] = p.in_st[i], k.out_st[i] = p.out_st[i];
   k.tab_row_stride = p.tab_st[0];
-  k.sbhd = o.layout != RopeLayout::kBSHD, k.row_per_token = o.tables_per_token, k.copy_nope = out.data != x.data;
+  k.sbhd = o.layout != RopeLayout::kBSHD, k.row_per_token = o.tables_per_token;
+  k.copy_nope = out != nullptr && out->data != x.data;
   k.backward = p.backward, k.style = p.style;
-  detail::CudaDeviceGuard guard(x.device.index);
-  detail::rope_cuda(k, stream);
+  k.cu = p.cu.empty() ? nullptr : &p.cu;
+  return k;
 }
 #endif
 
@@ -183,13 +186,14 @@ void run_rope(const char* op, const TensorDesc& x, const TensorDesc& cos, const 
   const detail::RopeProblem p = make_problem(op, x, cos, sin, out, o, cu_seqlens, backward);
   if (x.numel() == 0) return;
   if (x.device.type == DeviceType::kCPU) return detail::rope_cpu(p);
-#if MXMLA_CUDA_ROPE
-  run_rope_cuda(op, backward ? "grad" : "x", backward ? "dx" : "out", x, cos, sin, out, o, p, stream);
+#if MXMLA_WITH_CUDA
+  const detail::RopeKernelParams k =
+      cuda_rope_params(op, backward ? "grad" : "x", backward ? "dx" : "out", x, cos, sin, &out, o, p);
+  detail::CudaDeviceGuard guard(x.device.index);
+  detail::rope_cuda(k, stream);
 #else
   (void)stream;
-  fail(op, backward ? "grad" : "x",
-       "is on a CUDA device, but this build's CUDA RoPE kernel is off (CMake MXMLA_CUDA_ROPE; it awaits GPU "
-       "verification): use CPU tensors");
+  fail(op, backward ? "grad" : "x", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
 #endif
 }
 
@@ -209,11 +213,12 @@ void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const T
                             TensorDesc* dx_copy, const RopeBackwardQuantizeOptions& opts,
                             const TensorDesc* cu_seqlens, Stream stream) {
   const char* op = "mxmla.rope_backward_quantize";
-  // dx in fp32, contiguous in dq's shape: the placeholder descriptor only carries the shape here
-  std::vector<float> dx(static_cast<size_t>(std::max<int64_t>(dq.numel(), 0)));
-  TensorDesc dxd(dx.data(), DType::kFloat32, dq.shape, dq.device);
-  if (dq.device.type != DeviceType::kCPU)
-    fail(op, "grad", "is on a CUDA device: the fused CUDA kernel is not implemented yet (CPU reference only)");
+  if (!opts.rowwise && !opts.columnwise) fail(op, "options", "at least one of rowwise / columnwise must be set");
+  // CPU: dx in fp32, contiguous in dq's shape. CUDA: the kernel keeps dx on chip; dq stands in
+  // for the output that the shared validation expects.
+  const bool on_cpu = dq.device.type == DeviceType::kCPU;
+  std::vector<float> dx(static_cast<size_t>(on_cpu ? std::max<int64_t>(dq.numel(), 0) : 0));
+  const TensorDesc dxd = on_cpu ? TensorDesc(dx.data(), DType::kFloat32, dq.shape, dq.device) : dq;
   detail::RopeProblem p = make_problem(op, dq, cos, sin, dxd, opts.rope, cu_seqlens, true);
   const int64_t H = p.H, D = p.D, T = p.S * p.B;
   if (D % 32 != 0) fail(op, "grad", "head dimension " + std::to_string(D) + " must be a multiple of 32");
@@ -224,6 +229,32 @@ void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const T
     if (dq.numel() > 0 && dx_copy->data == nullptr) fail(op, "dx_copy", "data pointer is null");
     if (dx_copy->device != dq.device) fail(op, "dx_copy", "is on another device than the input");
   }
+  QuantizeOptions qo;
+  qo.rowwise = opts.rowwise, qo.columnwise = opts.columnwise, qo.format = opts.format, qo.swizzle = opts.swizzle;
+  // data [tokens, h*d], scales of quantize_shapes (16-byte aligned codes on the GPU)
+  detail::QuantizeProblem qp = detail::quantize_outputs(op, {T, H * D}, out, qo, dq.device);
+  if (!on_cpu) {
+#if MXMLA_WITH_CUDA
+    if (D > detail::kRopeQuantizeMaxHeadDim)
+      fail(op, "grad", "head dimension " + std::to_string(D) + " exceeds " +
+                           std::to_string(detail::kRopeQuantizeMaxHeadDim) + " on the CUDA path");
+    if (dx_copy != nullptr && dq.numel() > 0) {
+      if (reinterpret_cast<uintptr_t>(dx_copy->data) % 16 != 0) fail(op, "dx_copy", "data pointer must be 16-byte aligned");
+      detail::check_cuda_pointer(op, "dx_copy", dx_copy->data, dq.device.index);
+    }
+    if (dq.numel() == 0) return;
+    detail::RopeQuantizeParams k;
+    k.rope = cuda_rope_params(op, "grad", "dx", dq, cos, sin, nullptr, opts.rope, p);
+    k.fmt = opts.format, k.row_map = qp.row_map, k.col_map = qp.col_map;
+    k.row_codes = qp.row_codes, k.row_scales = qp.row_scales, k.col_codes = qp.col_codes, k.col_scales = qp.col_scales;
+    if (dx_copy != nullptr) k.dx = dx_copy->data, k.dx_t = dx_copy->dtype;
+    detail::CudaDeviceGuard guard(dq.device.index);
+    detail::rope_quantize_cuda(k, stream);
+    return;
+#else
+    fail(op, "grad", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
+#endif
+  }
   if (dq.numel() == 0) return;
   p.out = dx.data(), p.out_t = DType::kFloat32;
   // contiguous strides of dq's logical shape, mapped to (s, b, h, d)
@@ -233,10 +264,8 @@ void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const T
   else if (bshd) p.out_st[0] = H * D, p.out_st[1] = p.S * H * D;
   else p.out_st[0] = p.B * H * D, p.out_st[1] = H * D;
   detail::rope_cpu(p);
-  QuantizeOptions qo;
-  qo.rowwise = opts.rowwise, qo.columnwise = opts.columnwise, qo.format = opts.format, qo.swizzle = opts.swizzle;
-  // the outputs are validated by quantize (data [tokens, h*d], scales of quantize_shapes)
-  quantize(TensorDesc(dx.data(), DType::kFloat32, {T, H * D}), out, qo, stream);
+  qp.in = dx.data(), qp.in_dtype = DType::kFloat32, qp.row_stride = H * D;
+  detail::quantize_cpu(qp);
   if (dx_copy != nullptr && dx_copy->dtype == DType::kFloat32)
     std::copy(dx.begin(), dx.end(), static_cast<float*>(dx_copy->data));
   else if (dx_copy != nullptr)

@@ -87,9 +87,8 @@ int cmd_info() {
   const char* ops[] = {"quantize (row/col/both)", "dequantize", "swizzle/unswizzle_scales", "quantize_attention (BHSD)",
                        "attention_scales_to_bhsd"};
   for (const char* op : ops) std::printf("%-28s %-22s %s\n", op, "reference (float64)", gpu);
-  std::printf("%-28s %-22s %s\n", "apply_rope / rope_backward", "reference (fp32 fma)",
-              b.cuda_rope ? "CUDA kernel (awaiting GPU verification)" : "off in this build (MXMLA_CUDA_ROPE)");
-  std::printf("%-28s %-22s %s\n", "rope_backward_quantize", "reference", "not yet (issue 3)");
+  std::printf("%-28s %-22s %s\n", "apply_rope / rope_backward", "reference (fp32 fma)", gpu);
+  std::printf("%-28s %-22s %s\n", "rope_backward_quantize", "reference (fp32 fma)", gpu);
   std::printf("%-28s %-22s %s\n", "rope_tables (plain, YaRN)", "host (float64)", "-");
   return 0;
 }

@@ -105,7 +105,7 @@ struct BuildInfo {
   bool cuda_enabled;
   const char* cuda_archs;
   const char* version;
-  bool cuda_rope;  // the CUDA RoPE kernel is built (CMake MXMLA_CUDA_ROPE)
+  bool cuda_rope;  // the CUDA RoPE kernels are built (with the CUDA kernels)
 };
 BuildInfo build_info();
 // Number of usable CUDA devices (0 when built without CUDA or none present) and a description.

@@ -2,8 +2,9 @@
 
 Styles: "interleaved_in_halves_out" (default; Megatron MLA), "interleaved" (DeepSeek reference,
 complex multiply), "rotate_half" (TE default). Layouts: "sbhd", "bshd", "thd" (with cu_seqlens).
-Only the trailing `rope_dim` of each head rotates. CPU data runs the float64 reference; the CUDA
-kernels are not implemented yet (a CUDA tensor raises ValueError).
+Only the trailing `rope_dim` of each head rotates. CPU data runs the reference; CUDA tensors run
+the sm90 kernels (bit-identical results). cu_seqlens is read on the host (a CUDA tensor is copied
+to the CPU, which synchronizes).
 """
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ def _yarn(yarn: Union[None, str, dict]) -> Optional[tuple]:
             float(p["mscale"]), float(p["mscale_all_dim"]))
 
 
+def _cu_desc(cu_seqlens: Any) -> tuple:
+    """(descriptor, owner): cu_seqlens on the CPU (the library validates it on the host); keep
+    `owner` alive until the call returns (a CUDA tensor's host copy is a new tensor)."""
+    from . import _Backend
+
+    if cu_seqlens is None:
+        return None, None
+    if type(cu_seqlens).__module__.startswith("torch") and cu_seqlens.is_cuda:
+        cu_seqlens = cu_seqlens.cpu()
+    return _Backend(cu_seqlens).desc(cu_seqlens, "cu_seqlens"), cu_seqlens
+
+
 def _rope(x: Any, cos: Any, sin: Any, style: str, layout: str, rope_dim: int, cu_seqlens: Any,
           tables_per_token: bool, out: Any, backward: bool) -> Any:
     from . import _Backend
@@ -40,10 +53,7 @@ def _rope(x: Any, cos: Any, sin: Any, style: str, layout: str, rope_dim: int, cu
     xd = be.desc(x, "grad" if backward else "x", bf16_from_uint16=True)
     if out is None:
         out = be.empty(xd[2], xd[1])
-    cu = None
-    if cu_seqlens is not None:
-        cu_be = _Backend(cu_seqlens)
-        cu = cu_be.desc(cu_seqlens, "cu_seqlens")
+    cu, _cu_owner = _cu_desc(cu_seqlens)
     _core.rope(xd, be.desc(cos, "cos", bf16_from_uint16=True), be.desc(sin, "sin", bf16_from_uint16=True),
                be.desc(out, "dx" if backward else "out", bf16_from_uint16=True), style, layout, int(rope_dim),
                bool(tables_per_token), cu, backward, be.stream())
@@ -93,9 +103,7 @@ def rope_backward_quantize(dq: Any, cos: Any, sin: Any, rowwise: bool = True, co
     if dx_copy not in (None, "bfloat16", "float32"):
         raise ValueError(f"mxmla.rope_backward_quantize: argument 'dx_copy': must be None, 'bfloat16' or 'float32', got {dx_copy!r}")
     dx = be.empty(shape, dx_copy) if dx_copy else None
-    cu = None
-    if cu_seqlens is not None:
-        cu = _Backend(cu_seqlens).desc(cu_seqlens, "cu_seqlens")
+    cu, _cu_owner = _cu_desc(cu_seqlens)
     _core.rope_backward_quantize(dd, be.desc(cos, "cos", bf16_from_uint16=True), be.desc(sin, "sin", bf16_from_uint16=True),
                                  *_descs(be, outs), None if dx is None else be.desc(dx, "dx", bf16_from_uint16=True),
                                  style, layout, int(rope_dim), bool(tables_per_token), cu, fp8_format, swizzle,

@@ -44,6 +44,13 @@ struct RemapProblem {
   bool rowwise = true;
 };
 
+// Validates the outputs of quantizing a tensor of `shape` on `dev` (errors name `op`), sets out's
+// metadata (a direction that is off gets null pointers) and returns the problem with its output
+// fields and maps filled in (rows = product of the leading dims, cols = the last); the caller
+// sets the input fields.
+QuantizeProblem quantize_outputs(const char* op, const std::vector<int64_t>& shape, MXFP8Tensor& out,
+                                 const QuantizeOptions& opts, const Device& dev);
+
 void quantize_cpu(const QuantizeProblem& p);
 void dequantize_cpu(const DequantizeProblem& p);
 void remap_scales_cpu(const std::vector<RemapProblem>& jobs);

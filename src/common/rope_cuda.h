@@ -2,13 +2,17 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
+#include "common/mxfp8_common.h"
 #include "mxmla/rope.h"
 
 namespace mxmla::detail {
 
 // x / out viewed as [S, B, H, D] with element strides (thd: B = 1); same dtype in and out;
-// tables [T, R] with unit column stride. Row of a token: s, or its index in x's token order.
+// tables [T, R] with unit column stride. Row of a token: s, its index in x's token order
+// (row_per_token), or its position inside its sequence (thd with cu_seqlens: `cu` holds the
+// host copy of the sequence starts, uploaded by the launcher).
 struct RopeKernelParams {
   const void* in = nullptr;
   void* out = nullptr;
@@ -23,8 +27,28 @@ struct RopeKernelParams {
   bool copy_nope = true;       // out is not x
   bool backward = false;
   RopeStyle style = RopeStyle::kInterleavedInHalvesOut;
+  const std::vector<int64_t>* cu = nullptr;  // thd cu_seqlens (b + 1 entries) or null
 };
 
 void rope_cuda(const RopeKernelParams& p, Stream stream);
+
+// RoPE backward fused with MXFP8 quantization (src/cuda/sm90_rope_quantize.cu): dx = R^T dq in
+// fp32 (rope fields of `rope`, backward; out unused), quantized as [tokens, H*D] in token order
+// (sbhd / thd: s*B + b, bshd: b*S + s) with the SPEC §2 rules, and optionally copied (bf16 or
+// fp32, contiguous in the same order). Null codes: that direction is off.
+struct RopeQuantizeParams {
+  RopeKernelParams rope;
+  Fp8Format fmt = Fp8Format::kE4M3;
+  uint8_t* row_codes = nullptr;
+  uint8_t* row_scales = nullptr;
+  uint8_t* col_codes = nullptr;
+  uint8_t* col_scales = nullptr;
+  ScaleMap row_map, col_map;  // batch 1, rows = tokens, cols = H*D
+  void* dx = nullptr;
+  DType dx_t = DType::kBFloat16;
+};
+constexpr int64_t kRopeQuantizeMaxHeadDim = 256;  // the fused kernel holds 32 tokens x one head in shared memory
+
+void rope_quantize_cuda(const RopeQuantizeParams& p, Stream stream);
 
 }  // namespace mxmla::detail

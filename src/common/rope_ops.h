@@ -24,7 +24,8 @@ struct RopeProblem {
   int64_t rope_dim = 64;
   RopeStyle style = RopeStyle::kInterleavedInHalvesOut;
   bool backward = false;
-  std::vector<int64_t> row_of_token;
+  std::vector<int64_t> row_of_token;  // CPU only
+  std::vector<int64_t> cu;            // thd cu_seqlens (checked), empty when not given
 };
 
 void rope_cpu(const RopeProblem& p);

@@ -3,6 +3,7 @@
 // product, then one fused multiply-add: include/mxmla/rope.h), so GPU results can be compared bit
 // for bit; the tests check it against float64 formulas written independently.
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "common/rope_ops.h"
@@ -57,10 +58,17 @@ void rope_cpu(const RopeProblem& p) {
             y[t.b] = std::fma(static_cast<float>(t.sign * s[j]), static_cast<float>(x[j]), static_cast<float>(y[t.b]));
           }
         }
-        // pass-through first (reads before writes also when out aliases in), then the rotated part
-        for (int64_t d = 0; d < nope; ++d)
-          ref::store_from_double(p.out, p.out_t, ob + d * p.out_st[3],
-                                 ref::load_as_double(p.in, p.in_t, ib + d * p.in_st[3]));
+        // pass-through first (reads before writes also when out aliases in): the same bits when
+        // the dtype does not change (NaN payloads included), else one conversion; then the rotated part
+        const int64_t es = p.in_t == DType::kFloat32 ? 4 : 2;
+        for (int64_t d = 0; d < nope; ++d) {
+          if (p.in_t == p.out_t)
+            std::memcpy(static_cast<char*>(p.out) + (ob + d * p.out_st[3]) * es,
+                        static_cast<const char*>(p.in) + (ib + d * p.in_st[3]) * es, es);
+          else
+            ref::store_from_double(p.out, p.out_t, ob + d * p.out_st[3],
+                                   ref::load_as_double(p.in, p.in_t, ib + d * p.in_st[3]));
+        }
         for (int64_t d = 0; d < R; ++d) ref::store_from_double(p.out, p.out_t, ob + (nope + d) * p.out_st[3], y[d]);
       }
     }

@@ -42,11 +42,7 @@ CudaDeviceGuard::~CudaDeviceGuard() {
 
 }  // namespace detail
 
-#if MXMLA_CUDA_ROPE
 BuildInfo build_info() { return {true, MXMLA_CUDA_ARCHS, MXMLA_VERSION, true}; }
-#else
-BuildInfo build_info() { return {true, MXMLA_CUDA_ARCHS, MXMLA_VERSION, false}; }
-#endif
 
 int cuda_device_count() {
   int n = 0;

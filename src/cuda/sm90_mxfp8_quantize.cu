@@ -182,8 +182,11 @@ __device__ __forceinline__ int cur_rows_of_group(const QuantizeProblem& p, const
   return static_cast<int>(left < kTileRows ? left : kTileRows);
 }
 
-__device__ __forceinline__ bool groups_by_columns(const QuantizeProblem& p) {
-  return p.row_map.mode == MapMode::kCompact && p.col_map.mode == MapMode::kCompact;
+// Groups of 4 column tiles only pay off when a row has that many tiles (otherwise 3 of 4
+// pipeline slots would be empty, e.g. K = 192 has one): then fall back to groups of row tiles.
+__host__ __device__ __forceinline__ bool groups_by_columns(const QuantizeProblem& p, int tile_cols) {
+  return p.row_map.mode == MapMode::kCompact && p.col_map.mode == MapMode::kCompact &&
+         ceil_div(p.cols, static_cast<int64_t>(tile_cols)) >= 4;
 }
 
 // Lane l of warp w copies chunk l of rows [16w, 16w + 16) of the tile into physical chunk l ^ r
@@ -390,7 +393,7 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
   const int64_t g0 = blockIdx.x, stride = gridDim.x;
   if (g0 >= num_groups) return;
   const int64_t steps = 4 * ceil_div(num_groups - g0, stride);  // this block's tiles, in order
-  const bool by_cols = groups_by_columns(p);
+  const bool by_cols = groups_by_columns(p, kTileChunks * VEC);
   auto tile_at = [&](int64_t k) {
     return tile_coord<VEC>(p, g0 + (k / 4) * stride, static_cast<int>(k % 4), by_cols);
   };
@@ -446,7 +449,7 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const Qua
 template <typename T, bool kE4M3>
 void launch(const QuantizeProblem& p, cudaStream_t stream) {
   constexpr int kTileCols = kTileChunks * (16 / sizeof(T));
-  const bool by_cols = p.row_map.mode == MapMode::kCompact && p.col_map.mode == MapMode::kCompact;
+  const bool by_cols = groups_by_columns(p, kTileCols);
   const int64_t groups = by_cols ? p.batch * ceil_div(p.rows, kTileRows) * ceil_div(ceil_div(p.cols, kTileCols), 4)
                                  : p.batch * ceil_div(p.rows, 4 * kTileRows) * ceil_div(p.cols, kTileCols);
   if (groups == 0) return;

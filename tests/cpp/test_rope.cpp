@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <algorithm>
 #include <functional>
 
 #include "mxmla/rope.h"
@@ -123,7 +125,6 @@ TEST(RopeCpu, PositionsAndYarn) {
 // dtypes, table dtypes, directions, layouts and in-place use; outputs poisoned first.
 TEST(RopeGpu, MatchesReferenceBitExact) {
   MXMLA_REQUIRE_GPU();
-  if (!build_info().cuda_rope) GTEST_SKIP() << "the CUDA RoPE kernel is off in this build (CMake MXMLA_CUDA_ROPE)";
   const Device dev{DeviceType::kCUDA, 0};
   const int64_t S = 37, B = 2, H = 3, D = 192, R = 64, n = S * B * H * D;
   util::Rng rng(5);
@@ -164,6 +165,136 @@ TEST(RopeGpu, MatchesReferenceBitExact) {
                   << "style " << int(st) << " dtype " << dtype_name(dt) << " table " << dtype_name(tt) << " layout "
                   << int(l) << (bwd ? " backward" : " forward") << (inplace ? " in place" : "");
             }
+}
+
+// apply_rope / rope_backward on the GPU for thd with uneven cu_seqlens (an empty sequence
+// included): table row = position inside the sequence, as on the CPU.
+TEST(RopeGpu, CuSeqlensMatchesReference) {
+  MXMLA_REQUIRE_GPU();
+  const Device dev{DeviceType::kCUDA, 0};
+  const int64_t T = 77, H = 2, D = 192, R = 64, n = T * H * D;
+  const std::vector<int64_t> cu = {0, 30, 30, 31, 77};  // lengths 30, 0, 1, 46
+  util::Rng rng(11);
+  std::vector<float> xf(n), cf(46 * R), sf(46 * R);
+  for (auto& v : xf) v = static_cast<float>(rng.normal());
+  for (auto& v : cf) v = static_cast<float>(rng.normal());
+  for (auto& v : sf) v = static_cast<float>(rng.normal());
+  const std::vector<uint8_t> x = test::encode(xf, DType::kBFloat16), c = test::encode(cf, DType::kFloat32),
+                             s = test::encode(sf, DType::kFloat32);
+  TensorDesc cud(const_cast<int64_t*>(cu.data()), DType::kInt64, {5});
+  for (int bwd = 0; bwd < 2; ++bwd) {
+    RopeOptions o;
+    o.layout = RopeLayout::kTHD, o.rope_dim = R;
+    auto run = bwd ? rope_backward : apply_rope;
+    std::vector<uint8_t> ref(x.size());
+    TensorDesc rd(ref.data(), DType::kBFloat16, {T, H, D});
+    run(TensorDesc(const_cast<uint8_t*>(x.data()), DType::kBFloat16, {T, H, D}),
+        TensorDesc(const_cast<uint8_t*>(c.data()), DType::kFloat32, {46, R}),
+        TensorDesc(const_cast<uint8_t*>(s.data()), DType::kFloat32, {46, R}), rd, o, &cud, nullptr);
+    util::DeviceBuffer dx(x.size()), dc(c.size()), ds(s.size()), dy(x.size());
+    dx.upload(x.data()), dc.upload(c.data()), ds.upload(s.data());
+    TensorDesc yd(dy.ptr, DType::kBFloat16, {T, H, D}, dev);
+    run(TensorDesc(dx.ptr, DType::kBFloat16, {T, H, D}, dev), TensorDesc(dc.ptr, DType::kFloat32, {46, R}, dev),
+        TensorDesc(ds.ptr, DType::kFloat32, {46, R}, dev), yd, o, &cud, nullptr);
+    MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
+    ASSERT_EQ(test::first_mismatch(dy.download<uint8_t>(), ref), "") << (bwd ? "backward" : "forward");
+  }
+}
+
+// rope_backward_quantize: the fused CUDA kernel against the CPU reference, bit for bit: codes,
+// scales (compact / swizzled, padding included) and the dx copy, over head geometries (tails:
+// 74 tokens; one head; D 64 / 128 / 192), styles, dtypes, layouts (thd with uneven cu_seqlens),
+// strided input, both formats, each direction alone, table dtypes; adversarial data (zero blocks,
+// denormals, saturation and rounding boundaries, NaN, Inf).
+TEST(RopeGpu, BackwardQuantizeMatchesReferenceBitExact) {
+  MXMLA_REQUIRE_GPU();
+  const Device dev{DeviceType::kCUDA, 0};
+  struct Geo {
+    int64_t S, B, H, D, R;
+  };
+  int variant = 0;
+  for (const Geo g : {Geo{37, 2, 3, 192, 64}, Geo{1, 1, 1, 64, 64}, Geo{40, 1, 2, 128, 32}})
+    for (RopeStyle st : {RopeStyle::kInterleavedInHalvesOut, RopeStyle::kInterleaved, RopeStyle::kRotateHalf})
+      for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
+        for (RopeLayout l : {RopeLayout::kSBHD, RopeLayout::kBSHD, RopeLayout::kTHD}) {
+          ++variant;
+          const int64_t tokens = g.S * g.B, HD = g.H * g.D;
+          RopeBackwardQuantizeOptions o;
+          o.rope.style = st, o.rope.layout = l, o.rope.rope_dim = g.R;
+          o.rowwise = variant % 3 != 2, o.columnwise = variant % 3 != 1;
+          o.swizzle = variant % 2 == 0;
+          o.format = variant % 4 == 1 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+          const DType tt = (variant / 2) % 2 ? DType::kBFloat16 : DType::kFloat32;
+          const int copy = (variant / 3) % 3;  // none, bf16, fp32
+          const bool strided = variant % 5 == 0;
+          const std::vector<int64_t> shape = l == RopeLayout::kSBHD   ? std::vector<int64_t>{g.S, g.B, g.H, g.D}
+                                             : l == RopeLayout::kBSHD ? std::vector<int64_t>{g.B, g.S, g.H, g.D}
+                                                                      : std::vector<int64_t>{tokens, g.H, g.D};
+          std::vector<int64_t> cu = {0, tokens / 3, tokens / 3, tokens};  // uneven, one empty
+          TensorDesc cud(cu.data(), DType::kInt64, {4});
+          const bool use_cu = l == RopeLayout::kTHD && variant % 2;
+          o.rope.tables_per_token = l == RopeLayout::kTHD && !use_cu;
+          const int64_t T = l == RopeLayout::kTHD ? tokens : g.S;
+          const std::vector<float> xf = test::make_data(tokens, HD, test::Data::kAdversarial, 100 + variant);
+          util::Rng rng(variant);
+          std::vector<float> cf(T * g.R), sf(T * g.R);
+          for (auto& v : cf) v = static_cast<float>(rng.normal());
+          for (auto& v : sf) v = static_cast<float>(rng.normal());
+          const std::vector<uint8_t> x = test::encode(xf, dt), c = test::encode(cf, tt), s = test::encode(sf, tt);
+          const std::string what = "variant " + std::to_string(variant) + " style " + std::to_string(int(st)) +
+                                   " dtype " + dtype_name(dt) + " layout " + std::to_string(int(l)) + " D " +
+                                   std::to_string(g.D);
+          // CPU reference
+          const MXFP8Shapes qs = quantize_shapes({tokens, HD}, o.swizzle);
+          test::HostQ ref = test::alloc_host(qs, o.rowwise, o.columnwise);
+          const DType ct = copy == 2 ? DType::kFloat32 : DType::kBFloat16;
+          std::vector<uint8_t> ref_dx(copy ? tokens * HD * dtype_size(ct) : 0, 0xAB);
+          TensorDesc ref_dxd(ref_dx.data(), ct, shape);
+          rope_backward_quantize(TensorDesc(const_cast<uint8_t*>(x.data()), dt, shape),
+                                 TensorDesc(const_cast<uint8_t*>(c.data()), tt, {T, g.R}),
+                                 TensorDesc(const_cast<uint8_t*>(s.data()), tt, {T, g.R}), ref.t,
+                                 copy ? &ref_dxd : nullptr, o, use_cu ? &cud : nullptr, nullptr);
+          // GPU: the same logical input, strided (each head padded by 16 elements) when asked
+          const int64_t es = dtype_size(dt), P = strided ? g.D + 16 : g.D;
+          std::vector<uint8_t> xg(tokens * g.H * P * es, 0x7F);
+          for (int64_t r = 0; r < tokens * g.H; ++r) std::memcpy(&xg[r * P * es], &x[r * g.D * es], g.D * es);
+          std::vector<int64_t> strides(shape.size(), 1);  // contiguous strides of [..., H, P]
+          int64_t acc = P;
+          for (int64_t i = static_cast<int64_t>(shape.size()) - 2; i >= 0; --i) strides[i] = acc, acc *= shape[i];
+          util::DeviceBuffer dx(xg.size()), dc(c.size()), ds(s.size()), drow(ref.row.size()), drs(ref.rs.size()),
+              dcol(ref.col.size()), dcs(ref.cs.size()), dcopy(ref_dx.size());
+          dx.upload(xg.data()), dc.upload(c.data()), ds.upload(s.data());
+          const std::vector<uint8_t> poison(std::max({ref.row.size(), ref.rs.size(), ref.col.size(), ref.cs.size(),
+                                                      ref_dx.size()}),
+                                            0xCD);
+          MXFP8Tensor t;
+          if (o.rowwise) {
+            drow.upload(poison.data()), drs.upload(poison.data());
+            t.rowwise_data = TensorDesc(drow.ptr, DType::kUInt8, qs.data, dev);
+            t.rowwise_scale_inv = TensorDesc(drs.ptr, DType::kUInt8, qs.rowwise_scale, dev);
+          }
+          if (o.columnwise) {
+            dcol.upload(poison.data()), dcs.upload(poison.data());
+            t.columnwise_data = TensorDesc(dcol.ptr, DType::kUInt8, qs.data, dev);
+            t.columnwise_scale_inv = TensorDesc(dcs.ptr, DType::kUInt8, qs.columnwise_scale, dev);
+          }
+          if (copy) dcopy.upload(poison.data());
+          TensorDesc gpu_dxd(dcopy.ptr, ct, shape, dev);
+          TensorDesc xd(dx.ptr, dt, shape, dev);
+          xd.strides = strides;
+          rope_backward_quantize(xd, TensorDesc(dc.ptr, tt, {T, g.R}, dev), TensorDesc(ds.ptr, tt, {T, g.R}, dev), t,
+                                 copy ? &gpu_dxd : nullptr, o, use_cu ? &cud : nullptr, nullptr);
+          MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
+          if (o.rowwise) {
+            ASSERT_EQ(test::first_mismatch(drow.download<uint8_t>(), ref.row), "") << what << " rowwise codes";
+            ASSERT_EQ(test::first_mismatch(drs.download<uint8_t>(), ref.rs), "") << what << " rowwise scales";
+          }
+          if (o.columnwise) {
+            ASSERT_EQ(test::first_mismatch(dcol.download<uint8_t>(), ref.col), "") << what << " columnwise codes";
+            ASSERT_EQ(test::first_mismatch(dcs.download<uint8_t>(), ref.cs), "") << what << " columnwise scales";
+          }
+          if (copy) ASSERT_EQ(test::first_mismatch(dcopy.download<uint8_t>(), ref_dx), "") << what << " dx copy";
+        }
 }
 #endif
 

@@ -194,17 +194,24 @@ def test_rope_errors(call, match):
 
 
 def test_rope_torch_cuda():
-    """CUDA tensors: the kernel (when this build has it) equals the CPU reference bit for bit;
-    otherwise a clear error."""
+    """CUDA tensors: the kernels equal the CPU reference bit for bit (apply_rope, in-place
+    rope_backward, thd with cu_seqlens given as a CUDA tensor, and the fused rope_backward_quantize)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available() or not mxmla.info()["gpus"]:
         pytest.skip("no CUDA device visible: GPU test skipped")
     x = torch.randn(33, 2, 3, 192, dtype=torch.bfloat16)
     c, s = mxmla.rope_tables(torch.arange(33), yarn="deepseek_v3")
-    if not mxmla.info()["cuda_rope"]:
-        with pytest.raises(ValueError, match="CUDA RoPE kernel is off"):
-            mxmla.apply_rope(x.cuda(), c.cuda(), s.cuda())
-        return
+    xt = x.reshape(66, 3, 192)
+    cu = torch.tensor([0, 20, 20, 50, 66], dtype=torch.int32)  # the longest (30) fits the 33 table rows
+    want = mxmla.apply_rope(xt, c, s, layout="thd", cu_seqlens=cu)
+    got = mxmla.apply_rope(xt.cuda(), c.cuda(), s.cuda(), layout="thd", cu_seqlens=cu.cuda())
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+    for style in STYLES:
+        q_ref, dx_ref = mxmla.rope_backward_quantize(x, c, s, style=style, dx_copy="bfloat16")
+        q, dx = mxmla.rope_backward_quantize(x.cuda(), c.cuda(), s.cuda(), style=style, dx_copy="bfloat16")
+        for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+            assert torch.equal(getattr(q, name).cpu(), getattr(q_ref, name)), (style, name)
+        assert torch.equal(dx.cpu().view(torch.int16), dx_ref.view(torch.int16)), style
     for style in STYLES:
         want = mxmla.apply_rope(x, c, s, style=style)
         got = mxmla.apply_rope(x.cuda(), c.cuda(), s.cuda(), style=style)
