@@ -1,8 +1,9 @@
 // mxmla — RoPE for MLA (SPEC §3): forward, backward, tables and positions.
 //
 // RoPE rotates the trailing `rope_dim` elements of every head of width D = nope_dim + rope_dim;
-// the first nope_dim pass through. With c = cos row, s = sin row of the token (rope_dim each) and
-// x the rope part of one head, each style is out[j] = c[j] * x[a(j)] + sign(j) * s[j] * x[b(j)]:
+// the first nope_dim pass through (bit for bit when out has x's dtype). With c = cos row,
+// s = sin row of the token (rope_dim each) and x the rope part of one head, each style is
+// out[j] = c[j] * x[a(j)] + sign(j) * s[j] * x[b(j)]:
 //   kInterleavedInHalvesOut (default; Megatron MLA, cuDNN): j < R/2: a = 2j, b = 2j+1, sign -1;
 //                            j >= R/2 (i = j - R/2): a = 2i+1, b = 2i, sign +1.
 //   kInterleaved (DeepSeek reference, complex multiply): a = j, b = j^1, sign -1 for even j.
@@ -41,7 +42,9 @@ struct RopeOptions {
 //                the sequence, t - cu_seqlens[i] (T >= the longest sequence);
 //   thd without cu_seqlens: row = t (T >= t).
 // cos/sin: fp32 or bf16, last dimension contiguous. x / out: bf16, fp16 or fp32, any strides
-// with a unit innermost stride; out may alias x (in place). fp32 math.
+// with a unit innermost stride; out may alias x (in place). fp32 math. CUDA tensors run the
+// sm90 kernels, which add: rope_dim % 16 == 0, out has x's dtype, 16-byte aligned pointers and
+// strides, cos/sin rows contiguous (cu_seqlens stays a CPU tensor; the launcher copies it).
 void apply_rope(const TensorDesc& x, const TensorDesc& cos, const TensorDesc& sin, TensorDesc& out,
                 const RopeOptions& opts, const TensorDesc* cu_seqlens = nullptr, Stream stream = nullptr);
 // dx = R^T g (the gradient of apply_rope); same conventions; dx may alias g.
@@ -64,6 +67,7 @@ struct RopeBackwardQuantizeOptions {
 };
 // `out` holds caller-allocated outputs of quantize_shapes({tokens, h*d}, swizzle) (data
 // [tokens, h*d]); `dx_copy` (optional) is a contiguous bf16 or fp32 tensor of dq's shape.
+// CUDA: the rules of apply_rope plus d <= 256, 16-byte aligned codes and dx_copy.
 void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const TensorDesc& sin, MXFP8Tensor& out,
                             TensorDesc* dx_copy, const RopeBackwardQuantizeOptions& opts,
                             const TensorDesc* cu_seqlens = nullptr, Stream stream = nullptr);

@@ -59,8 +59,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<T>) sm90_rope_kernel(cons
   load_table16<TT>(p.sin, row, p.tab_row_stride, sc.tab_c, q, half, sn);
   unpack8<T>(r0, in), unpack8<T>(r1, in + 8);
   rotate16(p.style, p.backward, in, c, sn, o);
-  store_raw8<T>(y + nope + set_part(sc.out_c, q, half, 0), pack8<T>(o));
-  store_raw8<T>(y + nope + set_part(sc.out_c, q, half, 1), pack8<T>(o + 8));
+  const Raw8<T> a0 = pack8<T>(o), a1 = pack8<T>(o + 8);
+  T* out = y + nope;
+  if (sizeof(T) == 2 && sc.out_c && lanes % 2 == 0 && __activemask() == 0xFFFFFFFFu) {
+    // A thread's C set is one 32-byte sector written as two 16-byte halves. Lanes 2k, 2k+1 (the
+    // same head: lanes is even) swap halves so each store instruction writes whole sectors:
+    // first the even lane's sector (its half 0, the odd lane sends half 1), then the odd lane's.
+    const int odd = q & 1;
+    const uint4 give = odd ? a0.v[0] : a1.v[0];
+    uint4 got;
+    got.x = __shfl_xor_sync(0xFFFFFFFFu, give.x, 1), got.y = __shfl_xor_sync(0xFFFFFFFFu, give.y, 1);
+    got.z = __shfl_xor_sync(0xFFFFFFFFu, give.z, 1), got.w = __shfl_xor_sync(0xFFFFFFFFu, give.w, 1);
+    uint4* even_sector = reinterpret_cast<uint4*>(out + 16 * (q - odd));
+    __stcs(even_sector + odd, odd ? got : a0.v[0]);      // even lane's sector
+    __stcs(even_sector + 2 + odd, odd ? a1.v[0] : got);  // odd lane's sector
+  } else {
+    store_raw8<T>(out + set_part(sc.out_c, q, half, 0), a0);
+    store_raw8<T>(out + set_part(sc.out_c, q, half, 1), a1);
+  }
 }
 
 template <typename T, typename TT>
