@@ -51,9 +51,6 @@ size_t smem_bytes(int64_t D, int64_t R) {
          static_cast<size_t>(kRows * rope_pitch(static_cast<int>(R))) * sizeof(float);
 }
 
-__device__ __forceinline__ uint16_t cvt2(bool e4m3, float a, float b) {
-  return e4m3 ? ptx::cvt_fp8x2<true>(a, b) : ptx::cvt_fp8x2<false>(a, b);
-}
 __device__ __forceinline__ uint32_t mag_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
 
 struct Tile {
@@ -156,11 +153,10 @@ __device__ __forceinline__ void rope_to_tile(const RopeKernelParams& p, const Ti
 
 // Phase 3: rowwise. Lane = row, warp = 32-column block. Codes leave in whole 32-byte sectors:
 // lanes 2k and 2k+1 swap halves so each store instruction writes both halves of one row's block.
-template <typename T>
+template <typename T, bool kE4M3>
 __device__ __forceinline__ void rowwise(const RopeQuantizeParams& P, const Tile& t, const TileView<T>& tv, int lane,
                                         int warp) {
-  const bool e4m3 = P.fmt == Fp8Format::kE4M3;
-  const uint32_t rcp = e4m3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
+  constexpr uint32_t rcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
   const int64_t HD = P.rope.H * P.rope.D, col0 = static_cast<int64_t>(t.h) * tv.D;
   const int odd = lane & 1;
   for (int blk = warp; blk < tv.D / 32; blk += kWarps) {
@@ -175,8 +171,8 @@ __device__ __forceinline__ void rowwise(const RopeQuantizeParams& P, const Tile&
     uint32_t w[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k)
-      w[k] = cvt2(e4m3, v[4 * k] * mul, v[4 * k + 1] * mul) |
-             (static_cast<uint32_t>(cvt2(e4m3, v[4 * k + 2] * mul, v[4 * k + 3] * mul)) << 16);
+      w[k] = ptx::cvt_fp8x2<kE4M3>(v[4 * k] * mul, v[4 * k + 1] * mul) |
+             (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(v[4 * k + 2] * mul, v[4 * k + 3] * mul)) << 16);
     // even lane keeps w[0..3] and receives the odd row's w[0..3]; odd lane keeps w[4..7] and
     // receives the even row's w[4..7]
     uint32_t mine[4], theirs[4];
@@ -197,11 +193,10 @@ __device__ __forceinline__ void rowwise(const RopeQuantizeParams& P, const Tile&
 }
 
 // Phase 4: columnwise. Unit u = (4 columns, 8 rows); lanes 8 apart share columns; D units.
-template <typename T>
+template <typename T, bool kE4M3>
 __device__ __forceinline__ void columnwise(const RopeQuantizeParams& P, const Tile& t, const TileView<T>& tv,
                                            int tid) {
-  const bool e4m3 = P.fmt == Fp8Format::kE4M3;
-  const uint32_t rcp = e4m3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
+  constexpr uint32_t rcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
   const int64_t HD = P.rope.H * P.rope.D, col0 = static_cast<int64_t>(t.h) * tv.D;
   for (int u = tid; u < tv.D; u += kThreads) {
     const int lane = u & 31, part = lane >> 3, cg = (u >> 5) * 8 + (lane & 7);
@@ -230,8 +225,8 @@ __device__ __forceinline__ void columnwise(const RopeQuantizeParams& P, const Ti
     for (int i = 0; i < 8; ++i) {
       const int r = 8 * part + i;
       if (r < t.nrows) {
-        const uint32_t w = cvt2(e4m3, v[i].x * mul[0], v[i].y * mul[1]) |
-                           (static_cast<uint32_t>(cvt2(e4m3, v[i].z * mul[2], v[i].w * mul[3])) << 16);
+        const uint32_t w = ptx::cvt_fp8x2<kE4M3>(v[i].x * mul[0], v[i].y * mul[1]) |
+                           (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(v[i].z * mul[2], v[i].w * mul[3])) << 16);
         __stcs(reinterpret_cast<unsigned int*>(P.col_codes + (t.t0 + r) * HD + col0 + 4 * cg), w);
       }
     }
@@ -263,7 +258,7 @@ __device__ __forceinline__ void copy_dx(const RopeQuantizeParams& P, const Tile&
   }
 }
 
-template <typename T, typename TT>
+template <typename T, typename TT, bool kE4M3>
 __global__ void __launch_bounds__(kThreads) sm90_rope_quantize_kernel(const RopeQuantizeParams P, const int64_t* cu,
                                                                       int64_t ncu, int ntiles) {
   extern __shared__ __align__(16) float smem[];
@@ -297,19 +292,19 @@ __global__ void __launch_bounds__(kThreads) sm90_rope_quantize_kernel(const Rope
     rope_to_tile<T, TT>(p, t, stage, rope, cu, ncu, tid);
     __syncthreads();  // the rope tile is complete
     const TileView<T> tv{stage, rope, D, D - R, raw_pitch<T>(D), rope_pitch(R)};
-    if (P.row_codes != nullptr) rowwise<T>(P, t, tv, lane, warp);
-    if (P.col_codes != nullptr) columnwise<T>(P, t, tv, tid);
+    if (P.row_codes != nullptr) rowwise<T, kE4M3>(P, t, tv, lane, warp);
+    if (P.col_codes != nullptr) columnwise<T, kE4M3>(P, t, tv, tid);
     if (P.dx != nullptr) copy_dx<T>(P, t, tv, tid);
   }
 }
 
-template <typename T, typename TT>
+template <typename T, typename TT, bool kE4M3>
 void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStream_t stream) {
   const int64_t tokens = p.rope.S * p.rope.B, tiles = ceil_div(tokens, kRows) * p.rope.H;
   if (tokens > 0x7FFFFFFF - kRows || tiles > 0x7FFFFFFF)
     throw Error("mxmla.rope_backward_quantize", "grad", "too many tokens or tiles for the 32-bit tile index");
   const size_t smem = smem_bytes<T>(p.rope.D, p.rope.R);
-  auto kernel = sm90_rope_quantize_kernel<T, TT>;
+  auto kernel = sm90_rope_quantize_kernel<T, TT, kE4M3>;
   // Persistent grid: as many blocks as fit at this head geometry (cached per device, D and R).
   static int cached[64][kMaxD / 32 + 1][kMaxD / 16 + 1] = {};
   int dev = 0;
@@ -330,8 +325,11 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 
 template <typename T>
 void dispatch_table(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStream_t s) {
-  if (p.rope.tab_t == DType::kFloat32) launch<T, float>(p, cu, ncu, s);
-  else launch<T, __nv_bfloat16>(p, cu, ncu, s);
+  const bool e4m3 = p.fmt == Fp8Format::kE4M3;  // the format is a template argument: one cvt per code pair
+  if (p.rope.tab_t == DType::kFloat32)
+    e4m3 ? launch<T, float, true>(p, cu, ncu, s) : launch<T, float, false>(p, cu, ncu, s);
+  else
+    e4m3 ? launch<T, __nv_bfloat16, true>(p, cu, ncu, s) : launch<T, __nv_bfloat16, false>(p, cu, ncu, s);
 }
 
 }  // namespace
