@@ -30,9 +30,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<T>) sm90_rope_kernel(cons
   const int q = idx % lanes, th = idx / lanes, H = static_cast<int>(p.H);
   const int h = th % H, t = th / H;  // head, token in x's order
   int s, b;
-  if (p.B == 1) s = t, b = 0;
-  else if (p.sbhd) s = t / static_cast<int>(p.B), b = t % static_cast<int>(p.B);
-  else b = t / static_cast<int>(p.S), s = t % static_cast<int>(p.S);
+  token_sb(p, t, s, b);
   const int64_t row = table_row(p, cu, ncu, t, s);
   const T* x = static_cast<const T*>(p.in) + s * p.in_st[0] + b * p.in_st[1] + h * p.in_st[2];
   T* y = static_cast<T*>(p.out) + s * p.out_st[0] + b * p.out_st[1] + h * p.out_st[2];

@@ -147,9 +147,11 @@ __device__ __forceinline__ void rotate16(RopeStyle st, bool backward, const floa
 }
 
 // Token (s, b) of token index t in x's token order.
-__device__ __forceinline__ void token_coords(const RopeKernelParams& p, int64_t t, int64_t& s, int64_t& b) {
-  if (p.sbhd) s = t / p.B, b = t % p.B;
-  else b = t / p.S, s = t % p.S;
+// 32-bit: the launchers check that the token count fits.
+__device__ __forceinline__ void token_sb(const RopeKernelParams& p, int t, int& s, int& b) {
+  if (p.B == 1) s = t, b = 0;
+  else if (p.sbhd) s = t / static_cast<int>(p.B), b = t % static_cast<int>(p.B);
+  else b = t / static_cast<int>(p.S), s = t % static_cast<int>(p.S);
 }
 // Table row of token t = (s, b): s, t itself, or t minus its sequence's start (cu: the device
 // copy of cu_seqlens, ncu entries; the last start <= t, so empty sequences are skipped).
@@ -188,7 +190,11 @@ struct DeviceCuSeqlens {
     if (host == nullptr || host->empty()) return;
     n = static_cast<int64_t>(host->size());
     MXMLA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptr), n * sizeof(int64_t), stream));
-    MXMLA_CUDA_CHECK(cudaMemcpyAsync(ptr, host->data(), n * sizeof(int64_t), cudaMemcpyHostToDevice, stream));
+    const cudaError_t e = cudaMemcpyAsync(ptr, host->data(), n * sizeof(int64_t), cudaMemcpyHostToDevice, stream);
+    if (e != cudaSuccess) {  // the destructor does not run when the constructor throws
+      (void)cudaFreeAsync(ptr, stream);
+      MXMLA_CUDA_CHECK(e);
+    }
   }
   ~DeviceCuSeqlens() {
     if (ptr != nullptr) (void)cudaFreeAsync(ptr, stream);

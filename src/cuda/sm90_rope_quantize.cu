@@ -63,13 +63,6 @@ __device__ __forceinline__ Tile tile_at(const RopeKernelParams& p, int ntok, int
   return {i % H, t0, min(kRows, ntok - t0)};
 }
 
-// Token (s, b) of token index t, 32-bit.
-__device__ __forceinline__ void token_sb(const RopeKernelParams& p, int t, int& s, int& b) {
-  if (p.B == 1) s = t, b = 0;
-  else if (p.sbhd) s = t / static_cast<int>(p.B), b = t % static_cast<int>(p.B);
-  else b = t / static_cast<int>(p.S), s = t % static_cast<int>(p.S);
-}
-
 // The tile's source view: element j of tile row r. dx values are the raw input in the nope
 // part (exact in fp32) and the fp32 rope tile in the rope part.
 template <typename T>
