@@ -10,9 +10,12 @@ Cases (issue 2):
   quant_swz    rowwise + columnwise with swizzled scales (cost vs compact)
   attn_bhsd    Q, K (d 192), V (d 128), b 2, h 16, s 4096, sbhd: phase-2 BHSD transpose+swizzle
                of all six scale tensors vs quantizing them (phase 1); fused vs two-phase
-  rope         RoPE forward / backward, [16384, 128, 192] bf16 (when the CUDA RoPE kernel is built)
+  rope         RoPE forward / backward, [16384, 128, 192] bf16; rope_backward_quantize
+  qproj        fused Q up-projection (GEMM + RoPE + MXFP8, K 1536) at T x NH = 16384 x 128,
+               4096 x 128, 16384 x 16
 Peers: device-to-device copy (torch), torch.compile'd MXFP8 quantizers (rowwise, rowwise+columnwise),
-torch.compile'd RoPE.
+torch.compile'd RoPE, cuBLAS bf16 GEMM (torch.matmul) alone / + mxmla RoPE + quantize / + a
+torch.compile'd RoPE + quantize epilogue.
 """
 from __future__ import annotations
 
@@ -169,6 +172,39 @@ def bench_rope(iters, flush, dev, add, compile_peer: bool):
         f"({'met' if t_q <= need else 'NOT met'})")
 
 
+def bench_qproj(iters, flush, dev, add, compile_peer: bool):
+    """Fused Q up-projection vs cuBLAS (torch.matmul) alone and with separate RoPE + quantize."""
+    K = 1536
+    peer = torch.compile(lambda q, c, s: torch_quant_both(torch_rope_iho(q, c, s).flatten(1))) if compile_peer else None
+    for T, NH in ((16384, 128), (4096, 128), (16384, 16)):
+        N = NH * 192
+        flop = 2.0 * T * N * K
+        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(N, K, device=dev) / K ** 0.5).to(torch.bfloat16)
+        c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
+        case = f"qproj {T}x{NH}"
+
+        def tf(ms):
+            return f"{flop / ms / 1e9:.0f} TFLOP/s"
+
+        t_f = timer(lambda: mxmla.fused_q_uproj_rope_quant(x, w, c, s), iters, flush)
+        t_g = timer(lambda: torch.matmul(x, w.t()), iters, flush)
+
+        def unfused():
+            q = torch.matmul(x, w.t()).view(T, 1, NH, 192)
+            mxmla.apply_rope(q, c, s, out=q)
+            mxmla.quantize_attention(q, bhsd_scales=False)
+
+        t_u = timer(unfused, iters, flush)
+        add(case, "mxmla fused", t_f, 0.0, f"{tf(t_f)}; {t_f / t_g:.3f}x the GEMM alone (target <= 1.00)")
+        add(case, "cuBLAS GEMM alone", t_g, 0.0, tf(t_g))
+        add(case, "GEMM + mxmla RoPE + quant", t_u, 0.0, f"{tf(t_u)}; fused {t_u / t_f:.2f}x faster (target >= 1.7)")
+        if peer is not None:
+            t_c = timer(lambda: peer(torch.matmul(x, w.t()).view(T, NH, 192), c, s), iters, flush)
+            add(case, "GEMM + torch.compile epilogue", t_c, 0.0, f"{tf(t_c)}; fused {t_c / t_f:.2f}x faster")
+        del x, w
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
@@ -178,6 +214,7 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
     ap.add_argument("--quant-only", action="store_true", help="only the quantize cases (no peers, no attention)")
     ap.add_argument("--rope-only", action="store_true", help="only the copy ceiling and the RoPE cases")
+    ap.add_argument("--qproj-only", action="store_true", help="only the fused Q up-projection cases")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench: no CUDA device: nothing to measure")
@@ -213,6 +250,10 @@ def main() -> int:
 
     bytes_both = 2.0 * M * K + 2.0 * M * K + 2.0 * M * K / 32
     bytes_row = 2.0 * M * K + 1.0 * M * K + M * K / 32
+    if a.qproj_only:
+        del x, y
+        bench_qproj(a.iters, flush, dev, add, not a.no_compile)
+        return report(a, res, rows, agree)
     if a.rope_only:
         del x, y
         bench_rope(a.iters, flush, dev, add, not a.no_compile)
@@ -238,6 +279,7 @@ def main() -> int:
     if not a.quant_only:
         bench_attention(a.iters, flush, dev, add)
         bench_rope(a.iters, flush, dev, add, not a.no_compile)
+        bench_qproj(a.iters, flush, dev, add, not a.no_compile)
     return report(a, res, rows, agree)
 
 
@@ -245,9 +287,9 @@ def report(a, res, rows, agree) -> int:
     M, K = res["M"], res["K"]
     print(f"\nGPU: {res['gpu']}  torch {res['torch']}  shape [{M}, {K}] bf16 -> E4M3; medians of {a.iters}, L2 flushed")
     print(f"torch formula and mxmla bit-exact on this input: {agree}")
-    print(f"{'case':<11} {'what':<28} {'ms':>9} {'GB/s':>8}  note")
+    print(f"{'case':<17} {'what':<29} {'ms':>9} {'GB/s':>8}  note")
     for case, what, ms, gbps, note in rows:
-        print(f"{case:<11} {what:<28} {ms:9.4f} {gbps:8.0f}  {note}")
+        print(f"{case:<17} {what:<29} {ms:9.4f} {gbps if gbps else float('nan'):8.0f}  {note}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -179,6 +179,21 @@ void check_direction(const Check& c, const char* which, const TensorDesc& data, 
   c.on_cuda(s, scales);
 }
 
+// Both directions' outputs checked against `shapes`; out's shape and format set, a direction that
+// is off gets null pointers.
+void check_outputs(const Check& c, MXFP8Tensor& out, const std::vector<int64_t>& shape, const MXFP8Shapes& shapes,
+                   bool rowwise, bool columnwise, Fp8Format f, const Device& dev) {
+  if (rowwise)
+    check_direction(c, "rowwise", out.rowwise_data, out.rowwise_scale_inv, shapes.data, shapes.rowwise_scale, f, dev);
+  if (columnwise)
+    check_direction(c, "columnwise", out.columnwise_data, out.columnwise_scale_inv, shapes.data,
+                    shapes.columnwise_scale, f, dev);
+  out.shape = shape;
+  out.format = f;
+  if (!rowwise) out.rowwise_data.data = nullptr, out.rowwise_scale_inv.data = nullptr;
+  if (!columnwise) out.columnwise_data.data = nullptr, out.columnwise_scale_inv.data = nullptr;
+}
+
 // The output pointers of a problem (null for a direction that is off: its data pointer is null).
 void set_outputs(detail::QuantizeProblem& p, const MXFP8Tensor& out) {
   p.row_codes = static_cast<uint8_t*>(out.rowwise_data.data);
@@ -221,25 +236,32 @@ namespace detail {
 QuantizeProblem quantize_outputs(const char* op, const std::vector<int64_t>& shape, MXFP8Tensor& out,
                                  const QuantizeOptions& opts, const Device& dev) {
   const Check c{op};
-  const MXFP8Shapes shapes = quantize_shapes(shape, opts.swizzle);
-  if (opts.rowwise)
-    check_direction(c, "rowwise", out.rowwise_data, out.rowwise_scale_inv, shapes.data, shapes.rowwise_scale,
-                    opts.format, dev);
-  if (opts.columnwise)
-    check_direction(c, "columnwise", out.columnwise_data, out.columnwise_scale_inv, shapes.data,
-                    shapes.columnwise_scale, opts.format, dev);
-  out.shape = shape;
-  out.format = opts.format;
+  check_outputs(c, out, shape, quantize_shapes(shape, opts.swizzle), opts.rowwise, opts.columnwise, opts.format, dev);
   out.scale_layout = opts.swizzle ? ScaleLayout::kSwizzled : ScaleLayout::kCompact;
   out.attention = false;
-  if (!opts.rowwise) out.rowwise_data.data = nullptr, out.rowwise_scale_inv.data = nullptr;
-  if (!opts.columnwise) out.columnwise_data.data = nullptr, out.columnwise_scale_inv.data = nullptr;
   const int64_t K = shape.back(), M = numel(shape) / std::max<int64_t>(K, 1);
   QuantizeProblem p;
   p.fmt = opts.format, p.batch = 1, p.rows = M, p.cols = K;
   const MapMode mode = opts.swizzle ? MapMode::kSwizzled : MapMode::kCompact;
   p.row_map = make_row_map(mode, 1, M, K);
   p.col_map = make_col_map(mode, 1, M, K);
+  set_outputs(p, out);
+  return p;
+}
+QuantizeProblem attention_outputs(const char* op, const std::vector<int64_t>& shape, MXFP8Tensor& out,
+                                  const AttentionQuantizeOptions& opts, const Device& dev) {
+  const Check c{op};
+  const AttnGeom g = attn_geom(c, "input", shape, opts.layout);
+  check_outputs(c, out, shape, attention_shapes(shape, opts.layout, opts.bhsd_scales), opts.rowwise, opts.columnwise,
+                opts.format, dev);
+  out.scale_layout = opts.bhsd_scales ? ScaleLayout::kBHSD : ScaleLayout::kCompact;
+  out.qkv_layout = opts.layout;
+  out.attention = true;
+  QuantizeProblem p;
+  p.fmt = opts.format, p.batch = g.batch, p.rows = g.rows, p.cols = g.cols;
+  const MapMode mode = opts.bhsd_scales ? MapMode::kBHSD : MapMode::kCompact;
+  p.row_map = make_row_map(mode, g.batch, g.rows, g.cols, g.H, g.D);
+  p.col_map = make_col_map(mode, g.batch, g.rows, g.cols, g.H, g.D);
   set_outputs(p, out);
   return p;
 }
@@ -317,29 +339,10 @@ void quantize_attention(const TensorDesc& input, MXFP8Tensor& out, const Attenti
   if (g.S > 1 && row_stride < g.cols) c.fail("input", "sequence stride is smaller than one token's elements");
   check_cuda_input_alignment(c, "input", input, row_stride, batch_stride);
   c.on_cuda("input", input);
-  const MXFP8Shapes shapes = attention_shapes(input.shape, opts.layout, opts.bhsd_scales);
-  if (opts.rowwise)
-    check_direction(c, "rowwise", out.rowwise_data, out.rowwise_scale_inv, shapes.data, shapes.rowwise_scale,
-                    opts.format, input.device);
-  if (opts.columnwise)
-    check_direction(c, "columnwise", out.columnwise_data, out.columnwise_scale_inv, shapes.data,
-                    shapes.columnwise_scale, opts.format, input.device);
-  out.shape = input.shape;
-  out.format = opts.format;
-  out.scale_layout = opts.bhsd_scales ? ScaleLayout::kBHSD : ScaleLayout::kCompact;
-  out.qkv_layout = opts.layout;
-  out.attention = true;
-  if (!opts.rowwise) out.rowwise_data.data = nullptr, out.rowwise_scale_inv.data = nullptr;
-  if (!opts.columnwise) out.columnwise_data.data = nullptr, out.columnwise_scale_inv.data = nullptr;
+  detail::QuantizeProblem p = detail::attention_outputs(c.op, input.shape, out, opts, input.device);
   if (input.numel() == 0) return;
-
-  detail::QuantizeProblem p;
-  p.in = input.data, p.in_dtype = input.dtype, p.fmt = opts.format;
-  p.batch = g.batch, p.rows = g.rows, p.cols = g.cols, p.batch_stride = batch_stride, p.row_stride = row_stride;
-  const MapMode mode = opts.bhsd_scales ? MapMode::kBHSD : MapMode::kCompact;
-  p.row_map = detail::make_row_map(mode, g.batch, g.rows, g.cols, g.H, g.D);
-  p.col_map = detail::make_col_map(mode, g.batch, g.rows, g.cols, g.H, g.D);
-  set_outputs(p, out);
+  p.in = input.data, p.in_dtype = input.dtype;
+  p.batch_stride = batch_stride, p.row_stride = row_stride;
   run_quantize(p, input.device, stream);
 }
 

@@ -1,9 +1,11 @@
 // mxmla — command-line tool.
 //   mxmla info                 build, GPU, architecture, which ops run where
-//   mxmla run [options]        the main job: MXFP8-quantize a DeepSeek-V3-shaped query tensor
-//                              [T, NH, 192] bf16 (rowwise + columnwise), check it against the CPU
-//                              reference and print time and GB/s (GPU), or run the CPU reference
-//                              at a smaller size when there is no GPU.
+//   mxmla run [options]        the main job: the fused Q up-projection GEMM + RoPE + MXFP8 of a
+//                              DeepSeek-V3 layer (tools/run_qproj.cpp): checked against the CPU
+//                              reference, timed against cuBLAS (GPU), or the CPU reference at a
+//                              smaller size when there is no GPU.
+//   mxmla run-quantize [opts]  MXFP8-quantize a query tensor [T, NH, 192] bf16 (rowwise +
+//                              columnwise), check it bit for bit, print time and GB/s.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,6 +16,11 @@
 
 #include "common/host_util.h"
 #include "mxmla/mxfp8.h"
+#include "mxmla/qproj.h"
+#include "tools/run_qproj.h"
+#if MXMLA_WITH_CUDA
+#include "tools/gpu_timer.h"
+#endif
 
 using namespace mxmla;
 
@@ -22,7 +29,11 @@ namespace {
 int usage(FILE* f) {
   std::fprintf(f,
                "usage: mxmla info\n"
-               "       mxmla run [--tokens T] [--heads NH] [--head-dim D] [--device auto|cpu|cuda]\n"
+               "       mxmla run [--tokens T] [--heads NH] [--k K] [--style halves|interleaved|rotate_half]\n"
+               "                 [--format e4m3|e5m2] [--iters N] [--check-groups N] [--seed S] [--device auto|cpu|cuda]\n"
+               "defaults: T 4096, NH 128, K 1536 (DeepSeek-V3 q up-projection); without a GPU the CPU\n"
+               "          reference runs at T 256, NH 16\n"
+               "       mxmla run-quantize [--tokens T] [--heads NH] [--head-dim D] [--device auto|cpu|cuda]\n"
                "                 [--format e4m3|e5m2] [--swizzle] [--iters N] [--check-blocks N] [--seed S]\n"
                "defaults: T 4096, NH 128, D 192 (DeepSeek-V3 query), device auto (GPU when present;\n"
                "          without one the CPU reference runs at T 256), iters 50, check-blocks 2048\n");
@@ -44,14 +55,17 @@ int64_t parse_int(const char* flag, const char* v) {
   return x;
 }
 
+// The value after flag argv[i] (advances i).
+const char* next_value(int argc, char** argv, int& i) {
+  if (i + 1 >= argc) throw Error("mxmla run", argv[i], "needs a value");
+  return argv[++i];
+}
+
 RunArgs parse_run(int argc, char** argv) {
   RunArgs a;
   for (int i = 2; i < argc; ++i) {
     const std::string f = argv[i];
-    auto value = [&]() -> const char* {
-      if (i + 1 >= argc) throw Error("mxmla run", f, "needs a value");
-      return argv[++i];
-    };
+    auto value = [&] { return next_value(argc, argv, i); };
     if (f == "--tokens") a.tokens = parse_int("--tokens", value());
     else if (f == "--heads") a.heads = parse_int("--heads", value());
     else if (f == "--head-dim") a.dim = parse_int("--head-dim", value());
@@ -90,6 +104,8 @@ int cmd_info() {
   std::printf("%-28s %-22s %s\n", "apply_rope / rope_backward", "reference (fp32 fma)", gpu);
   std::printf("%-28s %-22s %s\n", "rope_backward_quantize", "reference (fp32 fma)", gpu);
   std::printf("%-28s %-22s %s\n", "rope_tables (plain, YaRN)", "host (float64)", "-");
+  std::printf("%-28s %-22s %s\n", "fused_q_uproj_rope_quant", "reference (float64)",
+              b.cuda_enabled ? (n ? "CUDA sm_90a wgmma kernel" : "CUDA kernel (no GPU here)") : "not built");
   return 0;
 }
 
@@ -143,11 +159,6 @@ int run_cpu(const RunArgs& a) {
 }
 
 #if MXMLA_WITH_CUDA
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 int run_cuda(const RunArgs& a) {
   const int64_t T = a.tokens < 0 ? 4096 : a.tokens;
   const std::vector<int64_t> shape = {T, a.heads, a.dim};
@@ -159,7 +170,7 @@ int run_cuda(const RunArgs& a) {
   const MXFP8Shapes s = quantize_shapes(shape, a.swizzle);
   std::vector<uint16_t> x = util::random_bf16(T * a.heads, a.dim, a.seed);
   util::DeviceBuffer dx(n * 2), drow(n), dcol(n), drs(numel(s.rowwise_scale)), dcs(numel(s.columnwise_scale));
-  util::DeviceBuffer flush(256ull << 20), copy_dst(n * 2);
+  util::DeviceBuffer copy_dst(n * 2);
   dx.upload(x.data());
   const Device dev{DeviceType::kCUDA, 0};
   MXFP8Tensor q = describe(shape, s, drow.ptr, drs.ptr, dcol.ptr, dcs.ptr, dev);
@@ -167,23 +178,8 @@ int run_cuda(const RunArgs& a) {
   o.format = a.format, o.swizzle = a.swizzle;
   const TensorDesc in(dx.ptr, DType::kBFloat16, shape, dev);
 
-  cudaEvent_t e0, e1;
-  MXMLA_CUDA_CHECK(cudaEventCreate(&e0));
-  MXMLA_CUDA_CHECK(cudaEventCreate(&e1));
-  auto time_it = [&](auto&& fn) {
-    std::vector<float> ms;
-    for (int64_t it = 0; it < a.iters + 3; ++it) {
-      MXMLA_CUDA_CHECK(cudaMemsetAsync(flush.ptr, it & 0xFF, flush.bytes));  // flush L2
-      MXMLA_CUDA_CHECK(cudaEventRecord(e0));
-      fn();
-      MXMLA_CUDA_CHECK(cudaEventRecord(e1));
-      MXMLA_CUDA_CHECK(cudaEventSynchronize(e1));
-      float t;
-      MXMLA_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-      if (it >= 3) ms.push_back(t);
-    }
-    return median(ms);
-  };
+  tool::GpuTimer timer(a.iters);
+  auto time_it = [&](auto&& fn) { return timer.median_ms(fn); };
   const float t_q = time_it([&] { quantize(in, q, o); });
   const float t_copy = time_it([&] { MXMLA_CUDA_CHECK(cudaMemcpyAsync(copy_dst.ptr, dx.ptr, n * 2, cudaMemcpyDeviceToDevice)); });
   MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
@@ -227,13 +223,65 @@ int run_cuda(const RunArgs& a) {
               bytes / t_q / 1e6);
   std::printf("copy    : %.4f ms  %.0f GB/s (device-to-device, same run)\n", t_copy, 4.0 * n / t_copy / 1e6);
   std::printf("ratio   : quantize reaches %.0f%% of copy bandwidth\n", 100.0 * (bytes / t_q) / (4.0 * n / t_copy));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   return mismatches ? 1 : 0;
 }
 #endif
 
+tool::QProjRunArgs parse_qproj(int argc, char** argv, std::string& device) {
+  tool::QProjRunArgs a;
+  for (int i = 2; i < argc; ++i) {
+    const std::string f = argv[i];
+    auto value = [&] { return next_value(argc, argv, i); };
+    if (f == "--tokens") a.tokens = parse_int("--tokens", value());
+    else if (f == "--heads") a.heads = parse_int("--heads", value()), a.heads_given = true;
+    else if (f == "--k") a.k = parse_int("--k", value());
+    else if (f == "--iters") a.iters = std::max<int64_t>(1, parse_int("--iters", value()));
+    else if (f == "--check-groups") a.check_groups = parse_int("--check-groups", value());
+    else if (f == "--seed") a.seed = parse_int("--seed", value());
+    else if (f == "--device") {
+      device = value();
+      if (device != "auto" && device != "cpu" && device != "cuda")
+        throw Error("mxmla run", "--device", "must be auto, cpu or cuda, got '" + device + "'");
+    } else if (f == "--style") {
+      const std::string v = value();
+      if (v == "halves") a.style = RopeStyle::kInterleavedInHalvesOut;
+      else if (v == "interleaved") a.style = RopeStyle::kInterleaved;
+      else if (v == "rotate_half") a.style = RopeStyle::kRotateHalf;
+      else throw Error("mxmla run", "--style", "must be halves, interleaved or rotate_half, got '" + v + "'");
+    } else if (f == "--format") {
+      const std::string v = value();
+      if (v == "e4m3") a.format = Fp8Format::kE4M3;
+      else if (v == "e5m2") a.format = Fp8Format::kE5M2;
+      else throw Error("mxmla run", "--format", "must be e4m3 or e5m2, got '" + v + "'");
+    } else throw Error("mxmla run", f, "is not a known option (see mxmla --help)");
+  }
+  if (a.heads <= 0) throw Error("mxmla run", "--heads", "must be positive");
+  if (a.k <= 0) throw Error("mxmla run", "--k", "must be positive");
+  if (a.tokens == 0) throw Error("mxmla run", "--tokens", "must be positive");
+  return a;
+}
+
+bool gpu_wanted(const std::string& device) {
+  const bool gpu = cuda_device_count() > 0;
+  if (device == "cuda" && !gpu)
+    throw Error("mxmla run", "--device", build_info().cuda_enabled ? "is cuda but no CUDA device is visible"
+                                                                   : "is cuda but this build has no CUDA support");
+  if (device == "auto" && !gpu) std::printf("mxmla run: no GPU found\n");
+  return gpu && device != "cpu";
+}
+
 int cmd_run(int argc, char** argv) {
+  std::string device = "auto";
+  const tool::QProjRunArgs a = parse_qproj(argc, argv, device);
+#if MXMLA_WITH_CUDA
+  if (gpu_wanted(device)) return tool::run_qproj_cuda(a);
+#else
+  (void)gpu_wanted(device);
+#endif
+  return tool::run_qproj_cpu(a);
+}
+
+int cmd_run_quantize(int argc, char** argv) {
   const RunArgs a = parse_run(argc, argv);
   const bool gpu = cuda_device_count() > 0;
   if (a.device == "cuda" && !gpu)
@@ -254,6 +302,7 @@ int main(int argc, char** argv) {
     const std::string cmd = argv[1];
     if (cmd == "info") return cmd_info();
     if (cmd == "run") return cmd_run(argc, argv);
+    if (cmd == "run-quantize") return cmd_run_quantize(argc, argv);
     if (cmd == "--help" || cmd == "-h" || cmd == "help") return usage(stdout);
     std::fprintf(stderr, "mxmla: unknown command '%s'\n", cmd.c_str());
     return usage(stderr);

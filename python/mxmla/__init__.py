@@ -32,6 +32,9 @@ __all__ = [
     "positions_from_cu_seqlens",
     "positions_context_parallel",
     "DEEPSEEK_V3_YARN",
+    "fused_q_uproj_rope_quant",
+    "FusedMLAQUpProjRopeQuant",
+    "register_torch_op",
 ]
 
 __version__ = _core.build_info()[0]
@@ -297,3 +300,4 @@ from .rope import (  # noqa: E402  (uses _Backend above)
     rope_tables,
     yarn_softmax_scale,
 )
+from .qproj import FusedMLAQUpProjRopeQuant, fused_q_uproj_rope_quant, register_torch_op  # noqa: E402

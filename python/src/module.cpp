@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "mxmla/mxfp8.h"
+#include "mxmla/qproj.h"
 #include "mxmla/rope.h"
 
 namespace nb = nanobind;
@@ -250,6 +251,37 @@ NB_MODULE(_mxmla_core, m) {
   m.def("positions_arange", &positions_arange, nb::arg("n"), nb::arg("offset") = 0);
   m.def("positions_from_cu_seqlens", &positions_from_cu_seqlens);
   m.def("positions_context_parallel", &positions_context_parallel);
+
+  m.def("qproj_shapes", [](int64_t tokens, int64_t heads, int64_t nope, int64_t rope, const std::string& layout,
+                           int64_t batch, bool bhsd) {
+    QProjOptions o;
+    o.nope_dim = nope, o.rope_dim = rope, o.layout = parse_layout(layout), o.batch = batch, o.bhsd_scales = bhsd;
+    const MXFP8Shapes s = qproj_shapes(tokens, heads, o);
+    return nb::make_tuple(qproj_q_shape(tokens, heads, o), s.data, s.rowwise_scale, s.columnwise_scale);
+  });
+  m.def(
+      "fused_q_uproj_rope_quant",
+      [](const Desc& x, const Desc& w, const Desc& cos, const Desc& sin, const std::optional<Desc>& rd,
+         const std::optional<Desc>& rs, const std::optional<Desc>& cd, const std::optional<Desc>& cs,
+         const std::optional<Desc>& q, int64_t nope, int64_t rope, const std::string& style, const std::string& layout,
+         int64_t batch, const std::string& weight_layout, const std::string& fmt, bool bhsd, uintptr_t stream) {
+        QProjOptions o;
+        o.nope_dim = nope, o.rope_dim = rope, o.style = parse_style(style), o.layout = parse_layout(layout);
+        o.batch = batch, o.format = parse_format(fmt), o.bhsd_scales = bhsd;
+        if (weight_layout != "nk" && weight_layout != "kn")
+          throw Error("mxmla.fused_q_uproj_rope_quant", "weight_layout", "must be 'nk' ([N, K]) or 'kn' ([K, N]), got '" + weight_layout + "'");
+        o.weight_layout = weight_layout == "kn" ? WeightLayout::kKN : WeightLayout::kNK;
+        o.rowwise = rd.has_value(), o.columnwise = cd.has_value();
+        MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
+        TensorDesc qd = q ? to_desc(*q) : TensorDesc();
+        nb::gil_scoped_release release;
+        fused_q_uproj_rope_quant(to_desc(x), to_desc(w), to_desc(cos), to_desc(sin), t, q ? &qd : nullptr, o,
+                                 to_stream(stream));
+      },
+      nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"), nb::arg("rowwise_data").none(),
+      nb::arg("rowwise_scale").none(), nb::arg("columnwise_data").none(), nb::arg("columnwise_scale").none(),
+      nb::arg("q").none(), nb::arg("nope_dim"), nb::arg("rope_dim"), nb::arg("style"), nb::arg("layout"),
+      nb::arg("batch"), nb::arg("weight_layout"), nb::arg("fp8_format"), nb::arg("bhsd_scales"), nb::arg("stream"));
 
   m.def("build_info", [] {
     const BuildInfo b = build_info();

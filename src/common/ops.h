@@ -51,6 +51,11 @@ struct RemapProblem {
 QuantizeProblem quantize_outputs(const char* op, const std::vector<int64_t>& shape, MXFP8Tensor& out,
                                  const QuantizeOptions& opts, const Device& dev);
 
+// The same for the attention hand-off: a 4-D Q/K/V `shape` in opts.layout (quantize_attention's
+// outputs and [batch, rows, cols] geometry).
+QuantizeProblem attention_outputs(const char* op, const std::vector<int64_t>& shape, MXFP8Tensor& out,
+                                  const AttentionQuantizeOptions& opts, const Device& dev);
+
 void quantize_cpu(const QuantizeProblem& p);
 void dequantize_cpu(const DequantizeProblem& p);
 void remap_scales_cpu(const std::vector<RemapProblem>& jobs);

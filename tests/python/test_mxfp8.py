@@ -247,13 +247,21 @@ def cli():
 def test_cli_info_and_errors():
     r = subprocess.run([cli(), "info"], capture_output=True, text=True)
     assert r.returncode == 0 and "mxmla" in r.stdout and "quantize" in r.stdout
-    r = subprocess.run([cli(), "run", "--head-dim", "100"], capture_output=True, text=True)
+    assert "fused_q_uproj_rope_quant" in r.stdout
+    r = subprocess.run([cli(), "run-quantize", "--head-dim", "100"], capture_output=True, text=True)
     assert r.returncode == 2 and "--head-dim" in r.stderr and "multiple of 32" in r.stderr
     r = subprocess.run([cli(), "run", "--bogus"], capture_output=True, text=True)
     assert r.returncode == 2 and "--bogus" in r.stderr
+    r = subprocess.run([cli(), "run", "--style", "spin"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--style" in r.stderr and "rotate_half" in r.stderr
 
 
 def test_cli_run_cpu_reference():
-    r = subprocess.run([cli(), "run", "--device", "cpu", "--tokens", "64", "--heads", "4"], capture_output=True, text=True)
+    r = subprocess.run([cli(), "run", "--device", "cpu", "--tokens", "64", "--heads", "4", "--k", "128"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "CPU reference" in r.stdout and "fused q up-projection" in r.stdout and "OK" in r.stdout
+    r = subprocess.run([cli(), "run-quantize", "--device", "cpu", "--tokens", "64", "--heads", "4"],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "CPU reference" in r.stdout and "OK" in r.stdout

@@ -1,0 +1,58 @@
+// mxmla — CPU reference of the fused Q up-projection (SPEC §4): GEMM in float64, rounded to fp32
+// (what an exact fp32 accumulation gives) and then to bf16; RoPE through the RoPE reference
+// (fp32, include/mxmla/rope.h) into fp32; MXFP8 through the quantize reference on those fp32 values.
+// Integer-valued inputs small enough that every fp32 partial sum is exact make the GPU kernel's
+// fp32 accumulation equal to this one, so its codes and scales compare bit for bit.
+#include <vector>
+
+#include "common/ops.h"
+#include "common/qproj_ops.h"
+#include "common/rope_ops.h"
+#include "cpu/reference.h"
+
+namespace mxmla::detail {
+
+void qproj_cpu(const QProjProblem& p) {
+  const int64_t N = p.NH * p.D, tokens = p.B * p.S;
+  const auto* x = static_cast<const uint16_t*>(p.x);
+  const auto* w = static_cast<const uint16_t*>(p.w);
+  // q = bf16(fp32(x . W^T)) [tokens, NH, D] in token order
+  std::vector<uint16_t> q(static_cast<size_t>(tokens * N));
+  std::vector<double> xr(p.K), acc(N);
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t s = 0; s < p.S; ++s) {
+      const int64_t t = p.sbhd ? s * p.B + b : b * p.S + s;
+      for (int64_t k = 0; k < p.K; ++k) xr[k] = ref::bf16_to_double(x[b * p.x_st_b + s * p.x_st_s + k]);
+      for (int64_t n = 0; n < N; ++n) {
+        double a = 0;
+        for (int64_t k = 0; k < p.K; ++k)
+          a += xr[k] * ref::bf16_to_double(p.w_kn ? w[k * p.w_st + n] : w[n * p.w_st + k]);
+        q[t * N + n] = ref::float_to_bf16(static_cast<float>(a));
+      }
+    }
+  // RoPE (fp32 out), q viewed as [S, B, NH, D]
+  std::vector<float> qf(static_cast<size_t>(tokens * N));
+  RopeProblem r;
+  r.in = q.data(), r.in_t = DType::kBFloat16, r.out = qf.data(), r.out_t = DType::kFloat32;
+  r.S = p.S, r.B = p.B, r.H = p.NH, r.D = p.D, r.rope_dim = p.R, r.style = p.style;
+  const int64_t st_s = p.sbhd ? p.B * N : N, st_b = p.sbhd ? N : p.S * N;
+  const int64_t st[4] = {st_s, st_b, p.D, 1};
+  for (int i = 0; i < 4; ++i) r.in_st[i] = st[i], r.out_st[i] = st[i];
+  r.cos = p.cos, r.sin = p.sin, r.tab_t = p.tab_t, r.tab_st[0] = p.tab_st, r.tab_st[1] = 1;
+  r.row_of_token.resize(tokens);
+  for (int64_t s = 0; s < p.S; ++s)
+    for (int64_t b = 0; b < p.B; ++b) r.row_of_token[s * p.B + b] = s;
+  rope_cpu(r);
+  // MXFP8 of the fp32 values, in quantize_attention's [batch, rows, cols] geometry
+  QuantizeProblem qp;
+  qp.in = qf.data(), qp.in_dtype = DType::kFloat32, qp.fmt = p.fmt;
+  qp.batch = p.row_map.batch, qp.rows = p.S, qp.cols = p.row_map.cols;
+  qp.row_stride = qp.cols, qp.batch_stride = p.S * qp.cols;
+  qp.row_codes = p.row_codes, qp.row_scales = p.row_scales, qp.col_codes = p.col_codes, qp.col_scales = p.col_scales;
+  qp.row_map = p.row_map, qp.col_map = p.col_map;
+  quantize_cpu(qp);
+  if (p.q != nullptr)
+    for (size_t i = 0; i < qf.size(); ++i) p.q[i] = ref::float_to_bf16(qf[i]);
+}
+
+}  // namespace mxmla::detail

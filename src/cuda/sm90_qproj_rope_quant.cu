@@ -1,0 +1,510 @@
+// mxmla — the fused Q up-projection for SM90: GEMM (bf16 wgmma, fp32 accumulation) + RoPE + MXFP8
+// quantization in the epilogue (SPEC §4, include/mxmla/qproj.h).
+//
+// One persistent, warp-specialized kernel of four warpgroups:
+//   producer   one thread streams x [128 x 64] and W [192 x 64] bf16 tiles by TMA (128-byte swizzle)
+//              into a kStages-deep ring guarded by full/empty mbarriers;
+//   MMA        two warpgroups run m64n192k16 wgmmas (bf16 -> fp32) on 64 of the 128 rows each,
+//              keeping one wgmma group in flight; at the end of a tile they round the accumulators
+//              to bf16 (SPEC §4's first rounding) into a shared tile and go straight on to the next
+//              tile's mainloop;
+//   epilogue   one warpgroup takes the bf16 tile while the next one is being multiplied: RoPE in
+//              fp32, rowwise and columnwise amax, E8M0 scales, FP8 codes and the optional bf16 q,
+//              written to global memory in 16-byte (rowwise) and 128-byte-per-warp (columnwise)
+//              pieces. The fused outputs never pass through global memory as bf16.
+//   scheduler  tile = (sequence, 128 tokens, one head): BN equals the head dim, so every RoPE
+//              partner, every rowwise block and every 32-token columnwise block is inside one
+//              tile. Tiles run in groups of kGroupM token tiles x all heads (x tiles stay in L2
+//              while W streams); every role walks the same tile sequence.
+#include <cuda.h>  // CUtensorMap (types only; the encoder comes from the runtime's driver entry point)
+#include <cuda_bf16.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <string>
+
+#include "common/qproj_ops.h"
+#include "cuda/cuda_check.h"
+#include "cuda/ptx.cuh"
+#include "cuda/ptx_sm90.cuh"
+
+// Experiment knob (scripts/variants): 0 times the mainloop and the tile hand-off alone (outputs are not
+// written), 2 skips the columnwise part of the epilogue.
+#ifndef MXMLA_QPROJ_EPILOGUE
+#define MXMLA_QPROJ_EPILOGUE 1
+#endif
+
+namespace mxmla::detail {
+namespace {
+
+// ---------------------------------------------------------------- configuration
+struct Cfg {
+  static constexpr int kD = 192, kR = 64, kNope = kD - kR;  // DeepSeek-V3 head (the one instantiation)
+  static constexpr int kBM = 128, kBK = 64;                  // tokens per tile, K per stage (128 bytes)
+  static constexpr int kStages = 3;
+  static constexpr int kMmaWGs = 2;                          // warpgroups of 64 rows
+  static constexpr int kThreads = 128 * (kMmaWGs + 2);       // + producer + epilogue warpgroup
+  // epilogue threads: the epilogue warpgroup plus warps 1..3 of the producer warpgroup (warp 0 issues TMA)
+  static constexpr int kEpiThreads = 128 + 96;
+  static constexpr int kTilePitch = kD + 8;                  // bf16 tile row: 400 bytes (conflict-free fragment stores)
+  static constexpr int kRopePitch = kR + 4;                  // fp32 rope row: 272 bytes (conflict-free row-per-lane)
+  static constexpr int kGroupM = 16;                         // token tiles per raster group
+  static constexpr int kJ = kD / 8;                          // 8-column groups of the accumulator fragment
+  static constexpr uint32_t kStageBytes = (kBM + kD) * kBK * 2;
+};
+static_assert(Cfg::kD % 32 == 0 && Cfg::kR % 32 == 0 && Cfg::kNope % 32 == 0, "whole MXFP8 blocks in nope and rope");
+static_assert(Cfg::kD <= 256 && Cfg::kD % 8 == 0, "wgmma N (one head per tile) is a multiple of 8, at most 256");
+static_assert(Cfg::kBK * 2 == 128, "a stage row is one 128-byte swizzle row");
+static_assert(Cfg::kBM == 64 * Cfg::kMmaWGs && Cfg::kBM == 128, "two MMA warpgroups of 64 rows; one epilogue thread per row");
+static_assert((Cfg::kTilePitch * 2 / 4) % 32 == 4, "tile pitch: 8 fragment rows x 4 lanes on distinct banks");
+static_assert((Cfg::kRopePitch * 4 / 16) % 2 == 1, "rope pitch: odd number of 16-byte units");
+
+struct alignas(1024) Smem {
+  __nv_bfloat16 a[Cfg::kStages][Cfg::kBM * Cfg::kBK];  // x tiles  [128 rows][64], 128-byte swizzle
+  __nv_bfloat16 b[Cfg::kStages][Cfg::kD * Cfg::kBK];   // W tiles  [192 rows][64], 128-byte swizzle
+  __nv_bfloat16 tile[Cfg::kBM * Cfg::kTilePitch];      // bf16(accumulator) [128][kD], MMA -> epilogue
+  float rope[Cfg::kBM * Cfg::kRopePitch];              // RoPE output (fp32) [128][kR], epilogue only
+  uint64_t full[Cfg::kStages], empty[Cfg::kStages];    // stage ring
+  uint64_t tile_full, tile_empty;                      // tile hand-off
+};
+static_assert(sizeof(Smem::a[0]) % 1024 == 0 && sizeof(Smem::b[0]) % 1024 == 0, "stage tiles 1024-aligned");
+constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack of the dynamic buffer
+static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
+
+struct KParams {
+  int B, S, NH, mtiles, num_tiles, kblocks;
+  bool sbhd, rotate_half, tab_f32;
+  const void* cos;
+  const void* sin;
+  int64_t tab_st, N;
+  uint8_t *row_codes, *row_scales, *col_codes, *col_scales;
+  ScaleMap row_map, col_map;
+  uint16_t* q;
+};
+
+// Tile t -> (sequence bi, first token m0, head h): groups of kGroupM token tiles, head-major inside.
+__device__ __forceinline__ void tile_coords(const KParams& p, int t, int& bi, int& m0, int& h) {
+  const int mt_all = p.B * p.mtiles;
+  const int group = t / (Cfg::kGroupM * p.NH);
+  const int first = group * Cfg::kGroupM;
+  const int gm = min(Cfg::kGroupM, mt_all - first);
+  const int local = t - group * Cfg::kGroupM * p.NH;
+  h = local / gm;
+  const int mt = first + local % gm;
+  bi = mt / p.mtiles;
+  m0 = (mt % p.mtiles) * Cfg::kBM;
+}
+
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+// bf16 pair with NaNs made canonical (0x7FC0, the reference's float_to_bf16).
+__device__ __forceinline__ uint32_t bf16x2_canonical(uint32_t w) {
+  uint32_t r = w;
+  if ((w & 0x7FFFu) > 0x7F80u) r = (r & 0xFFFF0000u) | 0x7FC0u;
+  if ((w & 0x7FFF0000u) > 0x7F800000u) r = (r & 0xFFFFu) | 0x7FC00000u;
+  return r;
+}
+__device__ __forceinline__ uint32_t bf16x2_of(float lo, float hi) {  // round to nearest even, canonical NaN
+  const uint32_t l = isnan(lo) ? 0x7FC0u : (bf16x2_bits(lo, 0.f) & 0xFFFFu);
+  const uint32_t h = isnan(hi) ? 0x7FC0u : (bf16x2_bits(hi, 0.f) & 0xFFFFu);
+  return l | (h << 16);
+}
+__device__ __forceinline__ float rope_term(float sgn_s, float xb, float c, float xa) {
+  return __fmaf_rn(sgn_s, xb, __fmul_rn(c, xa));  // a rounded product, then one fma (include/mxmla/rope.h)
+}
+// Four consecutive table values (fp32 or bf16 tables; rows 16-byte aligned, checked by the host).
+__device__ __forceinline__ float4 tab4(const void* tab, bool f32, int64_t off) {
+  if (f32) return __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(tab) + off));
+  const uint2 w = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(tab) + off));
+  return make_float4(bf_lo(w.x), bf_hi(w.x), bf_lo(w.y), bf_hi(w.y));
+}
+__device__ __forceinline__ int64_t token_of(const KParams& p, int bi, int s) {
+  return p.sbhd ? static_cast<int64_t>(s) * p.B + bi : static_cast<int64_t>(bi) * p.S + s;
+}
+// Four FP8 codes of v * mul (one multiplier per element), byte i = element i.
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t codes4(float v0, float v1, float v2, float v3, float m0, float m1, float m2, float m3) {
+  return ptx::cvt_fp8x2<kE4M3>(v0 * m0, v1 * m1) | (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(v2 * m2, v3 * m3)) << 16);
+}
+
+// ---------------------------------------------------------------- epilogue warpgroup
+// One tile from sm.tile (bf16 accumulator, all kD columns of 128 rows):
+//   R  warp = 4 rows, lane = 8 outputs: RoPE of the rope part in fp32 (into sm.rope), its rowwise
+//      blocks (amax over 8 lanes, scale, codes) and the bf16 q of the rope part;
+//   N  thread = (row, nope block), 4 per thread: amax on packed bf16 pairs, scale, codes;
+//   C  thread = (32-row block, 4 columns): amax over 32 rows, 4 scales, then the codes row by row
+//      (a warp writes 128 contiguous bytes per row), from sm.tile (nope) or sm.rope (rope).
+template <bool kHalves, bool kE4M3>
+__device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int tid, int bi, int m0, int h) {
+  constexpr int kNB = Cfg::kNope / 32;  // nope blocks per row
+  const uint32_t rcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
+  const int vb = p.sbhd ? 0 : bi;                                                    // scale-map batch
+  const int64_t col0 = (p.sbhd ? static_cast<int64_t>(bi) * p.NH + h : h) * Cfg::kD;  // scale-map column of the head
+
+  // ---- R: rope part; a warp takes 4 rows at a time, lane = (row of 4, unit of 8 outputs), so that
+  //      the table loads of a warp are 4 rows x 128 contiguous bytes
+  static_assert(Cfg::kR == 64, "the unit split below assumes rope halves of 32 and 8 units per row");
+  {
+    const int lane = tid & 31, wid = tid >> 5, u = lane & 7;
+    const bool ilv = !kHalves && !p.rotate_half;
+    const int pa = ilv ? 8 * u : 4 * u, pb = ilv ? 8 * u + 4 : 32 + 4 * u;  // output positions of this unit
+    const int ba = pa / 32, bb = pb / 32;                                    // their rowwise blocks
+#pragma unroll 1
+    for (int rg = wid; rg < Cfg::kBM / 4; rg += Cfg::kEpiThreads / 32) {
+      const int r = 4 * rg + (lane >> 3), si = m0 + r;
+      const bool ok = si < p.S;
+      const __nv_bfloat16* xrow = sm.tile + r * Cfg::kTilePitch + Cfg::kNope;
+      const int64_t trow = static_cast<int64_t>(ok ? si : 0) * p.tab_st;
+      float4 ca = make_float4(0.f, 0.f, 0.f, 0.f), sa = ca, cb = ca, sb = ca;
+      if (ok) {
+        ca = tab4(p.cos, p.tab_f32, trow + pa), sa = tab4(p.sin, p.tab_f32, trow + pa);
+        cb = tab4(p.cos, p.tab_f32, trow + pb), sb = tab4(p.sin, p.tab_f32, trow + pb);
+      }
+      const float c0[4] = {ca.x, ca.y, ca.z, ca.w}, s0[4] = {sa.x, sa.y, sa.z, sa.w};
+      const float c1[4] = {cb.x, cb.y, cb.z, cb.w}, s1[4] = {sb.x, sb.y, sb.z, sb.w};
+      float x[8], oa[4], ob[4];
+      if (kHalves || ilv) {  // inputs [8u, 8u + 8)
+        const uint4 w = *reinterpret_cast<const uint4*>(xrow + 8 * u);
+        x[0] = bf_lo(w.x), x[1] = bf_hi(w.x), x[2] = bf_lo(w.y), x[3] = bf_hi(w.y);
+        x[4] = bf_lo(w.z), x[5] = bf_hi(w.z), x[6] = bf_lo(w.w), x[7] = bf_hi(w.w);
+      } else {  // rotate_half: inputs [4u, 4u + 4) and [32 + 4u, 32 + 4u + 4)
+        const uint2 lo = *reinterpret_cast<const uint2*>(xrow + 4 * u);
+        const uint2 hi = *reinterpret_cast<const uint2*>(xrow + 32 + 4 * u);
+        x[0] = bf_lo(lo.x), x[1] = bf_hi(lo.x), x[2] = bf_lo(lo.y), x[3] = bf_hi(lo.y);
+        x[4] = bf_lo(hi.x), x[5] = bf_hi(hi.x), x[6] = bf_lo(hi.y), x[7] = bf_hi(hi.y);
+      }
+      uint32_t am0 = 0, am1 = 0;  // partial amax of rope blocks 0 and 1 (selects, not a runtime index)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (kHalves) {  // out[i] = x[2i] c - x[2i+1] s, out[32 + i] = x[2i+1] c + x[2i] s
+          oa[e] = rope_term(-s0[e], x[2 * e + 1], c0[e], x[2 * e]);
+          ob[e] = rope_term(s1[e], x[2 * e], c1[e], x[2 * e + 1]);
+        } else if (ilv) {  // pairs (2k, 2k+1) in place
+          oa[e] = (e & 1) == 0 ? rope_term(-s0[e], x[e + 1], c0[e], x[e]) : rope_term(s0[e], x[e - 1], c0[e], x[e]);
+          ob[e] = (e & 1) == 0 ? rope_term(-s1[e], x[4 + e + 1], c1[e], x[4 + e])
+                               : rope_term(s1[e], x[4 + e - 1], c1[e], x[4 + e]);
+        } else {  // rotate_half: out[j] = x[j] c - x[j+32] s, out[j+32] = x[j+32] c + x[j] s
+          oa[e] = rope_term(-s0[e], x[4 + e], c0[e], x[e]);
+          ob[e] = rope_term(s1[e], x[e], c1[e], x[4 + e]);
+        }
+        const uint32_t va = __float_as_uint(oa[e]) & 0x7FFFFFFFu, vb4 = __float_as_uint(ob[e]) & 0x7FFFFFFFu;
+        if (ba == 0) am0 = max(am0, va); else am1 = max(am1, va);
+        if (bb == 0) am0 = max(am0, vb4); else am1 = max(am1, vb4);
+      }
+      float* orow = sm.rope + r * Cfg::kRopePitch;
+      *reinterpret_cast<float4*>(orow + pa) = make_float4(oa[0], oa[1], oa[2], oa[3]);
+      *reinterpret_cast<float4*>(orow + pb) = make_float4(ob[0], ob[1], ob[2], ob[3]);
+#pragma unroll
+      for (int m = 1; m < 8; m <<= 1) {  // over the 8 lanes of the row
+        am0 = max(am0, __shfl_xor_sync(0xFFFFFFFFu, am0, m));
+        am1 = max(am1, __shfl_xor_sync(0xFFFFFFFFu, am1, m));
+      }
+      if (!ok) continue;
+      const int64_t tok = token_of(p, bi, si);
+      if (p.row_codes != nullptr) {
+        const uint8_t e0 = block_scale_from_amax_bits(am0, rcp), e1 = block_scale_from_amax_bits(am1, rcp);
+        if (u < 2) p.row_scales[row_scale_offset(p.row_map, vb, si, col0 / 32 + kNB + u)] = u == 0 ? e0 : e1;
+        const float ma = e8m0_quant_multiplier(ba == 0 ? e0 : e1), mb = e8m0_quant_multiplier(bb == 0 ? e0 : e1);
+        uint8_t* dst = p.row_codes + tok * p.N + static_cast<int64_t>(h) * Cfg::kD + Cfg::kNope;
+        __stcs(reinterpret_cast<unsigned int*>(dst + pa), codes4<kE4M3>(oa[0], oa[1], oa[2], oa[3], ma, ma, ma, ma));
+        __stcs(reinterpret_cast<unsigned int*>(dst + pb), codes4<kE4M3>(ob[0], ob[1], ob[2], ob[3], mb, mb, mb, mb));
+      }
+      if (p.q != nullptr) {
+        uint16_t* dst = p.q + (tok * p.NH + h) * Cfg::kD + Cfg::kNope;
+        __stcs(reinterpret_cast<uint2*>(dst + pa), make_uint2(bf16x2_of(oa[0], oa[1]), bf16x2_of(oa[2], oa[3])));
+        __stcs(reinterpret_cast<uint2*>(dst + pb), make_uint2(bf16x2_of(ob[0], ob[1]), bf16x2_of(ob[2], ob[3])));
+      }
+    }
+  }
+
+  // ---- N: nope rowwise blocks, item = (row, block)
+  if (p.row_codes != nullptr || p.q != nullptr) {
+#pragma unroll 1
+    for (int item = tid; item < Cfg::kBM * kNB; item += Cfg::kEpiThreads) {
+      const int r = item / kNB, b = item % kNB, si = m0 + r;
+      if (si >= p.S) continue;
+      const uint4* src = reinterpret_cast<const uint4*>(sm.tile + r * Cfg::kTilePitch + 32 * b);
+      uint32_t w[16];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint4 v = src[i];
+        w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+      }
+      const int64_t tok = token_of(p, bi, si);
+      if (p.row_codes != nullptr) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) m = __vmaxu2(m, w[i] & 0x7FFF7FFFu);
+        const uint32_t amax = max(m << 16, m & 0xFFFF0000u);  // as fp32 bits
+        const uint8_t e8 = block_scale_from_amax_bits(amax, rcp);
+        const float mul = e8m0_quant_multiplier(e8);
+        p.row_scales[row_scale_offset(p.row_map, vb, si, col0 / 32 + b)] = e8;
+        uint32_t c[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+          c[k] = codes4<kE4M3>(bf_lo(w[2 * k]), bf_hi(w[2 * k]), bf_lo(w[2 * k + 1]), bf_hi(w[2 * k + 1]), mul, mul, mul, mul);
+        uint4* dst = reinterpret_cast<uint4*>(p.row_codes + tok * p.N + static_cast<int64_t>(h) * Cfg::kD + 32 * b);
+        __stcs(dst, make_uint4(c[0], c[1], c[2], c[3]));
+        __stcs(dst + 1, make_uint4(c[4], c[5], c[6], c[7]));
+      }
+      if (p.q != nullptr) {
+        uint4* dst = reinterpret_cast<uint4*>(p.q + (tok * p.NH + h) * Cfg::kD + 32 * b);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          __stcs(dst + i, make_uint4(bf16x2_canonical(w[4 * i]), bf16x2_canonical(w[4 * i + 1]),
+                                     bf16x2_canonical(w[4 * i + 2]), bf16x2_canonical(w[4 * i + 3])));
+      }
+    }
+  }
+
+  ptx::named_barrier(1, Cfg::kEpiThreads);  // sm.rope complete
+
+  // ---- C: columnwise, item = (32-row block g, 4 columns), at most one per thread
+  if (p.col_codes != nullptr && MXMLA_QPROJ_EPILOGUE != 2) {
+    constexpr int kQuads = Cfg::kD / 4, kNopeQuads = Cfg::kNope / 4;
+    static_assert((Cfg::kBM / 32) * kQuads <= Cfg::kEpiThreads, "one columnwise item per thread");
+    for (int item = tid; item < (Cfg::kBM / 32) * kQuads; item += Cfg::kEpiThreads) {
+      const int g = item / kQuads, cq = item % kQuads, sg = m0 + 32 * g;
+      if (sg >= p.S) continue;
+      const int nrows = min(32, p.S - sg);
+      const bool nope = cq < kNopeQuads;
+      const __nv_bfloat16* tcol = sm.tile + 32 * g * Cfg::kTilePitch + 4 * cq;
+      const float* rcol = sm.rope + 32 * g * Cfg::kRopePitch + 4 * (cq - kNopeQuads);
+      uint32_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+      if (nope) {
+        uint32_t m01 = 0, m23 = 0;
+#pragma unroll 8
+        for (int i = 0; i < 32; ++i) {
+          const uint2 v = *reinterpret_cast<const uint2*>(tcol + i * Cfg::kTilePitch);
+          m01 = __vmaxu2(m01, v.x & 0x7FFF7FFFu), m23 = __vmaxu2(m23, v.y & 0x7FFF7FFFu);
+        }
+        a0 = m01 << 16, a1 = m01 & 0xFFFF0000u, a2 = m23 << 16, a3 = m23 & 0xFFFF0000u;
+      } else {
+#pragma unroll 8
+        for (int i = 0; i < 32; ++i) {
+          const uint4 v = *reinterpret_cast<const uint4*>(rcol + i * Cfg::kRopePitch);
+          a0 = max(a0, v.x & 0x7FFFFFFFu), a1 = max(a1, v.y & 0x7FFFFFFFu);
+          a2 = max(a2, v.z & 0x7FFFFFFFu), a3 = max(a3, v.w & 0x7FFFFFFFu);
+        }
+      }
+      const uint8_t e0 = block_scale_from_amax_bits(a0, rcp), e1 = block_scale_from_amax_bits(a1, rcp);
+      const uint8_t e2 = block_scale_from_amax_bits(a2, rcp), e3 = block_scale_from_amax_bits(a3, rcp);
+      const int64_t c = col0 + 4 * cq;
+      if (p.col_map.mode == MapMode::kCompact) {
+        *reinterpret_cast<uint32_t*>(p.col_scales + col_scale_offset(p.col_map, vb, sg / 32, c)) =
+            e0 | (uint32_t{e1} << 8) | (uint32_t{e2} << 16) | (uint32_t{e3} << 24);
+      } else {
+        p.col_scales[col_scale_offset(p.col_map, vb, sg / 32, c)] = e0;
+        p.col_scales[col_scale_offset(p.col_map, vb, sg / 32, c + 1)] = e1;
+        p.col_scales[col_scale_offset(p.col_map, vb, sg / 32, c + 2)] = e2;
+        p.col_scales[col_scale_offset(p.col_map, vb, sg / 32, c + 3)] = e3;
+      }
+      const float m0c = e8m0_quant_multiplier(e0), m1c = e8m0_quant_multiplier(e1);
+      const float m2c = e8m0_quant_multiplier(e2), m3c = e8m0_quant_multiplier(e3);
+      const int64_t tstride = p.sbhd ? int64_t{p.B} * p.N : p.N;  // bytes from one token of the sequence to the next
+      uint8_t* dst = p.col_codes + token_of(p, bi, sg) * p.N + static_cast<int64_t>(h) * Cfg::kD + 4 * cq;
+#pragma unroll 4
+      for (int i = 0; i < nrows; ++i, dst += tstride) {
+        uint32_t code;
+        if (nope) {
+          const uint2 v = *reinterpret_cast<const uint2*>(tcol + i * Cfg::kTilePitch);
+          code = codes4<kE4M3>(bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y), m0c, m1c, m2c, m3c);
+        } else {
+          const float4 v = *reinterpret_cast<const float4*>(rcol + i * Cfg::kRopePitch);
+          code = codes4<kE4M3>(v.x, v.y, v.z, v.w, m0c, m1c, m2c, m3c);
+        }
+        __stcs(reinterpret_cast<unsigned int*>(dst), code);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- kernel
+template <bool kHalves, bool kE4M3>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    sm90_qproj_rope_quant_kernel(const __grid_constant__ CUtensorMap tmap_x, const __grid_constant__ CUtensorMap tmap_w,
+                                 const KParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      ptx::mbar_init(&sm.full[s], 1);
+      ptx::mbar_init(&sm.empty[s], 4 * Cfg::kMmaWGs);  // lane 0 of every MMA warp
+    }
+    ptx::mbar_init(&sm.tile_full, 128 * Cfg::kMmaWGs);  // every MMA thread after its fragment stores
+    ptx::mbar_init(&sm.tile_empty, Cfg::kEpiThreads);   // every epilogue thread after its last tile read
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 32) {  // ---------------- producer: one thread issues the TMA loads
+    if (threadIdx.x == 0) {
+      ptx::prefetch_tmap(&tmap_x);
+      ptx::prefetch_tmap(&tmap_w);
+      uint32_t it = 0;
+      for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+        int bi, m0, h;
+        tile_coords(p, t, bi, m0, h);
+        for (int kb = 0; kb < p.kblocks; ++kb, ++it) {
+          const uint32_t st = it % Cfg::kStages, round = it / Cfg::kStages;
+          ptx::mbar_wait(&sm.empty[st], (round & 1) ^ 1);
+          ptx::mbar_arrive_expect_tx(&sm.full[st], Cfg::kStageBytes);
+          // x map dims: {K, B, S} for sbhd (b is the inner token dim), {K, S, B} for bshd
+          if (p.sbhd) ptx::tma_load_3d(sm.a[st], &tmap_x, &sm.full[st], kb * Cfg::kBK, bi, m0);
+          else ptx::tma_load_3d(sm.a[st], &tmap_x, &sm.full[st], kb * Cfg::kBK, m0, bi);
+          ptx::tma_load_2d(sm.b[st], &tmap_w, &sm.full[st], kb * Cfg::kBK, h * Cfg::kD);
+        }
+      }
+    }
+    return;
+  }
+
+  if (wg == 0 || wg == Cfg::kMmaWGs + 1) {  // ---------------- epilogue: warps 1..3 and the last warpgroup
+    const int tid = wg == 0 ? Cfg::kBM + threadIdx.x - 32 : threadIdx.x - 128 * wg;  // whole warps
+    uint32_t n = 0;
+    for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x, ++n) {
+      int bi, m0, h;
+      tile_coords(p, t, bi, m0, h);
+      ptx::mbar_wait(&sm.tile_full, n & 1);
+      ptx::named_barrier(1, Cfg::kEpiThreads);  // the previous tile's readers of sm.rope are done
+#if MXMLA_QPROJ_EPILOGUE
+      epilogue_tile<kHalves, kE4M3>(p, sm, tid, bi, m0, h);
+#endif
+      ptx::mbar_arrive(&sm.tile_empty);
+    }
+    return;
+  }
+
+  // ---------------- MMA warpgroups: 64 rows each
+  const int cw = wg - 1;
+  const int w4 = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  float acc[96];
+  uint32_t it = 0, n = 0;
+  for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x, ++n) {
+    uint32_t prev = 0;
+#pragma unroll
+    for (int i = 0; i < 96; ++i) ptx::fence_reg(acc[i]);
+    for (int kb = 0; kb < p.kblocks; ++kb, ++it) {
+      const uint32_t st = it % Cfg::kStages, round = it / Cfg::kStages;
+      ptx::mbar_wait(&sm.full[st], round & 1);
+      ptx::wgmma_fence();
+      const uint64_t da = ptx::wgmma_desc_k_sw128(sm.a[st] + 64 * cw * Cfg::kBK);
+      const uint64_t db = ptx::wgmma_desc_k_sw128(sm.b[st]);
+#pragma unroll
+      for (int k = 0; k < Cfg::kBK / 16; ++k)  // 16 elements = 32 bytes = 2 descriptor units
+        ptx::wgmma_m64n192k16_bf16(acc, da + 2 * k, db + 2 * k, kb > 0 || k > 0);
+      ptx::wgmma_commit();
+      if (kb > 0) {
+        ptx::wgmma_wait<1>();  // the previous stage's wgmmas are done: hand it back
+        if (lane == 0) ptx::mbar_arrive(&sm.empty[prev]);
+      }
+      prev = st;
+    }
+    ptx::wgmma_wait<0>();
+    if (lane == 0) ptx::mbar_arrive(&sm.empty[prev]);
+#pragma unroll
+    for (int i = 0; i < 96; ++i) ptx::fence_reg(acc[i]);
+    // accumulator -> bf16 (SPEC §4) -> sm.tile, once the epilogue has read the previous tile
+    ptx::mbar_wait(&sm.tile_empty, (n & 1) ^ 1);
+    const int r0 = 64 * cw + 16 * w4 + lane / 4;
+#pragma unroll
+    for (int j = 0; j < Cfg::kJ; ++j)
+#pragma unroll
+      for (int h8 = 0; h8 < 2; ++h8)
+        *reinterpret_cast<uint32_t*>(sm.tile + (r0 + 8 * h8) * Cfg::kTilePitch + 8 * j + 2 * (lane % 4)) =
+            bf16x2_bits(acc[4 * j + 2 * h8], acc[4 * j + 2 * h8 + 1]);
+    ptx::mbar_arrive(&sm.tile_full);
+  }
+}
+
+// ---------------------------------------------------------------- host
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    MXMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || f == nullptr)
+      throw CudaError("mxmla: the CUDA driver has no cuTensorMapEncodeTiled (TMA needs driver >= 12.0)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+CUtensorMap make_tmap(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides_bytes,
+                      const cuuint32_t* box) {
+  CUtensorMap m;
+  const cuuint32_t estr[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims,
+                                          strides_bytes, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) throw CudaError("mxmla: cuTensorMapEncodeTiled failed (error " + std::to_string(r) + ")");
+  return m;
+}
+
+int sm_count() {
+  int dev = 0, n = 0;
+  MXMLA_CUDA_CHECK(cudaGetDevice(&dev));
+  MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+template <bool kHalves, bool kE4M3>
+void launch(const CUtensorMap& tx, const CUtensorMap& tw, const KParams& kp, cudaStream_t stream) {
+  auto* kernel = sm90_qproj_rope_quant_kernel<kHalves, kE4M3>;
+  MXMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+  const int grid = std::min(kp.num_tiles, sm_count());
+  kernel<<<grid, Cfg::kThreads, kSmemBytes, stream>>>(tx, tw, kp);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+bool qproj_cuda_supports(int64_t D, int64_t R, bool w_kn) { return D == Cfg::kD && R == Cfg::kR && !w_kn; }
+
+void qproj_cuda(const QProjProblem& p, Stream s) {
+  auto stream = reinterpret_cast<cudaStream_t>(s);
+  const int64_t tokens = p.B * p.S;
+  if (tokens == 0) return;
+  // BHSD scales have padding that nobody else writes.
+  if (p.row_scales != nullptr && p.row_map.mode != MapMode::kCompact)
+    MXMLA_CUDA_CHECK(cudaMemsetAsync(p.row_scales, 0, row_map_bytes(p.row_map), stream));
+  if (p.col_scales != nullptr && p.col_map.mode != MapMode::kCompact)
+    MXMLA_CUDA_CHECK(cudaMemsetAsync(p.col_scales, 0, col_map_bytes(p.col_map), stream));
+
+  // x: {K, B, S} (sbhd) or {K, S, B} (bshd), box {64, 1, 128} / {64, 128, 1}
+  cuuint64_t xd[3], xs[2];
+  cuuint32_t xb[3];
+  xd[0] = p.K, xb[0] = Cfg::kBK;
+  const int64_t st_b = p.B > 1 ? p.x_st_b : p.x_st_s * p.S;  // any legal stride when there is one sequence
+  if (p.sbhd) xd[1] = p.B, xd[2] = p.S, xs[0] = st_b * 2, xs[1] = p.x_st_s * 2, xb[1] = 1, xb[2] = Cfg::kBM;
+  else xd[1] = p.S, xd[2] = p.B, xs[0] = p.x_st_s * 2, xs[1] = st_b * 2, xb[1] = Cfg::kBM, xb[2] = 1;
+  const CUtensorMap tx = make_tmap(p.x, 3, xd, xs, xb);
+  const cuuint64_t wd[2] = {cuuint64_t(p.K), cuuint64_t(p.NH * p.D)}, ws[1] = {cuuint64_t(p.w_st * 2)};
+  const cuuint32_t wb[2] = {Cfg::kBK, Cfg::kD};
+  const CUtensorMap tw = make_tmap(p.w, 2, wd, ws, wb);
+
+  KParams kp{};
+  kp.B = int(p.B), kp.S = int(p.S), kp.NH = int(p.NH);
+  kp.mtiles = int((p.S + Cfg::kBM - 1) / Cfg::kBM);
+  kp.num_tiles = int(p.B * kp.mtiles * p.NH);
+  kp.kblocks = int((p.K + Cfg::kBK - 1) / Cfg::kBK);
+  kp.sbhd = p.sbhd, kp.rotate_half = p.style == RopeStyle::kRotateHalf, kp.tab_f32 = p.tab_t == DType::kFloat32;
+  kp.cos = p.cos, kp.sin = p.sin, kp.tab_st = p.tab_st, kp.N = p.NH * p.D;
+  kp.row_codes = p.row_codes, kp.row_scales = p.row_scales, kp.col_codes = p.col_codes, kp.col_scales = p.col_scales;
+  kp.row_map = p.row_map, kp.col_map = p.col_map, kp.q = p.q;
+
+  const bool halves = p.style == RopeStyle::kInterleavedInHalvesOut, e4m3 = p.fmt == Fp8Format::kE4M3;
+  if (halves && e4m3) launch<true, true>(tx, tw, kp, stream);
+  else if (halves) launch<true, false>(tx, tw, kp, stream);
+  else if (e4m3) launch<false, true>(tx, tw, kp, stream);
+  else launch<false, false>(tx, tw, kp, stream);
+}
+
+}  // namespace mxmla::detail

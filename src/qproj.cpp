@@ -1,0 +1,148 @@
+// mxmla — the fused Q up-projection API: validation and dispatch (CPU reference or SM90 kernel).
+#include <string>
+
+#include "common/device.h"
+#include "common/ops.h"
+#include "common/qproj_ops.h"
+#include "common/text.h"
+#include "mxmla/qproj.h"
+
+namespace mxmla {
+
+namespace {
+
+constexpr const char* kOp = "mxmla.fused_q_uproj_rope_quant";
+
+[[noreturn]] void fail(const std::string& arg, const std::string& rule) { throw Error(kOp, arg, rule); }
+
+int64_t head_dim(const QProjOptions& o) {
+  if (o.nope_dim < 0) fail("nope_dim", std::to_string(o.nope_dim) + " must not be negative");
+  if (o.rope_dim <= 0 || o.rope_dim % 2 != 0) fail("rope_dim", std::to_string(o.rope_dim) + " must be positive and even");
+  const int64_t D = o.nope_dim + o.rope_dim;
+  if (D % 32 != 0) fail("nope_dim", "nope_dim + rope_dim = " + std::to_string(D) + " must be a multiple of 32 (MXFP8 blocks)");
+  return D;
+}
+
+void check_2d(const std::string& arg, const TensorDesc& t) {
+  if (t.ndim() != 2) fail(arg, "must be 2-D, got shape " + detail::shape_str(t.shape));
+  if (!t.strides.empty() && t.strides.size() != 2) fail(arg, "has strides that do not match its shape");
+  if (t.shape[0] < 0 || t.shape[1] < 0) fail(arg, "shape " + detail::shape_str(t.shape) + " has a negative size");
+  if (t.stride(1) != 1) fail(arg, "last dimension must be contiguous (stride 1)");
+  if (t.numel() > 0 && t.data == nullptr) fail(arg, "data pointer is null");
+}
+
+}  // namespace
+
+std::vector<int64_t> qproj_q_shape(int64_t tokens, int64_t num_heads, const QProjOptions& o) {
+  const int64_t D = head_dim(o);
+  if (o.batch < 1) fail("batch", std::to_string(o.batch) + " must be at least 1");
+  if (tokens < 0 || tokens % o.batch != 0)
+    fail("x", std::to_string(tokens) + " tokens do not split into batch = " + std::to_string(o.batch) + " sequences");
+  if (num_heads < 1) fail("w", "must hold at least one head");
+  const int64_t S = tokens / o.batch;
+  return o.layout == QKVLayout::kSBHD ? std::vector<int64_t>{S, o.batch, num_heads, D}
+                                      : std::vector<int64_t>{o.batch, S, num_heads, D};
+}
+
+MXFP8Shapes qproj_shapes(int64_t tokens, int64_t num_heads, const QProjOptions& o) {
+  return attention_shapes(qproj_q_shape(tokens, num_heads, o), o.layout, o.bhsd_scales);
+}
+
+void fused_q_uproj_rope_quant(const TensorDesc& x, const TensorDesc& w, const TensorDesc& cos, const TensorDesc& sin,
+                              MXFP8Tensor& out, TensorDesc* q, const QProjOptions& o, Stream stream) {
+  if (!o.rowwise && !o.columnwise) fail("options", "at least one of rowwise / columnwise must be set");
+  const int64_t D = head_dim(o);
+  check_2d("x", x);
+  check_2d("w", w);
+  if (x.dtype != DType::kBFloat16) fail("x", std::string("dtype ") + dtype_name(x.dtype) + " must be bfloat16");
+  if (w.dtype != DType::kBFloat16) fail("w", std::string("dtype ") + dtype_name(w.dtype) + " must be bfloat16");
+  const int64_t T = x.shape[0], K = x.shape[1];
+  if (K < 1) fail("x", "needs K >= 1 columns");
+  const bool kn = o.weight_layout == WeightLayout::kKN;
+  const int64_t wK = kn ? w.shape[0] : w.shape[1], N = kn ? w.shape[1] : w.shape[0];
+  if (wK != K)
+    fail("w", "shape " + detail::shape_str(w.shape) + " does not match K = " + std::to_string(K) + " of x (layout " +
+                  (kn ? "[K, N]" : "[N, K]") + ")");
+  if (N < D || N % D != 0)
+    fail("w", "N = " + std::to_string(N) + " must be a positive multiple of the head dim " + std::to_string(D));
+  const int64_t NH = N / D;
+  const std::vector<int64_t> qshape = qproj_q_shape(T, NH, o);
+  const int64_t S = T / o.batch;
+  for (const TensorDesc* t : {&cos, &sin}) {
+    const char* n = t == &cos ? "cos" : "sin";
+    check_2d(n, *t);
+    if (t->shape[1] != o.rope_dim)
+      fail(n, "shape " + detail::shape_str(t->shape) + " must be [>= s, rope_dim = " + std::to_string(o.rope_dim) + "]");
+    if (t->shape[0] < S) fail(n, "has " + std::to_string(t->shape[0]) + " rows; " + std::to_string(S) + " positions are needed");
+    if (t->dtype != DType::kFloat32 && t->dtype != DType::kBFloat16)
+      fail(n, std::string("dtype ") + dtype_name(t->dtype) + " must be float32 or bfloat16");
+  }
+  if (sin.shape != cos.shape || sin.dtype != cos.dtype || sin.stride(0) != cos.stride(0))
+    fail("sin", "must match cos in shape, dtype and strides");
+  for (const TensorDesc* t : {&w, &cos, &sin})
+    if (t->device != x.device) fail(t == &w ? "w" : t == &cos ? "cos" : "sin", "is on another device than x");
+  if (q != nullptr) {
+    if (q->shape != qshape) fail("q", "shape " + detail::shape_str(q->shape) + " must be " + detail::shape_str(qshape));
+    if (q->dtype != DType::kBFloat16) fail("q", std::string("dtype ") + dtype_name(q->dtype) + " must be bfloat16");
+    if (!q->is_contiguous()) fail("q", "must be contiguous");
+    if (q->numel() > 0 && q->data == nullptr) fail("q", "data pointer is null");
+    if (q->device != x.device) fail("q", "is on another device than x");
+  }
+  AttentionQuantizeOptions ao;
+  ao.layout = o.layout, ao.rowwise = o.rowwise, ao.columnwise = o.columnwise, ao.format = o.format;
+  ao.bhsd_scales = o.bhsd_scales;
+  const detail::QuantizeProblem qp = detail::attention_outputs(kOp, qshape, out, ao, x.device);
+
+  detail::QProjProblem p;
+  p.x = x.data, p.B = o.batch, p.S = S, p.K = K;
+  const int64_t xr = x.stride(0);
+  p.x_st_s = o.layout == QKVLayout::kSBHD ? o.batch * xr : xr;
+  p.x_st_b = o.layout == QKVLayout::kSBHD ? xr : S * xr;
+  p.w = w.data, p.w_st = w.stride(0), p.w_kn = kn;
+  p.NH = NH, p.D = D, p.R = o.rope_dim;
+  p.cos = cos.data, p.sin = sin.data, p.tab_t = cos.dtype, p.tab_st = cos.stride(0);
+  p.style = o.style, p.sbhd = o.layout == QKVLayout::kSBHD, p.fmt = o.format;
+  p.row_codes = qp.row_codes, p.row_scales = qp.row_scales, p.col_codes = qp.col_codes, p.col_scales = qp.col_scales;
+  p.row_map = qp.row_map, p.col_map = qp.col_map;
+  p.q = q != nullptr ? static_cast<uint16_t*>(q->data) : nullptr;
+  if (T == 0) return;
+  if (x.device.type == DeviceType::kCPU) return detail::qproj_cpu(p);
+
+#if MXMLA_WITH_CUDA
+  if (!detail::qproj_cuda_supports(D, o.rope_dim, kn))
+    fail(kn ? "weight_layout" : "nope_dim",
+         "the SM90 kernel is built for heads of nope 128 + rope 64 with W as [N, K] (got nope " +
+             std::to_string(o.nope_dim) + ", rope " + std::to_string(o.rope_dim) + ", W " + (kn ? "[K, N]" : "[N, K]") +
+             "); use CPU tensors for the reference");
+  if (K % 8 != 0) fail("x", "K = " + std::to_string(K) + " must be a multiple of 8 on the CUDA path (TMA: 16-byte rows)");
+  for (const TensorDesc* t : {&x, &w}) {
+    const char* n = t == &x ? "x" : "w";
+    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) fail(n, "data pointer must be 16-byte aligned (TMA)");
+    if ((t->stride(0) * 2) % 16 != 0 || t->stride(0) * 2 >= (int64_t{1} << 40))
+      fail(n, "row stride must be a multiple of 16 bytes below 2^40 (TMA)");
+    detail::check_cuda_pointer(kOp, n, t->data, x.device.index);
+  }
+  if (p.x_st_b * 2 >= (int64_t{1} << 40) || p.x_st_s * 2 >= (int64_t{1} << 40)) fail("x", "is too large for a TMA descriptor");
+  if (T >= (int64_t{1} << 31) || (T / o.batch + 127) / 128 * o.batch * NH >= (int64_t{1} << 31))
+    fail("x", "has too many tokens x heads for the kernel's 32-bit tile indices");
+  for (const TensorDesc* t : {&cos, &sin}) {
+    const char* n = t == &cos ? "cos" : "sin";
+    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0 || (t->stride(0) * dtype_size(t->dtype)) % 16 != 0)
+      fail(n, "rows must be 16-byte aligned and 16-byte strided on the CUDA path");
+    detail::check_cuda_pointer(kOp, n, t->data, x.device.index);
+  }
+  if (o.columnwise && reinterpret_cast<uintptr_t>(out.columnwise_scale_inv.data) % 4 != 0)
+    fail("columnwise_scale_inv", "data pointer must be 4-byte aligned on the CUDA path");
+  if (q != nullptr) {
+    if (reinterpret_cast<uintptr_t>(q->data) % 16 != 0) fail("q", "data pointer must be 16-byte aligned");
+    detail::check_cuda_pointer(kOp, "q", q->data, x.device.index);
+  }
+  detail::CudaDeviceGuard guard(x.device.index);
+  detail::qproj_cuda(p, stream);
+#else
+  (void)stream;
+  fail("x", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
+#endif
+}
+
+}  // namespace mxmla
