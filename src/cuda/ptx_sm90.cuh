@@ -78,6 +78,14 @@ __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Four 8x8 b16 matrices from registers to shared memory: lane l gives the address of row l % 8 of
+// matrix l / 8; register i holds this lane's pair (row lane/4, columns 2(lane%4), +1) of matrix i.
+__device__ __forceinline__ void stmatrix_x4(void* row_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_u32(row_addr)), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // ---------------------------------------------------------------- wgmma
 // Shared-memory matrix descriptor of a K-major bf16 tile stored as rows of 128 bytes (64 elements)
 // with the 128-byte swizzle that TMA writes: 8-row groups 1024 bytes apart (SBO), tile 1024-aligned.

@@ -29,10 +29,12 @@
 #include "cuda/ptx_sm90.cuh"
 
 // Experiment knob (scripts/variants): 0 times the mainloop and the tile hand-off alone (outputs are not
-// written), 2 skips the columnwise part of the epilogue.
+// written), 2 skips the columnwise part of the epilogue, 3 the table loads, 4 the rope part (wrong
+// outputs: for timing only).
 #ifndef MXMLA_QPROJ_EPILOGUE
 #define MXMLA_QPROJ_EPILOGUE 1
 #endif
+
 
 namespace mxmla::detail {
 namespace {
@@ -133,9 +135,9 @@ __device__ __forceinline__ uint32_t codes4(float v0, float v1, float v2, float v
 
 // ---------------------------------------------------------------- epilogue warpgroup
 // One tile from sm.tile (bf16 accumulator, all kD columns of 128 rows):
-//   R  warp = 4 rows, lane = 8 outputs: RoPE of the rope part in fp32 (into sm.rope), its rowwise
-//      blocks (amax over 8 lanes, scale, codes) and the bf16 q of the rope part;
-//   N  thread = (row, nope block), 4 per thread: amax on packed bf16 pairs, scale, codes;
+//   N  thread = (nope block, row): amax on packed bf16 pairs, scale, codes (and the bf16 q copy);
+//   R  warp = 8 rows, lane = 16 outputs: RoPE of the rope part in fp32 (into sm.rope), its rowwise
+//      blocks (amax over 4 lanes, scale, codes) and the bf16 q of the rope part;
 //   C  thread = (32-row block, 4 columns): amax over 32 rows, 4 scales, then the codes row by row
 //      (a warp writes 128 contiguous bytes per row), from sm.tile (nope) or sm.rope (rope).
 template <bool kHalves, bool kE4M3>
@@ -145,87 +147,41 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
   const int vb = p.sbhd ? 0 : bi;                                                    // scale-map batch
   const int64_t col0 = (p.sbhd ? static_cast<int64_t>(bi) * p.NH + h : h) * Cfg::kD;  // scale-map column of the head
 
-  // ---- R: rope part; a warp takes 4 rows at a time, lane = (row of 4, unit of 8 outputs), so that
-  //      the table loads of a warp are 4 rows x 128 contiguous bytes
+  // ---- R: rope part; a warp takes 8 rows at a time, lane = (row of 8, two units of 8 outputs), so
+  //      that the table loads of a warp are 8 rows x 2 x 64 contiguous bytes. (Loading the first
+  //      group's tables before N, or one group ahead, measured no faster and spills registers.)
   static_assert(Cfg::kR == 64, "the unit split below assumes rope halves of 32 and 8 units per row");
-  {
-    const int lane = tid & 31, wid = tid >> 5, u = lane & 7;
-    const bool ilv = !kHalves && !p.rotate_half;
-    const int pa = ilv ? 8 * u : 4 * u, pb = ilv ? 8 * u + 4 : 32 + 4 * u;  // output positions of this unit
-    const int ba = pa / 32, bb = pb / 32;                                    // their rowwise blocks
-#pragma unroll 1
-    for (int rg = wid; rg < Cfg::kBM / 4; rg += Cfg::kEpiThreads / 32) {
-      const int r = 4 * rg + (lane >> 3), si = m0 + r;
-      const bool ok = si < p.S;
-      const __nv_bfloat16* xrow = sm.tile + r * Cfg::kTilePitch + Cfg::kNope;
-      const int64_t trow = static_cast<int64_t>(ok ? si : 0) * p.tab_st;
-      float4 ca = make_float4(0.f, 0.f, 0.f, 0.f), sa = ca, cb = ca, sb = ca;
-      if (ok) {
-        ca = tab4(p.cos, p.tab_f32, trow + pa), sa = tab4(p.sin, p.tab_f32, trow + pa);
-        cb = tab4(p.cos, p.tab_f32, trow + pb), sb = tab4(p.sin, p.tab_f32, trow + pb);
-      }
-      const float c0[4] = {ca.x, ca.y, ca.z, ca.w}, s0[4] = {sa.x, sa.y, sa.z, sa.w};
-      const float c1[4] = {cb.x, cb.y, cb.z, cb.w}, s1[4] = {sb.x, sb.y, sb.z, sb.w};
-      float x[8], oa[4], ob[4];
-      if (kHalves || ilv) {  // inputs [8u, 8u + 8)
-        const uint4 w = *reinterpret_cast<const uint4*>(xrow + 8 * u);
-        x[0] = bf_lo(w.x), x[1] = bf_hi(w.x), x[2] = bf_lo(w.y), x[3] = bf_hi(w.y);
-        x[4] = bf_lo(w.z), x[5] = bf_hi(w.z), x[6] = bf_lo(w.w), x[7] = bf_hi(w.w);
-      } else {  // rotate_half: inputs [4u, 4u + 4) and [32 + 4u, 32 + 4u + 4)
-        const uint2 lo = *reinterpret_cast<const uint2*>(xrow + 4 * u);
-        const uint2 hi = *reinterpret_cast<const uint2*>(xrow + 32 + 4 * u);
-        x[0] = bf_lo(lo.x), x[1] = bf_hi(lo.x), x[2] = bf_lo(lo.y), x[3] = bf_hi(lo.y);
-        x[4] = bf_lo(hi.x), x[5] = bf_hi(hi.x), x[6] = bf_lo(hi.y), x[7] = bf_hi(hi.y);
-      }
-      uint32_t am0 = 0, am1 = 0;  // partial amax of rope blocks 0 and 1 (selects, not a runtime index)
+  constexpr int kRStep = Cfg::kEpiThreads / 32;  // warps
+  const int lane = tid & 31, wid = tid >> 5, up = lane & 3;
+  const bool ilv = !kHalves && !p.rotate_half;
+  int pa[2], pb[2];  // output positions [pa, pa + 4) and [pb, pb + 4) of units up and up + 4
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (kHalves) {  // out[i] = x[2i] c - x[2i+1] s, out[32 + i] = x[2i+1] c + x[2i] s
-          oa[e] = rope_term(-s0[e], x[2 * e + 1], c0[e], x[2 * e]);
-          ob[e] = rope_term(s1[e], x[2 * e], c1[e], x[2 * e + 1]);
-        } else if (ilv) {  // pairs (2k, 2k+1) in place
-          oa[e] = (e & 1) == 0 ? rope_term(-s0[e], x[e + 1], c0[e], x[e]) : rope_term(s0[e], x[e - 1], c0[e], x[e]);
-          ob[e] = (e & 1) == 0 ? rope_term(-s1[e], x[4 + e + 1], c1[e], x[4 + e])
-                               : rope_term(s1[e], x[4 + e - 1], c1[e], x[4 + e]);
-        } else {  // rotate_half: out[j] = x[j] c - x[j+32] s, out[j+32] = x[j+32] c + x[j] s
-          oa[e] = rope_term(-s0[e], x[4 + e], c0[e], x[e]);
-          ob[e] = rope_term(s1[e], x[e], c1[e], x[4 + e]);
-        }
-        const uint32_t va = __float_as_uint(oa[e]) & 0x7FFFFFFFu, vb4 = __float_as_uint(ob[e]) & 0x7FFFFFFFu;
-        if (ba == 0) am0 = max(am0, va); else am1 = max(am1, va);
-        if (bb == 0) am0 = max(am0, vb4); else am1 = max(am1, vb4);
-      }
-      float* orow = sm.rope + r * Cfg::kRopePitch;
-      *reinterpret_cast<float4*>(orow + pa) = make_float4(oa[0], oa[1], oa[2], oa[3]);
-      *reinterpret_cast<float4*>(orow + pb) = make_float4(ob[0], ob[1], ob[2], ob[3]);
+  for (int k = 0; k < 2; ++k) {
+    const int u = up + 4 * k;
+    pa[k] = ilv ? 8 * u : 4 * u, pb[k] = ilv ? 8 * u + 4 : 32 + 4 * u;
+  }
+  // table values (cos, sin at pa; cos, sin at pb) of both units for row group rg; zero past the sequence
+  auto load_tabs = [&](int rg, float4 (&t)[2][4]) {
+    const int si = m0 + 8 * rg + (lane >> 2);
 #pragma unroll
-      for (int m = 1; m < 8; m <<= 1) {  // over the 8 lanes of the row
-        am0 = max(am0, __shfl_xor_sync(0xFFFFFFFFu, am0, m));
-        am1 = max(am1, __shfl_xor_sync(0xFFFFFFFFu, am1, m));
-      }
-      if (!ok) continue;
-      const int64_t tok = token_of(p, bi, si);
-      if (p.row_codes != nullptr) {
-        const uint8_t e0 = block_scale_from_amax_bits(am0, rcp), e1 = block_scale_from_amax_bits(am1, rcp);
-        if (u < 2) p.row_scales[row_scale_offset(p.row_map, vb, si, col0 / 32 + kNB + u)] = u == 0 ? e0 : e1;
-        const float ma = e8m0_quant_multiplier(ba == 0 ? e0 : e1), mb = e8m0_quant_multiplier(bb == 0 ? e0 : e1);
-        uint8_t* dst = p.row_codes + tok * p.N + static_cast<int64_t>(h) * Cfg::kD + Cfg::kNope;
-        __stcs(reinterpret_cast<unsigned int*>(dst + pa), codes4<kE4M3>(oa[0], oa[1], oa[2], oa[3], ma, ma, ma, ma));
-        __stcs(reinterpret_cast<unsigned int*>(dst + pb), codes4<kE4M3>(ob[0], ob[1], ob[2], ob[3], mb, mb, mb, mb));
-      }
-      if (p.q != nullptr) {
-        uint16_t* dst = p.q + (tok * p.NH + h) * Cfg::kD + Cfg::kNope;
-        __stcs(reinterpret_cast<uint2*>(dst + pa), make_uint2(bf16x2_of(oa[0], oa[1]), bf16x2_of(oa[2], oa[3])));
-        __stcs(reinterpret_cast<uint2*>(dst + pb), make_uint2(bf16x2_of(ob[0], ob[1]), bf16x2_of(ob[2], ob[3])));
+    for (int k = 0; k < 2; ++k) t[k][0] = t[k][1] = t[k][2] = t[k][3] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (rg < Cfg::kBM / 8 && si < p.S && MXMLA_QPROJ_EPILOGUE != 3) {
+      const int64_t trow = static_cast<int64_t>(si) * p.tab_st;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        t[k][0] = tab4(p.cos, p.tab_f32, trow + pa[k]), t[k][1] = tab4(p.sin, p.tab_f32, trow + pa[k]);
+        t[k][2] = tab4(p.cos, p.tab_f32, trow + pb[k]), t[k][3] = tab4(p.sin, p.tab_f32, trow + pb[k]);
       }
     }
-  }
+  };
 
-  // ---- N: nope rowwise blocks, item = (row, block)
+  // ---- N: nope rowwise blocks, item = (block, row)
   if (p.row_codes != nullptr || p.q != nullptr) {
 #pragma unroll 1
-    for (int item = tid; item < Cfg::kBM * kNB; item += Cfg::kEpiThreads) {
-      const int r = item / kNB, b = item % kNB, si = m0 + r;
+    // start so that the third items (512 = 2 x 224 + 64) go to warps 5 and 6, which have one row group less in R
+    static_assert(Cfg::kEpiThreads == 224 && Cfg::kBM * kNB == 512 && Cfg::kBM / 8 == 16, "the N / R balance");
+    for (int item = (tid + 64) % Cfg::kEpiThreads; item < Cfg::kBM * kNB; item += Cfg::kEpiThreads) {
+      const int r = item % Cfg::kBM, b = item / Cfg::kBM, si = m0 + r;  // lanes: consecutive rows, conflict-free
       if (si >= p.S) continue;
       const uint4* src = reinterpret_cast<const uint4*>(sm.tile + r * Cfg::kTilePitch + 32 * b);
       uint32_t w[16];
@@ -261,14 +217,101 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
     }
   }
 
+  if (MXMLA_QPROJ_EPILOGUE != 4) {
+#pragma unroll 1
+    for (int rg = wid; rg < Cfg::kBM / 8; rg += kRStep) {
+      const int r = 8 * rg + (lane >> 2), si = m0 + r;
+      const bool ok = si < p.S;
+      const __nv_bfloat16* xrow = sm.tile + r * Cfg::kTilePitch + Cfg::kNope;
+      float4 tab[2][4];
+      load_tabs(rg, tab);
+      float* orow = sm.rope + r * Cfg::kRopePitch;
+      uint32_t am0 = 0, am1 = 0;  // amax of rope blocks 0 and 1 (selects, not a runtime index)
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int u = up + 4 * k;
+        const float c0[4] = {tab[k][0].x, tab[k][0].y, tab[k][0].z, tab[k][0].w};
+        const float s0[4] = {tab[k][1].x, tab[k][1].y, tab[k][1].z, tab[k][1].w};
+        const float c1[4] = {tab[k][2].x, tab[k][2].y, tab[k][2].z, tab[k][2].w};
+        const float s1[4] = {tab[k][3].x, tab[k][3].y, tab[k][3].z, tab[k][3].w};
+        float x[8], oa4[4], ob4[4];
+        if (kHalves || ilv) {  // inputs [8u, 8u + 8)
+          const uint4 w = *reinterpret_cast<const uint4*>(xrow + 8 * u);
+          x[0] = bf_lo(w.x), x[1] = bf_hi(w.x), x[2] = bf_lo(w.y), x[3] = bf_hi(w.y);
+          x[4] = bf_lo(w.z), x[5] = bf_hi(w.z), x[6] = bf_lo(w.w), x[7] = bf_hi(w.w);
+        } else {  // rotate_half: inputs [4u, 4u + 4) and [32 + 4u, 32 + 4u + 4)
+          const uint2 lo = *reinterpret_cast<const uint2*>(xrow + 4 * u);
+          const uint2 hi = *reinterpret_cast<const uint2*>(xrow + 32 + 4 * u);
+          x[0] = bf_lo(lo.x), x[1] = bf_hi(lo.x), x[2] = bf_lo(lo.y), x[3] = bf_hi(lo.y);
+          x[4] = bf_lo(hi.x), x[5] = bf_hi(hi.x), x[6] = bf_lo(hi.y), x[7] = bf_hi(hi.y);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float oa, ob;
+          if (kHalves) {  // out[i] = x[2i] c - x[2i+1] s, out[32 + i] = x[2i+1] c + x[2i] s
+            oa = rope_term(-s0[e], x[2 * e + 1], c0[e], x[2 * e]);
+            ob = rope_term(s1[e], x[2 * e], c1[e], x[2 * e + 1]);
+          } else if (ilv) {  // pairs (2k, 2k+1) in place
+            oa = (e & 1) == 0 ? rope_term(-s0[e], x[e + 1], c0[e], x[e]) : rope_term(s0[e], x[e - 1], c0[e], x[e]);
+            ob = (e & 1) == 0 ? rope_term(-s1[e], x[4 + e + 1], c1[e], x[4 + e])
+                              : rope_term(s1[e], x[4 + e - 1], c1[e], x[4 + e]);
+          } else {  // rotate_half: out[j] = x[j] c - x[j+32] s, out[j+32] = x[j+32] c + x[j] s
+            oa = rope_term(-s0[e], x[4 + e], c0[e], x[e]);
+            ob = rope_term(s1[e], x[e], c1[e], x[4 + e]);
+          }
+          oa4[e] = oa, ob4[e] = ob;
+          const uint32_t va = __float_as_uint(oa) & 0x7FFFFFFFu, vb4 = __float_as_uint(ob) & 0x7FFFFFFFu;
+          if (pa[k] < 32) am0 = max(am0, va); else am1 = max(am1, va);
+          if (pb[k] < 32) am0 = max(am0, vb4); else am1 = max(am1, vb4);
+        }
+        *reinterpret_cast<float4*>(orow + pa[k]) = make_float4(oa4[0], oa4[1], oa4[2], oa4[3]);
+        *reinterpret_cast<float4*>(orow + pb[k]) = make_float4(ob4[0], ob4[1], ob4[2], ob4[3]);
+      }
+#pragma unroll
+      for (int m = 1; m < 4; m <<= 1) {  // over the 4 lanes of the row
+        am0 = max(am0, __shfl_xor_sync(0xFFFFFFFFu, am0, m));
+        am1 = max(am1, __shfl_xor_sync(0xFFFFFFFFu, am1, m));
+      }
+      if (!ok) continue;
+      const int64_t tok = token_of(p, bi, si);
+      if (p.row_codes != nullptr) {
+        const uint8_t e0 = block_scale_from_amax_bits(am0, rcp), e1 = block_scale_from_amax_bits(am1, rcp);
+        if (up < 2) p.row_scales[row_scale_offset(p.row_map, vb, si, col0 / 32 + kNB + up)] = up == 0 ? e0 : e1;
+        const float m0s = e8m0_quant_multiplier(e0), m1s = e8m0_quant_multiplier(e1);
+        uint8_t* dst = p.row_codes + tok * p.N + static_cast<int64_t>(h) * Cfg::kD + Cfg::kNope;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {  // the outputs back from this lane's own sm.rope entries
+          const float ma = pa[k] < 32 ? m0s : m1s, mb = pb[k] < 32 ? m0s : m1s;
+          const float4 a = *reinterpret_cast<const float4*>(orow + pa[k]), b = *reinterpret_cast<const float4*>(orow + pb[k]);
+          __stcs(reinterpret_cast<unsigned int*>(dst + pa[k]), codes4<kE4M3>(a.x, a.y, a.z, a.w, ma, ma, ma, ma));
+          __stcs(reinterpret_cast<unsigned int*>(dst + pb[k]), codes4<kE4M3>(b.x, b.y, b.z, b.w, mb, mb, mb, mb));
+        }
+      }
+      if (p.q != nullptr) {
+        uint16_t* dst = p.q + (tok * p.NH + h) * Cfg::kD + Cfg::kNope;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const float4 a = *reinterpret_cast<const float4*>(orow + pa[k]), b = *reinterpret_cast<const float4*>(orow + pb[k]);
+          __stcs(reinterpret_cast<uint2*>(dst + pa[k]), make_uint2(bf16x2_of(a.x, a.y), bf16x2_of(a.z, a.w)));
+          __stcs(reinterpret_cast<uint2*>(dst + pb[k]), make_uint2(bf16x2_of(b.x, b.y), bf16x2_of(b.z, b.w)));
+        }
+      }
+    }
+  }
+
   ptx::named_barrier(1, Cfg::kEpiThreads);  // sm.rope complete
 
-  // ---- C: columnwise, item = (32-row block g, 4 columns), at most one per thread
+  // ---- C: columnwise, item = (32-row block g, 4 columns), at most one per thread; the nope items
+  //      first, so that each warp takes one kind
   if (p.col_codes != nullptr && MXMLA_QPROJ_EPILOGUE != 2) {
     constexpr int kQuads = Cfg::kD / 4, kNopeQuads = Cfg::kNope / 4;
     static_assert((Cfg::kBM / 32) * kQuads <= Cfg::kEpiThreads, "one columnwise item per thread");
     for (int item = tid; item < (Cfg::kBM / 32) * kQuads; item += Cfg::kEpiThreads) {
-      const int g = item / kQuads, cq = item % kQuads, sg = m0 + 32 * g;
+      constexpr int kNopeItems = (Cfg::kBM / 32) * kNopeQuads;  // a multiple of 32: no warp mixes the two kinds
+      static_assert(kNopeItems % 32 == 0, "warp-uniform nope / rope items");
+      const bool nope_item = item < kNopeItems;
+      const int k = nope_item ? item : item - kNopeItems, nq = nope_item ? kNopeQuads : kQuads - kNopeQuads;
+      const int g = k / nq, cq = (nope_item ? 0 : kNopeQuads) + k % nq, sg = m0 + 32 * g;
       if (sg >= p.S) continue;
       const int nrows = min(32, p.S - sg);
       const bool nope = cq < kNopeQuads;
@@ -307,7 +350,7 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
       const float m2c = e8m0_quant_multiplier(e2), m3c = e8m0_quant_multiplier(e3);
       const int64_t tstride = p.sbhd ? int64_t{p.B} * p.N : p.N;  // bytes from one token of the sequence to the next
       uint8_t* dst = p.col_codes + token_of(p, bi, sg) * p.N + static_cast<int64_t>(h) * Cfg::kD + 4 * cq;
-#pragma unroll 4
+#pragma unroll 8
       for (int i = 0; i < nrows; ++i, dst += tstride) {
         uint32_t code;
         if (nope) {
@@ -412,13 +455,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int i = 0; i < 96; ++i) ptx::fence_reg(acc[i]);
     // accumulator -> bf16 (SPEC §4) -> sm.tile, once the epilogue has read the previous tile
     ptx::mbar_wait(&sm.tile_empty, (n & 1) ^ 1);
-    const int r0 = 64 * cw + 16 * w4 + lane / 4;
+    // stmatrix x4 = column groups (j, j+1) x row halves (0, 8): lane l addresses row l % 8 of matrix l / 8
+    const int mi = lane / 8;
+    __nv_bfloat16* srow = sm.tile + (64 * cw + 16 * w4 + lane % 8 + 8 * (mi & 1)) * Cfg::kTilePitch + 8 * (mi >> 1);
+    static_assert(Cfg::kJ % 2 == 0, "column groups in pairs");
 #pragma unroll
-    for (int j = 0; j < Cfg::kJ; ++j)
-#pragma unroll
-      for (int h8 = 0; h8 < 2; ++h8)
-        *reinterpret_cast<uint32_t*>(sm.tile + (r0 + 8 * h8) * Cfg::kTilePitch + 8 * j + 2 * (lane % 4)) =
-            bf16x2_bits(acc[4 * j + 2 * h8], acc[4 * j + 2 * h8 + 1]);
+    for (int j = 0; j < Cfg::kJ; j += 2)
+      ptx::stmatrix_x4(srow + 8 * j, bf16x2_bits(acc[4 * j], acc[4 * j + 1]), bf16x2_bits(acc[4 * j + 2], acc[4 * j + 3]),
+                       bf16x2_bits(acc[4 * j + 4], acc[4 * j + 5]), bf16x2_bits(acc[4 * j + 6], acc[4 * j + 7]));
     ptx::mbar_arrive(&sm.tile_full);
   }
 }

@@ -41,6 +41,8 @@ struct QCase {
   }
 };
 
+void PrintTo(const QCase& c, std::ostream* os) { *os << c.name(); }
+
 // Host inputs of a case.
 struct QInputs {
   std::vector<uint16_t> x, w;     // bf16 bits, rows of K + pad
