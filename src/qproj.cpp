@@ -109,11 +109,9 @@ void fused_q_uproj_rope_quant(const TensorDesc& x, const TensorDesc& w, const Te
   if (x.device.type == DeviceType::kCPU) return detail::qproj_cpu(p);
 
 #if MXMLA_WITH_CUDA
-  if (!detail::qproj_cuda_supports(D, o.rope_dim, kn))
-    fail(kn ? "weight_layout" : "nope_dim",
-         "the SM90 kernel is built for heads of nope 128 + rope 64 with W as [N, K] (got nope " +
-             std::to_string(o.nope_dim) + ", rope " + std::to_string(o.rope_dim) + ", W " + (kn ? "[K, N]" : "[N, K]") +
-             "); use CPU tensors for the reference");
+  if (!detail::qproj_cuda_supports(D, o.rope_dim))
+    fail("nope_dim", "the SM90 kernel is built for heads of nope 128 + rope 64 (got nope " + std::to_string(o.nope_dim) +
+                         ", rope " + std::to_string(o.rope_dim) + "); use CPU tensors for the reference");
   if (K % 8 != 0) fail("x", "K = " + std::to_string(K) + " must be a multiple of 8 on the CUDA path (TMA: 16-byte rows)");
   for (const TensorDesc* t : {&x, &w}) {
     const char* n = t == &x ? "x" : "w";

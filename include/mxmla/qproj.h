@@ -43,7 +43,8 @@ MXFP8Shapes qproj_shapes(int64_t tokens, int64_t num_heads, const QProjOptions& 
 // builds them). `out` holds caller-allocated outputs of qproj_shapes(); `q` (optional) a contiguous
 // bf16 tensor of the q shape that receives q after RoPE, rounded to bf16. CPU tensors run the
 // reference; CUDA tensors the SM90 kernel, which adds: K % 8 == 0 and 16-byte aligned x / W
-// pointers and row strides (TMA), W as [N, K], (nope, rope) = (128, 64), contiguous codes.
+// pointers and row strides (TMA), (nope, rope) = (128, 64), 16-byte aligned table rows. W as
+// [K, N] is transposed into a stream-ordered scratch buffer first (the kernel reads W K-major).
 void fused_q_uproj_rope_quant(const TensorDesc& x, const TensorDesc& w, const TensorDesc& cos,
                               const TensorDesc& sin, MXFP8Tensor& out, TensorDesc* q, const QProjOptions& opts,
                               Stream stream = nullptr);

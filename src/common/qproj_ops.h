@@ -41,7 +41,8 @@ struct QProjProblem {
 
 void qproj_cpu(const QProjProblem& p);
 void qproj_cuda(const QProjProblem& p, Stream stream);
-// Whether the SM90 kernel has an instantiation for these head dims (D, R) and weight layout.
-bool qproj_cuda_supports(int64_t D, int64_t R, bool w_kn);
+// Whether the SM90 kernel has an instantiation for these head dims (D, R). W as [K, N] is
+// transposed into a scratch buffer first.
+bool qproj_cuda_supports(int64_t D, int64_t R);
 
 }  // namespace mxmla::detail

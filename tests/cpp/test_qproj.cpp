@@ -23,6 +23,7 @@ struct QCase {
   bool bhsd = false, rowwise = true, columnwise = true, want_q = true, tab_f32 = true;
   int64_t x_pad = 0, w_pad = 0;  // extra elements per row (strided x / W)
   bool integer = true;           // integer-valued x, W (exact fp32 sums) or N(0,1)-like
+  bool w_kn = false;             // W given as [K, N]
   bool specials = false;         // NaN / Inf in a few x rows
   uint64_t seed = 7;
   std::string name() const {
@@ -30,13 +31,15 @@ struct QCase {
     s << "T" << T << "_NH" << NH << "_K" << K << "_B" << B << (layout == QKVLayout::kSBHD ? "_sbhd" : "_bshd")
       << "_st" << int(style) << (fmt == Fp8Format::kE4M3 ? "_e4m3" : "_e5m2") << (bhsd ? "_bhsd" : "")
       << (rowwise ? "_r" : "") << (columnwise ? "_c" : "") << (want_q ? "_q" : "") << (tab_f32 ? "" : "_tbf16")
-      << (x_pad || w_pad ? "_strided" : "") << (integer ? "" : "_random") << (specials ? "_nan" : "");
+      << (x_pad || w_pad ? "_strided" : "") << (integer ? "" : "_random") << (specials ? "_nan" : "")
+      << (w_kn ? "_wkn" : "");
     return s.str();
   }
   QProjOptions opts() const {
     QProjOptions o;
     o.style = style, o.layout = layout, o.batch = B, o.rowwise = rowwise, o.columnwise = columnwise;
     o.format = fmt, o.bhsd_scales = bhsd;
+    o.weight_layout = w_kn ? WeightLayout::kKN : WeightLayout::kNK;
     return o;
   }
 };
@@ -45,7 +48,8 @@ void PrintTo(const QCase& c, std::ostream* os) { *os << c.name(); }
 
 // Host inputs of a case.
 struct QInputs {
-  std::vector<uint16_t> x, w;     // bf16 bits, rows of K + pad
+  std::vector<uint16_t> x, w;     // bf16 bits, rows of K + pad (W [N, K])
+  std::vector<uint16_t> w_kn;     // the same W as [K, N], rows of N + pad (when the case asks for it)
   std::vector<uint8_t> cos, sin;  // fp32 or bf16 bytes [S, 64]
   int64_t S = 0;
 };
@@ -66,6 +70,11 @@ QInputs make_inputs(const QCase& c) {
   if (c.specials) {
     const float sp[3] = {NAN, INFINITY, -INFINITY};
     for (int i = 0; i < 3 && i < c.T; ++i) in.x[(i * 7 % c.T) * xs + (i * 5 % c.K)] = util::to_bf16(sp[i]);
+  }
+  if (c.w_kn) {
+    in.w_kn.assign(c.K * (N + c.w_pad), util::to_bf16(0.f));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < c.K; ++k) in.w_kn[k * (N + c.w_pad) + n] = in.w[n * ws + k];
   }
   in.S = c.T / c.B;
   std::vector<double> pos = positions_arange(in.S);
@@ -94,7 +103,8 @@ QOutputs run(const QCase& c, const QInputs& in, bool gpu) {
   const int64_t N = c.NH * 192;
   if (!gpu) {
     TensorDesc x(const_cast<uint16_t*>(in.x.data()), DType::kBFloat16, {c.T, c.K}, {}, {c.K + c.x_pad, 1});
-    TensorDesc w(const_cast<uint16_t*>(in.w.data()), DType::kBFloat16, {N, c.K}, {}, {c.K + c.w_pad, 1});
+    TensorDesc w = c.w_kn ? TensorDesc(const_cast<uint16_t*>(in.w_kn.data()), DType::kBFloat16, {c.K, N}, {}, {N + c.w_pad, 1})
+                          : TensorDesc(const_cast<uint16_t*>(in.w.data()), DType::kBFloat16, {N, c.K}, {}, {c.K + c.w_pad, 1});
     TensorDesc cs(const_cast<uint8_t*>(in.cos.data()), tt, {in.S, 64}), sn(const_cast<uint8_t*>(in.sin.data()), tt, {in.S, 64});
     TensorDesc qd(r.qbf16.data(), DType::kBFloat16, qshape);
     fused_q_uproj_rope_quant(x, w, cs, sn, r.q.t, c.want_q ? &qd : nullptr, o);
@@ -103,8 +113,9 @@ QOutputs run(const QCase& c, const QInputs& in, bool gpu) {
 #if MXMLA_WITH_CUDA
   using util::DeviceBuffer;
   const Device dev{DeviceType::kCUDA, 0};
-  DeviceBuffer dx(in.x.size() * 2), dw(in.w.size() * 2), dc(in.cos.size()), ds(in.sin.size());
-  dx.upload(in.x.data()), dw.upload(in.w.data()), dc.upload(in.cos.data()), ds.upload(in.sin.data());
+  const std::vector<uint16_t>& hw = c.w_kn ? in.w_kn : in.w;
+  DeviceBuffer dx(in.x.size() * 2), dw(hw.size() * 2), dc(in.cos.size()), ds(in.sin.size());
+  dx.upload(in.x.data()), dw.upload(hw.data()), dc.upload(in.cos.data()), ds.upload(in.sin.data());
   auto dev_copy = [&](std::vector<uint8_t>& h) {
     DeviceBuffer b(h.size());
     if (!h.empty()) b.upload(h.data());
@@ -120,7 +131,8 @@ QOutputs run(const QCase& c, const QInputs& in, bool gpu) {
   relocate(t.rowwise_data, drow), relocate(t.rowwise_scale_inv, drs);
   relocate(t.columnwise_data, dcol), relocate(t.columnwise_scale_inv, dcs);
   TensorDesc x(dx.ptr, DType::kBFloat16, {c.T, c.K}, dev, {c.K + c.x_pad, 1});
-  TensorDesc w(dw.ptr, DType::kBFloat16, {N, c.K}, dev, {c.K + c.w_pad, 1});
+  TensorDesc w = c.w_kn ? TensorDesc(dw.ptr, DType::kBFloat16, {c.K, N}, dev, {N + c.w_pad, 1})
+                        : TensorDesc(dw.ptr, DType::kBFloat16, {N, c.K}, dev, {c.K + c.w_pad, 1});
   TensorDesc cs(dc.ptr, tt, {in.S, 64}, dev), sn(ds.ptr, tt, {in.S, 64}, dev);
   TensorDesc qd(dq.ptr, DType::kBFloat16, qshape, dev);
   fused_q_uproj_rope_quant(x, w, cs, sn, t, c.want_q ? &qd : nullptr, o);
@@ -235,6 +247,8 @@ std::vector<QCase> bit_exact_cases() {
   add([](QCase& c) { c.T = 96, c.NH = 2, c.K = 200, c.x_pad = 8, c.w_pad = 24, c.style = RopeStyle::kInterleaved; });
   add([](QCase& c) { c.T = 64, c.NH = 2, c.K = 64, c.specials = true; });
   add([](QCase& c) { c.T = 70, c.NH = 2, c.K = 64, c.specials = true, c.bhsd = true, c.style = RopeStyle::kRotateHalf, c.fmt = Fp8Format::kE5M2; });
+  add([](QCase& c) { c.T = 65, c.NH = 2, c.K = 80, c.w_kn = true; });
+  add([](QCase& c) { c.T = 40, c.NH = 3, c.K = 48, c.w_kn = true, c.w_pad = 8, c.style = RopeStyle::kInterleaved; });
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, QProjGpu, ::testing::ValuesIn(bit_exact_cases()),
@@ -329,6 +343,51 @@ TEST(QProjErrors, BadInputsNameTheArgument) {
   hq.t.rowwise_data.shape = {1, 2, 3};
   expect_error(call(x, w, cs, o), "rowwise_data", "shape");
   hq.t.rowwise_data = bad_out;
+}
+
+// The CUDA path's own rules (TMA, the compiled head shape) name the argument; never a crash.
+TEST(QProjGpuErrors, CudaRulesNameTheArgument) {
+  MXMLA_REQUIRE_GPU();
+#if MXMLA_WITH_CUDA
+  using util::DeviceBuffer;
+  const Device dev{DeviceType::kCUDA, 0};
+  const int64_t T = 32, K = 64, N = 192;
+  DeviceBuffer dx(T * (K + 8) * 2 + 16), dw(N * K * 2), dc(T * 64 * 4), ds(T * 64 * 4);
+  QProjOptions o;
+  const MXFP8Shapes sh = qproj_shapes(T, 1, o);
+  DeviceBuffer r(numel(sh.data)), rs(numel(sh.rowwise_scale)), cd(numel(sh.data)), cs(numel(sh.columnwise_scale));
+  MXFP8Tensor t;
+  t.rowwise_data = TensorDesc(r.ptr, DType::kUInt8, sh.data, dev);
+  t.rowwise_scale_inv = TensorDesc(rs.ptr, DType::kUInt8, sh.rowwise_scale, dev);
+  t.columnwise_data = TensorDesc(cd.ptr, DType::kUInt8, sh.data, dev);
+  t.columnwise_scale_inv = TensorDesc(cs.ptr, DType::kUInt8, sh.columnwise_scale, dev);
+  const TensorDesc w(dw.ptr, DType::kBFloat16, {N, K}, dev), c(dc.ptr, DType::kFloat32, {T, 64}, dev),
+      sn(ds.ptr, DType::kFloat32, {T, 64}, dev);
+  auto call = [&](const TensorDesc& x, const TensorDesc& ww, const QProjOptions& oo) {
+    return [&, x, ww, oo]() mutable { fused_q_uproj_rope_quant(x, ww, c, sn, t, nullptr, oo); };
+  };
+  // K = 36: rows of 72 bytes are not what TMA can stride
+  expect_error(call(TensorDesc(dx.ptr, DType::kBFloat16, {T, 36}, dev), TensorDesc(dw.ptr, DType::kBFloat16, {N, 36}, dev), o),
+               "x", "multiple of 8");
+  // a misaligned x pointer
+  expect_error(call(TensorDesc(static_cast<char*>(dx.ptr) + 2, DType::kBFloat16, {T, K}, dev), w, o), "x", "16-byte aligned");
+  // a row stride that is not a multiple of 16 bytes
+  expect_error(call(TensorDesc(dx.ptr, DType::kBFloat16, {T, K}, dev, {K + 4, 1}), w, o), "x", "16 bytes");
+  // heads the kernel is not built for (nope 64 + rope 64 = 128)
+  QProjOptions h = o;
+  h.nope_dim = 64;
+  const MXFP8Shapes sh2 = qproj_shapes(T, 1, h);
+  t.rowwise_data.shape = t.columnwise_data.shape = sh2.data;
+  t.rowwise_scale_inv.shape = sh2.rowwise_scale, t.columnwise_scale_inv.shape = sh2.columnwise_scale;
+  expect_error(call(TensorDesc(dx.ptr, DType::kBFloat16, {T, K}, dev), TensorDesc(dw.ptr, DType::kBFloat16, {128, K}, dev), h),
+               "nope_dim", "nope 128 + rope 64");
+  // x on the GPU, W on the CPU
+  std::vector<uint16_t> hw(N * K);
+  t.rowwise_data.shape = t.columnwise_data.shape = sh.data;
+  t.rowwise_scale_inv.shape = sh.rowwise_scale, t.columnwise_scale_inv.shape = sh.columnwise_scale;
+  expect_error(call(TensorDesc(dx.ptr, DType::kBFloat16, {T, K}, dev), TensorDesc(hw.data(), DType::kBFloat16, {N, K}), o),
+               "w", "another device");
+#endif
 }
 
 }  // namespace

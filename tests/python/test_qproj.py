@@ -102,6 +102,16 @@ def test_class_front_end_and_saved_activation():
         op.run(x, w, c, s, s_len + 1, b)
 
 
+def test_weight_layout_kn_equals_nk():
+    T, H, K = 33, 2, 48
+    x, w = inputs(T, H, K, seed=6)
+    c, s = mxmla.rope_tables(mxmla.positions_arange(T), 64)
+    a = mxmla.fused_q_uproj_rope_quant(x, w, c, s)
+    b = mxmla.fused_q_uproj_rope_quant(x, np.ascontiguousarray(w.T), c, s, weight_layout="kn")
+    for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
 def test_errors_name_the_argument():
     x, w = inputs(32, 1, 64)
     c, s = mxmla.rope_tables(mxmla.positions_arange(32), 64)
