@@ -177,7 +177,6 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
 
   // ---- N: nope rowwise blocks, item = (block, row)
   if (p.row_codes != nullptr || p.q != nullptr) {
-#pragma unroll 1
     // start so that the third items (512 = 2 x 224 + 64) go to warps 5 and 6, which have one row group less in R
     static_assert(Cfg::kEpiThreads == 224 && Cfg::kBM * kNB == 512 && Cfg::kBM / 8 == 16, "the N / R balance");
     for (int item = (tid + 64) % Cfg::kEpiThreads; item < Cfg::kBM * kNB; item += Cfg::kEpiThreads) {
