@@ -439,7 +439,8 @@ void attention_scales_to_bhsd(const std::vector<BhsdScaleJob>& jobs, Stream stre
   std::vector<detail::RemapProblem> problems;
   for (size_t k = 0; k < jobs.size(); ++k) {
     const BhsdScaleJob& j = jobs[k];
-    const std::string tag = jobs.size() > 1 ? "[" + std::to_string(k) + "]" : "";
+    std::string tag;  // built by append: GCC 12's -Wrestrict misfires on "[" + to_string(k) + "]"
+    if (jobs.size() > 1) tag.append("[").append(std::to_string(k)).append("]");
     const AttnGeom g = attn_geom(c, "shape" + tag, j.shape, j.layout);
     const MXFP8Shapes cs = attention_shapes(j.shape, j.layout, false), bs = attention_shapes(j.shape, j.layout, true);
     const ScaleMap cm = j.rowwise ? detail::make_row_map(MapMode::kCompact, g.batch, g.rows, g.cols, g.H, g.D)

@@ -16,17 +16,20 @@ void qproj_cpu(const QProjProblem& p) {
   const int64_t N = p.NH * p.D, tokens = p.B * p.S;
   const auto* x = static_cast<const uint16_t*>(p.x);
   const auto* w = static_cast<const uint16_t*>(p.w);
-  // q = bf16(fp32(x . W^T)) [tokens, NH, D] in token order
+  // q = bf16(fp32(x . W^T)) [tokens, NH, D] in token order; W decoded once, as rows of K doubles
   std::vector<uint16_t> q(static_cast<size_t>(tokens * N));
-  std::vector<double> xr(p.K), acc(N);
+  std::vector<double> wd(static_cast<size_t>(N * p.K)), xr(p.K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < p.K; ++k)
+      wd[n * p.K + k] = ref::bf16_to_double(p.w_kn ? w[k * p.w_st + n] : w[n * p.w_st + k]);
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t s = 0; s < p.S; ++s) {
       const int64_t t = p.sbhd ? s * p.B + b : b * p.S + s;
       for (int64_t k = 0; k < p.K; ++k) xr[k] = ref::bf16_to_double(x[b * p.x_st_b + s * p.x_st_s + k]);
       for (int64_t n = 0; n < N; ++n) {
+        const double* wr = wd.data() + n * p.K;
         double a = 0;
-        for (int64_t k = 0; k < p.K; ++k)
-          a += xr[k] * ref::bf16_to_double(p.w_kn ? w[k * p.w_st + n] : w[n * p.w_st + k]);
+        for (int64_t k = 0; k < p.K; ++k) a += xr[k] * wr[k];
         q[t * N + n] = ref::float_to_bf16(static_cast<float>(a));
       }
     }
