@@ -8,10 +8,11 @@
 //              keeping one wgmma group in flight; at the end of a tile they round the accumulators
 //              to bf16 (SPEC §4's first rounding) into a shared tile and go straight on to the next
 //              tile's mainloop;
-//   epilogue   one warpgroup takes the bf16 tile while the next one is being multiplied: RoPE in
-//              fp32, rowwise and columnwise amax, E8M0 scales, FP8 codes and the optional bf16 q,
-//              written to global memory in 16-byte (rowwise) and 128-byte-per-warp (columnwise)
-//              pieces. The fused outputs never pass through global memory as bf16.
+//   epilogue   the last warpgroup and warps 1..3 of the producer's (7 warps) take the bf16 tile while
+//              the next one is being multiplied: RoPE in fp32, rowwise and columnwise amax, E8M0
+//              scales, FP8 codes and the optional bf16 q, with coalesced stores (a lane writes a
+//              32-byte nope block; a warp writes 128 contiguous columnwise bytes per row). q never
+//              passes through global memory as bf16 unless asked for.
 //   scheduler  tile = (sequence, 128 tokens, one head): BN equals the head dim, so every RoPE
 //              partner, every rowwise block and every 32-token columnwise block is inside one
 //              tile. Tiles run in groups of kGroupM token tiles x all heads (x tiles stay in L2
@@ -28,13 +29,12 @@
 #include "cuda/ptx.cuh"
 #include "cuda/ptx_sm90.cuh"
 
-// Experiment knob (scripts/variants): 0 times the mainloop and the tile hand-off alone (outputs are not
-// written), 2 skips the columnwise part of the epilogue, 3 the table loads, 4 the rope part (wrong
-// outputs: for timing only).
+// Experiment knob (cmake -DMXMLA_QPROJ_EPILOGUE=n): 0 times the mainloop and the tile hand-off alone
+// (outputs not written), 2 skips the columnwise part of the epilogue, 3 the table loads, 4 the rope
+// part (wrong outputs: for timing only; docs/notes-qproj.md).
 #ifndef MXMLA_QPROJ_EPILOGUE
 #define MXMLA_QPROJ_EPILOGUE 1
 #endif
-
 
 namespace mxmla::detail {
 namespace {
@@ -57,7 +57,7 @@ struct Cfg {
 static_assert(Cfg::kD % 32 == 0 && Cfg::kR % 32 == 0 && Cfg::kNope % 32 == 0, "whole MXFP8 blocks in nope and rope");
 static_assert(Cfg::kD <= 256 && Cfg::kD % 8 == 0, "wgmma N (one head per tile) is a multiple of 8, at most 256");
 static_assert(Cfg::kBK * 2 == 128, "a stage row is one 128-byte swizzle row");
-static_assert(Cfg::kBM == 64 * Cfg::kMmaWGs && Cfg::kBM == 128, "two MMA warpgroups of 64 rows; one epilogue thread per row");
+static_assert(Cfg::kBM == 64 * Cfg::kMmaWGs && Cfg::kBM == 128, "two MMA warpgroups of 64 rows; the epilogue split assumes 128");
 static_assert((Cfg::kTilePitch * 2 / 4) % 32 == 4, "tile pitch: 8 fragment rows x 4 lanes on distinct banks");
 static_assert((Cfg::kRopePitch * 4 / 16) % 2 == 1, "rope pitch: odd number of 16-byte units");
 
