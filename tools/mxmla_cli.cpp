@@ -109,16 +109,6 @@ int cmd_info() {
   return 0;
 }
 
-MXFP8Tensor describe(const std::vector<int64_t>& shape, const MXFP8Shapes& s, void* row, void* rs, void* col, void* cs,
-                     Device dev) {
-  MXFP8Tensor t;
-  t.rowwise_data = TensorDesc(row, DType::kUInt8, s.data, dev);
-  t.rowwise_scale_inv = TensorDesc(rs, DType::kUInt8, s.rowwise_scale, dev);
-  t.columnwise_data = TensorDesc(col, DType::kUInt8, s.data, dev);
-  t.columnwise_scale_inv = TensorDesc(cs, DType::kUInt8, s.columnwise_scale, dev);
-  t.shape = shape;
-  return t;
-}
 
 
 // CPU reference run (no GPU): quantize, then check the round trip against the MX error bound.
@@ -130,7 +120,7 @@ int run_cpu(const RunArgs& a) {
   const MXFP8Shapes s = quantize_shapes(shape, a.swizzle);
   std::vector<uint16_t> x = util::random_bf16(T * a.heads, a.dim, a.seed);
   std::vector<uint8_t> row(numel(s.data)), rs(numel(s.rowwise_scale)), col(numel(s.data)), cs(numel(s.columnwise_scale));
-  MXFP8Tensor q = describe(shape, s, row.data(), rs.data(), col.data(), cs.data(), Device{});
+  MXFP8Tensor q = tool::describe(shape, s, row.data(), rs.data(), col.data(), cs.data(), Device{});
   QuantizeOptions o;
   o.format = a.format, o.swizzle = a.swizzle;
   const auto t0 = std::chrono::steady_clock::now();
@@ -173,7 +163,7 @@ int run_cuda(const RunArgs& a) {
   util::DeviceBuffer copy_dst(n * 2);
   dx.upload(x.data());
   const Device dev{DeviceType::kCUDA, 0};
-  MXFP8Tensor q = describe(shape, s, drow.ptr, drs.ptr, dcol.ptr, dcs.ptr, dev);
+  MXFP8Tensor q = tool::describe(shape, s, drow.ptr, drs.ptr, dcol.ptr, dcs.ptr, dev);
   QuantizeOptions o;
   o.format = a.format, o.swizzle = a.swizzle;
   const TensorDesc in(dx.ptr, DType::kBFloat16, shape, dev);
@@ -206,7 +196,7 @@ int run_cuda(const RunArgs& a) {
     const int64_t r0 = g * 32, nr = std::min<int64_t>(32, M - r0);
     const MXFP8Shapes gs = quantize_shapes({nr, K}, false);
     std::vector<uint8_t> rr(nr * K), rrs(numel(gs.rowwise_scale)), rc(nr * K), rcs(numel(gs.columnwise_scale));
-    MXFP8Tensor ref = describe({nr, K}, gs, rr.data(), rrs.data(), rc.data(), rcs.data(), Device{});
+    MXFP8Tensor ref = tool::describe({nr, K}, gs, rr.data(), rrs.data(), rc.data(), rcs.data(), Device{});
     QuantizeOptions ro;
     ro.format = a.format;
     quantize(TensorDesc(x.data() + r0 * K, DType::kBFloat16, {nr, K}), ref, ro);

@@ -46,15 +46,6 @@ Inputs make_inputs(const QProjRunArgs& a, int64_t T) {
   return in;
 }
 
-MXFP8Tensor describe(const MXFP8Shapes& s, void* row, void* rs, void* col, void* cs, Device dev) {
-  MXFP8Tensor t;
-  t.rowwise_data = TensorDesc(row, DType::kUInt8, s.data, dev);
-  t.rowwise_scale_inv = TensorDesc(rs, DType::kUInt8, s.rowwise_scale, dev);
-  t.columnwise_data = TensorDesc(col, DType::kUInt8, s.data, dev);
-  t.columnwise_scale_inv = TensorDesc(cs, DType::kUInt8, s.columnwise_scale, dev);
-  return t;
-}
-
 QProjOptions options(const QProjRunArgs& a) {
   QProjOptions o;
   o.style = a.style, o.format = a.format;
@@ -111,7 +102,7 @@ CheckStats check_sample(const QProjRunArgs& a, int64_t T, const Inputs& in, cons
     QProjOptions o = options(a);
     const MXFP8Shapes s = qproj_shapes(nt, 1, o);
     std::vector<uint8_t> row(numel(s.data)), rs(numel(s.rowwise_scale)), col(numel(s.data)), cs(numel(s.columnwise_scale));
-    MXFP8Tensor ref = describe(s, row.data(), rs.data(), col.data(), cs.data(), Device{});
+    MXFP8Tensor ref = describe(s.data, s, row.data(), rs.data(), col.data(), cs.data(), Device{});
     TensorDesc x(const_cast<uint16_t*>(in.x.data() + t0 * a.k), DType::kBFloat16, {nt, a.k});
     TensorDesc w(const_cast<uint16_t*>(in.w.data() + h * 192 * a.k), DType::kBFloat16, {192, a.k});
     TensorDesc c(const_cast<float*>(in.cos.data() + t0 * 64), DType::kFloat32, {nt, 64});
@@ -155,7 +146,7 @@ int run_qproj_cpu(const QProjRunArgs& a) {
   out.row.resize(numel(s.data)), out.rs.resize(numel(s.rowwise_scale));
   out.col.resize(numel(s.data)), out.cs.resize(numel(s.columnwise_scale));
   std::vector<uint16_t> q(T * N);
-  MXFP8Tensor t = describe(s, out.row.data(), out.rs.data(), out.col.data(), out.cs.data(), Device{});
+  MXFP8Tensor t = describe(s.data, s, out.row.data(), out.rs.data(), out.col.data(), out.cs.data(), Device{});
   TensorDesc qd(q.data(), DType::kBFloat16, qproj_q_shape(T, b.heads, o));
   const auto t0 = std::chrono::steady_clock::now();
   fused_q_uproj_rope_quant(TensorDesc(const_cast<uint16_t*>(in.x.data()), DType::kBFloat16, {T, b.k}),
@@ -204,7 +195,7 @@ int run_qproj_cuda(const QProjRunArgs& a) {
   dx.upload(in.x.data()), dw.upload(in.w.data()), dc.upload(in.cos.data()), ds.upload(in.sin.data());
   util::DeviceBuffer drow(T * N), dcol(T * N), drs(numel(s.rowwise_scale)), dcs(numel(s.columnwise_scale));
   util::DeviceBuffer dq(T * N * 2);
-  MXFP8Tensor q = describe(s, drow.ptr, drs.ptr, dcol.ptr, dcs.ptr, dev);
+  MXFP8Tensor q = describe(s.data, s, drow.ptr, drs.ptr, dcol.ptr, dcs.ptr, dev);
   const TensorDesc x(dx.ptr, DType::kBFloat16, {T, K}, dev), w(dw.ptr, DType::kBFloat16, {N, K}, dev);
   const TensorDesc c(dc.ptr, DType::kFloat32, {T, 64}, dev), sn(ds.ptr, DType::kFloat32, {T, 64}, dev);
 
@@ -225,7 +216,7 @@ int run_qproj_cuda(const QProjRunArgs& a) {
   ro.style = a.style, ro.layout = RopeLayout::kSBHD;
   AttentionQuantizeOptions ao;
   ao.format = a.format, ao.bhsd_scales = false;
-  MXFP8Tensor q2 = describe(s, drow.ptr, drs.ptr, dcol.ptr, dcs.ptr, dev);
+  MXFP8Tensor q2 = describe(s.data, s, drow.ptr, drs.ptr, dcol.ptr, dcs.ptr, dev);
   auto unfused = [&] {
     gemm();
     apply_rope(qd, c, sn, qd, ro);
