@@ -42,27 +42,30 @@ constexpr uint32_t kRcpMaxE5M2Bits = 0x37924925u;
 // saturating at 0xFE; values at or below 2^-127 give 0).
 MXMLA_HD uint8_t float_to_e8m0(float v) {
   const uint32_t bits = f32_as_u32(v);
-  uint32_t e = bits >> 23;
-  const uint32_t m = bits & 0x7FFFFFu;
-  if (m > 0 && e != 0xFEu && !(e == 0 && m <= 0x400000u)) ++e;
-  return static_cast<uint8_t>(e);
+  const uint32_t e = bits >> 23, m = bits & 0x7FFFFFu;
+  // select-only (no branches: neighbouring GPU lanes often hold different blocks)
+  const uint32_t up = static_cast<uint32_t>(m > 0u) & static_cast<uint32_t>(e != 0xFEu) &
+                      (static_cast<uint32_t>(e != 0u) | static_cast<uint32_t>(m > 0x400000u));
+  return static_cast<uint8_t>(e + up);
 }
 
 // The multiplier applied before conversion: 2^(127-e), with TransformerEngine's e = 0 -> 1.0,
 // and (beyond TE) e = 254 (an Inf block) -> 2^-127 and e = 255 (a NaN block) -> NaN.
 MXMLA_HD float e8m0_quant_multiplier(uint8_t e) {
-  if (e == 0) return 1.0f;
-  if (e == 255) return u32_as_f32(0x7FFFFFFFu);
-  if (e == 254) return u32_as_f32(0x00200000u);  // 2^-127 (fp32 subnormal)
-  return u32_as_f32(static_cast<uint32_t>(254 - e) << 23);
+  uint32_t bits = (254u - e) << 23;  // e in [1, 253]
+  bits = e == 0 ? 0x3F800000u : bits;
+  bits = e == 254 ? 0x00200000u : bits;  // 2^-127 (fp32 subnormal)
+  bits = e == 255 ? 0x7FFFFFFFu : bits;
+  return u32_as_f32(bits);
 }
 
 // Scale byte from the magnitude maximum of a block given as fp32 bits with the sign cleared
 // (NaN bits > 0x7F800000, Inf == 0x7F800000).
 MXMLA_HD uint8_t block_scale_from_amax_bits(uint32_t amax_bits, uint32_t rcp_max_bits) {
-  if (amax_bits > 0x7F800000u) return 0xFF;
-  if (amax_bits == 0x7F800000u) return 0xFE;
-  return float_to_e8m0(u32_as_f32(amax_bits) * u32_as_f32(rcp_max_bits));
+  uint32_t e = float_to_e8m0(u32_as_f32(amax_bits) * u32_as_f32(rcp_max_bits));
+  e = amax_bits == 0x7F800000u ? 0xFEu : e;
+  e = amax_bits > 0x7F800000u ? 0xFFu : e;
+  return static_cast<uint8_t>(e);
 }
 
 MXMLA_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

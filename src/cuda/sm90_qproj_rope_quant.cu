@@ -10,9 +10,12 @@
 //              tile's mainloop;
 //   epilogue   the last warpgroup and warps 1..3 of the producer's (7 warps) take the bf16 tile while
 //              the next one is being multiplied: RoPE in fp32, rowwise and columnwise amax, E8M0
-//              scales, FP8 codes and the optional bf16 q, with coalesced stores (a lane writes a
-//              32-byte nope block; a warp writes 128 contiguous columnwise bytes per row). q never
-//              passes through global memory as bf16 unless asked for.
+//              scales, FP8 codes and the optional bf16 q. q never passes through global memory as
+//              bf16 unless asked for.
+//   cost model the mainloop alone keeps the SM's shared-memory / L1 data path ~95 % busy (wgmma operand
+//              reads + TMA writes), so the epilogue costs about its own shared wavefronts plus the
+//              cache lines its global loads and stores touch: its accesses are laid out to touch
+//              few lines per instruction (docs/notes-qproj.md).
 //   scheduler  tile = (sequence, 128 tokens, one head): BN equals the head dim, so every RoPE
 //              partner, every rowwise block and every 32-token columnwise block is inside one
 //              tile. Tiles run in groups of kGroupM token tiles x all heads (x tiles stay in L2
@@ -43,14 +46,16 @@ namespace {
 struct Cfg {
   static constexpr int kD = 192, kR = 64, kNope = kD - kR;  // DeepSeek-V3 head (the one instantiation)
   static constexpr int kBM = 128, kBK = 64;                  // tokens per tile, K per stage (128 bytes)
-  static constexpr int kStages = 3;
+  static constexpr int kStages = 4;
   static constexpr int kMmaWGs = 2;                          // warpgroups of 64 rows
   static constexpr int kThreads = 128 * (kMmaWGs + 2);       // + producer + epilogue warpgroup
   // epilogue threads: the epilogue warpgroup plus warps 1..3 of the producer warpgroup (warp 0 issues TMA)
   static constexpr int kEpiThreads = 128 + 96;
-  static constexpr int kTilePitch = kD + 8;                  // bf16 tile row: 400 bytes (conflict-free fragment stores)
-  static constexpr int kRopePitch = kR + 4;                  // fp32 rope row: 272 bytes (conflict-free row-per-lane)
-  static constexpr int kGroupM = 16;                         // token tiles per raster group
+  // hand-off tile row: the nope part as bf16, then the rope part: bf16 from the MMA, overwritten in
+  // place by its fp32 RoPE output (bytes kNope*2 .. kTileRow)
+  static constexpr int kTileRow = kNope * 2 + kR * 4;
+  static constexpr int kRopeOff = kNope * 2;
+  static constexpr int kGroupM = 32;                         // token tiles per raster group
   static constexpr int kJ = kD / 8;                          // 8-column groups of the accumulator fragment
   static constexpr uint32_t kStageBytes = (kBM + kD) * kBK * 2;
 };
@@ -58,14 +63,12 @@ static_assert(Cfg::kD % 32 == 0 && Cfg::kR % 32 == 0 && Cfg::kNope % 32 == 0, "w
 static_assert(Cfg::kD <= 256 && Cfg::kD % 8 == 0, "wgmma N (one head per tile) is a multiple of 8, at most 256");
 static_assert(Cfg::kBK * 2 == 128, "a stage row is one 128-byte swizzle row");
 static_assert(Cfg::kBM == 64 * Cfg::kMmaWGs && Cfg::kBM == 128, "two MMA warpgroups of 64 rows; the epilogue split assumes 128");
-static_assert((Cfg::kTilePitch * 2 / 4) % 32 == 4, "tile pitch: 8 fragment rows x 4 lanes on distinct banks");
-static_assert((Cfg::kRopePitch * 4 / 16) % 2 == 1, "rope pitch: odd number of 16-byte units");
+static_assert(Cfg::kTileRow % 128 == 0 && Cfg::kRopeOff % 128 == 0, "tile rows of whole 128-byte swizzle groups");
 
 struct alignas(1024) Smem {
   __nv_bfloat16 a[Cfg::kStages][Cfg::kBM * Cfg::kBK];  // x tiles  [128 rows][64], 128-byte swizzle
   __nv_bfloat16 b[Cfg::kStages][Cfg::kD * Cfg::kBK];   // W tiles  [192 rows][64], 128-byte swizzle
-  __nv_bfloat16 tile[Cfg::kBM * Cfg::kTilePitch];      // bf16(accumulator) [128][kD], MMA -> epilogue
-  float rope[Cfg::kBM * Cfg::kRopePitch];              // RoPE output (fp32) [128][kR], epilogue only
+  uint8_t tile[Cfg::kBM * Cfg::kTileRow];              // [128 rows][nope bf16 | rope bf16 -> fp32], swizzled
   uint64_t full[Cfg::kStages], empty[Cfg::kStages];    // stage ring
   uint64_t tile_full, tile_empty;                      // tile hand-off
 };
@@ -95,6 +98,13 @@ __device__ __forceinline__ void tile_coords(const KParams& p, int t, int& bi, in
   const int mt = first + local % gm;
   bi = mt / p.mtiles;
   m0 = (mt % p.mtiles) * Cfg::kBM;
+}
+
+// Byte offset of logical byte `off` of row `row` in sm.tile: 16-byte chunks are XOR-swizzled by
+// row % 8 inside their 128-byte group, so that 8 rows at the same column (stmatrix, N) and 8 chunks
+// of one row (R, C) each hit all banks (no padding: the fourth stage needs the space).
+__device__ __forceinline__ uint32_t tswz(int row, int off) {
+  return static_cast<uint32_t>(row * Cfg::kTileRow + (off ^ ((row & 7) << 4)));
 }
 
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
@@ -133,13 +143,95 @@ __device__ __forceinline__ uint32_t codes4(float v0, float v1, float v2, float v
   return ptx::cvt_fp8x2<kE4M3>(v0 * m0, v1 * m1) | (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(v2 * m2, v3 * m3)) << 16);
 }
 
+// ---------------------------------------------------------------- columnwise item
+// Four columns (4 * cq ...) of the 32-row block g of the tile: amax over the rows, four E8M0 scales,
+// then the codes row by row (a warp writes 128 contiguous bytes per row). Nope columns come from
+// the bf16 tile, rope columns from the fp32 RoPE output. A full block (nrows == 32) is unrolled
+// with independent max chains; a tail block takes the generic loop.
+template <bool kNope, bool kE4M3>
+__device__ __forceinline__ void col_item(const KParams& p, const Smem& sm, int bi, int h, int g, int cq, int sg, int nrows) {
+  constexpr int kNopeQuads = Cfg::kNope / 4;
+  const uint32_t rcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
+  const int r0 = 32 * g;
+  const int coff = kNope ? 8 * cq : Cfg::kRopeOff + 16 * (cq - kNopeQuads);  // logical byte of the 4 columns
+  auto load4 = [&](int i, float (&v)[4]) {  // row i of the four columns as fp32
+    if constexpr (kNope) {
+      const uint2 w = *reinterpret_cast<const uint2*>(sm.tile + tswz(r0 + i, coff));
+      v[0] = bf_lo(w.x), v[1] = bf_hi(w.x), v[2] = bf_lo(w.y), v[3] = bf_hi(w.y);
+    } else {
+      const float4 w = *reinterpret_cast<const float4*>(sm.tile + tswz(r0 + i, coff));
+      v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
+    }
+  };
+  // magnitude maxima as fp32 bits (bf16 pairs: packed max of the two halves, then widened)
+  uint32_t a[4] = {0, 0, 0, 0};
+  if (nrows == 32) {
+    constexpr int kChains = 4;  // independent max chains over rows i = c, c + 4, ...
+    uint32_t m[kChains][4] = {};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      uint32_t* mc = m[i % kChains];
+      if constexpr (kNope) {
+        const uint2 w = *reinterpret_cast<const uint2*>(sm.tile + tswz(r0 + i, coff));
+        mc[0] = __vmaxu2(mc[0], w.x & 0x7FFF7FFFu), mc[1] = __vmaxu2(mc[1], w.y & 0x7FFF7FFFu);
+      } else {
+        const uint4 w = *reinterpret_cast<const uint4*>(sm.tile + tswz(r0 + i, coff));
+        mc[0] = max(mc[0], w.x & 0x7FFFFFFFu), mc[1] = max(mc[1], w.y & 0x7FFFFFFFu);
+        mc[2] = max(mc[2], w.z & 0x7FFFFFFFu), mc[3] = max(mc[3], w.w & 0x7FFFFFFFu);
+      }
+    }
+#pragma unroll
+    for (int c = 1; c < kChains; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) m[0][j] = kNope ? __vmaxu2(m[0][j], m[c][j]) : max(m[0][j], m[c][j]);
+    if constexpr (kNope) a[0] = m[0][0] << 16, a[1] = m[0][0] & 0xFFFF0000u, a[2] = m[0][1] << 16, a[3] = m[0][1] & 0xFFFF0000u;
+    else a[0] = m[0][0], a[1] = m[0][1], a[2] = m[0][2], a[3] = m[0][3];
+  } else {
+#pragma unroll 4
+    for (int i = 0; i < nrows; ++i) {
+      float v[4];
+      load4(i, v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) a[j] = max(a[j], __float_as_uint(v[j]) & 0x7FFFFFFFu);
+    }
+  }
+  uint8_t e[4];
+  float mul[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) e[j] = block_scale_from_amax_bits(a[j], rcp), mul[j] = e8m0_quant_multiplier(e[j]);
+  const int vb = p.sbhd ? 0 : bi;
+  const int64_t c = (p.sbhd ? static_cast<int64_t>(bi) * p.NH + h : h) * Cfg::kD + 4 * cq;  // scale-map column
+  if (p.col_map.mode == MapMode::kCompact) {
+    *reinterpret_cast<uint32_t*>(p.col_scales + col_scale_offset(p.col_map, vb, sg / 32, c)) =
+        e[0] | (uint32_t{e[1]} << 8) | (uint32_t{e[2]} << 16) | (uint32_t{e[3]} << 24);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p.col_scales[col_scale_offset(p.col_map, vb, sg / 32, c + j)] = e[j];
+  }
+  const int64_t tstride = p.sbhd ? int64_t{p.B} * p.N : p.N;  // bytes from one token of the sequence to the next
+  uint8_t* dst = p.col_codes + token_of(p, bi, sg) * p.N + static_cast<int64_t>(h) * Cfg::kD + 4 * cq;
+  auto code_row = [&](int i, uint8_t* d) {
+    float v[4];
+    load4(i, v);
+    __stcs(reinterpret_cast<unsigned int*>(d), codes4<kE4M3>(v[0], v[1], v[2], v[3], mul[0], mul[1], mul[2], mul[3]));
+  };
+  if (nrows == 32) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i, dst += tstride) code_row(i, dst);
+  } else {
+#pragma unroll 4
+    for (int i = 0; i < nrows; ++i, dst += tstride) code_row(i, dst);
+  }
+}
+
 // ---------------------------------------------------------------- epilogue warpgroup
 // One tile from sm.tile (bf16 accumulator, all kD columns of 128 rows):
-//   N  thread = (nope block, row): amax on packed bf16 pairs, scale, codes (and the bf16 q copy);
-//   R  warp = 8 rows, lane = 16 outputs: RoPE of the rope part in fp32 (into sm.rope), its rowwise
-//      blocks (amax over 4 lanes, scale, codes) and the bf16 q of the rope part;
+//   N  thread = (nope block, row), a warp = 8 rows x 4 blocks: amax on packed bf16 pairs, scale,
+//      codes (and the bf16 q copy);
+//   R  warp = 4 rows, lane = 8 outputs: RoPE of the rope part in fp32 (written back over the row's
+//      bf16 inputs), its rowwise blocks (amax over 8 lanes, scale, codes) and the bf16 q of it;
 //   C  thread = (32-row block, 4 columns): amax over 32 rows, 4 scales, then the codes row by row
-//      (a warp writes 128 contiguous bytes per row), from sm.tile (nope) or sm.rope (rope).
+//      (a warp writes 128 contiguous bytes per row), from the bf16 nope or the fp32 rope part.
 template <bool kHalves, bool kE4M3>
 __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int tid, int bi, int m0, int h) {
   constexpr int kNB = Cfg::kNope / 32;  // nope blocks per row
@@ -147,46 +239,47 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
   const int vb = p.sbhd ? 0 : bi;                                                    // scale-map batch
   const int64_t col0 = (p.sbhd ? static_cast<int64_t>(bi) * p.NH + h : h) * Cfg::kD;  // scale-map column of the head
 
-  // ---- R: rope part; a warp takes 8 rows at a time, lane = (row of 8, two units of 8 outputs), so
-  //      that the table loads of a warp are 8 rows x 2 x 64 contiguous bytes. (Loading the first
-  //      group's tables before N, or one group ahead, measured no faster and spills registers.)
+  // ---- R: rope part; a warp takes 4 rows at a time, lane = (row of 4, unit u of 8 outputs): the
+  //      table loads of one instruction are 4 rows x 128 contiguous bytes (4 cache lines), a
+  //      quarter-warp's 16-byte shared accesses hit the 8 units of one row (conflict-free), and
+  //      a code store covers 4 rows x 32 bytes.
   static_assert(Cfg::kR == 64, "the unit split below assumes rope halves of 32 and 8 units per row");
   constexpr int kRStep = Cfg::kEpiThreads / 32;  // warps
-  const int lane = tid & 31, wid = tid >> 5, up = lane & 3;
+  const int lane = tid & 31, wid = tid >> 5, u = lane & 7, rl = lane >> 3;
   const bool ilv = !kHalves && !p.rotate_half;
-  int pa[2], pb[2];  // output positions [pa, pa + 4) and [pb, pb + 4) of units up and up + 4
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const int u = up + 4 * k;
-    pa[k] = ilv ? 8 * u : 4 * u, pb[k] = ilv ? 8 * u + 4 : 32 + 4 * u;
-  }
-  // table values (cos, sin at pa; cos, sin at pb) of both units for row group rg; zero past the sequence
-  auto load_tabs = [&](int rg, float4 (&t)[2][4]) {
-    const int si = m0 + 8 * rg + (lane >> 2);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) t[k][0] = t[k][1] = t[k][2] = t[k][3] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (rg < Cfg::kBM / 8 && si < p.S && MXMLA_QPROJ_EPILOGUE != 3) {
+  // output positions [pa, pa + 4) and [pb, pb + 4) of unit u, and their rope blocks
+  const int pa = ilv ? 8 * u : 4 * u, pb = ilv ? 8 * u + 4 : 32 + 4 * u;
+  const bool pa1 = pa >= 32, pb1 = pb >= 32;
+  // table values (cos, sin at pa; cos, sin at pb) of row quad rq; zero past the sequence
+  auto load_tabs = [&](int rq, float4 (&t)[4]) {
+    const int si = m0 + 4 * rq + rl;
+    t[0] = t[1] = t[2] = t[3] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (si < p.S && MXMLA_QPROJ_EPILOGUE != 3) {
       const int64_t trow = static_cast<int64_t>(si) * p.tab_st;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        t[k][0] = tab4(p.cos, p.tab_f32, trow + pa[k]), t[k][1] = tab4(p.sin, p.tab_f32, trow + pa[k]);
-        t[k][2] = tab4(p.cos, p.tab_f32, trow + pb[k]), t[k][3] = tab4(p.sin, p.tab_f32, trow + pb[k]);
-      }
+      t[0] = tab4(p.cos, p.tab_f32, trow + pa), t[1] = tab4(p.sin, p.tab_f32, trow + pa);
+      t[2] = tab4(p.cos, p.tab_f32, trow + pb), t[3] = tab4(p.sin, p.tab_f32, trow + pb);
     }
   };
 
+  // the first row quad's tables load while N runs; each R iteration loads the next quad's
+  float4 tab[4];
+  load_tabs(wid, tab);
+
   // ---- N: nope rowwise blocks, item = (block, row)
   if (p.row_codes != nullptr || p.q != nullptr) {
-    // start so that the third items (512 = 2 x 224 + 64) go to warps 5 and 6, which have one row group less in R
-    static_assert(Cfg::kEpiThreads == 224 && Cfg::kBM * kNB == 512 && Cfg::kBM / 8 == 16, "the N / R balance");
+    // start so that the third items (512 = 2 x 224 + 64) go to warps 5 and 6, which have one row quad
+    // less in R (32 = 4 x 7 + 4)
+    static_assert(Cfg::kEpiThreads == 224 && Cfg::kBM * kNB == 512 && Cfg::kBM / 4 == 32, "the N / R balance");
     for (int item = (tid + 64) % Cfg::kEpiThreads; item < Cfg::kBM * kNB; item += Cfg::kEpiThreads) {
-      const int r = item % Cfg::kBM, b = item / Cfg::kBM, si = m0 + r;  // lanes: consecutive rows, conflict-free
+      // a warp's 32 items = 8 rows x 4 blocks, lane = (block, row): a quarter-warp's 16-byte reads hit 8
+      // rows (odd pitch: conflict-free), a store instruction covers 8 rows (8 cache lines, not 32)
+      const int r = 8 * (item / 32) + (item & 7), b = (item >> 3) & 3, si = m0 + r;
+      static_assert(kNB == 4 && Cfg::kBM * kNB % 32 == 0, "item = (row group of 8, block, row)");
       if (si >= p.S) continue;
-      const uint4* src = reinterpret_cast<const uint4*>(sm.tile + r * Cfg::kTilePitch + 32 * b);
       uint32_t w[16];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const uint4 v = src[i];
+        const uint4 v = *reinterpret_cast<const uint4*>(sm.tile + tswz(r, 64 * b + 16 * i));
         w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
       }
       const int64_t tok = token_of(p, bi, si);
@@ -218,148 +311,84 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
 
   if (MXMLA_QPROJ_EPILOGUE != 4) {
 #pragma unroll 1
-    for (int rg = wid; rg < Cfg::kBM / 8; rg += kRStep) {
-      const int r = 8 * rg + (lane >> 2), si = m0 + r;
-      const bool ok = si < p.S;
-      const __nv_bfloat16* xrow = sm.tile + r * Cfg::kTilePitch + Cfg::kNope;
-      float4 tab[2][4];
-      load_tabs(rg, tab);
-      float* orow = sm.rope + r * Cfg::kRopePitch;
-      uint32_t am0 = 0, am1 = 0;  // amax of rope blocks 0 and 1 (selects, not a runtime index)
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int u = up + 4 * k;
-        const float c0[4] = {tab[k][0].x, tab[k][0].y, tab[k][0].z, tab[k][0].w};
-        const float s0[4] = {tab[k][1].x, tab[k][1].y, tab[k][1].z, tab[k][1].w};
-        const float c1[4] = {tab[k][2].x, tab[k][2].y, tab[k][2].z, tab[k][2].w};
-        const float s1[4] = {tab[k][3].x, tab[k][3].y, tab[k][3].z, tab[k][3].w};
-        float x[8], oa4[4], ob4[4];
-        if (kHalves || ilv) {  // inputs [8u, 8u + 8)
-          const uint4 w = *reinterpret_cast<const uint4*>(xrow + 8 * u);
-          x[0] = bf_lo(w.x), x[1] = bf_hi(w.x), x[2] = bf_lo(w.y), x[3] = bf_hi(w.y);
-          x[4] = bf_lo(w.z), x[5] = bf_hi(w.z), x[6] = bf_lo(w.w), x[7] = bf_hi(w.w);
-        } else {  // rotate_half: inputs [4u, 4u + 4) and [32 + 4u, 32 + 4u + 4)
-          const uint2 lo = *reinterpret_cast<const uint2*>(xrow + 4 * u);
-          const uint2 hi = *reinterpret_cast<const uint2*>(xrow + 32 + 4 * u);
-          x[0] = bf_lo(lo.x), x[1] = bf_hi(lo.x), x[2] = bf_lo(lo.y), x[3] = bf_hi(lo.y);
-          x[4] = bf_lo(hi.x), x[5] = bf_hi(hi.x), x[6] = bf_lo(hi.y), x[7] = bf_hi(hi.y);
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float oa, ob;
-          if (kHalves) {  // out[i] = x[2i] c - x[2i+1] s, out[32 + i] = x[2i+1] c + x[2i] s
-            oa = rope_term(-s0[e], x[2 * e + 1], c0[e], x[2 * e]);
-            ob = rope_term(s1[e], x[2 * e], c1[e], x[2 * e + 1]);
-          } else if (ilv) {  // pairs (2k, 2k+1) in place
-            oa = (e & 1) == 0 ? rope_term(-s0[e], x[e + 1], c0[e], x[e]) : rope_term(s0[e], x[e - 1], c0[e], x[e]);
-            ob = (e & 1) == 0 ? rope_term(-s1[e], x[4 + e + 1], c1[e], x[4 + e])
-                              : rope_term(s1[e], x[4 + e - 1], c1[e], x[4 + e]);
-          } else {  // rotate_half: out[j] = x[j] c - x[j+32] s, out[j+32] = x[j+32] c + x[j] s
-            oa = rope_term(-s0[e], x[4 + e], c0[e], x[e]);
-            ob = rope_term(s1[e], x[e], c1[e], x[4 + e]);
-          }
-          oa4[e] = oa, ob4[e] = ob;
-          const uint32_t va = __float_as_uint(oa) & 0x7FFFFFFFu, vb4 = __float_as_uint(ob) & 0x7FFFFFFFu;
-          if (pa[k] < 32) am0 = max(am0, va); else am1 = max(am1, va);
-          if (pb[k] < 32) am0 = max(am0, vb4); else am1 = max(am1, vb4);
-        }
-        *reinterpret_cast<float4*>(orow + pa[k]) = make_float4(oa4[0], oa4[1], oa4[2], oa4[3]);
-        *reinterpret_cast<float4*>(orow + pb[k]) = make_float4(ob4[0], ob4[1], ob4[2], ob4[3]);
+    for (int rq = wid; rq < Cfg::kBM / 4; rq += kRStep) {
+      const int r = 4 * rq + rl, si = m0 + r;
+      const float c0[4] = {tab[0].x, tab[0].y, tab[0].z, tab[0].w}, s0[4] = {tab[1].x, tab[1].y, tab[1].z, tab[1].w};
+      const float c1[4] = {tab[2].x, tab[2].y, tab[2].z, tab[2].w}, s1[4] = {tab[3].x, tab[3].y, tab[3].z, tab[3].w};
+      if (rq + kRStep < Cfg::kBM / 4) load_tabs(rq + kRStep, tab);  // (c0..s1 hold this quad's)
+      float x[8], oa[4], ob[4];  // inputs; outputs at pa and pb
+      if (kHalves || ilv) {  // inputs [8u, 8u + 8)
+        const uint4 w = *reinterpret_cast<const uint4*>(sm.tile + tswz(r, Cfg::kRopeOff + 16 * u));
+        x[0] = bf_lo(w.x), x[1] = bf_hi(w.x), x[2] = bf_lo(w.y), x[3] = bf_hi(w.y);
+        x[4] = bf_lo(w.z), x[5] = bf_hi(w.z), x[6] = bf_lo(w.w), x[7] = bf_hi(w.w);
+      } else {  // rotate_half: inputs [4u, 4u + 4) and [32 + 4u, 32 + 4u + 4)
+        const uint2 lo = *reinterpret_cast<const uint2*>(sm.tile + tswz(r, Cfg::kRopeOff + 8 * u));
+        const uint2 hi = *reinterpret_cast<const uint2*>(sm.tile + tswz(r, Cfg::kRopeOff + 64 + 8 * u));
+        x[0] = bf_lo(lo.x), x[1] = bf_hi(lo.x), x[2] = bf_lo(lo.y), x[3] = bf_hi(lo.y);
+        x[4] = bf_lo(hi.x), x[5] = bf_hi(hi.x), x[6] = bf_lo(hi.y), x[7] = bf_hi(hi.y);
       }
+      uint32_t ma = 0, mb = 0;  // magnitude maxima of the outputs at pa and at pb
 #pragma unroll
-      for (int m = 1; m < 4; m <<= 1) {  // over the 4 lanes of the row
+      for (int e = 0; e < 4; ++e) {
+        if (kHalves) {  // out[i] = x[2i] c - x[2i+1] s, out[32 + i] = x[2i+1] c + x[2i] s
+          oa[e] = rope_term(-s0[e], x[2 * e + 1], c0[e], x[2 * e]);
+          ob[e] = rope_term(s1[e], x[2 * e], c1[e], x[2 * e + 1]);
+        } else if (ilv) {  // pairs (2k, 2k+1) in place
+          oa[e] = (e & 1) == 0 ? rope_term(-s0[e], x[e + 1], c0[e], x[e]) : rope_term(s0[e], x[e - 1], c0[e], x[e]);
+          ob[e] = (e & 1) == 0 ? rope_term(-s1[e], x[4 + e + 1], c1[e], x[4 + e])
+                               : rope_term(s1[e], x[4 + e - 1], c1[e], x[4 + e]);
+        } else {  // rotate_half: out[j] = x[j] c - x[j+32] s, out[j+32] = x[j+32] c + x[j] s
+          oa[e] = rope_term(-s0[e], x[4 + e], c0[e], x[e]);
+          ob[e] = rope_term(s1[e], x[e], c1[e], x[4 + e]);
+        }
+        ma = max(ma, __float_as_uint(oa[e]) & 0x7FFFFFFFu), mb = max(mb, __float_as_uint(ob[e]) & 0x7FFFFFFFu);
+      }
+      // the fp32 outputs replace the row's bf16 inputs: all 8 lanes of the row (this warp) have read theirs
+      __syncwarp();
+      *reinterpret_cast<float4*>(sm.tile + tswz(r, Cfg::kRopeOff + 4 * pa)) = make_float4(oa[0], oa[1], oa[2], oa[3]);
+      *reinterpret_cast<float4*>(sm.tile + tswz(r, Cfg::kRopeOff + 4 * pb)) = make_float4(ob[0], ob[1], ob[2], ob[3]);
+      uint32_t am0 = max(pa1 ? 0u : ma, pb1 ? 0u : mb), am1 = max(pa1 ? ma : 0u, pb1 ? mb : 0u);  // rope blocks 0, 1
+#pragma unroll
+      for (int m = 1; m < 8; m <<= 1) {  // over the 8 lanes of the row
         am0 = max(am0, __shfl_xor_sync(0xFFFFFFFFu, am0, m));
         am1 = max(am1, __shfl_xor_sync(0xFFFFFFFFu, am1, m));
       }
-      if (!ok) continue;
+      if (si >= p.S) continue;
       const int64_t tok = token_of(p, bi, si);
       if (p.row_codes != nullptr) {
         const uint8_t e0 = block_scale_from_amax_bits(am0, rcp), e1 = block_scale_from_amax_bits(am1, rcp);
-        if (up < 2) p.row_scales[row_scale_offset(p.row_map, vb, si, col0 / 32 + kNB + up)] = up == 0 ? e0 : e1;
+        if (u < 2) p.row_scales[row_scale_offset(p.row_map, vb, si, col0 / 32 + kNB + u)] = u == 0 ? e0 : e1;
         const float m0s = e8m0_quant_multiplier(e0), m1s = e8m0_quant_multiplier(e1);
+        const float fa = pa1 ? m1s : m0s, fb = pb1 ? m1s : m0s;
         uint8_t* dst = p.row_codes + tok * p.N + static_cast<int64_t>(h) * Cfg::kD + Cfg::kNope;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {  // the outputs back from this lane's own sm.rope entries
-          const float ma = pa[k] < 32 ? m0s : m1s, mb = pb[k] < 32 ? m0s : m1s;
-          const float4 a = *reinterpret_cast<const float4*>(orow + pa[k]), b = *reinterpret_cast<const float4*>(orow + pb[k]);
-          __stcs(reinterpret_cast<unsigned int*>(dst + pa[k]), codes4<kE4M3>(a.x, a.y, a.z, a.w, ma, ma, ma, ma));
-          __stcs(reinterpret_cast<unsigned int*>(dst + pb[k]), codes4<kE4M3>(b.x, b.y, b.z, b.w, mb, mb, mb, mb));
-        }
+        __stcs(reinterpret_cast<unsigned int*>(dst + pa), codes4<kE4M3>(oa[0], oa[1], oa[2], oa[3], fa, fa, fa, fa));
+        __stcs(reinterpret_cast<unsigned int*>(dst + pb), codes4<kE4M3>(ob[0], ob[1], ob[2], ob[3], fb, fb, fb, fb));
       }
       if (p.q != nullptr) {
         uint16_t* dst = p.q + (tok * p.NH + h) * Cfg::kD + Cfg::kNope;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const float4 a = *reinterpret_cast<const float4*>(orow + pa[k]), b = *reinterpret_cast<const float4*>(orow + pb[k]);
-          __stcs(reinterpret_cast<uint2*>(dst + pa[k]), make_uint2(bf16x2_of(a.x, a.y), bf16x2_of(a.z, a.w)));
-          __stcs(reinterpret_cast<uint2*>(dst + pb[k]), make_uint2(bf16x2_of(b.x, b.y), bf16x2_of(b.z, b.w)));
-        }
+        __stcs(reinterpret_cast<uint2*>(dst + pa), make_uint2(bf16x2_of(oa[0], oa[1]), bf16x2_of(oa[2], oa[3])));
+        __stcs(reinterpret_cast<uint2*>(dst + pb), make_uint2(bf16x2_of(ob[0], ob[1]), bf16x2_of(ob[2], ob[3])));
       }
     }
   }
 
-  ptx::named_barrier(1, Cfg::kEpiThreads);  // sm.rope complete
+  ptx::named_barrier(1, Cfg::kEpiThreads);  // the fp32 rope part complete
 
   // ---- C: columnwise, item = (32-row block g, 4 columns), at most one per thread; the nope items
   //      first, so that each warp takes one kind
   if (p.col_codes != nullptr && MXMLA_QPROJ_EPILOGUE != 2) {
     constexpr int kQuads = Cfg::kD / 4, kNopeQuads = Cfg::kNope / 4;
-    static_assert((Cfg::kBM / 32) * kQuads <= Cfg::kEpiThreads, "one columnwise item per thread");
-    for (int item = tid; item < (Cfg::kBM / 32) * kQuads; item += Cfg::kEpiThreads) {
-      constexpr int kNopeItems = (Cfg::kBM / 32) * kNopeQuads;  // a multiple of 32: no warp mixes the two kinds
-      static_assert(kNopeItems % 32 == 0, "warp-uniform nope / rope items");
-      const bool nope_item = item < kNopeItems;
-      const int k = nope_item ? item : item - kNopeItems, nq = nope_item ? kNopeQuads : kQuads - kNopeQuads;
+    constexpr int kItems = (Cfg::kBM / 32) * kQuads, kNopeItems = (Cfg::kBM / 32) * kNopeQuads;
+    static_assert(kItems <= Cfg::kEpiThreads, "one columnwise item per thread");
+    static_assert(kNopeItems % 32 == 0, "warp-uniform nope / rope items");
+    if (tid < kItems) {
+      const bool nope_item = tid < kNopeItems;
+      const int k = nope_item ? tid : tid - kNopeItems, nq = nope_item ? kNopeQuads : kQuads - kNopeQuads;
       const int g = k / nq, cq = (nope_item ? 0 : kNopeQuads) + k % nq, sg = m0 + 32 * g;
-      if (sg >= p.S) continue;
-      const int nrows = min(32, p.S - sg);
-      const bool nope = cq < kNopeQuads;
-      const __nv_bfloat16* tcol = sm.tile + 32 * g * Cfg::kTilePitch + 4 * cq;
-      const float* rcol = sm.rope + 32 * g * Cfg::kRopePitch + 4 * (cq - kNopeQuads);
-      uint32_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-      if (nope) {
-        uint32_t m01 = 0, m23 = 0;
-#pragma unroll 8
-        for (int i = 0; i < 32; ++i) {
-          const uint2 v = *reinterpret_cast<const uint2*>(tcol + i * Cfg::kTilePitch);
-          m01 = __vmaxu2(m01, v.x & 0x7FFF7FFFu), m23 = __vmaxu2(m23, v.y & 0x7FFF7FFFu);
-        }
-        a0 = m01 << 16, a1 = m01 & 0xFFFF0000u, a2 = m23 << 16, a3 = m23 & 0xFFFF0000u;
-      } else {
-#pragma unroll 8
-        for (int i = 0; i < 32; ++i) {
-          const uint4 v = *reinterpret_cast<const uint4*>(rcol + i * Cfg::kRopePitch);
-          a0 = max(a0, v.x & 0x7FFFFFFFu), a1 = max(a1, v.y & 0x7FFFFFFFu);
-          a2 = max(a2, v.z & 0x7FFFFFFFu), a3 = max(a3, v.w & 0x7FFFFFFFu);
-        }
-      }
-      const uint8_t e0 = block_scale_from_amax_bits(a0, rcp), e1 = block_scale_from_amax_bits(a1, rcp);
-      const uint8_t e2 = block_scale_from_amax_bits(a2, rcp), e3 = block_scale_from_amax_bits(a3, rcp);
-      const int64_t c = col0 + 4 * cq;
-      if (p.col_map.mode == MapMode::kCompact) {
-        *reinterpret_cast<uint32_t*>(p.col_scales + col_scale_offset(p.col_map, vb, sg / 32, c)) =
-            e0 | (uint32_t{e1} << 8) | (uint32_t{e2} << 16) | (uint32_t{e3} << 24);
-      } else {
-        p.col_scales[col_scale_offset(p.col_map, vb, sg / 32, c)] = e0;
-        p.col_scales[col_scale_offset(p.col_map, vb, sg / 32, c + 1)] = e1;
-        p.col_scales[col_scale_offset(p.col_map, vb, sg / 32, c + 2)] = e2;
-        p.col_scales[col_scale_offset(p.col_map, vb, sg / 32, c + 3)] = e3;
-      }
-      const float m0c = e8m0_quant_multiplier(e0), m1c = e8m0_quant_multiplier(e1);
-      const float m2c = e8m0_quant_multiplier(e2), m3c = e8m0_quant_multiplier(e3);
-      const int64_t tstride = p.sbhd ? int64_t{p.B} * p.N : p.N;  // bytes from one token of the sequence to the next
-      uint8_t* dst = p.col_codes + token_of(p, bi, sg) * p.N + static_cast<int64_t>(h) * Cfg::kD + 4 * cq;
-#pragma unroll 8
-      for (int i = 0; i < nrows; ++i, dst += tstride) {
-        uint32_t code;
-        if (nope) {
-          const uint2 v = *reinterpret_cast<const uint2*>(tcol + i * Cfg::kTilePitch);
-          code = codes4<kE4M3>(bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y), m0c, m1c, m2c, m3c);
-        } else {
-          const float4 v = *reinterpret_cast<const float4*>(rcol + i * Cfg::kRopePitch);
-          code = codes4<kE4M3>(v.x, v.y, v.z, v.w, m0c, m1c, m2c, m3c);
-        }
-        __stcs(reinterpret_cast<unsigned int*>(dst), code);
+      if (sg < p.S) {
+        const int nrows = min(32, p.S - sg);
+        if (nope_item) col_item<true, kE4M3>(p, sm, bi, h, g, cq, sg, nrows);
+        else col_item<false, kE4M3>(p, sm, bi, h, g, cq, sg, nrows);
       }
     }
   }
@@ -371,7 +400,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     sm90_qproj_rope_quant_kernel(const __grid_constant__ CUtensorMap tmap_x, const __grid_constant__ CUtensorMap tmap_w,
                                  const KParams p) {
   extern __shared__ uint8_t smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // 1024-align by an offset from smem_raw (not through an integer), so that the compiler keeps the
+  // shared address space: LDS/STS with 32-bit addresses instead of generic loads (measured: the
+  // generic ones cost the epilogue long-scoreboard stalls and registers)
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -389,18 +421,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0) {
       ptx::prefetch_tmap(&tmap_x);
       ptx::prefetch_tmap(&tmap_w);
-      uint32_t it = 0;
+      uint32_t st = 0, phase = 0;  // ring position and its parity
       for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
         int bi, m0, h;
         tile_coords(p, t, bi, m0, h);
-        for (int kb = 0; kb < p.kblocks; ++kb, ++it) {
-          const uint32_t st = it % Cfg::kStages, round = it / Cfg::kStages;
-          ptx::mbar_wait(&sm.empty[st], (round & 1) ^ 1);
+        for (int kb = 0; kb < p.kblocks; ++kb) {
+          ptx::mbar_wait(&sm.empty[st], phase ^ 1);
           ptx::mbar_arrive_expect_tx(&sm.full[st], Cfg::kStageBytes);
           // x map dims: {K, B, S} for sbhd (b is the inner token dim), {K, S, B} for bshd
           if (p.sbhd) ptx::tma_load_3d(sm.a[st], &tmap_x, &sm.full[st], kb * Cfg::kBK, bi, m0);
           else ptx::tma_load_3d(sm.a[st], &tmap_x, &sm.full[st], kb * Cfg::kBK, m0, bi);
           ptx::tma_load_2d(sm.b[st], &tmap_w, &sm.full[st], kb * Cfg::kBK, h * Cfg::kD);
+          if (++st == Cfg::kStages) st = 0, phase ^= 1;
         }
       }
     }
@@ -413,8 +445,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x, ++n) {
       int bi, m0, h;
       tile_coords(p, t, bi, m0, h);
-      ptx::mbar_wait(&sm.tile_full, n & 1);
-      ptx::named_barrier(1, Cfg::kEpiThreads);  // the previous tile's readers of sm.rope are done
+      ptx::mbar_wait(&sm.tile_full, n & 1);  // (implies that every epilogue thread is done with the previous tile)
 #if MXMLA_QPROJ_EPILOGUE
       epilogue_tile<kHalves, kE4M3>(p, sm, tid, bi, m0, h);
 #endif
@@ -427,17 +458,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int cw = wg - 1;
   const int w4 = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   float acc[96];
-  uint32_t it = 0, n = 0;
+  // descriptors of stage 0; a stage is a whole number of 16-byte descriptor units further on
+  const uint64_t da0 = ptx::wgmma_desc_k_sw128(sm.a[0] + 64 * cw * Cfg::kBK), db0 = ptx::wgmma_desc_k_sw128(sm.b[0]);
+  constexpr uint32_t kAStep = sizeof(Smem::a[0]) / 16, kBStep = sizeof(Smem::b[0]) / 16;
+  uint32_t st = 0, phase = 0, n = 0;  // ring position, its parity; tiles done
   for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x, ++n) {
     uint32_t prev = 0;
 #pragma unroll
     for (int i = 0; i < 96; ++i) ptx::fence_reg(acc[i]);
-    for (int kb = 0; kb < p.kblocks; ++kb, ++it) {
-      const uint32_t st = it % Cfg::kStages, round = it / Cfg::kStages;
-      ptx::mbar_wait(&sm.full[st], round & 1);
+    for (int kb = 0; kb < p.kblocks; ++kb) {
+      ptx::mbar_wait(&sm.full[st], phase);
       ptx::wgmma_fence();
-      const uint64_t da = ptx::wgmma_desc_k_sw128(sm.a[st] + 64 * cw * Cfg::kBK);
-      const uint64_t db = ptx::wgmma_desc_k_sw128(sm.b[st]);
+      const uint64_t da = da0 + st * kAStep, db = db0 + st * kBStep;
 #pragma unroll
       for (int k = 0; k < Cfg::kBK / 16; ++k)  // 16 elements = 32 bytes = 2 descriptor units
         ptx::wgmma_m64n192k16_bf16(acc, da + 2 * k, db + 2 * k, kb > 0 || k > 0);
@@ -447,6 +479,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (lane == 0) ptx::mbar_arrive(&sm.empty[prev]);
       }
       prev = st;
+      if (++st == Cfg::kStages) st = 0, phase ^= 1;
     }
     ptx::wgmma_wait<0>();
     if (lane == 0) ptx::mbar_arrive(&sm.empty[prev]);
@@ -456,11 +489,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::mbar_wait(&sm.tile_empty, (n & 1) ^ 1);
     // stmatrix x4 = column groups (j, j+1) x row halves (0, 8): lane l addresses row l % 8 of matrix l / 8
     const int mi = lane / 8;
-    __nv_bfloat16* srow = sm.tile + (64 * cw + 16 * w4 + lane % 8 + 8 * (mi & 1)) * Cfg::kTilePitch + 8 * (mi >> 1);
-    static_assert(Cfg::kJ % 2 == 0, "column groups in pairs");
+    const int srow = 64 * cw + 16 * w4 + lane % 8 + 8 * (mi & 1), sw = srow & 7;
+    // chunk j + (mi >> 1) (j even) of row srow, swizzled: 128-byte group j / 8, then chunk
+    // (j % 8) ^ (sw & 6) plus bit ((mi >> 1) ^ sw) & 1: four per-lane offsets, the group an immediate
+    uint8_t* const sbase = sm.tile + srow * Cfg::kTileRow + 16 * (((mi >> 1) ^ sw) & 1);
+    uint32_t soff[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) soff[c] = 16u * ((2 * c) ^ (sw & 6));
+    static_assert(Cfg::kJ % 8 == 0, "column groups in whole 128-byte groups");
 #pragma unroll
     for (int j = 0; j < Cfg::kJ; j += 2)
-      ptx::stmatrix_x4(srow + 8 * j, bf16x2_bits(acc[4 * j], acc[4 * j + 1]), bf16x2_bits(acc[4 * j + 2], acc[4 * j + 3]),
+      ptx::stmatrix_x4(sbase + 128 * (j / 8) + soff[(j % 8) / 2], bf16x2_bits(acc[4 * j], acc[4 * j + 1]), bf16x2_bits(acc[4 * j + 2], acc[4 * j + 3]),
                        bf16x2_bits(acc[4 * j + 4], acc[4 * j + 5]), bf16x2_bits(acc[4 * j + 6], acc[4 * j + 7]));
     ptx::mbar_arrive(&sm.tile_full);
   }
