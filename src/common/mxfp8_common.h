@@ -54,7 +54,7 @@ MXMLA_HD uint8_t float_to_e8m0(float v) {
 MXMLA_HD float e8m0_quant_multiplier(uint8_t e) {
   uint32_t bits = (254u - e) << 23;  // e in [1, 253]
   bits = e == 0 ? 0x3F800000u : bits;
-  bits = e == 254 ? 0x00200000u : bits;  // 2^-127 (fp32 subnormal)
+  bits = e == 254 ? 0x00400000u : bits;  // 2^-127 (fp32 subnormal: 2^22 * 2^-149)
   bits = e == 255 ? 0x7FFFFFFFu : bits;
   return u32_as_f32(bits);
 }

@@ -94,6 +94,27 @@ TEST(Reference, E8M0BitRuleMatchesCeilLog2) {
   }
 }
 
+// The select-only special cases of the shared helpers: every E8M0 byte's multiplier, and the Inf /
+// NaN block rule (SPEC §2) for every NaN payload class and both formats.
+TEST(Reference, E8M0MultiplierAndSpecialBlocks) {
+  for (int e = 0; e < 256; ++e) {
+    const float m = detail::e8m0_quant_multiplier(static_cast<uint8_t>(e));
+    if (e == 255) {
+      EXPECT_TRUE(std::isnan(m));
+    } else {
+      const double want = e == 0 ? 1.0 : std::ldexp(1.0, 127 - (e == 254 ? 254 : e));  // 254: 2^-127
+      EXPECT_EQ(static_cast<double>(m), want) << "e " << e;
+    }
+  }
+  for (uint32_t rcp : {detail::kRcpMaxE4M3Bits, detail::kRcpMaxE5M2Bits}) {
+    EXPECT_EQ(detail::block_scale_from_amax_bits(0x7F800000u, rcp), 0xFE);  // Inf
+    for (uint32_t nan : {0x7F800001u, 0x7FC00000u, 0x7FFFFFFFu, 0x7FA5A5A5u})
+      EXPECT_EQ(detail::block_scale_from_amax_bits(nan, rcp), 0xFF) << std::hex << nan;
+    EXPECT_EQ(detail::block_scale_from_amax_bits(0x7F7FFFFFu, rcp), ref::e8m0_from_amax(3.4028234663852886e38, rcp == detail::kRcpMaxE4M3Bits ? E4 : E5));
+    EXPECT_EQ(detail::block_scale_from_amax_bits(0u, rcp), 0);
+  }
+}
+
 // SPEC §2.1: swizzled = S.view(M/128, 4, 32, Kb/4, 4).permute(0, 3, 2, 1, 4), written contiguously.
 TEST(Reference, SwizzleMatchesTorchViewPermute) {
   const int64_t M = 256, Kb = 8;

@@ -66,7 +66,9 @@ std::vector<float> make_data(int64_t rows, int64_t cols, Data kind, uint64_t see
         case 2: x = kSpecial[h % 14] * ((h >> 8) & 1 ? -1.0f : 1.0f); break;          // boundaries
         case 3: x = kSpecial[h % 14] * std::ldexp(1.0f, static_cast<int>(h >> 20) % 20 - 10); break;
         case 4: if (h % 97 == 0) x = NAN; break;                                      // sparse NaN
-        case 5: if (h % 89 == 0) x = (h & 1) ? INFINITY : -INFINITY; break;           // sparse Inf
+        case 5:  // sparse Inf among huge finite values: the Inf block's multiplier 2^-127 gives them nonzero codes
+          x = h % 89 == 0 ? ((h & 1) ? INFINITY : -INFINITY) : std::ldexp(x, 125);
+          break;
         case 6: x = std::ldexp(x, 100); break;                                        // huge
         case 7: x = std::ldexp(x, -100); break;                                       // tiny normal
         case 8: x = std::ldexp(1.0f, static_cast<int>(h % 16) - 8) * ((h >> 5) & 1 ? 1.f : -1.f); break;  // powers of 2
