@@ -265,14 +265,14 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
   float4 tab[4];
   load_tabs(wid, tab);
 
-  // ---- N: nope rowwise blocks, item = (block, row)
+  // ---- N: nope rowwise blocks, item = (row, block)
   if (p.row_codes != nullptr || p.q != nullptr) {
     // start so that the third items (512 = 2 x 224 + 64) go to warps 5 and 6, which have one row quad
     // less in R (32 = 4 x 7 + 4)
     static_assert(Cfg::kEpiThreads == 224 && Cfg::kBM * kNB == 512 && Cfg::kBM / 4 == 32, "the N / R balance");
     for (int item = (tid + 64) % Cfg::kEpiThreads; item < Cfg::kBM * kNB; item += Cfg::kEpiThreads) {
       // a warp's 32 items = 8 rows x 4 blocks, lane = (block, row): a quarter-warp's 16-byte reads hit 8
-      // rows (odd pitch: conflict-free), a store instruction covers 8 rows (8 cache lines, not 32)
+      // rows (the tile swizzle: conflict-free), a store instruction covers 8 rows (8 cache lines, not 32)
       const int r = 8 * (item / 32) + (item & 7), b = (item >> 3) & 3, si = m0 + r;
       static_assert(kNB == 4 && Cfg::kBM * kNB % 32 == 0, "item = (row group of 8, block, row)");
       if (si >= p.S) continue;
