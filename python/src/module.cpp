@@ -11,9 +11,11 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "mxmla/mxfp8.h"
@@ -51,35 +53,40 @@ TensorDesc to_desc(const Desc& d) {
 }
 TensorDesc opt_desc(const std::optional<Desc>& d) { return d ? to_desc(*d) : TensorDesc(); }
 
+// Enum from its Python spelling; the error lists every choice: "must be 'a', 'b' or 'c', got 'x'".
+template <typename E>
+E parse_choice(const char* arg, const std::string& s, std::initializer_list<std::pair<const char*, E>> choices) {
+  std::string list;
+  size_t i = 0;
+  for (const auto& [name, value] : choices) {
+    if (s == name) return value;
+    list += std::string(i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + "'" + name + "'";
+    ++i;
+  }
+  throw Error("mxmla", arg, "must be " + list + ", got '" + s + "'");
+}
 Fp8Format parse_format(const std::string& s) {
-  if (s == "e4m3") return Fp8Format::kE4M3;
-  if (s == "e5m2") return Fp8Format::kE5M2;
-  throw Error("mxmla", "fp8_format", "must be 'e4m3' or 'e5m2', got '" + s + "'");
+  return parse_choice<Fp8Format>("fp8_format", s, {{"e4m3", Fp8Format::kE4M3}, {"e5m2", Fp8Format::kE5M2}});
 }
 QKVLayout parse_layout(const std::string& s) {
-  if (s == "sbhd") return QKVLayout::kSBHD;
-  if (s == "bshd") return QKVLayout::kBSHD;
-  throw Error("mxmla", "layout", "must be 'sbhd' or 'bshd', got '" + s + "'");
+  return parse_choice<QKVLayout>("layout", s, {{"sbhd", QKVLayout::kSBHD}, {"bshd", QKVLayout::kBSHD}});
 }
 ScaleLayout parse_scale_layout(const std::string& s) {
-  if (s == "compact") return ScaleLayout::kCompact;
-  if (s == "swizzled") return ScaleLayout::kSwizzled;
-  if (s == "bhsd") return ScaleLayout::kBHSD;
-  throw Error("mxmla", "scale_layout", "must be 'compact', 'swizzled' or 'bhsd', got '" + s + "'");
+  return parse_choice<ScaleLayout>(
+      "scale_layout", s,
+      {{"compact", ScaleLayout::kCompact}, {"swizzled", ScaleLayout::kSwizzled}, {"bhsd", ScaleLayout::kBHSD}});
 }
 Stream to_stream(uintptr_t s) { return reinterpret_cast<Stream>(s); }
 
 RopeStyle parse_style(const std::string& s) {
-  if (s == "interleaved_in_halves_out") return RopeStyle::kInterleavedInHalvesOut;
-  if (s == "interleaved") return RopeStyle::kInterleaved;
-  if (s == "rotate_half") return RopeStyle::kRotateHalf;
-  throw Error("mxmla", "style", "must be 'interleaved_in_halves_out', 'interleaved' or 'rotate_half', got '" + s + "'");
+  return parse_choice<RopeStyle>("style", s,
+                                 {{"interleaved_in_halves_out", RopeStyle::kInterleavedInHalvesOut},
+                                  {"interleaved", RopeStyle::kInterleaved},
+                                  {"rotate_half", RopeStyle::kRotateHalf}});
 }
 RopeLayout parse_rope_layout(const std::string& s) {
-  if (s == "sbhd") return RopeLayout::kSBHD;
-  if (s == "bshd") return RopeLayout::kBSHD;
-  if (s == "thd") return RopeLayout::kTHD;
-  throw Error("mxmla", "layout", "must be 'sbhd', 'bshd' or 'thd', got '" + s + "'");
+  return parse_choice<RopeLayout>("layout", s,
+                                  {{"sbhd", RopeLayout::kSBHD}, {"bshd", RopeLayout::kBSHD}, {"thd", RopeLayout::kTHD}});
 }
 YarnParams parse_yarn(const std::optional<std::tuple<double, int64_t, double, double, double, double>>& y) {
   YarnParams p;
