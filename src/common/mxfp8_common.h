@@ -61,9 +61,15 @@ MXMLA_HD float e8m0_quant_multiplier(uint8_t e) {
 
 // Scale byte from the magnitude maximum of a block given as fp32 bits with the sign cleared
 // (NaN bits > 0x7F800000, Inf == 0x7F800000).
+// float_to_e8m0's rounding up is an integer add: for v = amax / max (fp32 bits b, never NaN),
+// (b + 0x7FFFFF) >> 23 is the exponent plus one when the mantissa is non-zero; below 2^-126 the
+// threshold is 2^-127 (TE: up when m > 0x400000), i.e. (b + 0x3FFFFF) >> 23; the min keeps finite
+// blocks at 0xFE and maps an Inf amax (v = Inf) to 0xFE. Equal to float_to_e8m0 plus the rules
+// above for every amax (tests: Reference.E8M0BitRuleMatchesCeilLog2, ...SpecialBlocks).
 MXMLA_HD uint8_t block_scale_from_amax_bits(uint32_t amax_bits, uint32_t rcp_max_bits) {
-  uint32_t e = float_to_e8m0(u32_as_f32(amax_bits) * u32_as_f32(rcp_max_bits));
-  e = amax_bits == 0x7F800000u ? 0xFEu : e;
+  const uint32_t v = f32_as_u32(u32_as_f32(amax_bits) * u32_as_f32(rcp_max_bits));
+  uint32_t e = (v + (v < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;
+  e = e < 0xFEu ? e : 0xFEu;
   e = amax_bits > 0x7F800000u ? 0xFFu : e;
   return static_cast<uint8_t>(e);
 }

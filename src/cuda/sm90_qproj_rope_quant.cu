@@ -28,6 +28,7 @@
 #include <string>
 
 #include "common/qproj_ops.h"
+#include "cuda/tma_host.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ptx.cuh"
 #include "cuda/ptx_sm90.cuh"
@@ -525,28 +526,9 @@ __global__ void __launch_bounds__(256) transpose_kn_to_nk(const uint16_t* __rest
 }
 
 // ---------------------------------------------------------------- host
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    MXMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
-    if (q != cudaDriverEntryPointSuccess || f == nullptr)
-      throw CudaError("mxmla: the CUDA driver has no cuTensorMapEncodeTiled (TMA needs driver >= 12.0)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
 CUtensorMap make_tmap(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides_bytes,
                       const cuuint32_t* box) {
-  CUtensorMap m;
-  const cuuint32_t estr[3] = {1, 1, 1};
-  const CUresult r = tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims,
-                                          strides_bytes, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) throw CudaError("mxmla: cuTensorMapEncodeTiled failed (error " + std::to_string(r) + ")");
-  return m;
+  return make_tmap_bf16(base, rank, dims, strides_bytes, box, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 int sm_count() {

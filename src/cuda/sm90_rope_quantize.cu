@@ -5,7 +5,9 @@
 // fp32 copy of dx. A tile is 32 tokens x one head (the columnwise block height x a head, so every
 // RoPE partner and every block is inside the tile); tiles are numbered head-fastest, so the
 // heads of a token tile share table rows, which stay in cache while a block walks them.
-// Persistent blocks of 6 warps stream tiles through a kStages-deep cp.async ring of raw input
+// Two kernels: the generic one here (any head geometry and dtype), and further below a fast path
+// for bf16 DeepSeek-V3 query heads (192 / 64) at one token stride, which the launcher prefers.
+// Generic kernel: persistent blocks of 6 warps stream tiles through a kStages-deep cp.async ring of raw input
 // tiles (no registers held by loads in flight) and, per tile:
 //   2. RoPE backward in fp32 of the rope part only, into a shared fp32 tile [32][R + 4]; the nope
 //      part is read from the raw tile (its fp32 values are the inputs themselves);
@@ -17,6 +19,8 @@
 // Index math is 32-bit (the launcher checks tokens and tiles fit).
 #include "common/mxfp8_common.h"
 #include "cuda/ptx.cuh"
+#include "cuda/ptx_sm90.cuh"
+#include "cuda/tma_host.h"
 #include "cuda/sm90_rope_common.cuh"
 
 #include <algorithm>
@@ -237,11 +241,11 @@ __device__ __forceinline__ void columnwise(const RopeQuantizeParams& P, const Ti
 }
 
 // Phase 5: the dx copy (contiguous, token order).
-template <typename T>
+template <typename T, int kN>
 __device__ __forceinline__ void copy_dx(const RopeQuantizeParams& P, const Tile& t, const TileView<T>& tv, int tid) {
   const int64_t HD = P.rope.H * P.rope.D, col0 = static_cast<int64_t>(t.h) * tv.D;
   const int cpr = tv.D / 8;
-  for (int u = tid; u < t.nrows * cpr; u += kThreads) {
+  for (int u = tid; u < t.nrows * cpr; u += kN) {
     const int r = u / cpr, c8 = u % cpr;
     float v[8];
     tv.load8(r, 8 * c8, v);
@@ -287,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) sm90_rope_quantize_kernel(const Rope
     const TileView<T> tv{stage, rope, D, D - R, raw_pitch<T>(D), rope_pitch(R)};
     if (P.row_codes != nullptr) rowwise<T, kE4M3>(P, t, tv, lane, warp);
     if (P.col_codes != nullptr) columnwise<T, kE4M3>(P, t, tv, tid);
-    if (P.dx != nullptr) copy_dx<T>(P, t, tv, tid);
+    if (P.dx != nullptr) copy_dx<T, kThreads>(P, t, tv, tid);
   }
 }
 
@@ -316,6 +320,446 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
+// ---------------------------------------------------------------------------------------------
+// Fast path: bf16 dq with DeepSeek-V3 query heads (D = 192, R = 64) whose tokens sit at one
+// uniform stride (contiguous thd / sbhd / bshd, or head-strided). The generic kernel above spends
+// ~40 instructions per element on run-time geometry and short per-thread units. This one fixes
+// the geometry and, as the quantize kernel does, gives every thread a long unit whose amax is a
+// thread-local reduction. A tile is 32 tokens x one head; four warps, one role each:
+//   W0 RoPE:     lane = row: RoPE backward of the row's 64 rope elements (table values from
+//                the lane's own shared-memory slots, loaded once per token tile and reused for
+//                every head of it: tiles run head-fastest), the fp32 result into the rope tile,
+//                then the row's two rope blocks rowwise;
+//   W1 nope row: lane = row, the row's four nope blocks;
+//   W2 nope col: lane = (8-column chunk, 16-row half): packed bf16 amax, one shuffle joins the
+//                halves;
+//   W3 rope col: one tile behind: the rope tile of the previous tile, lane = (4 fp32 columns,
+//                16-row half), and that tile's rowwise scales, collected by W0 / W1 in a
+//                per-row sink, stored two bytes at a time. Lane 0 is also the TMA producer.
+// Loads: one TMA copy per tile (a 3-D map {D, H, tokens} with a box {D + 8, 1, 32}: the 8
+// elements past the head and the rows past the last token are outside the tensor and land as
+// zeros, which pads the rows to 400 bytes), on the stage's mbarrier; 3 stages. The rope tile
+// and the sink are double-buffered, so one barrier per tile orders everything: W0-W2 work on
+// tile k while W3 finishes tile k - 1. Rows past the last token are zero with zero tables, so
+// every amax runs over all 32 rows unpredicated; only stores are predicated. The optional dx
+// copy is written by W0 (rope part) and W1 (nope part). Codes are stored with the default cache
+// policy (evict-first measured 1.8 % slower). What was measured and tried: docs/notes-rope.md.
+namespace mla {
+constexpr int kD = 192, kR = 64, kNope = kD - kR, kHalf = kR / 2;
+constexpr int kThreads = 128;
+constexpr int kStages = 3;
+constexpr int kRawPitch = kD + 8;   // bf16 per raw row: 400 bytes = 25 16-byte units (odd)
+constexpr int kRopePitch = kR + 4;  // floats per rope-tile row: 272 bytes = 17 units (odd)
+constexpr int kTileBytes = kRows * kRawPitch * 2;  // one TMA box {kRawPitch, 1, kRows}
+constexpr int kStageElems = kRows * kRawPitch;
+constexpr int kRopeFloats = kRows * kRopePitch;
+constexpr int kTabSlots = 2 * kR / 4;  // float4 slots per lane: cos then sin, in column order
+// shared memory: raw stages | 2 rope tiles | table slots [32][32] float4 | 2 sinks [32][8] | mbarriers
+constexpr int kRawBytes = kStages * kTileBytes, kRopeBytes = 2 * kRopeFloats * 4, kTabBytes = kTabSlots * 32 * 16;
+constexpr int kSinkBytes = 2 * kRows * 8;
+constexpr int kSmemBytes = 128 + kRawBytes + kRopeBytes + kTabBytes + kSinkBytes + kStages * 8;  // + alignment
+static_assert(kNope == 4 * 32 && kR == 2 * 32, "roles: 4 nope blocks (W1), 2 rope blocks (W0) per row");
+static_assert(kNope / 8 == 16 && kR / 4 == 16, "W2 / W3: 16 column chunks x 2 row halves = 32 lanes");
+static_assert((kRawPitch * 2) % 16 == 0 && kRawPitch <= 256, "TMA box: inner bytes a multiple of 16, <= 256 elements");
+static_assert(kTileBytes % 128 == 0, "stages stay 128-byte aligned for TMA");
+static_assert((kRawBytes + kRopeBytes + kTabBytes + kSinkBytes) % 8 == 0, "mbarriers are 8-byte aligned");
+static_assert(3 * (kSmemBytes + 1024) <= 228 * 1024, "three blocks per SM");
+
+__device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+__device__ __forceinline__ uint32_t bf_mag(uint32_t w) { return w & 0x7FFF7FFFu; }
+
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t codes4(float a, float b, float c, float d, float mul) {
+  return ptx::cvt_fp8x2<kE4M3>(a * mul, b * mul) | (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(c * mul, d * mul)) << 16);
+}
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t rcp_bits() {
+  return kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
+}
+
+// A row's 32 codes (8 words) of one block, lanes 2k / 2k+1 = rows 2k / 2k+1: the lanes swap
+// halves so that each store instruction writes whole 32-byte sectors. dst_even: the block's
+// first byte in row lane - odd, plus 16 odd.
+__device__ __forceinline__ void store_row_block(const uint32_t* w, uint8_t* dst_even, int64_t HD, int lane, int nrows) {
+  const int odd = lane & 1;
+  uint32_t mine[4], theirs[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    mine[k] = odd ? w[4 + k] : w[k];
+    theirs[k] = __shfl_xor_sync(0xFFFFFFFFu, odd ? w[k] : w[4 + k], 1);
+  }
+  const uint4 even_half = odd ? make_uint4(theirs[0], theirs[1], theirs[2], theirs[3])
+                              : make_uint4(mine[0], mine[1], mine[2], mine[3]);
+  const uint4 odd_half = odd ? make_uint4(mine[0], mine[1], mine[2], mine[3])
+                             : make_uint4(theirs[0], theirs[1], theirs[2], theirs[3]);
+  if (lane - odd < nrows) *reinterpret_cast<uint4*>(dst_even) = even_half;
+  if ((lane | 1) < nrows) *reinterpret_cast<uint4*>(dst_even + HD) = odd_half;
+}
+
+// Where a tile's outputs go.
+struct TileOut {
+  int t0, h, nrows;
+};
+
+// W0: the lane's table values for token `tok` (zero past the last token): slot k < 16 holds
+// cos[4k, 4k + 4), slot 16 + k sin[4k, 4k + 4), at tab[k * 32 + lane].
+template <typename TT>
+__device__ __forceinline__ void load_tables(const RopeKernelParams& p, const int64_t* cu, int64_t ncu, int ntok,
+                                            int tok, int lane, float4* tab) {
+  int s = 0, b = 0;
+  int64_t row = 0;
+  const bool ok = tok < ntok;
+  if (ok) token_sb(p, tok, s, b), row = table_row(p, cu, ncu, tok, s);
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const TT* src = static_cast<const TT*>(t ? p.sin : p.cos) + row * p.tab_row_stride;
+#pragma unroll
+    for (int c = 0; c < kR; c += 8) {
+      float v[8] = {};
+      if (ok) unpack8<TT>(load_raw8<TT, true>(src + c), v);
+      tab[(16 * t + c / 4) * 32 + lane] = make_float4(v[0], v[1], v[2], v[3]);
+      tab[(16 * t + c / 4 + 1) * 32 + lane] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+  }
+}
+
+// 8 table values at column c (c % 4 == 0; two slots).
+__device__ __forceinline__ void tab8(const float4* tab, int slot0, int lane, float* v) {
+  const float4 a = tab[slot0 * 32 + lane], b = tab[(slot0 + 1) * 32 + lane];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// W0: RoPE backward of row `lane`, its fp32 rope row, then its two rope blocks rowwise.
+template <bool kE4M3>
+__device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetChoice& sc, const __nv_bfloat16* stage,
+                                         const float4* tab, float* rope, uint8_t* sink, const TileOut& t, int64_t HD,
+                                         int lane) {
+  const __nv_bfloat16* xr = stage + lane * kRawPitch + kNope;
+  float* rr = rope + lane * kRopePitch;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // the four 16-element sets of the shared RoPE helpers
+    float in[16], c[16], s[16], o[16];
+    unpack8<__nv_bfloat16>(*reinterpret_cast<const Raw8<__nv_bfloat16>*>(xr + set_part(sc.in_c, q, kHalf, 0)), in);
+    unpack8<__nv_bfloat16>(*reinterpret_cast<const Raw8<__nv_bfloat16>*>(xr + set_part(sc.in_c, q, kHalf, 1)), in + 8);
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+      const int col = set_part(sc.tab_c, q, kHalf, part);
+      tab8(tab, col / 4, lane, c + 8 * part);
+      tab8(tab, 16 + col / 4, lane, s + 8 * part);
+    }
+    rotate16(P.rope.style, true, in, c, s, o);
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+      float4* d = reinterpret_cast<float4*>(rr + set_part(sc.out_c, q, kHalf, part));
+      d[0] = make_float4(o[8 * part], o[8 * part + 1], o[8 * part + 2], o[8 * part + 3]);
+      d[1] = make_float4(o[8 * part + 4], o[8 * part + 5], o[8 * part + 6], o[8 * part + 7]);
+    }
+  }
+  const int64_t row0 = static_cast<int64_t>(t.t0 + lane) * HD + static_cast<int64_t>(t.h) * kD;
+  if (P.dx != nullptr && lane < t.nrows) {  // the rope part of the dx copy (own row: no barrier)
+#pragma unroll
+    for (int c = 0; c < kR; c += 8) {
+      const float4 a = *reinterpret_cast<const float4*>(rr + c), b = *reinterpret_cast<const float4*>(rr + c + 4);
+      const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      if (P.dx_t == DType::kFloat32) store_raw8<float>(static_cast<float*>(P.dx) + row0 + kNope + c, pack8<float>(v));
+      else store_raw8<__nv_bfloat16>(static_cast<__nv_bfloat16*>(P.dx) + row0 + kNope + c, pack8<__nv_bfloat16>(v));
+    }
+  }
+  if (P.row_codes == nullptr) return;
+  const int odd = lane & 1;
+  uint8_t* dst_even = P.row_codes + row0 - odd * HD + kNope + 16 * odd;
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    float4 v[8];
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      v[k] = *reinterpret_cast<const float4*>(rr + 32 * b + 4 * k);
+      m = max(m, max(max(mag_bits(v[k].x), mag_bits(v[k].y)), max(mag_bits(v[k].z), mag_bits(v[k].w))));
+    }
+    const uint8_t e = block_scale_from_amax_bits(m, rcp_bits<kE4M3>());
+    const float mul = e8m0_quant_multiplier(e);
+    uint32_t w[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = codes4<kE4M3>(v[k].x, v[k].y, v[k].z, v[k].w, mul);
+    store_row_block(w, dst_even + 32 * b, HD, lane, t.nrows);
+    sink[lane * 8 + 4 + b] = e;
+  }
+}
+
+// W1: the four nope blocks of row `lane` (and the nope part of the dx copy).
+template <bool kE4M3>
+__device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv_bfloat16* stage, uint8_t* sink,
+                                         const TileOut& t, int64_t HD, int lane) {
+  const uint4* src = reinterpret_cast<const uint4*>(stage + lane * kRawPitch);
+  const int64_t row0 = static_cast<int64_t>(t.t0 + lane) * HD + static_cast<int64_t>(t.h) * kD;
+  if (P.dx != nullptr && lane < t.nrows) {
+#pragma unroll 4
+    for (int c = 0; c < kNope / 8; ++c) {
+      float v[8];
+      unpack8<__nv_bfloat16>(Raw8<__nv_bfloat16>{{src[c]}}, v);
+      if (P.dx_t == DType::kFloat32) store_raw8<float>(static_cast<float*>(P.dx) + row0 + 8 * c, pack8<float>(v));
+      else store_raw8<__nv_bfloat16>(static_cast<__nv_bfloat16*>(P.dx) + row0 + 8 * c, pack8<__nv_bfloat16>(v));
+    }
+  }
+  if (P.row_codes == nullptr) return;
+  const int odd = lane & 1;
+  uint8_t* dst_even = P.row_codes + row0 - odd * HD + 16 * odd;
+#pragma unroll 2
+  for (int b = 0; b < 4; ++b) {
+    uint4 v[4];
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      v[k] = src[4 * b + k];
+      m = __vmaxu2(m, __vmaxu2(__vmaxu2(bf_mag(v[k].x), bf_mag(v[k].y)), __vmaxu2(bf_mag(v[k].z), bf_mag(v[k].w))));
+    }
+    const uint8_t e = block_scale_from_amax_bits(max(m & 0xFFFFu, m >> 16) << 16, rcp_bits<kE4M3>());
+    const float mul = e8m0_quant_multiplier(e);
+    uint32_t w[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w[2 * k] = codes4<kE4M3>(bf_lo(v[k].x), bf_hi(v[k].x), bf_lo(v[k].y), bf_hi(v[k].y), mul);
+      w[2 * k + 1] = codes4<kE4M3>(bf_lo(v[k].z), bf_hi(v[k].z), bf_lo(v[k].w), bf_hi(v[k].w), mul);
+    }
+    store_row_block(w, dst_even + 32 * b, HD, lane, t.nrows);
+    sink[lane * 8 + b] = e;
+  }
+}
+
+// Columnwise scales of `n` (4 or 8) consecutive columns starting at column `col` of the tile's
+// block row, byte j of `s` for column col + j.
+template <int n>
+__device__ __forceinline__ void col_scales(const RopeQuantizeParams& P, int t0, int64_t col, uint64_t s) {
+  const ScaleCursor cc = col_cursor(P.col_map, 0, t0 / kRows, col);
+  uint8_t* d0 = P.col_scales + cursor_offset(cc, 0);
+  if (cc.compact && reinterpret_cast<uintptr_t>(d0) % n == 0) {
+    if constexpr (n == 8) *reinterpret_cast<uint64_t*>(d0) = s;
+    else *reinterpret_cast<uint32_t*>(d0) = static_cast<uint32_t>(s);
+  } else {
+#pragma unroll
+    for (int j = 0; j < n; ++j) P.col_scales[cursor_offset(cc, j)] = static_cast<uint8_t>(s >> (8 * j));
+  }
+}
+
+// W2: columnwise nope, lane = (chunk c = lane % 16: columns [8c, 8c + 8), half = lane / 16:
+// rows [16 half, 16 half + 16)). Pass 1 reads for the amax, pass 2 reads again and converts.
+template <bool kE4M3>
+__device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const TileOut& t,
+                                         int64_t HD, int lane) {
+  const int c = lane & 15, r0 = 16 * (lane >> 4);
+  const uint4* src = reinterpret_cast<const uint4*>(stage + r0 * kRawPitch + 8 * c);
+  constexpr int kStep = kRawPitch * 2 / 16;  // uint4 per raw row
+  uint32_t m[4] = {0, 0, 0, 0};  // packed magnitudes of column pairs
+#pragma unroll 8
+  for (int i = 0; i < 16; ++i) {
+    const uint4 v = src[i * kStep];
+    m[0] = __vmaxu2(m[0], bf_mag(v.x)), m[1] = __vmaxu2(m[1], bf_mag(v.y));
+    m[2] = __vmaxu2(m[2], bf_mag(v.z)), m[3] = __vmaxu2(m[3], bf_mag(v.w));
+  }
+  float mul[8];
+  uint64_t scales = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    m[j] = __vmaxu2(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], 16));
+    const uint32_t e0 = block_scale_from_amax_bits(m[j] << 16, rcp_bits<kE4M3>());
+    const uint32_t e1 = block_scale_from_amax_bits(m[j] & 0xFFFF0000u, rcp_bits<kE4M3>());
+    scales |= static_cast<uint64_t>(e0 | (e1 << 8)) << (16 * j);
+    mul[2 * j] = e8m0_quant_multiplier(static_cast<uint8_t>(e0));
+    mul[2 * j + 1] = e8m0_quant_multiplier(static_cast<uint8_t>(e1));
+  }
+  const int64_t col = static_cast<int64_t>(t.h) * kD + 8 * c;
+  uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0 + r0) * HD + col;
+#pragma unroll 8
+  for (int i = 0; i < 16; ++i) {
+    const uint4 v = src[i * kStep];
+    const uint32_t lo = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.x) * mul[0], bf_hi(v.x) * mul[1]) |
+                        (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.y) * mul[2], bf_hi(v.y) * mul[3])) << 16);
+    const uint32_t hi = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.z) * mul[4], bf_hi(v.z) * mul[5]) |
+                        (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.w) * mul[6], bf_hi(v.w) * mul[7])) << 16);
+    if (r0 + i < t.nrows) *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+    dst += HD;
+  }
+  if (r0 == 0) col_scales<8>(P, t.t0, col, scales);
+}
+
+// W3: columnwise rope of the previous tile from its fp32 rope tile, lane = (chunk c = lane % 16:
+// rope columns [4c, 4c + 4), half = lane / 16).
+template <bool kE4M3>
+__device__ __forceinline__ void rope_col(const RopeQuantizeParams& P, const float* rope, const TileOut& t, int64_t HD,
+                                         int lane) {
+  const int c = lane & 15, r0 = 16 * (lane >> 4);
+  const float4* src = reinterpret_cast<const float4*>(rope + r0 * kRopePitch + 4 * c);
+  constexpr int kStep = kRopePitch / 4;  // float4 per rope row
+  uint32_t m[4] = {0, 0, 0, 0};
+#pragma unroll 8
+  for (int i = 0; i < 16; ++i) {
+    const float4 v = src[i * kStep];
+    m[0] = max(m[0], mag_bits(v.x)), m[1] = max(m[1], mag_bits(v.y));
+    m[2] = max(m[2], mag_bits(v.z)), m[3] = max(m[3], mag_bits(v.w));
+  }
+  float mul[4];
+  uint32_t scales = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    m[j] = max(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], 16));
+    const uint32_t e = block_scale_from_amax_bits(m[j], rcp_bits<kE4M3>());
+    scales |= e << (8 * j);
+    mul[j] = e8m0_quant_multiplier(static_cast<uint8_t>(e));
+  }
+  const int64_t col = static_cast<int64_t>(t.h) * kD + kNope + 4 * c;
+  uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0 + r0) * HD + col;
+#pragma unroll 8
+  for (int i = 0; i < 16; ++i) {
+    const float4 v = src[i * kStep];
+    const uint32_t w = ptx::cvt_fp8x2<kE4M3>(v.x * mul[0], v.y * mul[1]) |
+                       (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(v.z * mul[2], v.w * mul[3])) << 16);
+    if (r0 + i < t.nrows) *reinterpret_cast<unsigned int*>(dst) = w;
+    dst += HD;
+  }
+  if (r0 == 0) col_scales<4>(P, t.t0, col, scales);
+}
+
+// W3: the previous tile's rowwise scales from the sink, [32 rows][6 bytes].
+__device__ __forceinline__ void row_scales_out(const RopeQuantizeParams& P, const uint8_t* sink, const TileOut& t,
+                                               int lane) {
+  const int64_t nkb = P.rope.H * (kD / 32), kb0 = static_cast<int64_t>(t.h) * (kD / 32);
+  if (P.row_map.mode == MapMode::kCompact && reinterpret_cast<uintptr_t>(P.row_scales) % 2 == 0) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {  // (row, byte pair) i = lane + 32 k: 2-byte aligned, 3 per row
+      const int i = lane + 32 * k, r = i / 3, pr = i - 3 * r;
+      if (r < t.nrows)
+        *reinterpret_cast<uint16_t*>(P.row_scales + (t.t0 + r) * nkb + kb0 + 2 * pr) =
+            *reinterpret_cast<const uint16_t*>(sink + r * 8 + 2 * pr);
+    }
+  } else {
+    for (int i = lane; i < kRows * 6; i += 32) {
+      const int r = i / 6, b = i - 6 * r;
+      if (r < t.nrows) P.row_scales[cursor_offset(row_cursor(P.row_map, 0, kb0 + b), t.t0 + r)] = sink[r * 8 + b];
+    }
+  }
+}
+
+// The producer: tile (t0, h) into a stage with one TMA copy.
+__device__ __forceinline__ void issue(const CUtensorMap* tmap, int t0, int h, __nv_bfloat16* stage, uint64_t* bar) {
+  ptx::mbar_arrive_expect_tx(bar, kTileBytes);  // the whole box, zero-filled parts included
+  ptx::tma_load_3d(stage, tmap, bar, 0, h, t0);
+}
+
+}  // namespace mla
+
+template <typename TT, bool kE4M3>
+__global__ void __launch_bounds__(mla::kThreads)
+    sm90_rope_quantize_mla_kernel(const __grid_constant__ CUtensorMap tmap, const RopeQuantizeParams P,
+                                  const int64_t* cu, int64_t ncu, int ntiles) {
+  using mla::kRopeFloats, mla::kStageElems, mla::kStages;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const RopeKernelParams& p = P.rope;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int ntok = static_cast<int>(p.S * p.B), H = static_cast<int>(p.H);
+  const int64_t HD = p.H * mla::kD;
+  // TMA destinations 128-byte aligned in the shared window
+  __nv_bfloat16* raw = reinterpret_cast<__nv_bfloat16*>(smem_raw + ((128 - ptx::smem_u32(smem_raw) % 128) % 128));
+  float* rope0 = reinterpret_cast<float*>(raw + kStages * kStageElems);      // [2][32][kRopePitch]
+  float4* tab = reinterpret_cast<float4*>(rope0 + 2 * kRopeFloats);          // [32 slots][32 lanes]
+  uint8_t* sink0 = reinterpret_cast<uint8_t*>(tab + mla::kTabSlots * 32);    // [2][32][8]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sink0 + mla::kSinkBytes);     // [kStages]
+  const bool producer = threadIdx.x == 96;  // W3, lane 0
+  if (producer) {
+    ptx::prefetch_tmap(&tmap);
+    for (int s = 0; s < kStages; ++s) ptx::mbar_init(&bars[s], 1);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  const SetChoice sc = sets_of(p.style, true);
+  const int lo = static_cast<int>(blockIdx.x * static_cast<int64_t>(ntiles) / gridDim.x);
+  const int n = static_cast<int>((blockIdx.x + 1) * static_cast<int64_t>(ntiles) / gridDim.x) - lo;
+  // tiles run head-fastest: tile lo + k is (token tile / H, head % H); cursors step without divisions
+  int h = lo % H, tt = lo / H, hn = h, ttn = tt;
+  auto next = [H](int& hh, int& t) {
+    if (++hh == H) hh = 0, ++t;
+  };
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    if (producer && s < n) mla::issue(&tmap, ttn * kRows, hn, raw + s * kStageElems, &bars[s]);
+    next(hn, ttn);
+  }
+  int tab_tt = -1;  // W0: token tile whose table values the slots hold
+  mla::TileOut prev{0, 0, 0};
+  int st = 0;
+  uint32_t parity = 0;
+  for (int k = 0; k <= n; ++k) {
+    const mla::TileOut cur{tt * kRows, h, min(kRows, ntok - tt * kRows)};
+    if (k < n && warp < 3) {
+      const __nv_bfloat16* stage = raw + st * kStageElems;
+      uint8_t* sink = sink0 + (k & 1) * kRows * 8;
+      ptx::mbar_wait(&bars[st], parity);  // tile k has landed
+      if (warp == 0) {
+        if (tt != tab_tt) mla::load_tables<TT>(p, cu, ncu, ntok, cur.t0 + lane, lane, tab), tab_tt = tt;
+        mla::rope_row<kE4M3>(P, sc, stage, tab, rope0 + (k & 1) * kRopeFloats, sink, cur, HD, lane);
+      } else if (warp == 1) {
+        mla::nope_row<kE4M3>(P, stage, sink, cur, HD, lane);
+      } else if (P.col_codes != nullptr) {
+        mla::nope_col<kE4M3>(P, stage, cur, HD, lane);
+      }
+    }
+    if (k > 0 && warp == 3) {  // tile k - 1
+      if (P.col_codes != nullptr) mla::rope_col<kE4M3>(P, rope0 + ((k - 1) & 1) * kRopeFloats, prev, HD, lane);
+      if (P.row_codes != nullptr) mla::row_scales_out(P, sink0 + ((k - 1) & 1) * kRows * 8, prev, lane);
+    }
+    // Tile k's stage is read by W0-W2 and free; its rope tile and sink are complete for W3; W3
+    // is done with tile k - 1's, which tile k + 1 reuses.
+    __syncthreads();
+    if (producer && k + kStages < n) mla::issue(&tmap, ttn * kRows, hn, raw + st * kStageElems, &bars[st]);
+    next(hn, ttn);
+    prev = cur;
+    next(h, tt);
+    if (++st == kStages) st = 0, parity ^= 1;
+  }
+}
+
+// Tokens of the fast path sit at one stride: sbhd / thd token s * B + b, bshd b * S + s.
+bool uniform_token_stride(const RopeKernelParams& p, int64_t& stride) {
+  const int64_t ss = p.in_st[0], bs = p.in_st[1];
+  if (p.sbhd) {
+    if (p.B == 1 || ss == p.B * bs) return stride = p.B == 1 ? ss : bs, true;
+  } else {
+    if (p.S == 1 || bs == p.S * ss) return stride = p.S == 1 ? bs : ss, true;
+  }
+  return false;
+}
+
+template <typename TT, bool kE4M3>
+void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int64_t tok_stride, cudaStream_t stream) {
+  const int64_t tokens = p.rope.S * p.rope.B, tiles = ceil_div(tokens, kRows) * p.rope.H;
+  if (tokens > 0x7FFFFFFF - kRows || tiles > 0x7FFFFFFF - mla::kStages)
+    throw Error("mxmla.rope_backward_quantize", "grad", "too many tokens or tiles for the 32-bit tile index");
+  // dq as {D, H, tokens}; the box's inner extent D + 8 reads 8 zeros past each head (row padding)
+  const cuuint64_t dims[3] = {cuuint64_t(mla::kD), cuuint64_t(p.rope.H), cuuint64_t(tokens)};
+  // a dimension of extent 1 may carry any stride: give TMA a legal one
+  const int64_t hs = p.rope.H > 1 ? p.rope.in_st[2] : mla::kD, ts = tokens > 1 ? tok_stride : hs * p.rope.H;
+  const cuuint64_t strides[2] = {cuuint64_t(hs * 2), cuuint64_t(ts * 2)};
+  const cuuint32_t box[3] = {cuuint32_t(mla::kRawPitch), 1, cuuint32_t(kRows)};
+  const CUtensorMap tmap = make_tmap_bf16(p.rope.in, 3, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
+  auto kernel = sm90_rope_quantize_mla_kernel<TT, kE4M3>;
+  static int cached[64] = {};
+  int dev = 0;
+  MXMLA_CUDA_CHECK(cudaGetDevice(&dev));
+  int& fit = cached[dev & 63];
+  if (fit == 0) {
+    MXMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, mla::kSmemBytes));
+    int per_sm = 0, sms = 0;
+    MXMLA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, mla::kThreads, mla::kSmemBytes));
+    MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    fit = per_sm * sms > 0 ? per_sm * sms : 1;
+  }
+  const int64_t blocks = std::min<int64_t>(fit, tiles);
+  kernel<<<static_cast<unsigned>(blocks), mla::kThreads, mla::kSmemBytes, stream>>>(tmap, p, cu, ncu,
+                                                                                    static_cast<int>(tiles));
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
 template <typename T>
 void dispatch_table(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStream_t s) {
   const bool e4m3 = p.fmt == Fp8Format::kE4M3;  // the format is a template argument: one cvt per code pair
@@ -336,6 +780,15 @@ void rope_quantize_cuda(const RopeQuantizeParams& p, Stream s) {
   if (p.col_codes && col_map_bytes(p.col_map) > col_map_blocks(p.col_map))
     MXMLA_CUDA_CHECK(cudaMemsetAsync(p.col_scales, 0, col_map_bytes(p.col_map), stream));
   DeviceCuSeqlens cu(p.rope.cu, stream);
+  int64_t tok_stride = 0;
+  if (p.rope.io_t == DType::kBFloat16 && p.rope.D == mla::kD && p.rope.R == mla::kR &&
+      uniform_token_stride(p.rope, tok_stride)) {  // DeepSeek-V3 query heads: the fast path
+    const bool e4m3 = p.fmt == Fp8Format::kE4M3, f32 = p.rope.tab_t == DType::kFloat32;
+    if (f32) return e4m3 ? launch_mla<float, true>(p, cu.ptr, cu.n, tok_stride, stream)
+                         : launch_mla<float, false>(p, cu.ptr, cu.n, tok_stride, stream);
+    return e4m3 ? launch_mla<__nv_bfloat16, true>(p, cu.ptr, cu.n, tok_stride, stream)
+                : launch_mla<__nv_bfloat16, false>(p, cu.ptr, cu.n, tok_stride, stream);
+  }
   switch (p.rope.io_t) {
     case DType::kBFloat16: return dispatch_table<__nv_bfloat16>(p, cu.ptr, cu.n, stream);
     case DType::kFloat16: return dispatch_table<__half>(p, cu.ptr, cu.n, stream);

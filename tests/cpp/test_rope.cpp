@@ -202,99 +202,146 @@ TEST(RopeGpu, CuSeqlensMatchesReference) {
 }
 
 // rope_backward_quantize: the fused CUDA kernel against the CPU reference, bit for bit: codes,
-// scales (compact / swizzled, padding included) and the dx copy, over head geometries (tails:
-// 74 tokens; one head; D 64 / 128 / 192), styles, dtypes, layouts (thd with uneven cu_seqlens),
-// strided input, both formats, each direction alone, table dtypes; adversarial data (zero blocks,
-// denormals, saturation and rounding boundaries, NaN, Inf).
+// scales (compact / swizzled, padding included) and the dx copy.
+struct RbqCase {
+  int64_t S, B, H, D, R;
+  RopeStyle style = RopeStyle::kInterleavedInHalvesOut;
+  DType dt = DType::kBFloat16, tt = DType::kFloat32;  // input, tables
+  RopeLayout layout = RopeLayout::kTHD;
+  bool rowwise = true, columnwise = true, swizzle = false, strided = false, use_cu = false;
+  Fp8Format format = Fp8Format::kE4M3;
+  int copy = 0;  // dx copy: none, bf16, fp32
+  std::vector<int64_t> cu;  // thd cu_seqlens when use_cu
+  int seed = 0;
+};
+
+void check_rope_quantize(const RbqCase& g) {
+  const Device dev{DeviceType::kCUDA, 0};
+  const int64_t tokens = g.S * g.B, HD = g.H * g.D;
+  RopeBackwardQuantizeOptions o;
+  o.rope.style = g.style, o.rope.layout = g.layout, o.rope.rope_dim = g.R;
+  o.rowwise = g.rowwise, o.columnwise = g.columnwise, o.swizzle = g.swizzle, o.format = g.format;
+  const RopeLayout l = g.layout;
+  const std::vector<int64_t> shape = l == RopeLayout::kSBHD   ? std::vector<int64_t>{g.S, g.B, g.H, g.D}
+                                     : l == RopeLayout::kBSHD ? std::vector<int64_t>{g.B, g.S, g.H, g.D}
+                                                              : std::vector<int64_t>{tokens, g.H, g.D};
+  std::vector<int64_t> cu = g.cu;
+  TensorDesc cud(cu.data(), DType::kInt64, {static_cast<int64_t>(cu.size())});
+  o.rope.tables_per_token = l == RopeLayout::kTHD && !g.use_cu;
+  const int64_t T = l == RopeLayout::kTHD ? tokens : g.S;
+  const std::vector<float> xf = test::make_data(tokens, HD, test::Data::kAdversarial, 100 + g.seed);
+  util::Rng rng(g.seed);
+  std::vector<float> cf(T * g.R), sf(T * g.R);
+  for (auto& v : cf) v = static_cast<float>(rng.normal());
+  for (auto& v : sf) v = static_cast<float>(rng.normal());
+  const std::vector<uint8_t> x = test::encode(xf, g.dt), c = test::encode(cf, g.tt), s = test::encode(sf, g.tt);
+  const std::string what = "case " + std::to_string(g.seed) + " style " + std::to_string(int(g.style)) + " dtype " +
+                           dtype_name(g.dt) + " layout " + std::to_string(int(l)) + " D " + std::to_string(g.D) +
+                           " tokens " + std::to_string(tokens) + " H " + std::to_string(g.H);
+  // CPU reference
+  const MXFP8Shapes qs = quantize_shapes({tokens, HD}, o.swizzle);
+  test::HostQ ref = test::alloc_host(qs, o.rowwise, o.columnwise);
+  const DType ct = g.copy == 2 ? DType::kFloat32 : DType::kBFloat16;
+  std::vector<uint8_t> ref_dx(g.copy ? tokens * HD * dtype_size(ct) : 0, 0xAB);
+  TensorDesc ref_dxd(ref_dx.data(), ct, shape);
+  rope_backward_quantize(TensorDesc(const_cast<uint8_t*>(x.data()), g.dt, shape),
+                         TensorDesc(const_cast<uint8_t*>(c.data()), g.tt, {T, g.R}),
+                         TensorDesc(const_cast<uint8_t*>(s.data()), g.tt, {T, g.R}), ref.t, g.copy ? &ref_dxd : nullptr,
+                         o, g.use_cu ? &cud : nullptr, nullptr);
+  // GPU: the same logical input, strided (each head padded by 16 elements) when asked
+  const int64_t es = dtype_size(g.dt), P = g.strided ? g.D + 16 : g.D;
+  std::vector<uint8_t> xg(tokens * g.H * P * es, 0x7F);
+  for (int64_t r = 0; r < tokens * g.H; ++r) std::memcpy(&xg[r * P * es], &x[r * g.D * es], g.D * es);
+  std::vector<int64_t> strides(shape.size(), 1);  // contiguous strides of [..., H, P]
+  int64_t acc = P;
+  for (int64_t i = static_cast<int64_t>(shape.size()) - 2; i >= 0; --i) strides[i] = acc, acc *= shape[i];
+  util::DeviceBuffer dx(xg.size()), dc(c.size()), ds(s.size()), drow(ref.row.size()), drs(ref.rs.size()),
+      dcol(ref.col.size()), dcs(ref.cs.size()), dcopy(ref_dx.size());
+  dx.upload(xg.data()), dc.upload(c.data()), ds.upload(s.data());
+  const std::vector<uint8_t> poison(
+      std::max({ref.row.size(), ref.rs.size(), ref.col.size(), ref.cs.size(), ref_dx.size()}), 0xCD);
+  MXFP8Tensor t;
+  if (o.rowwise) {
+    drow.upload(poison.data()), drs.upload(poison.data());
+    t.rowwise_data = TensorDesc(drow.ptr, DType::kUInt8, qs.data, dev);
+    t.rowwise_scale_inv = TensorDesc(drs.ptr, DType::kUInt8, qs.rowwise_scale, dev);
+  }
+  if (o.columnwise) {
+    dcol.upload(poison.data()), dcs.upload(poison.data());
+    t.columnwise_data = TensorDesc(dcol.ptr, DType::kUInt8, qs.data, dev);
+    t.columnwise_scale_inv = TensorDesc(dcs.ptr, DType::kUInt8, qs.columnwise_scale, dev);
+  }
+  if (g.copy) dcopy.upload(poison.data());
+  TensorDesc gpu_dxd(dcopy.ptr, ct, shape, dev);
+  TensorDesc xd(dx.ptr, g.dt, shape, dev);
+  xd.strides = strides;
+  rope_backward_quantize(xd, TensorDesc(dc.ptr, g.tt, {T, g.R}, dev), TensorDesc(ds.ptr, g.tt, {T, g.R}, dev), t,
+                         g.copy ? &gpu_dxd : nullptr, o, g.use_cu ? &cud : nullptr, nullptr);
+  MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
+  if (o.rowwise) {
+    ASSERT_EQ(test::first_mismatch(drow.download<uint8_t>(), ref.row), "") << what << " rowwise codes";
+    ASSERT_EQ(test::first_mismatch(drs.download<uint8_t>(), ref.rs), "") << what << " rowwise scales";
+  }
+  if (o.columnwise) {
+    ASSERT_EQ(test::first_mismatch(dcol.download<uint8_t>(), ref.col), "") << what << " columnwise codes";
+    ASSERT_EQ(test::first_mismatch(dcs.download<uint8_t>(), ref.cs), "") << what << " columnwise scales";
+  }
+  if (g.copy) ASSERT_EQ(test::first_mismatch(dcopy.download<uint8_t>(), ref_dx), "") << what << " dx copy";
+}
+
+// Over head geometries (tails: 74 tokens; one head; D 64 / 128 / 192 — bf16 at 192 / 64 takes the
+// DeepSeek-V3 fast path, the rest the generic kernel), styles, dtypes, layouts (thd with uneven
+// cu_seqlens), strided input, both formats, each direction alone, table dtypes; adversarial data
+// (zero blocks, denormals, saturation and rounding boundaries, NaN, Inf).
 TEST(RopeGpu, BackwardQuantizeMatchesReferenceBitExact) {
   MXMLA_REQUIRE_GPU();
-  const Device dev{DeviceType::kCUDA, 0};
   struct Geo {
     int64_t S, B, H, D, R;
   };
   int variant = 0;
-  for (const Geo g : {Geo{37, 2, 3, 192, 64}, Geo{1, 1, 1, 64, 64}, Geo{40, 1, 2, 128, 32}})
+  for (const Geo geo : {Geo{37, 2, 3, 192, 64}, Geo{1, 1, 1, 64, 64}, Geo{40, 1, 2, 128, 32}})
     for (RopeStyle st : {RopeStyle::kInterleavedInHalvesOut, RopeStyle::kInterleaved, RopeStyle::kRotateHalf})
       for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
         for (RopeLayout l : {RopeLayout::kSBHD, RopeLayout::kBSHD, RopeLayout::kTHD}) {
           ++variant;
-          const int64_t tokens = g.S * g.B, HD = g.H * g.D;
-          RopeBackwardQuantizeOptions o;
-          o.rope.style = st, o.rope.layout = l, o.rope.rope_dim = g.R;
-          o.rowwise = variant % 3 != 2, o.columnwise = variant % 3 != 1;
-          o.swizzle = variant % 2 == 0;
-          o.format = variant % 4 == 1 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
-          const DType tt = (variant / 2) % 2 ? DType::kBFloat16 : DType::kFloat32;
-          const int copy = (variant / 3) % 3;  // none, bf16, fp32
-          const bool strided = variant % 5 == 0;
-          const std::vector<int64_t> shape = l == RopeLayout::kSBHD   ? std::vector<int64_t>{g.S, g.B, g.H, g.D}
-                                             : l == RopeLayout::kBSHD ? std::vector<int64_t>{g.B, g.S, g.H, g.D}
-                                                                      : std::vector<int64_t>{tokens, g.H, g.D};
-          std::vector<int64_t> cu = {0, tokens / 3, tokens / 3, tokens};  // uneven, one empty
-          TensorDesc cud(cu.data(), DType::kInt64, {4});
-          const bool use_cu = l == RopeLayout::kTHD && variant % 2;
-          o.rope.tables_per_token = l == RopeLayout::kTHD && !use_cu;
-          const int64_t T = l == RopeLayout::kTHD ? tokens : g.S;
-          const std::vector<float> xf = test::make_data(tokens, HD, test::Data::kAdversarial, 100 + variant);
-          util::Rng rng(variant);
-          std::vector<float> cf(T * g.R), sf(T * g.R);
-          for (auto& v : cf) v = static_cast<float>(rng.normal());
-          for (auto& v : sf) v = static_cast<float>(rng.normal());
-          const std::vector<uint8_t> x = test::encode(xf, dt), c = test::encode(cf, tt), s = test::encode(sf, tt);
-          const std::string what = "variant " + std::to_string(variant) + " style " + std::to_string(int(st)) +
-                                   " dtype " + dtype_name(dt) + " layout " + std::to_string(int(l)) + " D " +
-                                   std::to_string(g.D);
-          // CPU reference
-          const MXFP8Shapes qs = quantize_shapes({tokens, HD}, o.swizzle);
-          test::HostQ ref = test::alloc_host(qs, o.rowwise, o.columnwise);
-          const DType ct = copy == 2 ? DType::kFloat32 : DType::kBFloat16;
-          std::vector<uint8_t> ref_dx(copy ? tokens * HD * dtype_size(ct) : 0, 0xAB);
-          TensorDesc ref_dxd(ref_dx.data(), ct, shape);
-          rope_backward_quantize(TensorDesc(const_cast<uint8_t*>(x.data()), dt, shape),
-                                 TensorDesc(const_cast<uint8_t*>(c.data()), tt, {T, g.R}),
-                                 TensorDesc(const_cast<uint8_t*>(s.data()), tt, {T, g.R}), ref.t,
-                                 copy ? &ref_dxd : nullptr, o, use_cu ? &cud : nullptr, nullptr);
-          // GPU: the same logical input, strided (each head padded by 16 elements) when asked
-          const int64_t es = dtype_size(dt), P = strided ? g.D + 16 : g.D;
-          std::vector<uint8_t> xg(tokens * g.H * P * es, 0x7F);
-          for (int64_t r = 0; r < tokens * g.H; ++r) std::memcpy(&xg[r * P * es], &x[r * g.D * es], g.D * es);
-          std::vector<int64_t> strides(shape.size(), 1);  // contiguous strides of [..., H, P]
-          int64_t acc = P;
-          for (int64_t i = static_cast<int64_t>(shape.size()) - 2; i >= 0; --i) strides[i] = acc, acc *= shape[i];
-          util::DeviceBuffer dx(xg.size()), dc(c.size()), ds(s.size()), drow(ref.row.size()), drs(ref.rs.size()),
-              dcol(ref.col.size()), dcs(ref.cs.size()), dcopy(ref_dx.size());
-          dx.upload(xg.data()), dc.upload(c.data()), ds.upload(s.data());
-          const std::vector<uint8_t> poison(std::max({ref.row.size(), ref.rs.size(), ref.col.size(), ref.cs.size(),
-                                                      ref_dx.size()}),
-                                            0xCD);
-          MXFP8Tensor t;
-          if (o.rowwise) {
-            drow.upload(poison.data()), drs.upload(poison.data());
-            t.rowwise_data = TensorDesc(drow.ptr, DType::kUInt8, qs.data, dev);
-            t.rowwise_scale_inv = TensorDesc(drs.ptr, DType::kUInt8, qs.rowwise_scale, dev);
-          }
-          if (o.columnwise) {
-            dcol.upload(poison.data()), dcs.upload(poison.data());
-            t.columnwise_data = TensorDesc(dcol.ptr, DType::kUInt8, qs.data, dev);
-            t.columnwise_scale_inv = TensorDesc(dcs.ptr, DType::kUInt8, qs.columnwise_scale, dev);
-          }
-          if (copy) dcopy.upload(poison.data());
-          TensorDesc gpu_dxd(dcopy.ptr, ct, shape, dev);
-          TensorDesc xd(dx.ptr, dt, shape, dev);
-          xd.strides = strides;
-          rope_backward_quantize(xd, TensorDesc(dc.ptr, tt, {T, g.R}, dev), TensorDesc(ds.ptr, tt, {T, g.R}, dev), t,
-                                 copy ? &gpu_dxd : nullptr, o, use_cu ? &cud : nullptr, nullptr);
-          MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
-          if (o.rowwise) {
-            ASSERT_EQ(test::first_mismatch(drow.download<uint8_t>(), ref.row), "") << what << " rowwise codes";
-            ASSERT_EQ(test::first_mismatch(drs.download<uint8_t>(), ref.rs), "") << what << " rowwise scales";
-          }
-          if (o.columnwise) {
-            ASSERT_EQ(test::first_mismatch(dcol.download<uint8_t>(), ref.col), "") << what << " columnwise codes";
-            ASSERT_EQ(test::first_mismatch(dcs.download<uint8_t>(), ref.cs), "") << what << " columnwise scales";
-          }
-          if (copy) ASSERT_EQ(test::first_mismatch(dcopy.download<uint8_t>(), ref_dx), "") << what << " dx copy";
+          RbqCase g{geo.S, geo.B, geo.H, geo.D, geo.R};
+          g.style = st, g.dt = dt, g.layout = l, g.seed = variant;
+          g.rowwise = variant % 3 != 2, g.columnwise = variant % 3 != 1;
+          g.swizzle = variant % 2 == 0;
+          g.format = variant % 4 == 1 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+          g.tt = (variant / 2) % 2 ? DType::kBFloat16 : DType::kFloat32;
+          g.copy = (variant / 3) % 3;
+          g.strided = variant % 5 == 0;
+          const int64_t tokens = geo.S * geo.B;
+          g.cu = {0, tokens / 3, tokens / 3, tokens};  // uneven, one empty
+          g.use_cu = l == RopeLayout::kTHD && variant % 2;
+          check_rope_quantize(g);
+          if (HasFatalFailure()) return;
         }
+}
+
+// The fast path over many tiles per block (table values reused across the heads of a token tile
+// and reloaded at the next one), a tail tile, sequences that start inside a token tile, batch > 1,
+// each style, swizzled scales and the dx copy.
+TEST(RopeGpu, BackwardQuantizeFastPathManyTiles) {
+  MXMLA_REQUIRE_GPU();
+  int seed = 500;
+  for (RopeStyle st : {RopeStyle::kInterleavedInHalvesOut, RopeStyle::kInterleaved, RopeStyle::kRotateHalf}) {
+    RbqCase a{4100, 1, 8, 192, 64};   // thd, uneven sequences, fp32 tables
+    a.style = st, a.use_cu = true, a.cu = {0, 1000, 1000, 2777, 4100}, a.seed = ++seed;
+    check_rope_quantize(a);
+    if (HasFatalFailure()) return;
+    RbqCase b{2051, 2, 6, 192, 64};   // sbhd, bf16 tables, E5M2, swizzled, bf16 copy, strided heads
+    b.style = st, b.layout = RopeLayout::kSBHD, b.tt = DType::kBFloat16, b.format = Fp8Format::kE5M2;
+    b.swizzle = true, b.copy = 1, b.strided = true, b.seed = ++seed;
+    check_rope_quantize(b);
+    if (HasFatalFailure()) return;
+    RbqCase c{1027, 3, 5, 192, 64};   // bshd, rowwise only / columnwise only
+    c.style = st, c.layout = RopeLayout::kBSHD, c.columnwise = st != RopeStyle::kInterleaved, c.seed = ++seed;
+    c.rowwise = st != RopeStyle::kRotateHalf;
+    check_rope_quantize(c);
+    if (HasFatalFailure()) return;
+  }
 }
 #endif
 
