@@ -719,15 +719,19 @@ __global__ void __launch_bounds__(mla::kThreads)
   }
 }
 
-// Tokens of the fast path sit at one stride: sbhd / thd token s * B + b, bshd b * S + s.
+// Tokens of the fast path sit at one stride: sbhd / thd token s * B + b, bshd b * S + s. The
+// fast path also wants the heads and tokens laid out without overlap (what TMA's tensor map
+// describes); anything else — overlapping views — takes the generic kernel.
 bool uniform_token_stride(const RopeKernelParams& p, int64_t& stride) {
   const int64_t ss = p.in_st[0], bs = p.in_st[1];
+  bool ok = false;
   if (p.sbhd) {
-    if (p.B == 1 || ss == p.B * bs) return stride = p.B == 1 ? ss : bs, true;
+    if (p.B == 1 || ss == p.B * bs) stride = p.B == 1 ? ss : bs, ok = true;
   } else {
-    if (p.S == 1 || bs == p.S * ss) return stride = p.S == 1 ? bs : ss, true;
+    if (p.S == 1 || bs == p.S * ss) stride = p.S == 1 ? bs : ss, ok = true;
   }
-  return false;
+  const int64_t hs = p.H > 1 ? p.in_st[2] : p.D;
+  return ok && hs >= p.D && (p.S * p.B == 1 || stride >= hs * p.H);
 }
 
 template <typename TT, bool kE4M3>
