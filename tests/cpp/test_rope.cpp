@@ -209,6 +209,7 @@ struct RbqCase {
   DType dt = DType::kBFloat16, tt = DType::kFloat32;  // input, tables
   RopeLayout layout = RopeLayout::kTHD;
   bool rowwise = true, columnwise = true, swizzle = false, strided = false, use_cu = false;
+  bool pad_dim1 = false;  // sbhd / bshd: dim 1 allocated one larger (tokens no longer at one stride)
   Fp8Format format = Fp8Format::kE4M3;
   int copy = 0;  // dx copy: none, bf16, fp32
   std::vector<int64_t> cu;  // thd cu_seqlens when use_cu
@@ -248,13 +249,27 @@ void check_rope_quantize(const RbqCase& g) {
                          TensorDesc(const_cast<uint8_t*>(c.data()), g.tt, {T, g.R}),
                          TensorDesc(const_cast<uint8_t*>(s.data()), g.tt, {T, g.R}), ref.t, g.copy ? &ref_dxd : nullptr,
                          o, g.use_cu ? &cud : nullptr, nullptr);
-  // GPU: the same logical input, strided (each head padded by 16 elements) when asked
+  // GPU: the same logical input, strided (each head padded by 16 elements) and / or with dim 1
+  // allocated one larger, when asked
   const int64_t es = dtype_size(g.dt), P = g.strided ? g.D + 16 : g.D;
-  std::vector<uint8_t> xg(tokens * g.H * P * es, 0x7F);
-  for (int64_t r = 0; r < tokens * g.H; ++r) std::memcpy(&xg[r * P * es], &x[r * g.D * es], g.D * es);
-  std::vector<int64_t> strides(shape.size(), 1);  // contiguous strides of [..., H, P]
+  std::vector<int64_t> alloc = shape;
+  alloc.back() = P;
+  const bool pad1 = g.pad_dim1 && shape.size() == 4;
+  if (pad1) alloc[1] += 1;
+  int64_t alloc_rows = 1;
+  for (size_t i = 0; i + 1 < alloc.size(); ++i) alloc_rows *= alloc[i];
+  std::vector<uint8_t> xg(alloc_rows * P * es, 0x7F);
+  for (int64_t r = 0; r < tokens * g.H; ++r) {
+    int64_t ar = r;  // the logical row's row in the allocation
+    if (pad1) {
+      const int64_t inner = shape[1] * g.H, d0 = r / inner, d1 = (r % inner) / g.H, h = r % g.H;
+      ar = (d0 * alloc[1] + d1) * g.H + h;
+    }
+    std::memcpy(&xg[ar * P * es], &x[r * g.D * es], g.D * es);
+  }
+  std::vector<int64_t> strides(shape.size(), 1);  // contiguous strides of the allocation
   int64_t acc = P;
-  for (int64_t i = static_cast<int64_t>(shape.size()) - 2; i >= 0; --i) strides[i] = acc, acc *= shape[i];
+  for (int64_t i = static_cast<int64_t>(shape.size()) - 2; i >= 0; --i) strides[i] = acc, acc *= alloc[i];
   util::DeviceBuffer dx(xg.size()), dc(c.size()), ds(s.size()), drow(ref.row.size()), drs(ref.rs.size()),
       dcol(ref.col.size()), dcs(ref.cs.size()), dcopy(ref_dx.size());
   dx.upload(xg.data()), dc.upload(c.data()), ds.upload(s.data());
@@ -318,6 +333,19 @@ TEST(RopeGpu, BackwardQuantizeMatchesReferenceBitExact) {
           check_rope_quantize(g);
           if (HasFatalFailure()) return;
         }
+}
+
+// DeepSeek-V3 heads (bf16, 192 / 64) whose tokens do not sit at one stride (a batch or sequence
+// dim allocated one larger): the launcher falls back to the generic kernel; same bits.
+TEST(RopeGpu, BackwardQuantizeDeepSeekHeadsNonUniformTokenStride) {
+  MXMLA_REQUIRE_GPU();
+  int seed = 600;
+  for (RopeLayout l : {RopeLayout::kSBHD, RopeLayout::kBSHD}) {
+    RbqCase a{70, 3, 4, 192, 64};
+    a.layout = l, a.pad_dim1 = true, a.strided = l == RopeLayout::kBSHD, a.copy = 1, a.seed = ++seed;
+    check_rope_quantize(a);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // The fast path over many tiles per block (table values reused across the heads of a token tile
