@@ -65,7 +65,8 @@ MXMLA_HD float e8m0_quant_multiplier(uint8_t e) {
 // (b + 0x7FFFFF) >> 23 is the exponent plus one when the mantissa is non-zero; below 2^-126 the
 // threshold is 2^-127 (TE: up when m > 0x400000), i.e. (b + 0x3FFFFF) >> 23; the min keeps finite
 // blocks at 0xFE and maps an Inf amax (v = Inf) to 0xFE. Equal to float_to_e8m0 plus the rules
-// above for every amax (tests: Reference.E8M0BitRuleMatchesCeilLog2, ...SpecialBlocks).
+// above for every amax (tests: Reference.E8M0BitRuleEqualsTeFormulaExhaustive, checking all 2^31
+// patterns, E8M0BitRuleMatchesCeilLog2 against the reference, ...SpecialBlocks).
 MXMLA_HD uint8_t block_scale_from_amax_bits(uint32_t amax_bits, uint32_t rcp_max_bits) {
   const uint32_t v = f32_as_u32(u32_as_f32(amax_bits) * u32_as_f32(rcp_max_bits));
   uint32_t e = (v + (v < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;

@@ -94,6 +94,24 @@ TEST(Reference, E8M0BitRuleMatchesCeilLog2) {
   }
 }
 
+// The kernels' integer-add scale rule against TransformerEngine's float_to_e8m0 (kept in
+// mxfp8_common.h as the written-out formula) plus SPEC §2's Inf / NaN rules, for every one of the
+// 2^31 sign-cleared amax bit patterns and both formats (~8 s in a Release build).
+TEST(Reference, E8M0BitRuleEqualsTeFormulaExhaustive) {
+  for (uint32_t rcp : {detail::kRcpMaxE4M3Bits, detail::kRcpMaxE5M2Bits}) {
+    uint64_t mismatches = 0;
+    uint32_t first = 0;
+    for (uint64_t b = 0; b < 0x80000000ull; ++b) {
+      const uint32_t bits = static_cast<uint32_t>(b);
+      uint8_t want = detail::float_to_e8m0(detail::u32_as_f32(bits) * detail::u32_as_f32(rcp));
+      if (bits == 0x7F800000u) want = 0xFE;
+      if (bits > 0x7F800000u) want = 0xFF;
+      if (detail::block_scale_from_amax_bits(bits, rcp) != want && mismatches++ == 0) first = bits;
+    }
+    EXPECT_EQ(mismatches, 0u) << "first amax bits 0x" << std::hex << first << " (rcp 0x" << rcp << ")";
+  }
+}
+
 // The select-only special cases of the shared helpers: every E8M0 byte's multiplier, and the Inf /
 // NaN block rule (SPEC §2) for every NaN payload class and both formats.
 TEST(Reference, E8M0MultiplierAndSpecialBlocks) {
