@@ -241,11 +241,11 @@ __device__ __forceinline__ void columnwise(const RopeQuantizeParams& P, const Ti
 }
 
 // Phase 5: the dx copy (contiguous, token order).
-template <typename T, int kN>
+template <typename T>
 __device__ __forceinline__ void copy_dx(const RopeQuantizeParams& P, const Tile& t, const TileView<T>& tv, int tid) {
   const int64_t HD = P.rope.H * P.rope.D, col0 = static_cast<int64_t>(t.h) * tv.D;
   const int cpr = tv.D / 8;
-  for (int u = tid; u < t.nrows * cpr; u += kN) {
+  for (int u = tid; u < t.nrows * cpr; u += kThreads) {
     const int r = u / cpr, c8 = u % cpr;
     float v[8];
     tv.load8(r, 8 * c8, v);
@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) sm90_rope_quantize_kernel(const Rope
     const TileView<T> tv{stage, rope, D, D - R, raw_pitch<T>(D), rope_pitch(R)};
     if (P.row_codes != nullptr) rowwise<T, kE4M3>(P, t, tv, lane, warp);
     if (P.col_codes != nullptr) columnwise<T, kE4M3>(P, t, tv, tid);
-    if (P.dx != nullptr) copy_dx<T, kThreads>(P, t, tv, tid);
+    if (P.dx != nullptr) copy_dx<T>(P, t, tv, tid);
   }
 }
 
@@ -397,11 +397,6 @@ __device__ __forceinline__ void store_row_block(const uint32_t* w, uint8_t* dst_
   if ((lane | 1) < nrows) *reinterpret_cast<uint4*>(dst_even + HD) = odd_half;
 }
 
-// Where a tile's outputs go.
-struct TileOut {
-  int t0, h, nrows;
-};
-
 // W0: the lane's table values for token `tok` (zero past the last token): slot k < 16 holds
 // cos[4k, 4k + 4), slot 16 + k sin[4k, 4k + 4), at tab[k * 32 + lane].
 template <typename TT>
@@ -433,7 +428,7 @@ __device__ __forceinline__ void tab8(const float4* tab, int slot0, int lane, flo
 // W0: RoPE backward of row `lane`, its fp32 rope row, then its two rope blocks rowwise.
 template <bool kE4M3>
 __device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetChoice& sc, const __nv_bfloat16* stage,
-                                         const float4* tab, float* rope, uint8_t* sink, const TileOut& t, int64_t HD,
+                                         const float4* tab, float* rope, uint8_t* sink, const Tile& t, int64_t HD,
                                          int lane) {
   const __nv_bfloat16* xr = stage + lane * kRawPitch + kNope;
   float* rr = rope + lane * kRopePitch;
@@ -491,7 +486,7 @@ __device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetC
 // W1: the four nope blocks of row `lane` (and the nope part of the dx copy).
 template <bool kE4M3>
 __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv_bfloat16* stage, uint8_t* sink,
-                                         const TileOut& t, int64_t HD, int lane) {
+                                         const Tile& t, int64_t HD, int lane) {
   const uint4* src = reinterpret_cast<const uint4*>(stage + lane * kRawPitch);
   const int64_t row0 = static_cast<int64_t>(t.t0 + lane) * HD + static_cast<int64_t>(t.h) * kD;
   if (P.dx != nullptr && lane < t.nrows) {
@@ -546,7 +541,7 @@ __device__ __forceinline__ void col_scales(const RopeQuantizeParams& P, int t0, 
 // W2: columnwise nope, lane = (chunk c = lane % 16: columns [8c, 8c + 8), half = lane / 16:
 // rows [16 half, 16 half + 16)). Pass 1 reads for the amax, pass 2 reads again and converts.
 template <bool kE4M3>
-__device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const TileOut& t,
+__device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const Tile& t,
                                          int64_t HD, int lane) {
   const int c = lane & 15, r0 = 16 * (lane >> 4);
   const uint4* src = reinterpret_cast<const uint4*>(stage + r0 * kRawPitch + 8 * c);
@@ -587,7 +582,7 @@ __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv
 // W3: columnwise rope of the previous tile from its fp32 rope tile, lane = (chunk c = lane % 16:
 // rope columns [4c, 4c + 4), half = lane / 16).
 template <bool kE4M3>
-__device__ __forceinline__ void rope_col(const RopeQuantizeParams& P, const float* rope, const TileOut& t, int64_t HD,
+__device__ __forceinline__ void rope_col(const RopeQuantizeParams& P, const float* rope, const Tile& t, int64_t HD,
                                          int lane) {
   const int c = lane & 15, r0 = 16 * (lane >> 4);
   const float4* src = reinterpret_cast<const float4*>(rope + r0 * kRopePitch + 4 * c);
@@ -622,7 +617,7 @@ __device__ __forceinline__ void rope_col(const RopeQuantizeParams& P, const floa
 }
 
 // W3: the previous tile's rowwise scales from the sink, [32 rows][6 bytes].
-__device__ __forceinline__ void row_scales_out(const RopeQuantizeParams& P, const uint8_t* sink, const TileOut& t,
+__device__ __forceinline__ void row_scales_out(const RopeQuantizeParams& P, const uint8_t* sink, const Tile& t,
                                                int lane) {
   const int64_t nkb = P.rope.H * (kD / 32), kb0 = static_cast<int64_t>(t.h) * (kD / 32);
   if (P.row_map.mode == MapMode::kCompact && reinterpret_cast<uintptr_t>(P.row_scales) % 2 == 0) {
@@ -686,11 +681,11 @@ __global__ void __launch_bounds__(mla::kThreads)
     next(hn, ttn);
   }
   int tab_tt = -1;  // W0: token tile whose table values the slots hold
-  mla::TileOut prev{0, 0, 0};
+  Tile prev{0, 0, 0};
   int st = 0;
   uint32_t parity = 0;
   for (int k = 0; k <= n; ++k) {
-    const mla::TileOut cur{tt * kRows, h, min(kRows, ntok - tt * kRows)};
+    const Tile cur{h, tt * kRows, min(kRows, ntok - tt * kRows)};
     if (k < n && warp < 3) {
       const __nv_bfloat16* stage = raw + st * kStageElems;
       uint8_t* sink = sink0 + (k & 1) * kRows * 8;
