@@ -215,6 +215,7 @@ def main() -> int:
     ap.add_argument("--quant-only", action="store_true", help="only the quantize cases (no peers, no attention)")
     ap.add_argument("--rope-only", action="store_true", help="only the copy ceiling and the RoPE cases")
     ap.add_argument("--qproj-only", action="store_true", help="only the fused Q up-projection cases")
+    ap.add_argument("--attn-only", action="store_true", help="only the copy ceiling and the attention hand-off cases")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench: no CUDA device: nothing to measure")
@@ -253,6 +254,10 @@ def main() -> int:
     if a.qproj_only:
         del x, y
         bench_qproj(a.iters, flush, dev, add, not a.no_compile)
+        return report(a, res, rows, agree)
+    if a.attn_only:
+        del x, y
+        bench_attention(a.iters, flush, dev, add)
         return report(a, res, rows, agree)
     if a.rope_only:
         del x, y

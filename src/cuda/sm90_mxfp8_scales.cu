@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <numeric>
 #include <vector>
 
 #include "common/ops.h"
@@ -162,6 +163,170 @@ __global__ void __launch_bounds__(kThreads) sm90_remap_scales_kernel(const __gri
   }
 }
 
+// ---------------------------------------------------------------- compact attention scales -> BHSD
+// The common case of the remap: compact attention scales (SPEC §2.2 phase one) to BHSD swizzled
+// tiles, through shared memory. One block = one item: it stages a [R x seg] byte region of the
+// compact source with wide coalesced loads (zero rows past the source), then writes whole 512-byte
+// swizzle tiles of G (b, h) matrices, one tile per warp at a time, 16 bytes per lane.
+//   rowwise:    source [batch][rows][mats * nd] (nd = D / 32); item (bi, 128-row tile ri, mat group)
+//               stage [R = 128][G * nd]; tile (m, sub) of matrix (bi, m): index ri * txs + sub,
+//               row i = bytes stage[i][m * nd + 4 sub + q], q < min(4, nd - 4 sub)
+//   columnwise: source [batch][nrb][mats * D]; item (bi, 4-row-block column ri, mat group)
+//               stage [R = 4][G * D]; tile (m, sub): index sub * ntx + ri,
+//               row i, byte q = stage[q][m * D + 128 sub + i] while 128 sub + i < D
+// Everything else (zero padding, tail rows / row blocks) is zero in the staged rows or masked.
+constexpr int kBhsdThreads = 256;
+constexpr int kBhsdStageBudget = 8192;        // bytes of staged source per item (several blocks per SM)
+constexpr int kBhsdMaxSmem = 48 * 1024;       // larger stages (huge D) take the generic kernel
+struct BhsdJob {
+  const uint8_t* src;
+  uint8_t* dst;
+  int64_t src_row_bytes;   // ncb (rowwise) or cols (columnwise)
+  int64_t src_rows;        // rows (rowwise) or nrb (columnwise) of one batch entry
+  int64_t mat_size;        // bytes of one (b, h) matrix of dst
+  int32_t rowwise, unit;   // unit: bytes of one matrix in a source row (nd or D)
+  int32_t mats, group;     // (b, h) matrices per batch entry; matrices per item
+  int32_t subs;            // tiles per matrix per item: txs (rowwise) or ceil(D / 128)
+  int32_t ri_count, groups;  // items along the source rows (128-row tiles / 4-block columns), mat groups
+  int32_t tile_ri, tile_sub;  // tile index in its matrix = ri * tile_ri + sub * tile_sub
+  int32_t vec;             // bytes per global load: 16, 4 or 1
+  int32_t pitch;           // staged row pitch in bytes (a multiple of 4, an odd number of words)
+  int32_t dst16;           // dst 16-byte aligned
+};
+struct BhsdBatch {
+  BhsdJob job[kMaxRemapJobs];
+  int64_t first[kMaxRemapJobs + 1];  // prefix sums of items (blocks)
+  int count;
+};
+
+__global__ void __launch_bounds__(kBhsdThreads) sm90_scales_to_bhsd_kernel(const __grid_constant__ BhsdBatch batch) {
+  extern __shared__ __align__(16) uint8_t stage[];
+  int k = 0;
+  while (blockIdx.x >= batch.first[k + 1]) ++k;
+  const BhsdJob& p = batch.job[k];
+  int64_t item = blockIdx.x - batch.first[k];
+  const int mg = static_cast<int>(item % p.groups);
+  item /= p.groups;
+  const int ri = static_cast<int>(item % p.ri_count);
+  const int64_t bi = item / p.ri_count;
+  const int R = p.rowwise ? 128 : 4;
+  const int m0 = mg * p.group, gm = min(p.group, p.mats - m0);  // matrices of this item
+  const int seg = gm * p.unit;                                  // staged bytes per row
+  const int64_t row0 = static_cast<int64_t>(ri) * R;
+  const int nrows = static_cast<int>(p.src_rows - row0 < R ? p.src_rows - row0 : R);
+  const uint8_t* src = p.src + (bi * p.src_rows + row0) * p.src_row_bytes + static_cast<int64_t>(m0) * p.unit;
+
+  // 1. stage: rows < nrows from the source (vec-byte loads, 4-byte shared stores), the rest zero
+  const int upr = seg / p.vec, units = R * upr;
+  if (p.vec == 16) {  // kU loads in flight per thread before their stores
+    constexpr int kU = 4;
+    for (int u0 = threadIdx.x; u0 < units; u0 += kU * kBhsdThreads) {
+      uint4 v[kU];
+#pragma unroll
+      for (int k = 0; k < kU; ++k) {
+        const int u = u0 + k * kBhsdThreads, r = u / upr, c = (u - r * upr) * 16;
+        v[k] = make_uint4(0, 0, 0, 0);
+        if (u < units && r < nrows) v[k] = __ldg(reinterpret_cast<const uint4*>(src + r * p.src_row_bytes + c));
+      }
+#pragma unroll
+      for (int k = 0; k < kU; ++k) {
+        const int u = u0 + k * kBhsdThreads, r = u / upr, c = (u - r * upr) * 16;
+        if (u < units) {
+          uint32_t* d = reinterpret_cast<uint32_t*>(stage + r * p.pitch + c);
+          d[0] = v[k].x, d[1] = v[k].y, d[2] = v[k].z, d[3] = v[k].w;
+        }
+      }
+    }
+  } else if (p.vec == 4) {
+    for (int u = threadIdx.x; u < units; u += kBhsdThreads) {
+      const int r = u / upr, c = (u - r * upr) * 4;
+      const uint32_t v = r < nrows ? __ldg(reinterpret_cast<const uint32_t*>(src + r * p.src_row_bytes + c)) : 0u;
+      *reinterpret_cast<uint32_t*>(stage + r * p.pitch + c) = v;
+    }
+  } else {
+    for (int u = threadIdx.x; u < units; u += kBhsdThreads) {
+      const int r = u / upr, c = u - r * upr;
+      stage[r * p.pitch + c] = r < nrows ? __ldg(src + r * p.src_row_bytes + c) : uint8_t{0};
+    }
+  }
+  __syncthreads();
+
+  // 2. tiles: warp w takes tiles w, w + 8, ... of the item's gm * subs; lane l owns rows l + 32 j
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int t = warp; t < gm * p.subs; t += kBhsdThreads / 32) {
+    const int m = t / p.subs, sub = t - m * p.subs;
+    uint32_t w[4];
+    if (p.rowwise) {
+      const int c0 = m * p.unit + 4 * sub, n = min(4, p.unit - 4 * sub);  // block columns of this tile
+      const uint32_t mask = n == 4 ? 0xFFFFFFFFu : (1u << (8 * n)) - 1u;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // the n bytes at c0 from one or two aligned words (a funnel shift)
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(stage + (lane + 32 * j) * p.pitch);
+        const uint32_t lo = row[c0 / 4], hi = (c0 % 4 + n > 4) ? row[c0 / 4 + 1] : 0u;  // never past the segment
+        w[j] = __funnelshift_r(lo, hi, 8 * (c0 % 4)) & mask;
+      }
+    } else {
+      const int d0 = 128 * sub, c0 = m * p.unit + d0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = lane + 32 * j;
+        uint32_t v = 0;
+        if (d0 + i < p.unit)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) v |= static_cast<uint32_t>(stage[q * p.pitch + c0 + i]) << (8 * q);
+        w[j] = v;
+      }
+    }
+    const int64_t tile = static_cast<int64_t>(ri) * p.tile_ri + static_cast<int64_t>(sub) * p.tile_sub;
+    uint8_t* d = p.dst + (bi * p.mats + m0 + m) * p.mat_size + tile * 512 + lane * 16;
+    if (p.dst16) {
+      *reinterpret_cast<uint4*>(d) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      for (int q = 0; q < 16; ++q) d[q] = static_cast<uint8_t>(w[q / 4] >> (8 * (q % 4)));
+    }
+  }
+}
+
+// The job of sm90_scales_to_bhsd_kernel for a compact -> BHSD remap, or false when it does not
+// apply (other layouts, a stage over kBhsdMaxSmem, extents past 32 bits).
+bool make_bhsd_job(const RemapProblem& p, BhsdJob& j, int& smem) {
+  const ScaleMap& s = p.src_map;
+  const ScaleMap& d = p.dst_map;
+  if (s.mode != MapMode::kCompact || d.mode != MapMode::kBHSD) return false;
+  const int64_t nrb = ceil_div(d.rows, 32), mats = d.cols / d.D;
+  j = BhsdJob{};
+  j.src = p.src, j.dst = p.dst, j.rowwise = p.rowwise;
+  j.mat_size = d.mat_size;
+  const int64_t unit = p.rowwise ? d.D / 32 : d.D;
+  const int R = p.rowwise ? 128 : 4;
+  j.src_row_bytes = p.rowwise ? d.cols / 32 : d.cols;
+  j.src_rows = p.rowwise ? d.rows : nrb;
+  const int64_t ri_count = ceil_div(j.src_rows, R);
+  if (unit > (1 << 20) || mats > (1 << 30) || ri_count > (1 << 30) || ri_count == 0) return false;
+  j.unit = static_cast<int32_t>(unit), j.mats = static_cast<int32_t>(mats), j.ri_count = static_cast<int32_t>(ri_count);
+  // matrices per item: within the stage budget, a multiple of what makes a row segment 16-byte long
+  int64_t g = std::max<int64_t>(1, kBhsdStageBudget / (R * unit));
+  const int64_t g16 = 16 / std::gcd<int64_t>(unit, 16);
+  if (g >= g16) g = g / g16 * g16;
+  g = std::min(g, mats);
+  j.group = static_cast<int32_t>(g), j.groups = static_cast<int32_t>(ceil_div(mats, g));
+  const auto aligned = [&](int v) {
+    return reinterpret_cast<uintptr_t>(p.src) % v == 0 && j.src_row_bytes % v == 0 && (g * unit) % v == 0;
+  };
+  j.vec = aligned(16) ? 16 : aligned(4) ? 4 : 1;
+  const int64_t words = ceil_div(g * unit, 4);
+  j.pitch = static_cast<int32_t>((words | 1) * 4);
+  smem = R * j.pitch;
+  if (smem > kBhsdMaxSmem) return false;
+  if (p.rowwise) {
+    j.subs = static_cast<int32_t>(d.tiles_x), j.tile_ri = j.subs, j.tile_sub = 1;
+  } else {
+    j.subs = static_cast<int32_t>(ceil_div(d.D, 128)), j.tile_ri = 1, j.tile_sub = static_cast<int32_t>(d.tiles_x);
+  }
+  j.dst16 = reinterpret_cast<uintptr_t>(p.dst) % 16 == 0;
+  return true;
+}
+
 unsigned grid_for(int64_t threads, const char* op) {
   const int64_t blocks = ceil_div(threads, kThreads);
   if (blocks > 0x7FFFFFFF) throw Error(op, "input", "too many elements for one launch");
@@ -186,8 +351,33 @@ void dequantize_cuda(const DequantizeProblem& p, Stream s) {
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
-void remap_scales_cuda(const std::vector<RemapProblem>& jobs, Stream s) {
+void remap_scales_cuda(const std::vector<RemapProblem>& all, Stream s) {
   auto stream = reinterpret_cast<cudaStream_t>(s);
+  // compact -> BHSD jobs through the staged kernel, up to kMaxRemapJobs per launch; the rest below
+  std::vector<RemapProblem> jobs;
+  BhsdBatch bb{};
+  int smem = 0;
+  const auto flush_bhsd = [&] {
+    if (bb.count > 0 && bb.first[bb.count] > 0) {
+      if (bb.first[bb.count] > 0x7FFFFFFF) throw Error("mxmla.remap_scales", "input", "too many scale tiles for one launch");
+      sm90_scales_to_bhsd_kernel<<<static_cast<unsigned>(bb.first[bb.count]), kBhsdThreads, smem, stream>>>(bb);
+      MXMLA_CUDA_CHECK(cudaGetLastError());
+    }
+    bb = BhsdBatch{}, smem = 0;
+  };
+  for (const RemapProblem& p : all) {
+    BhsdJob j;
+    int sm = 0;
+    if (!make_bhsd_job(p, j, sm)) {
+      jobs.push_back(p);
+      continue;
+    }
+    bb.job[bb.count] = j;
+    bb.first[bb.count + 1] = bb.first[bb.count] + int64_t{j.ri_count} * j.groups * p.dst_map.batch;
+    smem = std::max(smem, sm);
+    if (++bb.count == kMaxRemapJobs) flush_bhsd();
+  }
+  flush_bhsd();
   for (size_t j0 = 0; j0 < jobs.size(); j0 += kMaxRemapJobs) {
     RemapBatch batch{};
     batch.count = static_cast<int>(std::min<size_t>(kMaxRemapJobs, jobs.size() - j0));

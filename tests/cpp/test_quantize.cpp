@@ -2,7 +2,9 @@
 // message where no GPU is visible), and CPU-side consistency properties that need no GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
 #include <tuple>
 
 #include "test_util.h"
@@ -300,6 +302,66 @@ TEST(ScalesGpu, SwizzleUnswizzleBhsdAndDequantizeMatchReference) {
           EXPECT_EQ(test::first_mismatch(dout.download<uint8_t>(), ref), "")
               << "dequantize " << dtype_name(out_t) << (colw ? " columnwise" : " rowwise") << (swz ? " swizzled" : "");
         }
+    }
+}
+
+// Phase two alone (compact -> BHSD scales) on the GPU equals the CPU remap for random scale bytes:
+// odd and even block counts per row (d 96: three 32-blocks, 192: six), sequence tails, one head,
+// many heads (several matrix groups per block), head dims large enough for one matrix per block
+// and for the generic kernel (d 12800), more jobs than one launch takes, misaligned buffers (the
+// staged kernel's byte paths), a poisoned destination (padding must be written as zero).
+TEST(AttentionGpuPhases, PhaseTwoMatchesCpuRemap) {
+  MXMLA_REQUIRE_GPU();
+  const Device dev{DeviceType::kCUDA, 0};
+  const std::vector<AttnShape> shapes = {{1, 1, 1, 32},    {33, 2, 3, 192},  {257, 2, 16, 192}, {300, 3, 2, 64},
+                                         {129, 1, 5, 96},  {128, 2, 16, 128}, {70, 1, 1, 2080},  {40, 1, 1, 12800},
+                                         {1000, 1, 40, 192}};
+  struct Buf {
+    std::vector<uint8_t> src, want;
+    std::unique_ptr<util::DeviceBuffer> dsrc, ddst;
+    size_t soff = 0, doff = 0;
+  };
+  for (QKVLayout l : {QKVLayout::kSBHD, QKVLayout::kBSHD})
+    for (int misalign : {0, 1, 2}) {
+      std::vector<BhsdScaleJob> jobs;
+      std::vector<std::unique_ptr<Buf>> bufs;
+      std::vector<std::string> names;
+      util::Rng rng(7 + misalign);
+      for (const AttnShape& a : shapes)
+        for (bool rowwise : {true, false}) {
+          const auto dims = attn_dims(l, a);
+          const MXFP8Shapes cs = attention_shapes(dims, l, false), bs = attention_shapes(dims, l, true);
+          const auto& cshape = rowwise ? cs.rowwise_scale : cs.columnwise_scale;
+          const auto& bshape = rowwise ? bs.rowwise_scale : bs.columnwise_scale;
+          auto b = std::make_unique<Buf>();
+          b->src.resize(numel(cshape));
+          for (auto& v : b->src) v = static_cast<uint8_t>(rng.next());
+          b->want.assign(numel(bshape), 0xAB);
+          TensorDesc ch(b->src.data(), DType::kUInt8, cshape), bh(b->want.data(), DType::kUInt8, bshape);
+          attention_scales_to_bhsd(ch, bh, dims, l, rowwise);  // CPU remap (the reference)
+          // misalign 1: both buffers at odd addresses; 2: source at +4, destination at +8
+          b->soff = misalign == 1 ? 1 : misalign == 2 ? 4 : 0;
+          b->doff = misalign == 1 ? 3 : misalign == 2 ? 8 : 0;
+          std::vector<uint8_t> s(b->src.size() + 16, 0x11), d(b->want.size() + 16, 0xCD);
+          std::copy(b->src.begin(), b->src.end(), s.begin() + b->soff);
+          b->dsrc = std::make_unique<util::DeviceBuffer>(s.size()), b->ddst = std::make_unique<util::DeviceBuffer>(d.size());
+          b->dsrc->upload(s.data()), b->ddst->upload(d.data());
+          jobs.push_back({TensorDesc(b->dsrc->as<uint8_t>() + b->soff, DType::kUInt8, cshape, dev),
+                          TensorDesc(b->ddst->as<uint8_t>() + b->doff, DType::kUInt8, bshape, dev), dims, l, rowwise});
+          names.push_back("s" + std::to_string(a.S) + " b" + std::to_string(a.B) + " h" + std::to_string(a.H) + " d" +
+                          std::to_string(a.D) + (rowwise ? " rowwise" : " columnwise"));
+          bufs.push_back(std::move(b));
+        }
+      attention_scales_to_bhsd(jobs);  // 18 jobs: three launches of the staged kernel + the generic one
+      MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
+      for (size_t k = 0; k < bufs.size(); ++k) {
+        const std::vector<uint8_t> got = bufs[k]->ddst->download<uint8_t>();
+        const std::vector<uint8_t> in(got.begin() + bufs[k]->doff, got.begin() + bufs[k]->doff + bufs[k]->want.size());
+        EXPECT_EQ(test::first_mismatch(in, bufs[k]->want), "")
+            << names[k] << (l == QKVLayout::kSBHD ? " sbhd" : " bshd") << " misalign " << misalign;
+        for (size_t i = 0; i < got.size(); ++i)  // nothing outside the destination is touched
+          if (i < bufs[k]->doff || i >= bufs[k]->doff + bufs[k]->want.size()) ASSERT_EQ(got[i], 0xCD) << names[k] << " byte " << i;
+      }
     }
 }
 
