@@ -126,11 +126,19 @@ __device__ __forceinline__ void rotate16(RopeStyle st, bool backward, const floa
       }
     }
   } else if (st == RopeStyle::kRotateHalf) {
-    const float f = backward ? 1.0f : -1.0f;  // sign of the first half's sine term
+    // constant indices only: a run-time choice of sine index puts the arrays in local memory
+    if (!backward) {
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      o[k] = term(f * sn[backward ? 8 + k : k], in[8 + k], c[k], in[k]);
-      o[8 + k] = term(-f * sn[backward ? k : 8 + k], in[k], c[8 + k], in[8 + k]);
+      for (int k = 0; k < 8; ++k) {
+        o[k] = term(-sn[k], in[8 + k], c[k], in[k]);
+        o[8 + k] = term(sn[8 + k], in[k], c[8 + k], in[8 + k]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        o[k] = term(sn[8 + k], in[8 + k], c[k], in[k]);
+        o[8 + k] = term(-sn[k], in[k], c[8 + k], in[8 + k]);
+      }
     }
   } else {  // interleaved
 #pragma unroll
