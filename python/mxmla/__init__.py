@@ -182,8 +182,9 @@ def quantize_attention(x: Any, layout: str = "sbhd", rowwise: bool = True, colum
     """Quantize Q/K/V given as [s, b, h, d] (sbhd) or [b, s, h, d] (bshd) for attention.
 
     Codes keep x's layout; columnwise blocks run along s inside each sequence. With
-    bhsd_scales=True the scales are written directly in BHSD order, swizzled and zero-padded
-    (fused); with False they are compact (phase one of two; see attention_scales_to_bhsd).
+    bhsd_scales=True the scales come out in BHSD order, swizzled and zero-padded, in one call (on
+    the GPU: compact scales to scratch, then the BHSD re-layout kernel); with False they are
+    compact (phase one of two; see attention_scales_to_bhsd).
     """
     _check_format(fp8_format)
     if layout not in ("sbhd", "bshd"):
