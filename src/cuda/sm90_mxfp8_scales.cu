@@ -223,17 +223,17 @@ __global__ void __launch_bounds__(kBhsdThreads) sm90_scales_to_bhsd_kernel(const
     for (int u0 = threadIdx.x; u0 < units; u0 += kU * kBhsdThreads) {
       uint4 v[kU];
 #pragma unroll
-      for (int k = 0; k < kU; ++k) {
-        const int u = u0 + k * kBhsdThreads, r = u / upr, c = (u - r * upr) * 16;
-        v[k] = make_uint4(0, 0, 0, 0);
-        if (u < units && r < nrows) v[k] = __ldg(reinterpret_cast<const uint4*>(src + r * p.src_row_bytes + c));
+      for (int e = 0; e < kU; ++e) {
+        const int u = u0 + e * kBhsdThreads, r = u / upr, c = (u - r * upr) * 16;
+        v[e] = make_uint4(0, 0, 0, 0);
+        if (u < units && r < nrows) v[e] = __ldg(reinterpret_cast<const uint4*>(src + r * p.src_row_bytes + c));
       }
 #pragma unroll
-      for (int k = 0; k < kU; ++k) {
-        const int u = u0 + k * kBhsdThreads, r = u / upr, c = (u - r * upr) * 16;
+      for (int e = 0; e < kU; ++e) {
+        const int u = u0 + e * kBhsdThreads, r = u / upr, c = (u - r * upr) * 16;
         if (u < units) {
           uint32_t* d = reinterpret_cast<uint32_t*>(stage + r * p.pitch + c);
-          d[0] = v[k].x, d[1] = v[k].y, d[2] = v[k].z, d[3] = v[k].w;
+          d[0] = v[e].x, d[1] = v[e].y, d[2] = v[e].z, d[3] = v[e].w;
         }
       }
     }
@@ -302,7 +302,7 @@ bool make_bhsd_job(const RemapProblem& p, BhsdJob& j, int& smem) {
   j.src_row_bytes = p.rowwise ? d.cols / 32 : d.cols;
   j.src_rows = p.rowwise ? d.rows : nrb;
   const int64_t ri_count = ceil_div(j.src_rows, R);
-  if (unit > (1 << 20) || mats > (1 << 30) || ri_count > (1 << 30) || ri_count == 0) return false;
+  if (unit > (1 << 20) || mats > (1 << 30) || ri_count > (1 << 30) || ri_count == 0 || mats == 0) return false;
   j.unit = static_cast<int32_t>(unit), j.mats = static_cast<int32_t>(mats), j.ri_count = static_cast<int32_t>(ri_count);
   // matrices per item: within the stage budget, a multiple of what makes a row segment 16-byte long
   int64_t g = std::max<int64_t>(1, kBhsdStageBudget / (R * unit));

@@ -365,6 +365,24 @@ TEST(AttentionGpuPhases, PhaseTwoMatchesCpuRemap) {
     }
 }
 
+// Empty Q/K/V (no heads, no tokens): phase two is a no-op on the GPU, not a crash (the staged
+// kernel's host setup divides by the matrices per item).
+TEST(AttentionGpuPhases, PhaseTwoOfEmptyTensorsIsANoOp) {
+  MXMLA_REQUIRE_GPU();
+  const Device dev{DeviceType::kCUDA, 0};
+  for (QKVLayout l : {QKVLayout::kSBHD, QKVLayout::kBSHD})
+    for (const AttnShape& a : {AttnShape{5, 2, 0, 64}, AttnShape{0, 2, 3, 64}})
+      for (bool rowwise : {true, false}) {
+        const auto dims = attn_dims(l, a);
+        const MXFP8Shapes cs = attention_shapes(dims, l, false), bs = attention_shapes(dims, l, true);
+        TensorDesc sd(nullptr, DType::kUInt8, rowwise ? cs.rowwise_scale : cs.columnwise_scale, dev);
+        TensorDesc dd(nullptr, DType::kUInt8, rowwise ? bs.rowwise_scale : bs.columnwise_scale, dev);
+        EXPECT_EQ(sd.numel(), 0);
+        EXPECT_NO_THROW(attention_scales_to_bhsd(sd, dd, dims, l, rowwise));
+      }
+  MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 // Two-phase on the GPU (compact, then the BHSD transpose kernel) equals the fused GPU result.
 TEST(AttentionGpuPhases, TwoPhaseEqualsFused) {
   MXMLA_REQUIRE_GPU();
