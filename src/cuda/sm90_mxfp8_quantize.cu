@@ -11,9 +11,10 @@
 // amax is an integer max of magnitude bits (two 16-bit lanes per instruction), which also sees
 // NaN (bits above Inf) and Inf for the SPEC §2 policy. Scales go through a ScaleCursor
 // (compact or swizzled), so swizzled scales are written directly; padding is zeroed by the
-// launcher. BHSD scales (attention) take two passes: compact scales to scratch, then the staged
-// remap kernel of sm90_mxfp8_scales.cu (quantize_bhsd_two_pass). Tiles are walked in groups of four row tiles (one 128-row swizzle
-// tile), so swizzled columnwise scales leave as whole words.
+// launcher. Tiles are walked in groups of four row tiles (one 128-row swizzle tile), so swizzled
+// columnwise scales leave as whole words. BHSD scales (attention) take two passes: compact
+// scales to scratch, then the staged re-layout kernel of sm90_mxfp8_scales.cu
+// (quantize_bhsd_two_pass).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -464,9 +465,6 @@ void launch(const QuantizeProblem& p, cudaStream_t stream) {
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace
-
-namespace {
 // Stream-ordered scratch memory for one call (freed after the work queued on the stream).
 struct StreamScratch {
   uint8_t* ptr = nullptr;
@@ -484,7 +482,7 @@ struct StreamScratch {
 // BHSD scales (the attention hand-off) in two passes: the quantize kernel writes compact scales
 // to scratch, then the staged remap kernel (sm90_mxfp8_scales.cu) writes whole 512-byte BHSD
 // swizzle tiles, padding included. Faster than the quantize kernel scattering BHSD scale bytes
-// itself (0.1148 vs 0.1342 ms for Q, K, V at b 2, h 16, s 4096: docs/performance.md).
+// itself (0.1248 vs 0.1342 ms for Q, K, V at b 2, h 16, s 4096: docs/performance.md).
 void quantize_bhsd_two_pass(const QuantizeProblem& p, Stream s) {
   QuantizeProblem q = p;
   const bool row = p.row_codes && p.row_map.mode == MapMode::kBHSD, col = p.col_codes && p.col_map.mode == MapMode::kBHSD;
