@@ -24,6 +24,7 @@
 #include "common/ops.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ptx.cuh"
+#include "cuda/stream_scratch.h"
 
 namespace mxmla::detail {
 namespace {
@@ -464,20 +465,6 @@ void launch(const QuantizeProblem& p, cudaStream_t stream) {
   sm90_mxfp8_quantize_kernel<T, kE4M3><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, groups);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
-
-// Stream-ordered scratch memory for one call (freed after the work queued on the stream).
-struct StreamScratch {
-  uint8_t* ptr = nullptr;
-  cudaStream_t stream;
-  StreamScratch(int64_t bytes, cudaStream_t s) : stream(s) {
-    if (bytes > 0) MXMLA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptr), bytes, stream));
-  }
-  ~StreamScratch() {
-    if (ptr != nullptr) (void)cudaFreeAsync(ptr, stream);
-  }
-  StreamScratch(const StreamScratch&) = delete;
-  StreamScratch& operator=(const StreamScratch&) = delete;
-};
 
 // BHSD scales (the attention hand-off) in two passes: the quantize kernel writes compact scales
 // to scratch, then the staged remap kernel (sm90_mxfp8_scales.cu) writes whole 512-byte BHSD

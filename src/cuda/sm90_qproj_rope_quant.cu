@@ -32,6 +32,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/ptx.cuh"
 #include "cuda/ptx_sm90.cuh"
+#include "cuda/stream_scratch.h"
 
 // Experiment knob (cmake -DMXMLA_QPROJ_EPILOGUE=n): 0 times the mainloop and the tile hand-off alone
 // (outputs not written), 2 skips the columnwise part of the epilogue, 3 the table loads, 4 the rope
@@ -571,19 +572,12 @@ void qproj_cuda(const QProjProblem& p, Stream s) {
   const CUtensorMap tx = make_tmap(p.x, 3, xd, xs, xb);
   const void* w = p.w;
   int64_t w_st = p.w_st;
-  struct Scratch {  // stream-ordered: freed after the kernel in stream order
-    void* ptr = nullptr;
-    cudaStream_t stream;
-    ~Scratch() {
-      if (ptr) (void)cudaFreeAsync(ptr, stream);
-    }
-  } scratch{nullptr, stream};
+  StreamScratch scratch(p.w_kn ? p.NH * p.D * p.K * 2 : 0, stream);  // W transposed to [N, K]
   if (p.w_kn) {
     const int64_t N = p.NH * p.D;
-    MXMLA_CUDA_CHECK(cudaMallocAsync(&scratch.ptr, N * p.K * 2, stream));
     const dim3 grid(unsigned((N + 31) / 32), unsigned((p.K + 31) / 32)), block(32, 8);
     transpose_kn_to_nk<<<grid, block, 0, stream>>>(static_cast<const uint16_t*>(p.w), p.w_st,
-                                                   static_cast<uint16_t*>(scratch.ptr), p.K, N);
+                                                   reinterpret_cast<uint16_t*>(scratch.ptr), p.K, N);
     MXMLA_CUDA_CHECK(cudaGetLastError());
     w = scratch.ptr, w_st = p.K;
   }

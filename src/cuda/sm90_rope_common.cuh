@@ -18,6 +18,7 @@
 
 #include "common/rope_cuda.h"
 #include "cuda/cuda_check.h"
+#include "cuda/stream_scratch.h"
 
 namespace mxmla::detail::rope_dev {
 
@@ -191,23 +192,14 @@ namespace mxmla::detail {
 // cu_seqlens on the device for one launch: stream-ordered allocation, copied from the host values
 // (a pageable copy returns once the source is staged) and freed after the kernel.
 struct DeviceCuSeqlens {
+  StreamScratch buf;
   int64_t* ptr = nullptr;
   int64_t n = 0;
-  cudaStream_t stream;
-  DeviceCuSeqlens(const std::vector<int64_t>* host, cudaStream_t s) : stream(s) {
-    if (host == nullptr || host->empty()) return;
-    n = static_cast<int64_t>(host->size());
-    MXMLA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptr), n * sizeof(int64_t), stream));
-    const cudaError_t e = cudaMemcpyAsync(ptr, host->data(), n * sizeof(int64_t), cudaMemcpyHostToDevice, stream);
-    if (e != cudaSuccess) {  // the destructor does not run when the constructor throws
-      (void)cudaFreeAsync(ptr, stream);
-      MXMLA_CUDA_CHECK(e);
-    }
+  DeviceCuSeqlens(const std::vector<int64_t>* host, cudaStream_t s)
+      : buf(host == nullptr ? 0 : static_cast<int64_t>(host->size() * sizeof(int64_t)), s) {
+    if (buf.ptr == nullptr) return;
+    ptr = reinterpret_cast<int64_t*>(buf.ptr), n = static_cast<int64_t>(host->size());
+    MXMLA_CUDA_CHECK(cudaMemcpyAsync(ptr, host->data(), n * sizeof(int64_t), cudaMemcpyHostToDevice, s));
   }
-  ~DeviceCuSeqlens() {
-    if (ptr != nullptr) (void)cudaFreeAsync(ptr, stream);
-  }
-  DeviceCuSeqlens(const DeviceCuSeqlens&) = delete;
-  DeviceCuSeqlens& operator=(const DeviceCuSeqlens&) = delete;
 };
 }  // namespace mxmla::detail
