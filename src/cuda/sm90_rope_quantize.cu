@@ -538,82 +538,83 @@ __device__ __forceinline__ void col_scales(const RopeQuantizeParams& P, int t0, 
   }
 }
 
-// W2: columnwise nope, lane = (chunk c = lane % 16: columns [8c, 8c + 8), half = lane / 16:
-// rows [16 half, 16 half + 16)). Pass 1 reads for the amax, pass 2 reads again and converts.
+// Columnwise blocks of one 16-byte column chunk per lane, lane = (chunk c = lane % 16, row half
+// lane / 16: rows [16 half, 16 half + 16)). kBf16: 8 bf16 columns of the raw stage (packed
+// two-lane magnitude max); else 4 fp32 columns of the rope tile. Pass 1 takes the amax of the
+// lane's 16 rows and one shuffle joins the halves; pass 2 reads again and converts.
+template <bool kE4M3, bool kBf16>
+__device__ __forceinline__ void col_chunk(const RopeQuantizeParams& P, const uint4* src, const Tile& t, int64_t HD,
+                                          int64_t col, int lane) {
+  constexpr int kCols = kBf16 ? 8 : 4;
+  constexpr int kStep = kBf16 ? kRawPitch * 2 / 16 : kRopePitch / 4;  // uint4 per row
+  const int r0 = 16 * (lane >> 4);
+  src += r0 * kStep;
+  uint32_t m[4] = {0, 0, 0, 0};  // bf16: packed magnitudes of column pairs; fp32: magnitude bits
+#pragma unroll 8
+  for (int i = 0; i < 16; ++i) {
+    const uint4 v = src[i * kStep];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) m[j] = kBf16 ? __vmaxu2(m[j], bf_mag(w[j])) : max(m[j], w[j] & 0x7FFFFFFFu);
+  }
+  float mul[kCols];
+  uint64_t scales = 0;  // byte j: the scale of column col + j
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t other = __shfl_xor_sync(0xFFFFFFFFu, m[j], 16);
+    m[j] = kBf16 ? __vmaxu2(m[j], other) : max(m[j], other);
+    if constexpr (kBf16) {
+      const uint32_t e0 = block_scale_from_amax_bits(m[j] << 16, rcp_bits<kE4M3>());
+      const uint32_t e1 = block_scale_from_amax_bits(m[j] & 0xFFFF0000u, rcp_bits<kE4M3>());
+      scales |= static_cast<uint64_t>(e0 | (e1 << 8)) << (16 * j);
+      mul[2 * j] = e8m0_quant_multiplier(static_cast<uint8_t>(e0));
+      mul[2 * j + 1] = e8m0_quant_multiplier(static_cast<uint8_t>(e1));
+    } else {
+      const uint32_t e = block_scale_from_amax_bits(m[j], rcp_bits<kE4M3>());
+      scales |= static_cast<uint64_t>(e) << (8 * j);
+      mul[j] = e8m0_quant_multiplier(static_cast<uint8_t>(e));
+    }
+  }
+  uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0 + r0) * HD + col;
+#pragma unroll 8
+  for (int i = 0; i < 16; ++i) {
+    const uint4 v = src[i * kStep];
+    const bool ok = r0 + i < t.nrows;
+    if constexpr (kBf16) {
+      const uint32_t lo = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.x) * mul[0], bf_hi(v.x) * mul[1]) |
+                          (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.y) * mul[2], bf_hi(v.y) * mul[3])) << 16);
+      const uint32_t hi = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.z) * mul[4], bf_hi(v.z) * mul[5]) |
+                          (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.w) * mul[6], bf_hi(v.w) * mul[7])) << 16);
+      if (ok) *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+    } else {
+      const uint32_t w = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.x) * mul[0], __uint_as_float(v.y) * mul[1]) |
+                         (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.z) * mul[2],
+                                                                      __uint_as_float(v.w) * mul[3]))
+                          << 16);
+      if (ok) *reinterpret_cast<unsigned int*>(dst) = w;
+    }
+    dst += HD;
+  }
+  if (r0 == 0) col_scales<kCols>(P, t.t0, col, scales);
+}
+
+// W2: columnwise nope, chunk c = columns [8c, 8c + 8) of the head.
 template <bool kE4M3>
 __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const Tile& t,
                                          int64_t HD, int lane) {
-  const int c = lane & 15, r0 = 16 * (lane >> 4);
-  const uint4* src = reinterpret_cast<const uint4*>(stage + r0 * kRawPitch + 8 * c);
-  constexpr int kStep = kRawPitch * 2 / 16;  // uint4 per raw row
-  uint32_t m[4] = {0, 0, 0, 0};  // packed magnitudes of column pairs
-#pragma unroll 8
-  for (int i = 0; i < 16; ++i) {
-    const uint4 v = src[i * kStep];
-    m[0] = __vmaxu2(m[0], bf_mag(v.x)), m[1] = __vmaxu2(m[1], bf_mag(v.y));
-    m[2] = __vmaxu2(m[2], bf_mag(v.z)), m[3] = __vmaxu2(m[3], bf_mag(v.w));
-  }
-  float mul[8];
-  uint64_t scales = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    m[j] = __vmaxu2(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], 16));
-    const uint32_t e0 = block_scale_from_amax_bits(m[j] << 16, rcp_bits<kE4M3>());
-    const uint32_t e1 = block_scale_from_amax_bits(m[j] & 0xFFFF0000u, rcp_bits<kE4M3>());
-    scales |= static_cast<uint64_t>(e0 | (e1 << 8)) << (16 * j);
-    mul[2 * j] = e8m0_quant_multiplier(static_cast<uint8_t>(e0));
-    mul[2 * j + 1] = e8m0_quant_multiplier(static_cast<uint8_t>(e1));
-  }
-  const int64_t col = static_cast<int64_t>(t.h) * kD + 8 * c;
-  uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0 + r0) * HD + col;
-#pragma unroll 8
-  for (int i = 0; i < 16; ++i) {
-    const uint4 v = src[i * kStep];
-    const uint32_t lo = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.x) * mul[0], bf_hi(v.x) * mul[1]) |
-                        (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.y) * mul[2], bf_hi(v.y) * mul[3])) << 16);
-    const uint32_t hi = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.z) * mul[4], bf_hi(v.z) * mul[5]) |
-                        (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.w) * mul[6], bf_hi(v.w) * mul[7])) << 16);
-    if (r0 + i < t.nrows) *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
-    dst += HD;
-  }
-  if (r0 == 0) col_scales<8>(P, t.t0, col, scales);
+  const int c = lane & 15;
+  col_chunk<kE4M3, true>(P, reinterpret_cast<const uint4*>(stage + 8 * c), t, HD,
+                         static_cast<int64_t>(t.h) * kD + 8 * c, lane);
 }
 
-// W3: columnwise rope of the previous tile from its fp32 rope tile, lane = (chunk c = lane % 16:
-// rope columns [4c, 4c + 4), half = lane / 16).
+// W3: columnwise rope of the previous tile from its fp32 rope tile, chunk c = rope columns
+// [4c, 4c + 4).
 template <bool kE4M3>
 __device__ __forceinline__ void rope_col(const RopeQuantizeParams& P, const float* rope, const Tile& t, int64_t HD,
                                          int lane) {
-  const int c = lane & 15, r0 = 16 * (lane >> 4);
-  const float4* src = reinterpret_cast<const float4*>(rope + r0 * kRopePitch + 4 * c);
-  constexpr int kStep = kRopePitch / 4;  // float4 per rope row
-  uint32_t m[4] = {0, 0, 0, 0};
-#pragma unroll 8
-  for (int i = 0; i < 16; ++i) {
-    const float4 v = src[i * kStep];
-    m[0] = max(m[0], mag_bits(v.x)), m[1] = max(m[1], mag_bits(v.y));
-    m[2] = max(m[2], mag_bits(v.z)), m[3] = max(m[3], mag_bits(v.w));
-  }
-  float mul[4];
-  uint32_t scales = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    m[j] = max(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], 16));
-    const uint32_t e = block_scale_from_amax_bits(m[j], rcp_bits<kE4M3>());
-    scales |= e << (8 * j);
-    mul[j] = e8m0_quant_multiplier(static_cast<uint8_t>(e));
-  }
-  const int64_t col = static_cast<int64_t>(t.h) * kD + kNope + 4 * c;
-  uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0 + r0) * HD + col;
-#pragma unroll 8
-  for (int i = 0; i < 16; ++i) {
-    const float4 v = src[i * kStep];
-    const uint32_t w = ptx::cvt_fp8x2<kE4M3>(v.x * mul[0], v.y * mul[1]) |
-                       (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(v.z * mul[2], v.w * mul[3])) << 16);
-    if (r0 + i < t.nrows) *reinterpret_cast<unsigned int*>(dst) = w;
-    dst += HD;
-  }
-  if (r0 == 0) col_scales<4>(P, t.t0, col, scales);
+  const int c = lane & 15;
+  col_chunk<kE4M3, false>(P, reinterpret_cast<const uint4*>(rope + 4 * c), t, HD,
+                          static_cast<int64_t>(t.h) * kD + kNope + 4 * c, lane);
 }
 
 // W3: the previous tile's rowwise scales from the sink, [32 rows][6 bytes].
