@@ -2,7 +2,8 @@
 //
 // Elementwise and memory-bound. A head's rope part is split over R/16 threads (the element sets of
 // sm90_rope_common.cuh); the same threads copy the head's pass-through (nope) part as raw 16-byte
-// chunks when the output is not the input. A thread's data loads (nope chunks, rope inputs) are
+// chunks when the output is not the input (for DeepSeek heads, a warp's 8 heads two whole heads
+// per instruction: the cache lines an instruction touches decide this kernel's speed). A thread's data loads (nope chunks, rope inputs) are
 // issued before its first store, so each thread keeps ~100 bytes in flight.
 #include "cuda/cuda_check.h"
 #include "cuda/sm90_rope_common.cuh"
@@ -40,18 +41,40 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<T>) sm90_rope_kernel(cons
   const uint4* xs = reinterpret_cast<const uint4*>(x);
   uint4* ys = reinterpret_cast<uint4*>(y);
   uint4 nv[kNopeBatch];
+  // DeepSeek heads (nope = 16 chunks, 4 lanes per head; a warp = 8 heads of one token when
+  // H % 8 == 0): the warp copies its heads' nope parts two whole heads (512 contiguous bytes) per
+  // instruction instead of 64 bytes of each of 8 heads — load i of lane l is chunk l % 16 of the
+  // warp's head 2i + l / 16, which is 2i + hd heads from lane l's own head (l / 4). Fewer cache
+  // lines per instruction: +4 % forward and backward (docs/performance.md, eleventh session).
+  // 32-bit head offsets: the strides are checked to fit.
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const bool wide = nchunks == 16 && lanes == 4 && H % 8 == 0 && p.in_st[2] >= 0 && p.in_st[2] < (1 << 27) &&
+                    p.out_st[2] >= 0 && p.out_st[2] < (1 << 27) && __activemask() == 0xFFFFFFFFu;
+  const int hd = (lane >> 4) - (lane >> 2);
+  if (wide) {
 #pragma unroll
-  for (int i = 0; i < kNopeBatch; ++i)
-    if (q + i * lanes < nchunks) nv[i] = __ldcs(xs + q + i * lanes);
+    for (int i = 0; i < kNopeBatch; ++i)
+      nv[i] = __ldcs(reinterpret_cast<const uint4*>(x + (2 * i + hd) * static_cast<int>(p.in_st[2])) + (lane & 15));
+  } else {
+#pragma unroll
+    for (int i = 0; i < kNopeBatch; ++i)
+      if (q + i * lanes < nchunks) nv[i] = __ldcs(xs + q + i * lanes);
+  }
   const SetChoice sc = sets_of(p.style, p.backward);
   float in[16], c[16], sn[16], o[16];
   const Raw8<T> r0 = load_raw8<T>(x + nope + set_part(sc.in_c, q, half, 0));
   const Raw8<T> r1 = load_raw8<T>(x + nope + set_part(sc.in_c, q, half, 1));
   // 2. the nope stores (their loads and the rope loads are in flight together), then the tables
   // (mostly cache hits) and the rope part: fewer values live at once than loading all first
+  if (wide) {
 #pragma unroll
-  for (int i = 0; i < kNopeBatch; ++i)
-    if (q + i * lanes < nchunks) __stcs(ys + q + i * lanes, nv[i]);
+    for (int i = 0; i < kNopeBatch; ++i)
+      __stcs(reinterpret_cast<uint4*>(y + (2 * i + hd) * static_cast<int>(p.out_st[2])) + (lane & 15), nv[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kNopeBatch; ++i)
+      if (q + i * lanes < nchunks) __stcs(ys + q + i * lanes, nv[i]);
+  }
   for (int k = q + kNopeBatch * lanes; k < nchunks; k += lanes) ys[k] = xs[k];  // heads wider than DeepSeek's
   load_table16<TT>(p.cos, row, p.tab_row_stride, sc.tab_c, q, half, c);
   load_table16<TT>(p.sin, row, p.tab_row_stride, sc.tab_c, q, half, sn);
