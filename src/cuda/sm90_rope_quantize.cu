@@ -330,7 +330,9 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 //                the lane's own shared-memory slots, loaded once per token tile and reused for
 //                every head of it: tiles run head-fastest), the fp32 result into the rope tile,
 //                then the row's two rope blocks rowwise;
-//   W1 nope row: lane = row, the row's four nope blocks;
+//   W1 nope row: the four nope blocks of every row, lane = (row 4i + lane / 8, 16 columns), two
+//                lanes per block: each code store writes 4 whole 128-byte rows (lane = row
+//                wrote 16 rows x 32 bytes per instruction: 1.8 % slower);
 //   W2 nope col: lane = (8-column chunk, 16-row half): packed bf16 amax, one shuffle joins the
 //                halves;
 //   W3 rope col: one tile behind: the rope tile of the previous tile, lane = (4 fp32 columns,
@@ -499,27 +501,26 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
     }
   }
   if (P.row_codes == nullptr) return;
-  const int odd = lane & 1;
-  uint8_t* dst_even = P.row_codes + row0 - odd * HD + 16 * odd;
+  // Codes: lane = (row 4i + lane / 8, 16 columns 16 (lane % 8)); two lanes per 32-column block
+  // (amax joined by one shuffle), so each store instruction writes 4 whole 128-byte code rows.
+  const int cp = lane & 7, rsub = lane >> 3;
+  const int64_t col0 = static_cast<int64_t>(t.h) * kD + 16 * cp;
 #pragma unroll 2
-  for (int b = 0; b < 4; ++b) {
-    uint4 v[4];
-    uint32_t m = 0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      v[k] = src[4 * b + k];
-      m = __vmaxu2(m, __vmaxu2(__vmaxu2(bf_mag(v[k].x), bf_mag(v[k].y)), __vmaxu2(bf_mag(v[k].z), bf_mag(v[k].w))));
-    }
+  for (int i = 0; i < kRows / 4; ++i) {
+    const int r = 4 * i + rsub;
+    const uint4* s2 = reinterpret_cast<const uint4*>(stage + r * kRawPitch + 16 * cp);
+    const uint4 v0 = s2[0], v1 = s2[1];
+    uint32_t m = __vmaxu2(__vmaxu2(__vmaxu2(bf_mag(v0.x), bf_mag(v0.y)), __vmaxu2(bf_mag(v0.z), bf_mag(v0.w))),
+                          __vmaxu2(__vmaxu2(bf_mag(v1.x), bf_mag(v1.y)), __vmaxu2(bf_mag(v1.z), bf_mag(v1.w))));
+    m = __vmaxu2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
     const uint8_t e = block_scale_from_amax_bits(max(m & 0xFFFFu, m >> 16) << 16, rcp_bits<kE4M3>());
     const float mul = e8m0_quant_multiplier(e);
-    uint32_t w[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      w[2 * k] = codes4<kE4M3>(bf_lo(v[k].x), bf_hi(v[k].x), bf_lo(v[k].y), bf_hi(v[k].y), mul);
-      w[2 * k + 1] = codes4<kE4M3>(bf_lo(v[k].z), bf_hi(v[k].z), bf_lo(v[k].w), bf_hi(v[k].w), mul);
-    }
-    store_row_block(w, dst_even + 32 * b, HD, lane, t.nrows);
-    sink[lane * 8 + b] = e;
+    const uint4 w = make_uint4(codes4<kE4M3>(bf_lo(v0.x), bf_hi(v0.x), bf_lo(v0.y), bf_hi(v0.y), mul),
+                               codes4<kE4M3>(bf_lo(v0.z), bf_hi(v0.z), bf_lo(v0.w), bf_hi(v0.w), mul),
+                               codes4<kE4M3>(bf_lo(v1.x), bf_hi(v1.x), bf_lo(v1.y), bf_hi(v1.y), mul),
+                               codes4<kE4M3>(bf_lo(v1.z), bf_hi(v1.z), bf_lo(v1.w), bf_hi(v1.w), mul));
+    if (r < t.nrows) *reinterpret_cast<uint4*>(P.row_codes + static_cast<int64_t>(t.t0 + r) * HD + col0) = w;
+    if ((cp & 1) == 0) sink[r * 8 + (cp >> 1)] = e;
   }
 }
 
