@@ -3,8 +3,9 @@
 // Elementwise and memory-bound. A head's rope part is split over R/16 threads (the element sets of
 // sm90_rope_common.cuh); the same threads copy the head's pass-through (nope) part as raw 16-byte
 // chunks when the output is not the input (for DeepSeek heads, a warp's 8 heads two whole heads
-// per instruction: the cache lines an instruction touches decide this kernel's speed). A thread's data loads (nope chunks, rope inputs) are
-// issued before its first store, so each thread keeps ~100 bytes in flight.
+// per instruction: the cache lines an instruction touches decide this kernel's speed). A
+// thread's data loads (nope chunks, rope inputs) are issued before its first store, so each
+// thread keeps ~100 bytes in flight.
 #include "cuda/cuda_check.h"
 #include "cuda/sm90_rope_common.cuh"
 
