@@ -327,9 +327,9 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 // the geometry and, as the quantize kernel does, gives every thread a long unit whose amax is a
 // thread-local reduction. A tile is 32 tokens x one head; four warps, one role each:
 //   W0 RoPE:     lane = row: RoPE backward of the row's 64 rope elements (table values from
-//                the lane's own shared-memory slots, loaded once per token tile and reused for
-//                every head of it: tiles run head-fastest), the fp32 result into the rope tile,
-//                then the row's two rope blocks rowwise;
+//                the lane's own shared-memory slots, which hold the current run's token tile:
+//                see the tile order below), the fp32 result into the rope tile, then the row's
+//                two rope blocks rowwise;
 //   W1 nope row: the four nope blocks of every row, lane = (row 4i + lane / 8, 16 columns), two
 //                lanes per block: each code store writes 4 whole 128-byte rows (lane = row
 //                wrote 16 rows x 32 bytes per instruction: 1.8 % slower);
@@ -338,6 +338,12 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 //   W3 rope col: one tile behind: the rope tile of the previous tile, lane = (4 fp32 columns,
 //                16-row half), and that tile's rowwise scales, collected by W0 / W1 in a
 //                per-row sink, stored two bytes at a time. Lane 0 is also the TMA producer.
+//   W2 / W3 also hold, lane = row, the cos / sin row of the block's next run in registers
+//   (loaded a run ahead) and store it into W0's slots between two runs (one extra barrier per
+//   run): W0 never waits for a table load, and these two warps had the slack.
+// Tile order: runs of up to 32 heads of one token tile, dealt round-robin to the blocks (Deal
+// below), so that co-running blocks share DRAM pages; a block's contiguous range of tiles was
+// 1.6 % slower (same-run A/B), runs of 8 or 16 pay more in table reloads than they gain.
 // Loads: one TMA copy per tile (a 3-D map {D, H, tokens} with a box {D + 8, 1, 32}: the 8
 // elements past the head and the rows past the last token are outside the tensor and land as
 // zeros, which pads the rows to 400 bytes), on the stage's mbarrier; 3 stages. The rope tile
@@ -399,26 +405,75 @@ __device__ __forceinline__ void store_row_block(const uint32_t* w, uint8_t* dst_
   if ((lane | 1) < nrows) *reinterpret_cast<uint4*>(dst_even + HD) = odd_half;
 }
 
-// W0: the lane's table values for token `tok` (zero past the last token): slot k < 16 holds
-// cos[4k, 4k + 4), slot 16 + k sin[4k, 4k + 4), at tab[k * 32 + lane].
+// The table row of token `tok` (zero past the last token) for one table (t = 0: cos, 1: sin), held
+// in registers by one lane of W2 (cos) or W3 (sin) while the block works through a run.
 template <typename TT>
-__device__ __forceinline__ void load_tables(const RopeKernelParams& p, const int64_t* cu, int64_t ncu, int ntok,
-                                            int tok, int lane, float4* tab) {
+__device__ __forceinline__ void load_table_row(const RopeKernelParams& p, const int64_t* cu, int64_t ncu, int ntok,
+                                               int tok, int t, float (&v)[kR]) {
   int s = 0, b = 0;
   int64_t row = 0;
   const bool ok = tok < ntok;
   if (ok) token_sb(p, tok, s, b), row = table_row(p, cu, ncu, tok, s);
+  const TT* src = static_cast<const TT*>(t ? p.sin : p.cos) + row * p.tab_row_stride;
 #pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    const TT* src = static_cast<const TT*>(t ? p.sin : p.cos) + row * p.tab_row_stride;
+  for (int c = 0; c < kR; c += 8) {
+    if (ok) {
+      unpack8<TT>(load_raw8<TT, true>(src + c), v + c);
+    } else {
 #pragma unroll
-    for (int c = 0; c < kR; c += 8) {
-      float v[8] = {};
-      if (ok) unpack8<TT>(load_raw8<TT, true>(src + c), v);
-      tab[(16 * t + c / 4) * 32 + lane] = make_float4(v[0], v[1], v[2], v[3]);
-      tab[(16 * t + c / 4 + 1) * 32 + lane] = make_float4(v[4], v[5], v[6], v[7]);
+      for (int j = 0; j < 8; ++j) v[c + j] = 0.f;
     }
   }
+}
+// ... into W0's slots: slot k < 16 holds cos[4k, 4k + 4), slot 16 + k sin[4k, 4k + 4), of tile row
+// `lane` at tab[k * 32 + lane].
+__device__ __forceinline__ void store_table_row(float4* tab, int t, int lane, const float (&v)[kR]) {
+#pragma unroll
+  for (int c = 0; c < kR; c += 4) tab[(16 * t + c / 4) * 32 + lane] = make_float4(v[c], v[c + 1], v[c + 2], v[c + 3]);
+}
+
+// Tile order. Tiles are numbered head-fastest (tile = token tile * H + head) and dealt to the
+// blocks in runs of consecutive tiles, round-robin (run j of a level goes to block j % G), so that
+// at any time the co-running blocks work on a few neighbouring token tiles (DRAM pages shared),
+// while a block reuses one set of table rows for a whole run. Level 0 deals runs of
+// gcd(H, kRun0) tiles in whole rounds of G runs, level 1 the rest in runs of gcd(H, 4), level 2
+// what is left one tile at a time: every block ends within one tile of the others, and no run
+// crosses a token tile (its length divides H and it starts at a multiple of its length).
+constexpr int kRun0 = 32;
+struct Deal {  // per level: first tile, run length, runs (scalars: a run-time index would spill)
+  int base0, base1, base2, len0, len1, n0, n1, n2;
+  __device__ __forceinline__ int nruns(int l) const { return l == 0 ? n0 : l == 1 ? n1 : n2; }
+  __device__ __forceinline__ int base(int l) const { return l == 0 ? base0 : l == 1 ? base1 : base2; }
+  __device__ __forceinline__ int len(int l) const { return l == 0 ? len0 : l == 1 ? len1 : 1; }
+};
+__device__ __forceinline__ int gcd_pow2(int h, int p) {  // gcd(h, p) for a power of two p
+  return min(h & -h, p);
+}
+__device__ __forceinline__ Deal make_deal(int ntiles, int G, int H) {
+  Deal d;
+  d.len0 = gcd_pow2(H, kRun0), d.len1 = gcd_pow2(H, 4);
+  d.n0 = (ntiles / (G * d.len0)) * G;
+  int left = ntiles - d.n0 * d.len0;
+  d.n1 = (left / (G * d.len1)) * G;
+  d.n2 = left - d.n1 * d.len1;
+  d.base0 = 0, d.base1 = d.n0 * d.len0, d.base2 = d.base1 + d.n1 * d.len1;
+  return d;
+}
+struct Run {
+  int lvl, j, t, tend;  // tile t of [t0, tend) = run j of level lvl; lvl 3: done
+  int tt, h;            // tile t's token tile and head
+};
+__device__ __forceinline__ void run_at(Run& c, const Deal& d, int lvl, int j, int G, int H) {
+  while (lvl < 3 && j >= d.nruns(lvl)) ++lvl, j = static_cast<int>(blockIdx.x);
+  c.lvl = lvl, c.j = j;
+  if (lvl < 3) {
+    c.t = d.base(lvl) + j * d.len(lvl), c.tend = c.t + d.len(lvl);
+    c.tt = c.t / H, c.h = c.t - c.tt * H;
+  }
+}
+__device__ __forceinline__ void run_step(Run& c, const Deal& d, int G, int H) {
+  if (++c.t == c.tend) return run_at(c, d, c.lvl, c.j + G, G, H);
+  if (++c.h == H) c.h = 0, ++c.tt;
 }
 
 // 8 table values at column c (c % 4 == 0; two slots).
@@ -509,7 +564,11 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
   for (int i = 0; i < kRows / 4; ++i) {
     const int r = 4 * i + rsub;
     const uint4* s2 = reinterpret_cast<const uint4*>(stage + r * kRawPitch + 16 * cp);
-    const uint4 v0 = s2[0], v1 = s2[1];
+    // lanes 4-7 of a row read their second 16 bytes first: a quarter warp (one row) then hits 8
+    // different bank groups (16-byte loads are served 8 lanes at a time; was 2-way conflicted)
+    const int sw = (cp >> 2) & 1;
+    const uint4 a = s2[sw], b = s2[sw ^ 1];
+    const uint4 v0 = sw ? b : a, v1 = sw ? a : b;
     uint32_t m = __vmaxu2(__vmaxu2(__vmaxu2(bf_mag(v0.x), bf_mag(v0.y)), __vmaxu2(bf_mag(v0.z), bf_mag(v0.w))),
                           __vmaxu2(__vmaxu2(bf_mag(v1.x), bf_mag(v1.y)), __vmaxu2(bf_mag(v1.z), bf_mag(v1.w))));
     m = __vmaxu2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
@@ -647,7 +706,7 @@ __device__ __forceinline__ void issue(const CUtensorMap* tmap, int t0, int h, __
 }  // namespace mla
 
 template <typename TT, bool kE4M3>
-__global__ void __launch_bounds__(mla::kThreads)
+__global__ void __launch_bounds__(mla::kThreads, 3)
     sm90_rope_quantize_mla_kernel(const __grid_constant__ CUtensorMap tmap, const RopeQuantizeParams P,
                                   const int64_t* cu, int64_t ncu, int ntiles) {
   using mla::kRopeFloats, mla::kStageElems, mla::kStages;
@@ -668,50 +727,67 @@ __global__ void __launch_bounds__(mla::kThreads)
     for (int s = 0; s < kStages; ++s) ptx::mbar_init(&bars[s], 1);
     ptx::fence_barrier_init();
   }
-  __syncthreads();
   const SetChoice sc = sets_of(p.style, true);
-  const int lo = static_cast<int>(blockIdx.x * static_cast<int64_t>(ntiles) / gridDim.x);
-  const int n = static_cast<int>((blockIdx.x + 1) * static_cast<int64_t>(ntiles) / gridDim.x) - lo;
-  // tiles run head-fastest: tile lo + k is (token tile / H, head % H); cursors step without divisions
-  int h = lo % H, tt = lo / H, hn = h, ttn = tt;
-  auto next = [H](int& hh, int& t) {
-    if (++hh == H) hh = 0, ++t;
-  };
+  const int G = gridDim.x;  // every block has at least one tile (the launcher's grid <= tiles)
+  const mla::Deal deal = mla::make_deal(ntiles, G, H);
+  mla::Run cur, ahead, nrun;  // tile k and tile k + kStages of this block; the next run's first tile
+  mla::run_at(cur, deal, 0, blockIdx.x, G, H);
+  ahead = cur;
+  // W2 / W3 lane r: the cos / sin row of token r of a run's token tile: the first run's now, the
+  // next run's in registers (loaded a run ahead, stored into the slots between two runs)
+  float nxt[mla::kR];
+  if (warp >= 2 && cur.lvl < 3) {
+    mla::load_table_row<TT>(p, cu, ncu, ntok, cur.tt * kRows + lane, warp - 2, nxt);
+    mla::store_table_row(tab, warp - 2, lane, nxt);
+    mla::run_at(nrun, deal, cur.lvl, cur.j + G, G, H);
+    if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, warp - 2, nxt);
+  }
+  __syncthreads();
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
-    if (producer && s < n) mla::issue(&tmap, ttn * kRows, hn, raw + s * kStageElems, &bars[s]);
-    next(hn, ttn);
+    if (producer && ahead.lvl < 3) mla::issue(&tmap, ahead.tt * kRows, ahead.h, raw + s * kStageElems, &bars[s]);
+    mla::run_step(ahead, deal, G, H);
   }
-  int tab_tt = -1;  // W0: token tile whose table values the slots hold
   Tile prev{0, 0, 0};
+  bool have_prev = false;
   int st = 0;
   uint32_t parity = 0;
-  for (int k = 0; k <= n; ++k) {
-    const Tile cur{h, tt * kRows, min(kRows, ntok - tt * kRows)};
-    if (k < n && warp < 3) {
+  for (int k = 0;; ++k) {
+    const bool have = cur.lvl < 3;
+    if (!have && !have_prev) break;
+    const Tile t{cur.h, cur.tt * kRows, min(kRows, ntok - cur.tt * kRows)};
+    if (have && warp < 3) {
       const __nv_bfloat16* stage = raw + st * kStageElems;
       uint8_t* sink = sink0 + (k & 1) * kRows * 8;
       ptx::mbar_wait(&bars[st], parity);  // tile k has landed
       if (warp == 0) {
-        if (tt != tab_tt) mla::load_tables<TT>(p, cu, ncu, ntok, cur.t0 + lane, lane, tab), tab_tt = tt;
-        mla::rope_row<kE4M3>(P, sc, stage, tab, rope0 + (k & 1) * kRopeFloats, sink, cur, HD, lane);
+        mla::rope_row<kE4M3>(P, sc, stage, tab, rope0 + (k & 1) * kRopeFloats, sink, t, HD, lane);
       } else if (warp == 1) {
-        mla::nope_row<kE4M3>(P, stage, sink, cur, HD, lane);
+        mla::nope_row<kE4M3>(P, stage, sink, t, HD, lane);
       } else if (P.col_codes != nullptr) {
-        mla::nope_col<kE4M3>(P, stage, cur, HD, lane);
+        mla::nope_col<kE4M3>(P, stage, t, HD, lane);
       }
     }
-    if (k > 0 && warp == 3) {  // tile k - 1
+    if (have_prev && warp == 3) {  // tile k - 1
       if (P.col_codes != nullptr) mla::rope_col<kE4M3>(P, rope0 + ((k - 1) & 1) * kRopeFloats, prev, HD, lane);
       if (P.row_codes != nullptr) mla::row_scales_out(P, sink0 + ((k - 1) & 1) * kRows * 8, prev, lane);
     }
     // Tile k's stage is read by W0-W2 and free; its rope tile and sink are complete for W3; W3
     // is done with tile k - 1's, which tile k + 1 reuses.
     __syncthreads();
-    if (producer && k + kStages < n) mla::issue(&tmap, ttn * kRows, hn, raw + st * kStageElems, &bars[st]);
-    next(hn, ttn);
-    prev = cur;
-    next(h, tt);
+    if (producer && ahead.lvl < 3) mla::issue(&tmap, ahead.tt * kRows, ahead.h, raw + st * kStageElems, &bars[st]);
+    mla::run_step(ahead, deal, G, H);
+    const bool boundary = have && cur.t + 1 == cur.tend;
+    prev = t, have_prev = have;
+    mla::run_step(cur, deal, G, H);
+    if (boundary && cur.lvl < 3) {  // W0 is done with this run's tables: the next run's take the slots
+      if (warp >= 2) {
+        mla::store_table_row(tab, warp - 2, lane, nxt);
+        mla::run_at(nrun, deal, cur.lvl, cur.j + G, G, H);
+        if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, warp - 2, nxt);
+      }
+      __syncthreads();
+    }
     if (++st == kStages) st = 0, parity ^= 1;
   }
 }
@@ -734,7 +810,7 @@ bool uniform_token_stride(const RopeKernelParams& p, int64_t& stride) {
 template <typename TT, bool kE4M3>
 void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int64_t tok_stride, cudaStream_t stream) {
   const int64_t tokens = p.rope.S * p.rope.B, tiles = ceil_div(tokens, kRows) * p.rope.H;
-  if (tokens > 0x7FFFFFFF - kRows || tiles > 0x7FFFFFFF - mla::kStages)
+  if (tokens > 0x7FFFFFFF - kRows || tiles > 0x7FFFFFFF / 2)  // run indices step by the grid size
     throw Error("mxmla.rope_backward_quantize", "grad", "too many tokens or tiles for the 32-bit tile index");
   // dq as {D, H, tokens}; the box's inner extent D + 8 reads 8 zeros past each head (row padding)
   const cuuint64_t dims[3] = {cuuint64_t(mla::kD), cuuint64_t(p.rope.H), cuuint64_t(tokens)};
