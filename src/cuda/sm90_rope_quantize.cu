@@ -18,6 +18,7 @@
 // Codes, amax and scales follow the quantize kernel's rules exactly (SPEC §2), on the fp32 values.
 // Index math is 32-bit (the launcher checks tokens and tiles fit).
 #include "common/mxfp8_common.h"
+#include "common/tile_deal.h"
 #include "cuda/ptx.cuh"
 #include "cuda/ptx_sm90.cuh"
 #include "cuda/tma_host.h"
@@ -355,9 +356,10 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 //   W2 / W3 also hold, lane = row, the cos / sin row of the block's next run in registers
 //   (loaded a run ahead) and store it into W0's slots between two runs (one extra barrier per
 //   run): W0 never waits for a table load, and these two warps had the slack.
-// Tile order: runs of up to 32 heads of one token tile, dealt round-robin to the blocks (Deal
-// below), so that co-running blocks share DRAM pages; a block's contiguous range of tiles was
-// 1.6 % slower (same-run A/B), runs of 8 or 16 pay more in table reloads than they gain.
+// Tile order: runs of up to 32 heads of one token tile, dealt round-robin to the blocks
+// (common/tile_deal.h), so that co-running blocks share DRAM pages; a block's contiguous range
+// of tiles was 1.6 % slower (same-run A/B), runs of 8 or 16 pay more in table reloads than they
+// gain.
 // Loads: one TMA copy per tile (a 3-D map {D, H, tokens} with a box {D + 8, 1, 32}: the 8
 // elements past the head and the rows past the last token are outside the tensor and land as
 // zeros, which pads the rows to 400 bytes), on the stage's mbarrier; 3 stages. The rope tile
@@ -427,49 +429,8 @@ __device__ __forceinline__ void store_table_row(float4* tab, int t, int lane, co
   for (int c = 0; c < kR; c += 4) tab[(16 * t + c / 4) * 32 + lane] = make_float4(v[c], v[c + 1], v[c + 2], v[c + 3]);
 }
 
-// Tile order. Tiles are numbered head-fastest (tile = token tile * H + head) and dealt to the
-// blocks in runs of consecutive tiles, round-robin (run j of a level goes to block j % G), so that
-// at any time the co-running blocks work on a few neighbouring token tiles (DRAM pages shared),
-// while a block reuses one set of table rows for a whole run. Level 0 deals runs of
-// gcd(H, kRun0) tiles in whole rounds of G runs, level 1 the rest in runs of gcd(H, 4), level 2
-// what is left one tile at a time: every block ends within one tile of the others, and no run
-// crosses a token tile (its length divides H and it starts at a multiple of its length).
+// Tile order: runs of up to kRun0 heads of one token tile dealt round-robin (common/tile_deal.h).
 constexpr int kRun0 = 32;
-struct Deal {  // per level: first tile, run length, runs (scalars: a run-time index would spill)
-  int base0, base1, base2, len0, len1, n0, n1, n2;
-  __device__ __forceinline__ int nruns(int l) const { return l == 0 ? n0 : l == 1 ? n1 : n2; }
-  __device__ __forceinline__ int base(int l) const { return l == 0 ? base0 : l == 1 ? base1 : base2; }
-  __device__ __forceinline__ int len(int l) const { return l == 0 ? len0 : l == 1 ? len1 : 1; }
-};
-__device__ __forceinline__ int gcd_pow2(int h, int p) {  // gcd(h, p) for a power of two p
-  return min(h & -h, p);
-}
-__device__ __forceinline__ Deal make_deal(int ntiles, int G, int H) {
-  Deal d;
-  d.len0 = gcd_pow2(H, kRun0), d.len1 = gcd_pow2(H, 4);
-  d.n0 = (ntiles / (G * d.len0)) * G;
-  int left = ntiles - d.n0 * d.len0;
-  d.n1 = (left / (G * d.len1)) * G;
-  d.n2 = left - d.n1 * d.len1;
-  d.base0 = 0, d.base1 = d.n0 * d.len0, d.base2 = d.base1 + d.n1 * d.len1;
-  return d;
-}
-struct Run {
-  int lvl, j, t, tend;  // tile t of [t0, tend) = run j of level lvl; lvl 3: done
-  int tt, h;            // tile t's token tile and head
-};
-__device__ __forceinline__ void run_at(Run& c, const Deal& d, int lvl, int j, int G, int H) {
-  while (lvl < 3 && j >= d.nruns(lvl)) ++lvl, j = static_cast<int>(blockIdx.x);
-  c.lvl = lvl, c.j = j;
-  if (lvl < 3) {
-    c.t = d.base(lvl) + j * d.len(lvl), c.tend = c.t + d.len(lvl);
-    c.tt = c.t / H, c.h = c.t - c.tt * H;
-  }
-}
-__device__ __forceinline__ void run_step(Run& c, const Deal& d, int G, int H) {
-  if (++c.t == c.tend) return run_at(c, d, c.lvl, c.j + G, G, H);
-  if (++c.h == H) c.h = 0, ++c.tt;
-}
 
 // 8 table values at column c (c % 4 == 0; two slots).
 __device__ __forceinline__ void tab8(const float4* tab, int slot0, int lane, float* v) {
@@ -723,10 +684,10 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     ptx::fence_barrier_init();
   }
   const SetChoice sc = sets_of(p.style, true);
-  const int G = gridDim.x;  // every block has at least one tile (the launcher's grid <= tiles)
-  const mla::Deal deal = mla::make_deal(ntiles, G, H);
-  mla::Run cur, ahead, nrun;  // tile k and tile k + kStages of this block; the next run's first tile
-  mla::run_at(cur, deal, 0, blockIdx.x, G, H);
+  const int G = gridDim.x, blk = blockIdx.x;  // every block has a tile (the launcher's grid <= tiles)
+  const TileDeal deal = make_tile_deal(ntiles, G, H, mla::kRun0);
+  TileRun cur, ahead, nrun;  // tile k and tile k + kStages of this block; the next run's first tile
+  run_first(cur, deal, blk, H);
   ahead = cur;
   // W2 / W3 lane r: the cos / sin row of token r of a run's token tile: the first run's now, the
   // next run's in registers (loaded a run ahead, stored into the slots between two runs)
@@ -734,14 +695,14 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   if (warp >= 2 && cur.lvl < 3) {
     mla::load_table_row<TT>(p, cu, ncu, ntok, cur.tt * kRows + lane, warp - 2, nxt);
     mla::store_table_row(tab, warp - 2, lane, nxt);
-    mla::run_at(nrun, deal, cur.lvl, cur.j + G, G, H);
+    nrun = run_next(cur, deal, blk, G, H);
     if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, warp - 2, nxt);
   }
   __syncthreads();
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
     if (producer && ahead.lvl < 3) mla::issue(&tmap, ahead.tt * kRows, ahead.h, raw + s * kStageElems, &bars[s]);
-    mla::run_step(ahead, deal, G, H);
+    run_step(ahead, deal, blk, G, H);
   }
   Tile prev{0, 0, 0};
   bool have_prev = false;
@@ -771,14 +732,14 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     // is done with tile k - 1's, which tile k + 1 reuses.
     __syncthreads();
     if (producer && ahead.lvl < 3) mla::issue(&tmap, ahead.tt * kRows, ahead.h, raw + st * kStageElems, &bars[st]);
-    mla::run_step(ahead, deal, G, H);
+    run_step(ahead, deal, blk, G, H);
     const bool boundary = have && cur.t + 1 == cur.tend;
     prev = t, have_prev = have;
-    mla::run_step(cur, deal, G, H);
+    run_step(cur, deal, blk, G, H);
     if (boundary && cur.lvl < 3) {  // W0 is done with this run's tables: the next run's take the slots
       if (warp >= 2) {
         mla::store_table_row(tab, warp - 2, lane, nxt);
-        mla::run_at(nrun, deal, cur.lvl, cur.j + G, G, H);
+        nrun = run_next(cur, deal, blk, G, H);
         if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, warp - 2, nxt);
       }
       __syncthreads();

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <functional>
 
+#include "common/tile_deal.h"
 #include "mxmla/rope.h"
 #include "test_util.h"
 
@@ -118,6 +119,44 @@ TEST(RopeCpu, PositionsAndYarn) {
   const auto f0 = rope_inv_freq(64, 10000.0, YarnParams{});
   for (int i = 0; i <= 10; ++i) EXPECT_DOUBLE_EQ(f[i], f0[i]);       // below the ramp: unchanged
   for (int i = 23; i < 32; ++i) EXPECT_DOUBLE_EQ(f[i], f0[i] / 40);  // above: interpolated by the factor
+}
+
+// The tile order of the rope_backward_quantize fast path (common/tile_deal.h), walked as each
+// block walks it: every tile exactly once, block loads within one tile of each other, no run
+// across a token tile, and the cursor's (token tile, head) equal to the tile number's.
+TEST(TileDeal, EveryTileOnceBalancedRunsInsideTokenTiles) {
+  using detail::TileDeal;
+  using detail::TileRun;
+  int configs = 0;
+  for (int H : {1, 2, 3, 5, 7, 8, 16, 24, 40, 128, 129})
+    for (int ntt : {1, 2, 3, 7, 33, 512})
+      for (int G : {1, 2, 3, 7, 132, 396})
+        for (int run0 : {8, 32}) {
+          const int ntiles = ntt * H;
+          if (G > ntiles) continue;  // the launcher's grid never exceeds the tiles
+          const TileDeal d = detail::make_tile_deal(ntiles, G, H, run0);
+          std::vector<int> seen(ntiles, 0);
+          int lo = ntiles, hi = 0;
+          for (int b = 0; b < G; ++b) {
+            TileRun c;
+            detail::run_first(c, d, b, H);
+            int count = 0, run_tt = -1, run_end = -1;
+            while (c.lvl < 3) {
+              ASSERT_TRUE(c.t >= 0 && c.t < ntiles) << "tile " << c.t << " H " << H << " G " << G;
+              ASSERT_EQ(c.tt, c.t / H);
+              ASSERT_EQ(c.h, c.t % H);
+              if (c.tend != run_end) run_end = c.tend, run_tt = c.tt;  // a new run
+              ASSERT_EQ(c.tt, run_tt) << "a run crosses a token tile: H " << H << " G " << G;
+              ++seen[c.t], ++count;
+              detail::run_step(c, d, b, G, H);
+            }
+            lo = std::min(lo, count), hi = std::max(hi, count);
+          }
+          for (int t = 0; t < ntiles; ++t) ASSERT_EQ(seen[t], 1) << "tile " << t << " H " << H << " G " << G;
+          EXPECT_LE(hi - lo, 1) << "H " << H << " token tiles " << ntt << " G " << G;
+          ++configs;
+        }
+  EXPECT_GT(configs, 500);  // 592 (shape, grid, run) cases
 }
 
 #if MXMLA_WITH_CUDA
