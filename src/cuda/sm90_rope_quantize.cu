@@ -354,12 +354,14 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 //                16-row half), and that tile's rowwise scales, collected by W0 / W1 in a
 //                per-row sink, stored two bytes at a time. Lane 0 is also the TMA producer.
 //   W2 / W3 also hold, lane = row, the cos / sin row of the block's next run in registers
-//   (loaded a run ahead) and store it into W0's slots between two runs (one extra barrier per
-//   run): W0 never waits for a table load, and these two warps had the slack.
+//   (loaded a run ahead, issued just after the hand-off barrier so that they overlap a tile)
+//   and store it into W0's slots between two runs (one extra barrier per run): W0 never waits
+//   for a table load, and these two warps had the slack.
 // Tile order: runs of up to 32 heads of one token tile, dealt round-robin to the blocks
 // (common/tile_deal.h), so that co-running blocks share DRAM pages; a block's contiguous range
 // of tiles was 1.6 % slower (same-run A/B), runs of 8 or 16 pay more in table reloads than they
-// gain.
+// gain. Head counts that are not a multiple of 8 take contiguous ranges (short runs would hand
+// the tables off every few tiles).
 // Loads: one TMA copy per tile (a 3-D map {D, H, tokens} with a box {D + 8, 1, 32}: the 8
 // elements past the head and the rows past the last token are outside the tensor and land as
 // zeros, which pads the rows to 400 bytes), on the stage's mbarrier; 3 stages. The rope tile
@@ -687,7 +689,7 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   const int G = gridDim.x, blk = blockIdx.x;  // every block has a tile (the launcher's grid <= tiles)
   const TileDeal deal = make_tile_deal(ntiles, G, H, mla::kRun0);
   TileRun cur, ahead, nrun;  // tile k and tile k + kStages of this block; the next run's first tile
-  run_first(cur, deal, blk, H);
+  run_first(cur, deal, blk, G, H);
   ahead = cur;
   // W2 / W3 lane r: the cos / sin row of token r of a run's token tile: the first run's now, the
   // next run's in registers (loaded a run ahead, stored into the slots between two runs)
@@ -737,12 +739,12 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     prev = t, have_prev = have;
     run_step(cur, deal, blk, G, H);
     if (boundary && cur.lvl < 3) {  // W0 is done with this run's tables: the next run's take the slots
-      if (warp >= 2) {
-        mla::store_table_row(tab, warp - 2, lane, nxt);
+      if (warp >= 2) mla::store_table_row(tab, warp - 2, lane, nxt);
+      __syncthreads();
+      if (warp >= 2) {  // after the barrier, so that the loads overlap the next tile's work
         nrun = run_next(cur, deal, blk, G, H);
         if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, warp - 2, nxt);
       }
-      __syncthreads();
     }
     if (++st == kStages) st = 0, parity ^= 1;
   }

@@ -123,7 +123,8 @@ TEST(RopeCpu, PositionsAndYarn) {
 
 // The tile order of the rope_backward_quantize fast path (common/tile_deal.h), walked as each
 // block walks it: every tile exactly once, block loads within one tile of each other, no run
-// across a token tile, and the cursor's (token tile, head) equal to the tile number's.
+// across a token tile, the cursor's (token tile, head) equal to the tile number's, and head
+// counts that are not a multiple of 8 walked as one contiguous range per block.
 TEST(TileDeal, EveryTileOnceBalancedRunsInsideTokenTiles) {
   using detail::TileDeal;
   using detail::TileRun;
@@ -135,13 +136,16 @@ TEST(TileDeal, EveryTileOnceBalancedRunsInsideTokenTiles) {
           const int ntiles = ntt * H;
           if (G > ntiles) continue;  // the launcher's grid never exceeds the tiles
           const TileDeal d = detail::make_tile_deal(ntiles, G, H, run0);
+          ASSERT_EQ(d.contig, H % detail::kMinRun != 0) << "H " << H;
           std::vector<int> seen(ntiles, 0);
           int lo = ntiles, hi = 0;
           for (int b = 0; b < G; ++b) {
             TileRun c;
-            detail::run_first(c, d, b, H);
-            int count = 0, run_tt = -1, run_end = -1;
+            detail::run_first(c, d, b, G, H);
+            int count = 0, run_tt = -1, run_end = -1, last = -1;
             while (c.lvl < 3) {
+              if (d.contig && last >= 0) ASSERT_EQ(c.t, last + 1) << "contiguous mode, H " << H << " G " << G;
+              last = c.t;
               ASSERT_TRUE(c.t >= 0 && c.t < ntiles) << "tile " << c.t << " H " << H << " G " << G;
               ASSERT_EQ(c.tt, c.t / H);
               ASSERT_EQ(c.h, c.t % H);
@@ -490,6 +494,17 @@ TEST(RopeGpu, BackwardQuantizeFastPathManyTiles) {
     check_rope_quantize(c);
     if (HasFatalFailure()) return;
   }
+}
+
+// The fast path's long runs: 128 heads and enough token tiles (100 x 128 = 12800 tiles) that the
+// deal's level 0 hands runs of 32 heads round-robin to every block of the grid (3 per SM x 132
+// SMs need 12672 tiles) and the rest goes out one tile at a time; the next run's table rows are
+// prefetched and handed off at every run boundary. Tokens not a multiple of 32 (a tail tile).
+TEST(RopeGpu, BackwardQuantizeFastPathLongRuns) {
+  MXMLA_REQUIRE_GPU();
+  RbqCase a{3199, 1, 128, 192, 64};  // thd, fp32 tables per token
+  a.seed = 700;
+  check_rope_quantize(a);
 }
 #endif
 
