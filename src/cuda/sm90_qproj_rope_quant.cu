@@ -80,9 +80,9 @@ static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90")
 
 struct KParams {
   int B, S, NH, mtiles, num_tiles, kblocks;
-  bool sbhd, rotate_half, tab_f32;
-  const void* cos;
-  const void* sin;
+  bool sbhd, rotate_half;
+  const float* cos;  // fp32 tables (bf16 ones are widened into scratch by the launcher)
+  const float* sin;
   int64_t tab_st, N;
   uint8_t *row_codes, *row_scales, *col_codes, *col_scales;
   ScaleMap row_map, col_map;
@@ -130,11 +130,13 @@ __device__ __forceinline__ uint32_t bf16x2_of(float lo, float hi) {  // round to
 __device__ __forceinline__ float rope_term(float sgn_s, float xb, float c, float xa) {
   return __fmaf_rn(sgn_s, xb, __fmul_rn(c, xa));  // a rounded product, then one fma (include/mxmla/rope.h)
 }
-// Four consecutive table values (fp32 or bf16 tables; rows 16-byte aligned, checked by the host).
-__device__ __forceinline__ float4 tab4(const void* tab, bool f32, int64_t off) {
-  if (f32) return __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(tab) + off));
-  const uint2 w = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(tab) + off));
-  return make_float4(bf_lo(w.x), bf_hi(w.x), bf_lo(w.y), bf_hi(w.y));
+// Four consecutive fp32 table values (rows 16-byte aligned: checked by the host, or the scratch).
+__device__ __forceinline__ float4 tab4(const float* tab, int64_t off) { return __ldg(reinterpret_cast<const float4*>(tab + off)); }
+// The rowwise scale offset of block kb of row si of batch vb: compact maps inline (the common case,
+// fewer instructions in the epilogue's hot loops than the general cursor), the others through it.
+__device__ __forceinline__ int64_t row_scale_at(const ScaleMap& m, int vb, int si, int64_t kb) {
+  if (m.mode == MapMode::kCompact) return (static_cast<int64_t>(vb) * m.rows + si) * (m.cols / 32) + kb;
+  return row_scale_offset(m, vb, si, kb);
 }
 __device__ __forceinline__ int64_t token_of(const KParams& p, int bi, int s) {
   return p.sbhd ? static_cast<int64_t>(s) * p.B + bi : static_cast<int64_t>(bi) * p.S + s;
@@ -258,8 +260,8 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
     t[0] = t[1] = t[2] = t[3] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (si < p.S && MXMLA_QPROJ_EPILOGUE != 3) {
       const int64_t trow = static_cast<int64_t>(si) * p.tab_st;
-      t[0] = tab4(p.cos, p.tab_f32, trow + pa), t[1] = tab4(p.sin, p.tab_f32, trow + pa);
-      t[2] = tab4(p.cos, p.tab_f32, trow + pb), t[3] = tab4(p.sin, p.tab_f32, trow + pb);
+      t[0] = tab4(p.cos, trow + pa), t[1] = tab4(p.sin, trow + pa);
+      t[2] = tab4(p.cos, trow + pb), t[3] = tab4(p.sin, trow + pb);
     }
   };
 
@@ -292,7 +294,7 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
         const uint32_t amax = max(m << 16, m & 0xFFFF0000u);  // as fp32 bits
         const uint8_t e8 = block_scale_from_amax_bits(amax, rcp);
         const float mul = e8m0_quant_multiplier(e8);
-        p.row_scales[row_scale_offset(p.row_map, vb, si, col0 / 32 + b)] = e8;
+        p.row_scales[row_scale_at(p.row_map, vb, si, col0 / 32 + b)] = e8;
         uint32_t c[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k)
@@ -359,7 +361,7 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
       const int64_t tok = token_of(p, bi, si);
       if (p.row_codes != nullptr) {
         const uint8_t e0 = block_scale_from_amax_bits(am0, rcp), e1 = block_scale_from_amax_bits(am1, rcp);
-        if (u < 2) p.row_scales[row_scale_offset(p.row_map, vb, si, col0 / 32 + kNB + u)] = u == 0 ? e0 : e1;
+        if (u < 2) p.row_scales[row_scale_at(p.row_map, vb, si, col0 / 32 + kNB + u)] = u == 0 ? e0 : e1;
         const float m0s = e8m0_quant_multiplier(e0), m1s = e8m0_quant_multiplier(e1);
         const float fa = pa1 ? m1s : m0s, fb = pb1 ? m1s : m0s;
         uint8_t* dst = p.row_codes + tok * p.N + static_cast<int64_t>(h) * Cfg::kD + Cfg::kNope;
@@ -526,6 +528,18 @@ __global__ void __launch_bounds__(256) transpose_kn_to_nk(const uint16_t* __rest
   }
 }
 
+// ---------------------------------------------------------------- bf16 tables
+// Rows [0, rows) of bf16 cos / sin (row stride st elements) widened to fp32 (exact) into dst:
+// [2][rows][kR] (cos, then sin), so that the kernel's epilogue has one table type to load.
+__global__ void __launch_bounds__(256) widen_tables(const uint16_t* __restrict__ c, const uint16_t* __restrict__ sn,
+                                                    int64_t st, float* __restrict__ dst, int64_t rows) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (i >= rows * Cfg::kR) return;
+  const int64_t off = (i / Cfg::kR) * st + i % Cfg::kR;
+  dst[i] = __uint_as_float(static_cast<uint32_t>(c[off]) << 16);
+  dst[rows * Cfg::kR + i] = __uint_as_float(static_cast<uint32_t>(sn[off]) << 16);
+}
+
 // ---------------------------------------------------------------- host
 CUtensorMap make_tmap(const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides_bytes,
                       const cuuint32_t* box) {
@@ -590,8 +604,20 @@ void qproj_cuda(const QProjProblem& p, Stream s) {
   kp.mtiles = int((p.S + Cfg::kBM - 1) / Cfg::kBM);
   kp.num_tiles = int(p.B * kp.mtiles * p.NH);
   kp.kblocks = int((p.K + Cfg::kBK - 1) / Cfg::kBK);
-  kp.sbhd = p.sbhd, kp.rotate_half = p.style == RopeStyle::kRotateHalf, kp.tab_f32 = p.tab_t == DType::kFloat32;
-  kp.cos = p.cos, kp.sin = p.sin, kp.tab_st = p.tab_st, kp.N = p.NH * p.D;
+  kp.sbhd = p.sbhd, kp.rotate_half = p.style == RopeStyle::kRotateHalf;
+  const bool tab_f32 = p.tab_t == DType::kFloat32;
+  StreamScratch tabs(tab_f32 ? 0 : 2 * p.S * Cfg::kR * 4, stream);  // bf16 tables as fp32
+  if (tab_f32) {
+    kp.cos = static_cast<const float*>(p.cos), kp.sin = static_cast<const float*>(p.sin), kp.tab_st = p.tab_st;
+  } else {
+    const int64_t n = p.S * Cfg::kR;
+    widen_tables<<<unsigned((n + 255) / 256), 256, 0, stream>>>(static_cast<const uint16_t*>(p.cos),
+                                                               static_cast<const uint16_t*>(p.sin), p.tab_st,
+                                                               reinterpret_cast<float*>(tabs.ptr), p.S);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+    kp.cos = reinterpret_cast<const float*>(tabs.ptr), kp.sin = kp.cos + n, kp.tab_st = Cfg::kR;
+  }
+  kp.N = p.NH * p.D;
   kp.row_codes = p.row_codes, kp.row_scales = p.row_scales, kp.col_codes = p.col_codes, kp.col_scales = p.col_scales;
   kp.row_map = p.row_map, kp.col_map = p.col_map, kp.q = p.q;
 
