@@ -96,19 +96,25 @@ TEST(Reference, E8M0BitRuleMatchesCeilLog2) {
 
 // The kernels' integer-add scale rule against TransformerEngine's float_to_e8m0 (kept in
 // mxfp8_common.h as the written-out formula) plus SPEC §2's Inf / NaN rules, for every one of the
-// 2^31 sign-cleared amax bit patterns and both formats (~8 s in a Release build).
+// 2^31 sign-cleared amax bit patterns and both formats (~8 s in a Release build); and that the
+// scale never decreases as the amax bits grow (so a max over scales equals the scale of the max).
 TEST(Reference, E8M0BitRuleEqualsTeFormulaExhaustive) {
   for (uint32_t rcp : {detail::kRcpMaxE4M3Bits, detail::kRcpMaxE5M2Bits}) {
-    uint64_t mismatches = 0;
+    uint64_t mismatches = 0, decreases = 0;
     uint32_t first = 0;
+    uint8_t prev = 0;
     for (uint64_t b = 0; b < 0x80000000ull; ++b) {
       const uint32_t bits = static_cast<uint32_t>(b);
       uint8_t want = detail::float_to_e8m0(detail::u32_as_f32(bits) * detail::u32_as_f32(rcp));
       if (bits == 0x7F800000u) want = 0xFE;
       if (bits > 0x7F800000u) want = 0xFF;
-      if (detail::block_scale_from_amax_bits(bits, rcp) != want && mismatches++ == 0) first = bits;
+      const uint8_t got = detail::block_scale_from_amax_bits(bits, rcp);
+      if (got != want && mismatches++ == 0) first = bits;
+      decreases += got < prev;  // non-decreasing in the amax bits: the max of scales is the scale of the max
+      prev = got;
     }
     EXPECT_EQ(mismatches, 0u) << "first amax bits 0x" << std::hex << first << " (rcp 0x" << rcp << ")";
+    EXPECT_EQ(decreases, 0u) << "rcp 0x" << std::hex << rcp;
   }
 }
 
