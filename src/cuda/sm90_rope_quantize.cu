@@ -360,8 +360,8 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 // Tile order: runs of up to 32 heads of one token tile, dealt round-robin to the blocks
 // (common/tile_deal.h), so that co-running blocks share DRAM pages; a block's contiguous range
 // of tiles was 1.6 % slower (same-run A/B), runs of 8 pay more in table reloads than they gain
-// (runs of 16 equal runs of 32). Head counts that are not a multiple of 8 take contiguous ranges (short runs would hand
-// the tables off every few tiles).
+// (runs of 16 equal runs of 32). Head counts that are not a multiple of 8 take contiguous ranges
+// (short runs would hand the tables off every few tiles).
 // Loads: one TMA copy per tile (a 3-D map {D, H, tokens} with a box {D + 8, 1, 32}: the 8
 // elements past the head and the rows past the last token are outside the tensor and land as
 // zeros, which pads the rows to 400 bytes), on the stage's mbarrier; 3 stages. The rope tile
