@@ -13,9 +13,10 @@
 //              scales, FP8 codes and the optional bf16 q. q never passes through global memory as
 //              bf16 unless asked for.
 //   cost model the mainloop alone keeps the SM's shared-memory / L1 data path ~95 % busy (wgmma operand
-//              reads + TMA writes), so the epilogue costs about its own shared wavefronts plus the
-//              cache lines its global loads and stores touch: its accesses are laid out to touch
-//              few lines per instruction (docs/notes-qproj.md).
+//              reads + TMA writes), and the epilogue's accesses are laid out to touch few lines per
+//              instruction; but the epilogue's instruction stream is the critical path (the MMA
+//              warps wait for it to release the hand-off tile), so its instruction count is what
+//              to cut first (docs/notes-qproj.md).
 //   scheduler  tile = (sequence, 128 tokens, one head): BN equals the head dim, so every RoPE
 //              partner, every rowwise block and every 32-token columnwise block is inside one
 //              tile. Tiles run in groups of kGroupM token tiles x all heads (x tiles stay in L2
