@@ -537,8 +537,8 @@ __global__ void __launch_bounds__(256) widen_tables(const uint16_t* __restrict__
   const int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
   if (i >= rows * Cfg::kR) return;
   const int64_t off = (i / Cfg::kR) * st + i % Cfg::kR;
-  dst[i] = __uint_as_float(static_cast<uint32_t>(c[off]) << 16);
-  dst[rows * Cfg::kR + i] = __uint_as_float(static_cast<uint32_t>(sn[off]) << 16);
+  dst[i] = bf_lo(c[off]);
+  dst[rows * Cfg::kR + i] = bf_lo(sn[off]);
 }
 
 // ---------------------------------------------------------------- host
