@@ -26,6 +26,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 
 #include "common/qproj_ops.h"
@@ -40,6 +41,11 @@
 // part (wrong outputs: for timing only; docs/notes-qproj.md).
 #ifndef MXMLA_QPROJ_EPILOGUE
 #define MXMLA_QPROJ_EPILOGUE 1
+#endif
+// Profiling knob (cmake -DMXMLA_QPROJ_PROFILE=1, scripts/prof-qproj): clock64 stamps of each role's
+// phases per tile on the first CTAs, summarised on stderr after the sixth launch. 0: no code.
+#ifndef MXMLA_QPROJ_PROFILE
+#define MXMLA_QPROJ_PROFILE 0
 #endif
 
 namespace mxmla::detail {
@@ -89,6 +95,20 @@ struct KParams {
   ScaleMap row_map, col_map;
   uint16_t* q;
 };
+
+// ---------------------------------------------------------------- profiling (MXMLA_QPROJ_PROFILE)
+// Stamp slots per tile: MMA warp 0 of warpgroup 0: 0 tile start, 1 mainloop done, 2 tile_empty
+// passed, 3 hand-off done; epilogue: 4 tile_full passed (warp 0), 5..11 each warp's end, 12 warp 0
+// after N, 13 after R, 14 after the named barrier.
+#if MXMLA_QPROJ_PROFILE
+constexpr int kProfCtas = 8, kProfTiles = 64, kProfSlots = 16;
+__device__ unsigned long long g_prof[kProfCtas][kProfTiles][kProfSlots];
+#endif
+__device__ __forceinline__ void stamp(uint32_t n, int slot) {
+#if MXMLA_QPROJ_PROFILE
+  if (blockIdx.x < kProfCtas && n < kProfTiles) g_prof[blockIdx.x][n][slot] = clock64();
+#endif
+}
 
 // Tile t -> (sequence bi, first token m0, head h): groups of kGroupM token tiles, head-major inside.
 __device__ __forceinline__ void tile_coords(const KParams& p, int t, int& bi, int& m0, int& h) {
@@ -238,7 +258,7 @@ __device__ __forceinline__ void col_item(const KParams& p, const Smem& sm, int b
 //   C  thread = (32-row block, 4 columns): amax over 32 rows, 4 scales, then the codes row by row
 //      (a warp writes 128 contiguous bytes per row), from the bf16 nope or the fp32 rope part.
 template <bool kHalves, bool kE4M3>
-__device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int tid, int bi, int m0, int h) {
+__device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int tid, int bi, int m0, int h, uint32_t n) {
   constexpr int kNB = Cfg::kNope / 32;  // nope blocks per row
   const uint32_t rcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
   const int vb = p.sbhd ? 0 : bi;                                                    // scale-map batch
@@ -275,6 +295,7 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
     // start so that the third items (512 = 2 x 224 + 64) go to warps 5 and 6, which have one row quad
     // less in R (32 = 4 x 7 + 4)
     static_assert(Cfg::kEpiThreads == 224 && Cfg::kBM * kNB == 512 && Cfg::kBM / 4 == 32, "the N / R balance");
+#pragma unroll 2  // two items' loads in flight (-0.4 %, docs/notes-qproj.md)
     for (int item = (tid + 64) % Cfg::kEpiThreads; item < Cfg::kBM * kNB; item += Cfg::kEpiThreads) {
       // a warp's 32 items = 8 rows x 4 blocks, lane = (block, row): a quarter-warp's 16-byte reads hit 8
       // rows (the tile swizzle: conflict-free), a store instruction covers 8 rows (8 cache lines, not 32)
@@ -314,6 +335,7 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
     }
   }
 
+  if (tid == 0) stamp(n, 12);
   if (MXMLA_QPROJ_EPILOGUE != 4) {
 #pragma unroll 1
     for (int rq = wid; rq < Cfg::kBM / 4; rq += kRStep) {
@@ -377,7 +399,9 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
     }
   }
 
+  if (tid == 0) stamp(n, 13);
   ptx::named_barrier(1, Cfg::kEpiThreads);  // the fp32 rope part complete
+  if (tid == 0) stamp(n, 14);
 
   // ---- C: columnwise, item = (32-row block g, 4 columns), at most one per thread; the nope items
   //      first, so that each warp takes one kind
@@ -451,9 +475,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       int bi, m0, h;
       tile_coords(p, t, bi, m0, h);
       ptx::mbar_wait(&sm.tile_full, n & 1);  // (implies that every epilogue thread is done with the previous tile)
+      if (tid == 0) stamp(n, 4);
 #if MXMLA_QPROJ_EPILOGUE
-      epilogue_tile<kHalves, kE4M3>(p, sm, tid, bi, m0, h);
+      epilogue_tile<kHalves, kE4M3>(p, sm, tid, bi, m0, h, n);
 #endif
+      if (tid % 32 == 0) stamp(n, 5 + tid / 32);
       ptx::mbar_arrive(&sm.tile_empty);
     }
     return;
@@ -467,7 +493,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const uint64_t da0 = ptx::wgmma_desc_k_sw128(sm.a[0] + 64 * cw * Cfg::kBK), db0 = ptx::wgmma_desc_k_sw128(sm.b[0]);
   constexpr uint32_t kAStep = sizeof(Smem::a[0]) / 16, kBStep = sizeof(Smem::b[0]) / 16;
   uint32_t st = 0, phase = 0, n = 0;  // ring position, its parity; tiles done
+  const bool pw = MXMLA_QPROJ_PROFILE && threadIdx.x == 128;  // lane 0 of the first MMA warp
   for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x, ++n) {
+    if (pw) stamp(n, 0);
     uint32_t prev = 0;
 #pragma unroll
     for (int i = 0; i < 96; ++i) ptx::fence_reg(acc[i]);
@@ -487,11 +515,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (++st == Cfg::kStages) st = 0, phase ^= 1;
     }
     ptx::wgmma_wait<0>();
+    if (pw) stamp(n, 1);
     if (lane == 0) ptx::mbar_arrive(&sm.empty[prev]);
 #pragma unroll
     for (int i = 0; i < 96; ++i) ptx::fence_reg(acc[i]);
     // accumulator -> bf16 (SPEC §4) -> sm.tile, once the epilogue has read the previous tile
     ptx::mbar_wait(&sm.tile_empty, (n & 1) ^ 1);
+    if (pw) stamp(n, 2);
     // stmatrix x4 = column groups (j, j+1) x row halves (0, 8): lane l addresses row l % 8 of matrix l / 8
     const int mi = lane / 8;
     const int srow = 64 * cw + 16 * w4 + lane % 8 + 8 * (mi & 1), sw = srow & 7;
@@ -507,6 +537,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::stmatrix_x4(sbase + 128 * (j / 8) + soff[(j % 8) / 2], bf16x2_bits(acc[4 * j], acc[4 * j + 1]), bf16x2_bits(acc[4 * j + 2], acc[4 * j + 3]),
                        bf16x2_bits(acc[4 * j + 4], acc[4 * j + 5]), bf16x2_bits(acc[4 * j + 6], acc[4 * j + 7]));
     ptx::mbar_arrive(&sm.tile_full);
+    if (pw) stamp(n, 3);
   }
 }
 
@@ -554,6 +585,38 @@ int sm_count() {
   return n;
 }
 
+#if MXMLA_QPROJ_PROFILE
+// Mean cycles per tile of each phase over the profiled CTAs (tiles 2 .. last-1), on stderr.
+void print_profile(int tiles, cudaStream_t stream) {
+  static unsigned long long h[kProfCtas][kProfTiles][kProfSlots];
+  MXMLA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_prof, sizeof(h)));
+  double a[14] = {};
+  int cnt = 0;
+  for (int c = 0; c < kProfCtas; ++c)
+    for (int n = 2; n + 1 < std::min(tiles - 1, kProfTiles); ++n, ++cnt) {
+      auto d = [&](int from, int to, int n_to = 0) { return double(h[c][n + n_to][to]) - double(h[c][n][from]); };
+      a[0] += d(0, 1), a[1] += d(1, 2), a[2] += d(2, 3), a[3] += d(0, 0, 1), a[4] += d(3, 4);
+      a[5] += d(4, 12), a[6] += d(12, 13), a[7] += d(13, 14), a[8] += d(4, 4, 1);
+      double last = 0;
+      for (int w = 0; w < 7; ++w) {
+        const double e = d(4, 5 + w);
+        last = std::max(last, e);
+        a[w < 4 ? 10 : w < 6 ? 11 : 12] += e / (w < 4 ? 4 : w < 6 ? 2 : 1);
+      }
+      a[9] += last, a[13] += d(4, 4, 1) - last;
+    }
+  const char* names[14] = {"MMA mainloop", "MMA wait for tile_empty", "MMA hand-off (stmatrix)", "MMA tile cycle",
+                           "hand-off -> epilogue starts", "epilogue warp 0: N", "epilogue warp 0: R",
+                           "epilogue warp 0: barrier wait", "epilogue tile cycle", "epilogue: last warp done",
+                           "epilogue warps 0-3 (nope C)", "epilogue warps 4-5 (rope C)", "epilogue warp 6 (no C)",
+                           "epilogue idle (last warp -> next tile)"};
+  std::fprintf(stderr, "qproj profile: %d tiles per CTA, %d tile samples, mean cycles per tile\n", tiles, cnt);
+  for (int i = 0; i < 14; ++i)  // (without the epilogue only the MMA warps' phases mean anything)
+    if (MXMLA_QPROJ_EPILOGUE != 0 || i < 4) std::fprintf(stderr, "  %-40s %8.0f\n", names[i], a[i] / std::max(cnt, 1));
+}
+#endif
+
 template <bool kHalves, bool kE4M3>
 void launch(const CUtensorMap& tx, const CUtensorMap& tw, const KParams& kp, cudaStream_t stream) {
   auto* kernel = sm90_qproj_rope_quant_kernel<kHalves, kE4M3>;
@@ -561,6 +624,10 @@ void launch(const CUtensorMap& tx, const CUtensorMap& tw, const KParams& kp, cud
   const int grid = std::min(kp.num_tiles, sm_count());
   kernel<<<grid, Cfg::kThreads, kSmemBytes, stream>>>(tx, tw, kp);
   MXMLA_CUDA_CHECK(cudaGetLastError());
+#if MXMLA_QPROJ_PROFILE
+  static int launches = 0;
+  if (++launches == 6) print_profile((kp.num_tiles + grid - 1) / grid, stream);
+#endif
 }
 
 }  // namespace
