@@ -12,11 +12,13 @@
 //              the next one is being multiplied: RoPE in fp32, rowwise and columnwise amax, E8M0
 //              scales, FP8 codes and the optional bf16 q. q never passes through global memory as
 //              bf16 unless asked for.
-//   cost model the mainloop alone keeps the SM's shared-memory / L1 data path ~95 % busy (wgmma operand
-//              reads + TMA writes), and the epilogue's accesses are laid out to touch few lines per
-//              instruction; but the epilogue's instruction stream is the critical path (the MMA
-//              warps wait for it to release the hand-off tile), so its instruction count is what
-//              to cut first (docs/notes-qproj.md).
+//   cost model alone, the mainloop runs at ~99 % of the tensor cores' per-cycle peak with the SM's
+//              shared-memory / L1 data path nearly saturated (wgmma operand reads + TMA writes).
+//              The epilogue and the mainloop take about the same time per tile and barely wait
+//              for each other; the epilogue's cost is the ~14 % it slows the mainloop, about its
+//              bytes through that data path (scripts/prof-qproj, docs/notes-qproj.md). So bytes
+//              it moves through shared memory / L1 are what to cut, and nothing is to be added
+//              to the MMA warps' path (it lands on the tile cycle directly).
 //   scheduler  tile = (sequence, 128 tokens, one head): BN equals the head dim, so every RoPE
 //              partner, every rowwise block and every 32-token columnwise block is inside one
 //              tile. Tiles run in groups of kGroupM token tiles x all heads (x tiles stay in L2
