@@ -15,10 +15,10 @@
 //   cost model alone, the mainloop runs at ~99 % of the tensor cores' per-cycle peak with the SM's
 //              shared-memory / L1 data path nearly saturated (wgmma operand reads + TMA writes).
 //              The epilogue and the mainloop take about the same time per tile and barely wait
-//              for each other; the epilogue's cost is the ~14 % it slows the mainloop, about its
-//              bytes through that data path (scripts/prof-qproj, docs/notes-qproj.md). So bytes
-//              it moves through shared memory / L1 are what to cut, and nothing is to be added
-//              to the MMA warps' path (it lands on the tile cycle directly).
+//              for each other; the epilogue's cost is the ~14 % it slows the mainloop (which of
+//              its accesses cause it is open: 16 KB less shared reads did not help; scripts/prof-qproj,
+//              docs/notes-qproj.md), and nothing is to be added to the MMA warps' path (it lands
+//              on the tile cycle directly).
 //   scheduler  tile = (sequence, 128 tokens, one head): BN equals the head dim, so every RoPE
 //              partner, every rowwise block and every 32-token columnwise block is inside one
 //              tile. Tiles run in groups of kGroupM token tiles x all heads (x tiles stay in L2
@@ -100,17 +100,20 @@ struct KParams {
 
 // ---------------------------------------------------------------- profiling (MXMLA_QPROJ_PROFILE)
 // Stamp slots per tile: MMA warp 0 of warpgroup 0: 0 tile start, 1 mainloop done, 2 tile_empty
-// passed, 3 hand-off done; epilogue: 4 tile_full passed (warp 0), 5..11 each warp's end, 12 warp 0
-// after N, 13 after R, 14 after the named barrier.
+// passed, 3 hand-off done, 15 cycles spent waiting for stage data (sum over the tile's k-blocks);
+// epilogue: 4 tile_full passed (warp 0), 5..11 each warp's end, 12 warp 0 after N, 13 after R, 14
+// after the named barrier; producer: 16 cycles spent waiting for free stages (sum).
 #if MXMLA_QPROJ_PROFILE
-constexpr int kProfCtas = 8, kProfTiles = 64, kProfSlots = 16;
+constexpr int kProfCtas = 8, kProfTiles = 64, kProfSlots = 17;
 __device__ unsigned long long g_prof[kProfCtas][kProfTiles][kProfSlots];
 #endif
-__device__ __forceinline__ void stamp(uint32_t n, int slot) {
+__device__ __forceinline__ void stamp_value(uint32_t n, int slot, unsigned long long v) {
 #if MXMLA_QPROJ_PROFILE
-  if (blockIdx.x < kProfCtas && n < kProfTiles) g_prof[blockIdx.x][n][slot] = clock64();
+  if (blockIdx.x < kProfCtas && n < kProfTiles) g_prof[blockIdx.x][n][slot] = v;
 #endif
 }
+__device__ __forceinline__ unsigned long long prof_clock() { return MXMLA_QPROJ_PROFILE ? clock64() : 0; }
+__device__ __forceinline__ void stamp(uint32_t n, int slot) { stamp_value(n, slot, prof_clock()); }
 
 // Tile t -> (sequence bi, first token m0, head h): groups of kGroupM token tiles, head-major inside.
 __device__ __forceinline__ void tile_coords(const KParams& p, int t, int& bi, int& m0, int& h) {
@@ -452,12 +455,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (threadIdx.x == 0) {
       ptx::prefetch_tmap(&tmap_x);
       ptx::prefetch_tmap(&tmap_w);
-      uint32_t st = 0, phase = 0;  // ring position and its parity
-      for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+      uint32_t st = 0, phase = 0, n = 0;  // ring position and its parity; tiles
+      for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x, ++n) {
         int bi, m0, h;
         tile_coords(p, t, bi, m0, h);
+        unsigned long long waited = 0;  // (profiling only)
         for (int kb = 0; kb < p.kblocks; ++kb) {
+          const unsigned long long w0 = prof_clock();
           ptx::mbar_wait(&sm.empty[st], phase ^ 1);
+          waited += prof_clock() - w0;
           ptx::mbar_arrive_expect_tx(&sm.full[st], Cfg::kStageBytes);
           // x map dims: {K, B, S} for sbhd (b is the inner token dim), {K, S, B} for bshd
           if (p.sbhd) ptx::tma_load_3d(sm.a[st], &tmap_x, &sm.full[st], kb * Cfg::kBK, bi, m0);
@@ -465,6 +471,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           ptx::tma_load_2d(sm.b[st], &tmap_w, &sm.full[st], kb * Cfg::kBK, h * Cfg::kD);
           if (++st == Cfg::kStages) st = 0, phase ^= 1;
         }
+        stamp_value(n, 16, waited);
       }
     }
     return;
@@ -501,8 +508,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     uint32_t prev = 0;
 #pragma unroll
     for (int i = 0; i < 96; ++i) ptx::fence_reg(acc[i]);
+    unsigned long long waited = 0;  // (profiling only)
     for (int kb = 0; kb < p.kblocks; ++kb) {
+      const unsigned long long w0 = prof_clock();
       ptx::mbar_wait(&sm.full[st], phase);
+      waited += prof_clock() - w0;
       ptx::wgmma_fence();
       const uint64_t da = da0 + st * kAStep, db = db0 + st * kBStep;
 #pragma unroll
@@ -517,7 +527,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (++st == Cfg::kStages) st = 0, phase ^= 1;
     }
     ptx::wgmma_wait<0>();
-    if (pw) stamp(n, 1);
+    if (pw) stamp(n, 1), stamp_value(n, 15, waited);
     if (lane == 0) ptx::mbar_arrive(&sm.empty[prev]);
 #pragma unroll
     for (int i = 0; i < 96; ++i) ptx::fence_reg(acc[i]);
@@ -593,7 +603,7 @@ void print_profile(int tiles, cudaStream_t stream) {
   static unsigned long long h[kProfCtas][kProfTiles][kProfSlots];
   MXMLA_CUDA_CHECK(cudaStreamSynchronize(stream));
   MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_prof, sizeof(h)));
-  double a[14] = {};
+  double a[16] = {};
   int cnt = 0;
   for (int c = 0; c < kProfCtas; ++c)
     for (int n = 2; n + 1 < std::min(tiles - 1, kProfTiles); ++n, ++cnt) {
@@ -607,15 +617,17 @@ void print_profile(int tiles, cudaStream_t stream) {
         a[w < 4 ? 10 : w < 6 ? 11 : 12] += e / (w < 4 ? 4 : w < 6 ? 2 : 1);
       }
       a[9] += last, a[13] += d(4, 4, 1) - last;
+      a[14] += double(h[c][n][15]), a[15] += double(h[c][n][16]);
     }
-  const char* names[14] = {"MMA mainloop", "MMA wait for tile_empty", "MMA hand-off (stmatrix)", "MMA tile cycle",
+  const char* names[16] = {"MMA mainloop", "MMA wait for tile_empty", "MMA hand-off (stmatrix)", "MMA tile cycle",
                            "hand-off -> epilogue starts", "epilogue warp 0: N", "epilogue warp 0: R",
                            "epilogue warp 0: barrier wait", "epilogue tile cycle", "epilogue: last warp done",
                            "epilogue warps 0-3 (nope C)", "epilogue warps 4-5 (rope C)", "epilogue warp 6 (no C)",
-                           "epilogue idle (last warp -> next tile)"};
+                           "epilogue idle (last warp -> next tile)", "MMA waits for stage data (in mainloop)",
+                           "producer waits for free stages"};
   std::fprintf(stderr, "qproj profile: %d tiles per CTA, %d tile samples, mean cycles per tile\n", tiles, cnt);
-  for (int i = 0; i < 14; ++i)  // (without the epilogue only the MMA warps' phases mean anything)
-    if (MXMLA_QPROJ_EPILOGUE != 0 || i < 4) std::fprintf(stderr, "  %-40s %8.0f\n", names[i], a[i] / std::max(cnt, 1));
+  for (int i = 0; i < 16; ++i)  // (without the epilogue only the MMA warps' and the producer's phases mean anything)
+    if (MXMLA_QPROJ_EPILOGUE != 0 || i < 4 || i >= 14) std::fprintf(stderr, "  %-40s %8.0f\n", names[i], a[i] / std::max(cnt, 1));
 }
 #endif
 
