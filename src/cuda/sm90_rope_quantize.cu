@@ -25,11 +25,32 @@
 #include "cuda/sm90_rope_common.cuh"
 
 #include <algorithm>
+#include <cstdio>
+
+// Profiling knob (cmake -DMXMLA_ROPEQ_PROFILE=1): clock64 stamps of the DeepSeek-V3 fast path's
+// roles per tile on its first blocks, summarised on stderr after the sixth launch (docs/notes-rope.md:
+// `scripts/variants "--rope-only --no-compile" "MXMLA_ROPEQ_PROFILE=1"`). 0: no code.
+#ifndef MXMLA_ROPEQ_PROFILE
+#define MXMLA_ROPEQ_PROFILE 0
+#endif
 
 namespace mxmla::detail {
 namespace {
 
 using namespace rope_dev;
+
+// Per tile k of blocks 0..7: slots 0-3 each warp's cycles from the iteration's start to the tile
+// barrier (its TMA wait and its work), 4-6 warps 0-2's TMA wait, 7 the iteration's start (warp 0).
+#if MXMLA_ROPEQ_PROFILE
+constexpr int kRqProfBlocks = 8, kRqProfTiles = 64;
+__device__ unsigned long long g_rq_prof[kRqProfBlocks][kRqProfTiles][8];
+#endif
+__device__ __forceinline__ unsigned long long rq_clock() { return MXMLA_ROPEQ_PROFILE ? clock64() : 0; }
+__device__ __forceinline__ void rq_stamp(int k, int slot, unsigned long long v) {
+#if MXMLA_ROPEQ_PROFILE
+  if (blockIdx.x < kRqProfBlocks && k < kRqProfTiles && (threadIdx.x & 31) == 0) g_rq_prof[blockIdx.x][k][slot] = v;
+#endif
+}
 
 // Tile configuration.
 constexpr int kThreads = 192;  // 6 warps: one per 32-column block of a DeepSeek head in the rowwise pass
@@ -711,13 +732,17 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   int st = 0;
   uint32_t parity = 0;
   for (int k = 0;; ++k) {
+    const unsigned long long t0 = rq_clock();  // (profiling only)
+    if (warp == 0) rq_stamp(k, 7, t0);
     const bool have = cur.lvl < 3;
     if (!have && !have_prev) break;
     const Tile t{cur.h, cur.tt * kRows, min(kRows, ntok - cur.tt * kRows)};
     if (have && warp < 3) {
       const __nv_bfloat16* stage = raw + st * kStageElems;
       uint8_t* sink = sink0 + (k & 1) * kRows * 8;
+      const unsigned long long w0 = rq_clock();
       ptx::mbar_wait(&bars[st], parity);  // tile k has landed
+      rq_stamp(k, 4 + warp, rq_clock() - w0);
       if (warp == 0) {
         mla::rope_row<kE4M3>(P, sc, stage, tab, rope0 + (k & 1) * kRopeFloats, sink, t, HD, lane);
       } else if (warp == 1) {
@@ -732,6 +757,7 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     }
     // Tile k's stage is read by W0-W2 and free; its rope tile and sink are complete for W3; W3
     // is done with tile k - 1's, which tile k + 1 reuses.
+    rq_stamp(k, warp, rq_clock() - t0);
     __syncthreads();
     if (producer && ahead.lvl < 3) mla::issue(&tmap, ahead.tt * kRows, ahead.h, raw + st * kStageElems, &bars[st]);
     run_step(ahead, deal, blk, G, H);
@@ -793,6 +819,28 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
   kernel<<<static_cast<unsigned>(blocks), mla::kThreads, mla::kSmemBytes, stream>>>(tmap, p, cu, ncu,
                                                                                     static_cast<int>(tiles));
   MXMLA_CUDA_CHECK(cudaGetLastError());
+#if MXMLA_ROPEQ_PROFILE
+  static int launches = 0;
+  if (++launches == 6) {  // mean cycles per tile over blocks 0..7, tiles 2 .. (tiles per block - 3)
+    static unsigned long long h[kRqProfBlocks][kRqProfTiles][8];
+    MXMLA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_rq_prof, sizeof(h)));
+    const int per_block = static_cast<int>(tiles / blocks), last = std::min(per_block - 2, kRqProfTiles - 1);
+    double a[8] = {};
+    int cnt = 0;
+    for (int b = 0; b < kRqProfBlocks; ++b)
+      for (int k = 2; k < last; ++k, ++cnt) {
+        for (int i = 0; i < 7; ++i) a[i] += double(h[b][k][i]);
+        a[7] += double(h[b][k + 1][7]) - double(h[b][k][7]);
+      }
+    const char* names[8] = {"W0 (RoPE rows): wait + work", "W1 (nope rows): wait + work", "W2 (nope cols): wait + work",
+                            "W3 (rope cols, scales): work", "W0: TMA wait", "W1: TMA wait", "W2: TMA wait",
+                            "tile cycle"};
+    std::fprintf(stderr, "rope_backward_quantize profile: %lld tiles per block, %d samples, mean cycles per tile\n",
+                 static_cast<long long>(per_block), cnt);
+    for (int i = 0; i < 8; ++i) std::fprintf(stderr, "  %-32s %8.0f\n", names[i], a[i] / std::max(cnt, 1));
+  }
+#endif
 }
 
 template <typename T>
