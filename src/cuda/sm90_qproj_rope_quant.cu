@@ -235,11 +235,10 @@ __device__ __forceinline__ void col_item(const KParams& p, const Smem& sm, int b
   for (int j = 0; j < 4; ++j) e[j] = block_scale_from_amax_bits(a[j], rcp), mul[j] = e8m0_quant_multiplier(e[j]);
   const int vb = p.sbhd ? 0 : bi;
   const int64_t c = (p.sbhd ? static_cast<int64_t>(bi) * p.NH + h : h) * Cfg::kD + 4 * cq;  // scale-map column
-  if (!stores_on(p)) {
-  } else if (p.col_map.mode == MapMode::kCompact) {
+  if (stores_on(p) && p.col_map.mode == MapMode::kCompact) {
     *reinterpret_cast<uint32_t*>(p.col_scales + col_scale_offset(p.col_map, vb, sg / 32, c)) =
         e[0] | (uint32_t{e[1]} << 8) | (uint32_t{e[2]} << 16) | (uint32_t{e[3]} << 24);
-  } else {
+  } else if (stores_on(p)) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) p.col_scales[col_scale_offset(p.col_map, vb, sg / 32, c + j)] = e[j];
   }
