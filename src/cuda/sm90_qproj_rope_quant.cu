@@ -12,13 +12,16 @@
 //              the next one is being multiplied: RoPE in fp32, rowwise and columnwise amax, E8M0
 //              scales, FP8 codes and the optional bf16 q. q never passes through global memory as
 //              bf16 unless asked for.
-//   cost model alone, the mainloop runs at ~99 % of the tensor cores' per-cycle peak with the SM's
-//              shared-memory / L1 data path nearly saturated (wgmma operand reads + TMA writes).
-//              The epilogue and the mainloop take about the same time per tile and barely wait
-//              for each other; the epilogue's cost is the ~14 % it slows the mainloop (which of
-//              its accesses cause it is open: 16 KB less shared reads did not help; scripts/prof-qproj,
-//              docs/notes-qproj.md), and nothing is to be added to the MMA warps' path (it lands
-//              on the tile cycle directly).
+//   cost model alone, the mainloop runs at ~99 % of the tensor cores' per-cycle peak. The epilogue
+//              and the mainloop take about the same time per tile and barely wait for each other;
+//              the epilogue's cost is the ~14 % it slows the mainloop. Measured with synthetic
+//              epilogues (knobs 7-14, scripts/prof-qproj, docs/notes-qproj.md): its shared-memory
+//              loads are free (3 passes over the tile: +0.4 %), its arithmetic competes with the
+//              wgmmas for the sub-partitions (FMAs at full rate: +31 %; while the wgmmas run, a
+//              dependent FMA chain steps every ~9 cycles), its global stores and table loads cost more
+//              per byte than the TMA stream (48 KB of stores +10 %, 64 KB of loads +8 %). W
+//              multicast over a 2-CTA cluster (less L2 -> SM traffic) measured level. Nothing is
+//              to be added to the MMA warps' path (it lands on the tile cycle directly).
 //   scheduler  tile = (sequence, 128 tokens, one head): BN equals the head dim, so every RoPE
 //              partner, every rowwise block and every 32-token columnwise block is inside one
 //              tile. Tiles run in groups of kGroupM token tiles x all heads (x tiles stay in L2
@@ -41,7 +44,12 @@
 // Experiment knob (cmake -DMXMLA_QPROJ_EPILOGUE=n): 0 times the mainloop and the tile hand-off alone
 // (outputs not written), 2 skips the columnwise part of the epilogue, 3 the table loads, 4 the rope
 // part, 5 the RoPE rows' fp32 write-back into the tile, 6 the epilogue's global stores (computed,
-// not stored) (wrong outputs: for timing only; docs/notes-qproj.md, scripts/prof-qproj).
+// not stored) (wrong outputs: for timing only; docs/notes-qproj.md, scripts/prof-qproj). 7-10 replace
+// the epilogue by one synthetic kind of work at about its per-tile volume, to see which kind slows
+// the mainloop: 7 arithmetic only (~2400 FMAs per warp), 8 shared loads only (3 passes over the
+// 64 KB tile), 9 global code stores only (48 KB), 10 table loads only (64 KB); 11-14 ~2400 of one
+// instruction per warp: 11 LOP3 (integer pipe), 12 IMAD (the FMA pipe's integer side), 13 FFMA in
+// one dependent chain (a quarter of 7's issue rate), 14 F2FP (fp32 pair -> E4M3 pair, + a LOP3).
 #ifndef MXMLA_QPROJ_EPILOGUE
 #define MXMLA_QPROJ_EPILOGUE 1
 #endif
@@ -267,8 +275,62 @@ __device__ __forceinline__ void col_item(const KParams& p, const Smem& sm, int b
 //      bf16 inputs), its rowwise blocks (amax over 8 lanes, scale, codes) and the bf16 q of it;
 //   C  thread = (32-row block, 4 columns): amax over 32 rows, 4 scales, then the codes row by row
 //      (a warp writes 128 contiguous bytes per row), from the bf16 nope or the fp32 rope part.
+// Knobs 7-10 (timing only, see the top): one kind of the epilogue's work alone. The results feed a
+// shared store under a condition the compiler cannot prove false, so that the work is kept.
+__device__ __forceinline__ void synthetic_epilogue(const KParams& p, Smem& sm, int tid, int bi, int m0, int h) {
+  uint32_t acc = 0;
+  if (MXMLA_QPROJ_EPILOGUE == 7) {  // 4 independent FMA chains, 600 steps
+    float a[4] = {float(tid), float(tid + 1), float(tid + 2), float(tid + 3)};
+#pragma unroll 4
+    for (int i = 0; i < 600; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) a[j] = __fmaf_rn(a[j], 1.0001f, 0.5f);
+    acc = __float_as_uint(a[0] + a[1] + a[2] + a[3]);
+  } else if (MXMLA_QPROJ_EPILOGUE >= 11 && MXMLA_QPROJ_EPILOGUE <= 14) {
+    uint32_t a[4] = {uint32_t(tid), uint32_t(tid + 1), uint32_t(tid + 2), uint32_t(tid + 3)};
+    float f = float(tid);
+#pragma unroll 4
+    for (uint32_t i = 0; i < 600; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (MXMLA_QPROJ_EPILOGUE == 11) asm("lop3.b32 %0, %0, %1, %2, 0x96;" : "+r"(a[j]) : "r"(i), "r"(0x9E3779B9u));
+        if (MXMLA_QPROJ_EPILOGUE == 12) asm("mad.lo.u32 %0, %0, %1, %2;" : "+r"(a[j]) : "r"(0x9E3779B9u), "r"(i));
+        if (MXMLA_QPROJ_EPILOGUE == 13) f = __fmaf_rn(f, 1.0001f, 0.5f);
+        if (MXMLA_QPROJ_EPILOGUE == 14) a[j] ^= ptx::cvt_fp8x2<true>(__uint_as_float(a[j]), __uint_as_float(i));
+      }
+    acc = a[0] ^ a[1] ^ a[2] ^ a[3] ^ __float_as_uint(f);
+  } else if (MXMLA_QPROJ_EPILOGUE == 8) {  // 16-byte chunks, a warp = 32 consecutive chunks (conflict-free)
+    constexpr int kChunks = Cfg::kBM * Cfg::kTileRow / 16;
+    for (int i = tid; i < 3 * kChunks; i += Cfg::kEpiThreads) {
+      const uint4 v = *reinterpret_cast<const uint4*>(sm.tile + 16 * (i % kChunks));
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+  } else if (MXMLA_QPROJ_EPILOGUE == 9) {  // the tile's row and column codes, 12 chunks of 16 bytes per row
+    for (int i = tid; i < 2 * Cfg::kBM * 12; i += Cfg::kEpiThreads) {
+      const int k = i % (Cfg::kBM * 12), r = k / 12, si = m0 + r;
+      if (si >= p.S) continue;
+      uint8_t* base = i < Cfg::kBM * 12 ? p.row_codes : p.col_codes;
+      if (base != nullptr)
+        __stcs(reinterpret_cast<uint4*>(base + token_of(p, bi, si) * p.N + static_cast<int64_t>(h) * Cfg::kD + 16 * (k % 12)),
+               make_uint4(i, i, i, i));
+    }
+  } else if (MXMLA_QPROJ_EPILOGUE == 10) {  // cos and sin rows of the tile's tokens, 16 float4 per row
+    for (int i = tid; i < 2 * Cfg::kBM * 16; i += Cfg::kEpiThreads) {
+      const int k = i % (Cfg::kBM * 16), si = m0 + k / 16;
+      if (si >= p.S) continue;
+      const float4 v = tab4(i < Cfg::kBM * 16 ? p.cos : p.sin, static_cast<int64_t>(si) * p.tab_st + 4 * (k % 16));
+      acc ^= __float_as_uint(v.x) ^ __float_as_uint(v.y) ^ __float_as_uint(v.z) ^ __float_as_uint(v.w);
+    }
+  }
+  if (p.kblocks < 0) reinterpret_cast<uint32_t*>(sm.tile)[tid] = acc;
+}
+
 template <bool kHalves, bool kE4M3>
 __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int tid, int bi, int m0, int h, uint32_t n) {
+  if constexpr (MXMLA_QPROJ_EPILOGUE >= 7) {
+    synthetic_epilogue(p, sm, tid, bi, m0, h);
+    return;
+  }
   constexpr int kNB = Cfg::kNope / 32;  // nope blocks per row
   const uint32_t rcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
   const int vb = p.sbhd ? 0 : bi;                                                    // scale-map batch
