@@ -17,11 +17,13 @@
 //              the epilogue's cost is the ~14 % it slows the mainloop. Measured with synthetic
 //              epilogues (knobs 7-14, scripts/prof-qproj, docs/notes-qproj.md): its shared-memory
 //              loads are free (3 passes over the tile: +0.4 %), its arithmetic competes with the
-//              wgmmas for the sub-partitions (FMAs at full rate: +31 %; while the wgmmas run, a
+//              wgmmas for the sub-partitions (FMAs at full rate: +31 %; the same integer work
+//              +12 % on 7 warps, +2 % on one warp per sub-partition; while the wgmmas run, a
 //              dependent FMA chain steps every ~9 cycles), its global stores and table loads cost more
 //              per byte than the TMA stream (48 KB of stores +10 %, 64 KB of loads +8 %). W
-//              multicast over a 2-CTA cluster (less L2 -> SM traffic) measured level. Nothing is
-//              to be added to the MMA warps' path (it lands on the tile cycle directly).
+//              multicast over a 2-CTA cluster (less L2 -> SM traffic) measured level; the real
+//              epilogue on 4 warps (one per sub-partition) is too slow to keep pace (+6 %).
+//              Nothing is to be added to the MMA warps' path (it lands on the tile cycle directly).
 //   scheduler  tile = (sequence, 128 tokens, one head): BN equals the head dim, so every RoPE
 //              partner, every rowwise block and every 32-token columnwise block is inside one
 //              tile. Tiles run in groups of kGroupM token tiles x all heads (x tiles stay in L2
@@ -49,7 +51,11 @@
 // the mainloop: 7 arithmetic only (~2400 FMAs per warp), 8 shared loads only (3 passes over the
 // 64 KB tile), 9 global code stores only (48 KB), 10 table loads only (64 KB); 11-14 ~2400 of one
 // instruction per warp: 11 LOP3 (integer pipe), 12 IMAD (the FMA pipe's integer side), 13 FFMA in
-// one dependent chain (a quarter of 7's issue rate), 14 F2FP (fp32 pair -> E4M3 pair, + a LOP3).
+// one dependent chain (a quarter of 7's issue rate), 14 F2FP (fp32 pair -> E4M3 pair, + a LOP3),
+// 15 IADD3, 16 PRMT, 17 VIMNMX (integer max), 18 FMNMX (fp32 max), 19 SHFL.BFLY (+ a LOP3); 15,
+// 17, 18 take i * constant, one IMAD per 4 steps. 20, 21: knob 11's 16.8 k LOP3 per tile dealt
+// by sub-partition: 20 only on epilogue warps 0-3 (one per SM sub-partition, 4200 each), 21 only
+// on warps 4-6 (sub-partitions 1-3, 5600 each).
 #ifndef MXMLA_QPROJ_EPILOGUE
 #define MXMLA_QPROJ_EPILOGUE 1
 #endif
@@ -286,17 +292,24 @@ __device__ __forceinline__ void synthetic_epilogue(const KParams& p, Smem& sm, i
 #pragma unroll
       for (int j = 0; j < 4; ++j) a[j] = __fmaf_rn(a[j], 1.0001f, 0.5f);
     acc = __float_as_uint(a[0] + a[1] + a[2] + a[3]);
-  } else if (MXMLA_QPROJ_EPILOGUE >= 11 && MXMLA_QPROJ_EPILOGUE <= 14) {
+  } else if (MXMLA_QPROJ_EPILOGUE >= 11 && MXMLA_QPROJ_EPILOGUE <= 21) {
     uint32_t a[4] = {uint32_t(tid), uint32_t(tid + 1), uint32_t(tid + 2), uint32_t(tid + 3)};
     float f = float(tid);
+    const uint32_t steps = MXMLA_QPROJ_EPILOGUE == 20 ? (tid < 128 ? 1050 : 0)
+                         : MXMLA_QPROJ_EPILOGUE == 21 ? (tid < 128 ? 0 : 1400) : 600;
 #pragma unroll 4
-    for (uint32_t i = 0; i < 600; ++i)
+    for (uint32_t i = 0; i < steps; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (MXMLA_QPROJ_EPILOGUE == 11) asm("lop3.b32 %0, %0, %1, %2, 0x96;" : "+r"(a[j]) : "r"(i), "r"(0x9E3779B9u));
+        if (MXMLA_QPROJ_EPILOGUE == 11 || MXMLA_QPROJ_EPILOGUE >= 20) asm("lop3.b32 %0, %0, %1, %2, 0x96;" : "+r"(a[j]) : "r"(i), "r"(0x9E3779B9u));
         if (MXMLA_QPROJ_EPILOGUE == 12) asm("mad.lo.u32 %0, %0, %1, %2;" : "+r"(a[j]) : "r"(0x9E3779B9u), "r"(i));
         if (MXMLA_QPROJ_EPILOGUE == 13) f = __fmaf_rn(f, 1.0001f, 0.5f);
         if (MXMLA_QPROJ_EPILOGUE == 14) a[j] ^= ptx::cvt_fp8x2<true>(__uint_as_float(a[j]), __uint_as_float(i));
+        if (MXMLA_QPROJ_EPILOGUE == 15) asm("add.u32 %0, %0, %1;" : "+r"(a[j]) : "r"(i * 0x9E3779B9u));
+        if (MXMLA_QPROJ_EPILOGUE == 16) asm("prmt.b32 %0, %0, %1, 0x1537;" : "+r"(a[j]) : "r"(i));
+        if (MXMLA_QPROJ_EPILOGUE == 17) asm("max.u32 %0, %0, %1;" : "+r"(a[j]) : "r"(i * 0x9E3779B9u));
+        if (MXMLA_QPROJ_EPILOGUE == 18) asm("max.f32 %0, %0, %1;" : "+r"(a[j]) : "r"(i * 0x9E3779B9u));
+        if (MXMLA_QPROJ_EPILOGUE == 19) a[j] ^= __shfl_xor_sync(0xFFFFFFFFu, a[j], 1 << j);
       }
     acc = a[0] ^ a[1] ^ a[2] ^ a[3] ^ __float_as_uint(f);
   } else if (MXMLA_QPROJ_EPILOGUE == 8) {  // 16-byte chunks, a warp = 32 consecutive chunks (conflict-free)
