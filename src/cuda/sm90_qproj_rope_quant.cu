@@ -15,7 +15,7 @@
 //   cost model alone, the mainloop runs at ~99 % of the tensor cores' per-cycle peak. The epilogue
 //              and the mainloop take about the same time per tile and barely wait for each other;
 //              the epilogue's cost is the ~14 % it slows the mainloop. Measured with synthetic
-//              epilogues (knobs 7-14, scripts/prof-qproj, docs/notes-qproj.md): its shared-memory
+//              epilogues (knobs 7-21, scripts/prof-qproj, docs/notes-qproj.md): its shared-memory
 //              loads are free (3 passes over the tile: +0.4 %), its arithmetic competes with the
 //              wgmmas for the sub-partitions (FMAs at full rate: +31 %; the same integer work
 //              +12 % on 7 warps, +2 % on one warp per sub-partition; while the wgmmas run, a
@@ -51,7 +51,7 @@
 // the mainloop: 7 arithmetic only (~2400 FMAs per warp), 8 shared loads only (3 passes over the
 // 64 KB tile), 9 global code stores only (48 KB), 10 table loads only (64 KB); 11-14 ~2400 of one
 // instruction per warp: 11 LOP3 (integer pipe), 12 IMAD (the FMA pipe's integer side), 13 FFMA in
-// one dependent chain (a quarter of 7's issue rate), 14 F2FP (fp32 pair -> E4M3 pair, + a LOP3),
+// one dependent chain (7 has four), 14 F2FP (fp32 pair -> E4M3 pair, + a LOP3),
 // 15 IADD3, 16 PRMT, 17 VIMNMX (integer max), 18 FMNMX (fp32 max), 19 SHFL.BFLY (+ a LOP3); 15,
 // 17, 18 take i * constant, one IMAD per 4 steps. 20, 21: knob 11's 16.8 k LOP3 per tile dealt
 // by sub-partition: 20 only on epilogue warps 0-3 (one per SM sub-partition, 4200 each), 21 only
@@ -281,7 +281,7 @@ __device__ __forceinline__ void col_item(const KParams& p, const Smem& sm, int b
 //      bf16 inputs), its rowwise blocks (amax over 8 lanes, scale, codes) and the bf16 q of it;
 //   C  thread = (32-row block, 4 columns): amax over 32 rows, 4 scales, then the codes row by row
 //      (a warp writes 128 contiguous bytes per row), from the bf16 nope or the fp32 rope part.
-// Knobs 7-10 (timing only, see the top): one kind of the epilogue's work alone. The results feed a
+// Knobs 7-21 (timing only, see the top): one kind of the epilogue's work alone. The results feed a
 // shared store under a condition the compiler cannot prove false, so that the work is kept.
 __device__ __forceinline__ void synthetic_epilogue(const KParams& p, Smem& sm, int tid, int bi, int m0, int h) {
   uint32_t acc = 0;
@@ -301,7 +301,8 @@ __device__ __forceinline__ void synthetic_epilogue(const KParams& p, Smem& sm, i
     for (uint32_t i = 0; i < steps; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (MXMLA_QPROJ_EPILOGUE == 11 || MXMLA_QPROJ_EPILOGUE >= 20) asm("lop3.b32 %0, %0, %1, %2, 0x96;" : "+r"(a[j]) : "r"(i), "r"(0x9E3779B9u));
+        if (MXMLA_QPROJ_EPILOGUE == 11 || MXMLA_QPROJ_EPILOGUE >= 20)
+          asm("lop3.b32 %0, %0, %1, %2, 0x96;" : "+r"(a[j]) : "r"(i), "r"(0x9E3779B9u));
         if (MXMLA_QPROJ_EPILOGUE == 12) asm("mad.lo.u32 %0, %0, %1, %2;" : "+r"(a[j]) : "r"(0x9E3779B9u), "r"(i));
         if (MXMLA_QPROJ_EPILOGUE == 13) f = __fmaf_rn(f, 1.0001f, 0.5f);
         if (MXMLA_QPROJ_EPILOGUE == 14) a[j] ^= ptx::cvt_fp8x2<true>(__uint_as_float(a[j]), __uint_as_float(i));
@@ -709,8 +710,9 @@ void print_profile(int tiles, cudaStream_t stream) {
                            "producer waits for free stages"};
   std::fprintf(stderr, "qproj profile: %d tiles per CTA, %d tile samples, mean cycles per tile\n", tiles, cnt);
   for (int i = 0; i < 16; ++i)  // (without the epilogue only the MMA warps' and the producer's phases mean anything)
-    // knob 0: no epilogue rows; knobs 7-14 (synthetic): no N / R / barrier stamps
-    if ((MXMLA_QPROJ_EPILOGUE != 0 || i < 4 || i >= 14) && (MXMLA_QPROJ_EPILOGUE < 7 || i < 5 || i > 7)) std::fprintf(stderr, "  %-40s %8.0f\n", names[i], a[i] / std::max(cnt, 1));
+    // knob 0: no epilogue rows; knobs 7-21 (synthetic): no N / R / barrier stamps
+    if ((MXMLA_QPROJ_EPILOGUE != 0 || i < 4 || i >= 14) && (MXMLA_QPROJ_EPILOGUE < 7 || i < 5 || i > 7))
+      std::fprintf(stderr, "  %-40s %8.0f\n", names[i], a[i] / std::max(cnt, 1));
 }
 #endif
 
