@@ -65,6 +65,14 @@ __device__ __forceinline__ void tma_load_3d(void* smem, const void* tmap, uint64
       "l"(tmap), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// Bulk (non-tensor) copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared
+// to global memory by the TMA unit; commit / wait until the shared source has been read.
+__device__ __forceinline__ void bulk_store_s2g(void* gdst, const void* ssrc, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gdst), "r"(smem_u32(ssrc)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
 // ---------------------------------------------------------------- warpgroup control
 template <uint32_t kRegs>

@@ -20,7 +20,8 @@
 //              wgmmas for the sub-partitions (FMAs at full rate: +31 %; the same integer work
 //              +12 % on 7 warps, +2 % on one warp per sub-partition; while the wgmmas run, a
 //              dependent FMA chain steps every ~9 cycles), its global stores and table loads cost more
-//              per byte than the TMA stream (48 KB of stores +10 %, 64 KB of loads +8 %). W
+//              per byte than the TMA stream (48 KB of stores +11 %; as TMA bulk stores from
+//              shared memory +2.4 %, but the codes have no room there; 64 KB of loads +7 %). W
 //              multicast over a 2-CTA cluster (less L2 -> SM traffic) measured level; the real
 //              epilogue on 4 warps (one per sub-partition) is too slow to keep pace (+6 %).
 //              Nothing is to be added to the MMA warps' path (it lands on the tile cycle directly).
@@ -55,7 +56,8 @@
 // 15 IADD3, 16 PRMT, 17 VIMNMX (integer max), 18 FMNMX (fp32 max), 19 SHFL.BFLY (+ a LOP3); 15,
 // 17, 18 take i * constant, one IMAD per 4 steps. 20, 21: knob 11's 16.8 k LOP3 per tile dealt
 // by sub-partition: 20 only on epilogue warps 0-3 (one per SM sub-partition, 4200 each), 21 only
-// on warps 4-6 (sub-partitions 1-3, 5600 each).
+// on warps 4-6 (sub-partitions 1-3, 5600 each). 22, 23: knobs 9, 10 on epilogue warps 0-3 only;
+// 24: knob 9's 48 KB as 256 bulk copies (TMA unit) of 192-byte rows from the shared tile.
 #ifndef MXMLA_QPROJ_EPILOGUE
 #define MXMLA_QPROJ_EPILOGUE 1
 #endif
@@ -319,8 +321,9 @@ __device__ __forceinline__ void synthetic_epilogue(const KParams& p, Smem& sm, i
       const uint4 v = *reinterpret_cast<const uint4*>(sm.tile + 16 * (i % kChunks));
       acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
-  } else if (MXMLA_QPROJ_EPILOGUE == 9) {  // the tile's row and column codes, 12 chunks of 16 bytes per row
-    for (int i = tid; i < 2 * Cfg::kBM * 12; i += Cfg::kEpiThreads) {
+  } else if (MXMLA_QPROJ_EPILOGUE == 9 || MXMLA_QPROJ_EPILOGUE == 22) {  // the tile's row and column codes, 12 chunks of 16 bytes per row
+    constexpr int kThr = MXMLA_QPROJ_EPILOGUE == 22 ? 128 : Cfg::kEpiThreads;
+    for (int i = tid; i < 2 * Cfg::kBM * 12 && tid < kThr; i += kThr) {
       const int k = i % (Cfg::kBM * 12), r = k / 12, si = m0 + r;
       if (si >= p.S) continue;
       uint8_t* base = i < Cfg::kBM * 12 ? p.row_codes : p.col_codes;
@@ -328,8 +331,19 @@ __device__ __forceinline__ void synthetic_epilogue(const KParams& p, Smem& sm, i
         __stcs(reinterpret_cast<uint4*>(base + token_of(p, bi, si) * p.N + static_cast<int64_t>(h) * Cfg::kD + 16 * (k % 12)),
                make_uint4(i, i, i, i));
     }
-  } else if (MXMLA_QPROJ_EPILOGUE == 10) {  // cos and sin rows of the tile's tokens, 16 float4 per row
-    for (int i = tid; i < 2 * Cfg::kBM * 16; i += Cfg::kEpiThreads) {
+  } else if (MXMLA_QPROJ_EPILOGUE == 24) {  // one bulk copy per (array, row), the tile's rows as source
+    for (int i = tid; i < 2 * Cfg::kBM; i += Cfg::kEpiThreads) {
+      const int r = i % Cfg::kBM, si = m0 + r;
+      uint8_t* base = i < Cfg::kBM ? p.row_codes : p.col_codes;
+      if (si < p.S && base != nullptr)
+        ptx::bulk_store_s2g(base + token_of(p, bi, si) * p.N + static_cast<int64_t>(h) * Cfg::kD, sm.tile + r * Cfg::kTileRow,
+                            Cfg::kD);
+    }
+    ptx::bulk_commit();
+    ptx::bulk_wait_read_all();  // the tile is the next hand-off's
+  } else if (MXMLA_QPROJ_EPILOGUE == 10 || MXMLA_QPROJ_EPILOGUE == 23) {  // cos and sin rows of the tile's tokens, 16 float4 per row
+    constexpr int kThr = MXMLA_QPROJ_EPILOGUE == 23 ? 128 : Cfg::kEpiThreads;
+    for (int i = tid; i < 2 * Cfg::kBM * 16 && tid < kThr; i += kThr) {
       const int k = i % (Cfg::kBM * 16), si = m0 + k / 16;
       if (si >= p.S) continue;
       const float4 v = tab4(i < Cfg::kBM * 16 ? p.cos : p.sin, static_cast<int64_t>(si) * p.tab_st + 4 * (k % 16));
