@@ -708,7 +708,7 @@ void print_profile(int tiles, cudaStream_t stream) {
       a[0] += d(0, 1), a[1] += d(1, 2), a[2] += d(2, 3), a[3] += d(0, 0, 1), a[4] += d(3, 4);
       a[5] += d(4, 12), a[6] += d(12, 13), a[7] += d(13, 14), a[8] += d(4, 4, 1);
       double last = 0;
-      for (int w = 0; w < 7; ++w) {
+      for (int w = 0; w < Cfg::kEpiThreads / 32; ++w) {  // epilogue warps
         const double e = d(4, 5 + w);
         last = std::max(last, e);
         a[w < 4 ? 10 : w < 6 ? 11 : 12] += e / (w < 4 ? 4 : w < 6 ? 2 : 1);
