@@ -14,16 +14,18 @@
 //              bf16 unless asked for.
 //   cost model alone, the mainloop runs at ~99 % of the tensor cores' per-cycle peak. The epilogue
 //              and the mainloop take about the same time per tile and barely wait for each other;
-//              the epilogue's cost is the ~14 % it slows the mainloop. Measured with synthetic
+//              the epilogue's cost is the ~13 % it slows the mainloop. Measured with synthetic
 //              epilogues (knobs 7-21, scripts/prof-qproj, docs/notes-qproj.md): its shared-memory
 //              loads are free (3 passes over the tile: +0.4 %), its arithmetic competes with the
 //              wgmmas for the sub-partitions (FMAs at full rate: +31 %; the same integer work
 //              +12 % on 7 warps, +2 % on one warp per sub-partition; while the wgmmas run, a
 //              dependent FMA chain steps every ~9 cycles), its global stores and table loads cost more
 //              per byte than the TMA stream (48 KB of stores +11 %; as TMA bulk stores from
-//              shared memory +2.4 %, but the codes have no room there; 64 KB of loads +7 %). W
-//              multicast over a 2-CTA cluster (less L2 -> SM traffic) measured level; the real
-//              epilogue on 4 warps (one per sub-partition) is too slow to keep pace (+6 %).
+//              shared memory +2.4 %; 64 KB of loads +7 %). In the real kernel the column codes
+//              staged in the tile and written by TMA tensor stores gave the mainloop back only
+//              ~0.5 % and lengthened the epilogue: +3.3 % (sixteenth session). W multicast over
+//              a 2-CTA cluster (less L2 -> SM traffic) measured level; the real epilogue on 4
+//              warps (one per sub-partition) is too slow to keep pace (+6 %).
 //              Nothing is to be added to the MMA warps' path (it lands on the tile cycle directly).
 //   scheduler  tile = (sequence, 128 tokens, one head): BN equals the head dim, so every RoPE
 //              partner, every rowwise block and every 32-token columnwise block is inside one
@@ -375,20 +377,24 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
   // output positions [pa, pa + 4) and [pb, pb + 4) of unit u, and their rope blocks
   const int pa = ilv ? 8 * u : 4 * u, pb = ilv ? 8 * u + 4 : 32 + 4 * u;
   const bool pa1 = pa >= 32, pb1 = pb >= 32;
-  // table values (cos, sin at pa; cos, sin at pb) of row quad rq; zero past the sequence
-  auto load_tabs = [&](int rq, float4 (&t)[4]) {
-    const int si = m0 + 4 * rq + rl;
-    t[0] = t[1] = t[2] = t[3] = make_float4(0.f, 0.f, 0.f, 0.f);
+  // Per-lane running offset of R's row codes (row 4 * wid + rl first, kRStep quads per iteration:
+  // no 64-bit token arithmetic per row). Rows past the sequence load no tables and keep the last
+  // row's (their inputs are TMA's zero rows; their outputs are never stored, and C reads only rows
+  // of the sequence).
+  const int64_t rc_step = int64_t{4 * kRStep} * (p.sbhd ? p.B : 1) * p.N;
+  int64_t rc_off = token_of(p, bi, m0 + 4 * wid + rl) * p.N + static_cast<int64_t>(h) * Cfg::kD + Cfg::kNope;
+  // table values (cos, sin at pa; cos, sin at pb) of row si
+  auto load_tabs = [&](int si, float4 (&t)[4]) {
     if (si < p.S && MXMLA_QPROJ_EPILOGUE != 3) {
-      const int64_t trow = static_cast<int64_t>(si) * p.tab_st;
-      t[0] = tab4(p.cos, trow + pa), t[1] = tab4(p.sin, trow + pa);
-      t[2] = tab4(p.cos, trow + pb), t[3] = tab4(p.sin, trow + pb);
+      const int64_t off = static_cast<int64_t>(si) * p.tab_st;
+      t[0] = tab4(p.cos, off + pa), t[1] = tab4(p.sin, off + pa);
+      t[2] = tab4(p.cos, off + pb), t[3] = tab4(p.sin, off + pb);
     }
   };
 
   // the first row quad's tables load while N runs; each R iteration loads the next quad's
-  float4 tab[4];
-  load_tabs(wid, tab);
+  float4 tab[4] = {};
+  load_tabs(m0 + 4 * wid + rl, tab);
 
   // ---- N: nope rowwise blocks, item = (row, block)
   if (p.row_codes != nullptr || p.q != nullptr) {
@@ -437,11 +443,11 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
   if (tid == 0) stamp(n, 12);
   if (MXMLA_QPROJ_EPILOGUE != 4) {
 #pragma unroll 1
-    for (int rq = wid; rq < Cfg::kBM / 4; rq += kRStep) {
+    for (int rq = wid; rq < Cfg::kBM / 4; rq += kRStep, rc_off += rc_step) {
       const int r = 4 * rq + rl, si = m0 + r;
       const float c0[4] = {tab[0].x, tab[0].y, tab[0].z, tab[0].w}, s0[4] = {tab[1].x, tab[1].y, tab[1].z, tab[1].w};
       const float c1[4] = {tab[2].x, tab[2].y, tab[2].z, tab[2].w}, s1[4] = {tab[3].x, tab[3].y, tab[3].z, tab[3].w};
-      if (rq + kRStep < Cfg::kBM / 4) load_tabs(rq + kRStep, tab);  // (c0..s1 hold this quad's)
+      if (rq + kRStep < Cfg::kBM / 4) load_tabs(si + 4 * kRStep, tab);  // (c0..s1 hold this quad's)
       float x[8], oa[4], ob[4];  // inputs; outputs at pa and pb
       if (kHalves || ilv) {  // inputs [8u, 8u + 8)
         const uint4 w = *reinterpret_cast<const uint4*>(sm.tile + tswz(r, Cfg::kRopeOff + 16 * u));
@@ -482,19 +488,18 @@ __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int ti
         am1 = max(am1, __shfl_xor_sync(0xFFFFFFFFu, am1, m));
       }
       if (si >= p.S) continue;
-      const int64_t tok = token_of(p, bi, si);
       if (p.row_codes != nullptr) {
         const uint8_t e0 = block_scale_from_amax_bits(am0, rcp), e1 = block_scale_from_amax_bits(am1, rcp);
         if (u < 2 && stores_on(p)) p.row_scales[row_scale_at(p.row_map, vb, si, col0 / 32 + kNB + u)] = u == 0 ? e0 : e1;
         const float m0s = e8m0_quant_multiplier(e0), m1s = e8m0_quant_multiplier(e1);
         const float fa = pa1 ? m1s : m0s, fb = pb1 ? m1s : m0s;
-        uint8_t* dst = p.row_codes + tok * p.N + static_cast<int64_t>(h) * Cfg::kD + Cfg::kNope;
+        uint8_t* dst = p.row_codes + rc_off;
         const uint32_t ca = codes4<kE4M3>(oa[0], oa[1], oa[2], oa[3], fa, fa, fa, fa);
         const uint32_t cb = codes4<kE4M3>(ob[0], ob[1], ob[2], ob[3], fb, fb, fb, fb);
         if (stores_on(p)) __stcs(reinterpret_cast<unsigned int*>(dst + pa), ca), __stcs(reinterpret_cast<unsigned int*>(dst + pb), cb);
       }
       if (p.q != nullptr) {
-        uint16_t* dst = p.q + (tok * p.NH + h) * Cfg::kD + Cfg::kNope;
+        uint16_t* dst = p.q + (token_of(p, bi, si) * p.NH + h) * Cfg::kD + Cfg::kNope;
         __stcs(reinterpret_cast<uint2*>(dst + pa), make_uint2(bf16x2_of(oa[0], oa[1]), bf16x2_of(oa[2], oa[3])));
         __stcs(reinterpret_cast<uint2*>(dst + pb), make_uint2(bf16x2_of(ob[0], ob[1]), bf16x2_of(ob[2], ob[3])));
       }
