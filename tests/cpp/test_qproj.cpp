@@ -25,6 +25,8 @@ struct QCase {
   bool integer = true;           // integer-valued x, W (exact fp32 sums) or N(0,1)-like
   bool w_kn = false;             // W given as [K, N]
   bool specials = false;         // NaN / Inf in a few x rows
+  bool tab_specials = false;     // ±Inf / NaN in the tables' last 28 rows (the kernel's rows past the
+                                 // sequence keep those rows' table values: they must not leak)
   uint64_t seed = 7;
   std::string name() const {
     std::ostringstream s;
@@ -32,7 +34,7 @@ struct QCase {
       << "_st" << int(style) << (fmt == Fp8Format::kE4M3 ? "_e4m3" : "_e5m2") << (bhsd ? "_bhsd" : "")
       << (rowwise ? "_r" : "") << (columnwise ? "_c" : "") << (want_q ? "_q" : "") << (tab_f32 ? "" : "_tbf16")
       << (x_pad || w_pad ? "_strided" : "") << (integer ? "" : "_random") << (specials ? "_nan" : "")
-      << (w_kn ? "_wkn" : "");
+      << (tab_specials ? "_tabinf" : "") << (w_kn ? "_wkn" : "");
     return s.str();
   }
   QProjOptions opts() const {
@@ -81,6 +83,12 @@ QInputs make_inputs(const QCase& c) {
   std::vector<float> cf(in.S * 64), sf(in.S * 64);
   TensorDesc cd(cf.data(), DType::kFloat32, {in.S, 64}), sd(sf.data(), DType::kFloat32, {in.S, 64});
   rope_tables(pos, 64, 10000.0, YarnParams::deepseek_v3(), c.style, cd, sd);
+  if (c.tab_specials)
+    for (int64_t i = 0; i < 28 && i < in.S; ++i) {
+      const int64_t row = in.S - 1 - i, col = i * 5 % 64;
+      cf[row * 64 + col] = i % 2 ? INFINITY : -INFINITY;
+      sf[row * 64 + (col + 7) % 64] = NAN;
+    }
   const DType tt = c.tab_f32 ? DType::kFloat32 : DType::kBFloat16;
   in.cos = test::encode(cf, tt), in.sin = test::encode(sf, tt);
   return in;
@@ -245,6 +253,8 @@ std::vector<QCase> bit_exact_cases() {
   add([](QCase& c) { c.T = 96, c.NH = 2, c.K = 200, c.x_pad = 8, c.w_pad = 24, c.style = RopeStyle::kInterleaved; });
   add([](QCase& c) { c.T = 64, c.NH = 2, c.K = 64, c.specials = true; });
   add([](QCase& c) { c.T = 70, c.NH = 2, c.K = 64, c.specials = true, c.bhsd = true, c.style = RopeStyle::kRotateHalf, c.fmt = Fp8Format::kE5M2; });
+  add([](QCase& c) { c.T = 70, c.NH = 2, c.K = 64, c.tab_specials = true; });
+  add([](QCase& c) { c.T = 150, c.NH = 2, c.K = 64, c.B = 2, c.layout = QKVLayout::kBSHD, c.tab_specials = true, c.style = RopeStyle::kInterleaved; });
   add([](QCase& c) { c.T = 65, c.NH = 2, c.K = 80, c.w_kn = true; });
   add([](QCase& c) { c.T = 40, c.NH = 3, c.K = 48, c.w_kn = true, c.w_pad = 8, c.style = RopeStyle::kInterleaved; });
   return v;
