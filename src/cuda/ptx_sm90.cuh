@@ -65,13 +65,6 @@ __device__ __forceinline__ void tma_load_3d(void* smem, const void* tmap, uint64
       "l"(tmap), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
-// Tensor store of a box from shared memory (dense, the map's box order) by the TMA unit, in the
-// bulk async-group of the issuing thread; elements outside the tensor are not written.
-__device__ __forceinline__ void tma_store_3d(const void* tmap, const void* smem, int32_t c0, int32_t c1, int32_t c2) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(tmap),
-               "r"(smem_u32(smem)), "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
 // Bulk (non-tensor) copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared
 // to global memory by the TMA unit; commit / wait until the shared source has been read.
 __device__ __forceinline__ void bulk_store_s2g(void* gdst, const void* ssrc, uint32_t bytes) {
@@ -80,8 +73,6 @@ __device__ __forceinline__ void bulk_store_s2g(void* gdst, const void* ssrc, uin
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-// ... or until the copies are complete (their global writes performed).
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // ---------------------------------------------------------------- warpgroup control
 template <uint32_t kRegs>
@@ -95,11 +86,6 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // Named barrier `id` (1..15) over `threads` threads (a multiple of 32).
 __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-// ... arriving without waiting (the thread's prior memory accesses are performed for the threads that
-// wait on the barrier with named_barrier).
-__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Four 8x8 b16 matrices from registers to shared memory: lane l gives the address of row l % 8 of
