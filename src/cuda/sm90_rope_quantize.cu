@@ -383,9 +383,13 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 // of tiles was 1.6 % slower (same-run A/B), runs of 8 pay more in table reloads than they gain
 // (runs of 16 equal runs of 32). Head counts that are not a multiple of 8 take contiguous ranges
 // (short runs would hand the tables off every few tiles).
-// Loads: one TMA copy per tile (a 3-D map {D, H, tokens} with a box {D + 8, 1, 32}: the 8
-// elements past the head and the rows past the last token are outside the tensor and land as
-// zeros, which pads the rows to 400 bytes), on the stage's mbarrier; 3 stages. The rope tile
+// Loads: three TMA copies per tile (a 3-D map {D, H, tokens}, boxes {64, 1, 32} with the 128-byte
+// swizzle: a stage is [3 column thirds][32 rows][128 bytes], 16-byte chunk c of a row at c ^ (row
+// % 8), so lane-per-row and lane-per-chunk reads are both conflict-free; rows past the last token
+// are outside the tensor and land as zeros), on the stage's mbarrier; 3 stages. The TMA unit reads
+// exactly the head's 384 bytes per row this way: one box {D + 8, 1, 32} into 400-byte rows (the
+// padding made the reads conflict-free) took 2.3 times the L2 read requests, 10 % more DRAM reads
+// and 5.5 % more time (docs/performance.md, seventeenth session). The rope tile
 // and the sink are double-buffered, so one barrier per tile orders everything: W0-W2 work on
 // tile k while W3 finishes tile k - 1. Rows past the last token are zero with zero tables, so
 // every amax runs over all 32 rows unpredicated; only stores are predicated. The optional dx
@@ -395,22 +399,28 @@ namespace mla {
 constexpr int kD = 192, kR = 64, kNope = kD - kR, kHalf = kR / 2;
 constexpr int kThreads = 128;
 constexpr int kStages = 3;
-constexpr int kRawPitch = kD + 8;   // bf16 per raw row: 400 bytes = 25 16-byte units (odd)
+constexpr int kThird = 64;  // columns per TMA box: 128 bytes, the 128-byte swizzle's span
 constexpr int kRopePitch = kR + 4;  // floats per rope-tile row: 272 bytes = 17 units (odd)
-constexpr int kTileBytes = kRows * kRawPitch * 2;  // one TMA box {kRawPitch, 1, kRows}
-constexpr int kStageElems = kRows * kRawPitch;
+constexpr int kTileBytes = kRows * kD * 2;  // three boxes {kThird, 1, kRows}
+constexpr int kStageElems = kRows * kD;
 constexpr int kRopeFloats = kRows * kRopePitch;
 constexpr int kTabSlots = 2 * kR / 4;  // float4 slots per lane: cos then sin, in column order
 // shared memory: raw stages | 2 rope tiles | table slots [32][32] float4 | 2 sinks [32][8] | mbarriers
 constexpr int kRawBytes = kStages * kTileBytes, kRopeBytes = 2 * kRopeFloats * 4, kTabBytes = kTabSlots * 32 * 16;
 constexpr int kSinkBytes = 2 * kRows * 8;
-constexpr int kSmemBytes = 128 + kRawBytes + kRopeBytes + kTabBytes + kSinkBytes + kStages * 8;  // + alignment
+constexpr int kSmemBytes = 1024 + kRawBytes + kRopeBytes + kTabBytes + kSinkBytes + kStages * 8;  // + alignment
 static_assert(kNope == 4 * 32 && kR == 2 * 32, "roles: 4 nope blocks (W1), 2 rope blocks (W0) per row");
 static_assert(kNope / 8 == 16 && kR / 4 == 16, "W2 / W3: 16 column chunks x 2 row halves = 32 lanes");
-static_assert((kRawPitch * 2) % 16 == 0 && kRawPitch <= 256, "TMA box: inner bytes a multiple of 16, <= 256 elements");
-static_assert(kTileBytes % 128 == 0, "stages stay 128-byte aligned for TMA");
+static_assert(kD == 3 * kThird && kThird * 2 == 128, "a row is three 128-byte swizzle rows");
+static_assert((kRows * kThird * 2) % 1024 == 0, "every box starts on a 1024-byte swizzle atom");
 static_assert((kRawBytes + kRopeBytes + kTabBytes + kSinkBytes) % 8 == 0, "mbarriers are 8-byte aligned");
 static_assert(3 * (kSmemBytes + 1024) <= 228 * 1024, "three blocks per SM");
+
+// Chunk c (16 bytes, columns [8c, 8c + 8), c < 24) of row r of a stage: the TMA 128-byte swizzle
+// puts it at chunk (c % 8) ^ (r % 8) of row r of column third c / 8 (a third: 32 rows x 8 chunks).
+__device__ __forceinline__ const uint4* chunk_at(const __nv_bfloat16* stage, int r, int c) {
+  return reinterpret_cast<const uint4*>(stage) + (c >> 3) * (kRows * 8) + r * 8 + ((c & 7) ^ (r & 7));
+}
 
 __device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
@@ -466,13 +476,12 @@ template <bool kE4M3>
 __device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetChoice& sc, const __nv_bfloat16* stage,
                                          const float4* tab, float* rope, uint8_t* sink, const Tile& t, int64_t HD,
                                          int lane) {
-  const __nv_bfloat16* xr = stage + lane * kRawPitch + kNope;
   float* rr = rope + lane * kRopePitch;
 #pragma unroll
   for (int q = 0; q < 4; ++q) {  // the four 16-element sets of the shared RoPE helpers
     float in[16], c[16], s[16], o[16];
-    unpack8<__nv_bfloat16>(*reinterpret_cast<const Raw8<__nv_bfloat16>*>(xr + set_part(sc.in_c, q, kHalf, 0)), in);
-    unpack8<__nv_bfloat16>(*reinterpret_cast<const Raw8<__nv_bfloat16>*>(xr + set_part(sc.in_c, q, kHalf, 1)), in + 8);
+    unpack8<__nv_bfloat16>(Raw8<__nv_bfloat16>{{*chunk_at(stage, lane, 16 + set_part(sc.in_c, q, kHalf, 0) / 8)}}, in);
+    unpack8<__nv_bfloat16>(Raw8<__nv_bfloat16>{{*chunk_at(stage, lane, 16 + set_part(sc.in_c, q, kHalf, 1) / 8)}}, in + 8);
 #pragma unroll
     for (int part = 0; part < 2; ++part) {
       const int col = set_part(sc.tab_c, q, kHalf, part);
@@ -523,13 +532,12 @@ __device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetC
 template <bool kE4M3>
 __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv_bfloat16* stage, uint8_t* sink,
                                          const Tile& t, int64_t HD, int lane) {
-  const uint4* src = reinterpret_cast<const uint4*>(stage + lane * kRawPitch);
   const int64_t row0 = static_cast<int64_t>(t.t0 + lane) * HD + static_cast<int64_t>(t.h) * kD;
   if (P.dx != nullptr && lane < t.nrows) {
 #pragma unroll 4
     for (int c = 0; c < kNope / 8; ++c) {
       float v[8];
-      unpack8<__nv_bfloat16>(Raw8<__nv_bfloat16>{{src[c]}}, v);
+      unpack8<__nv_bfloat16>(Raw8<__nv_bfloat16>{{*chunk_at(stage, lane, c)}}, v);
       if (P.dx_t == DType::kFloat32) store_raw8<float>(static_cast<float*>(P.dx) + row0 + 8 * c, pack8<float>(v));
       else store_raw8<__nv_bfloat16>(static_cast<__nv_bfloat16*>(P.dx) + row0 + 8 * c, pack8<__nv_bfloat16>(v));
     }
@@ -542,11 +550,10 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
 #pragma unroll 2
   for (int i = 0; i < kRows / 4; ++i) {
     const int r = 4 * i + rsub;
-    const uint4* s2 = reinterpret_cast<const uint4*>(stage + r * kRawPitch + 16 * cp);
-    // lanes 4-7 of a row read their second 16 bytes first: a quarter warp (one row) then hits 8
-    // different bank groups (16-byte loads are served 8 lanes at a time; was 2-way conflicted)
+    // lanes 4-7 of a row (the second column third) read their second 16 bytes first: a quarter
+    // warp (one row) then hits 8 different bank groups (16-byte loads are served 8 lanes at a time)
     const int sw = (cp >> 2) & 1;
-    const uint4 a = s2[sw], b = s2[sw ^ 1];
+    const uint4 a = *chunk_at(stage, r, 2 * cp + sw), b = *chunk_at(stage, r, 2 * cp + (sw ^ 1));
     const uint4 v0 = sw ? b : a, v1 = sw ? a : b;
     uint32_t m = __vmaxu2(__vmaxu2(__vmaxu2(bf_mag(v0.x), bf_mag(v0.y)), __vmaxu2(bf_mag(v0.z), bf_mag(v0.w))),
                           __vmaxu2(__vmaxu2(bf_mag(v1.x), bf_mag(v1.y)), __vmaxu2(bf_mag(v1.z), bf_mag(v1.w))));
@@ -578,20 +585,21 @@ __device__ __forceinline__ void col_scales(const RopeQuantizeParams& P, int t0, 
 }
 
 // Columnwise blocks of one 16-byte column chunk per lane, lane = (chunk c = lane % 16, row half
-// lane / 16: rows [16 half, 16 half + 16)). kBf16: 8 bf16 columns of the raw stage (packed
+// lane / 16: rows [16 half, 16 half + 16)). kBf16: 8 bf16 columns of the swizzled stage (`src`
+// = the chunk's column third, `c8` = its chunk inside the third; row i at chunk c8 ^ (i % 8); packed
 // two-lane magnitude max); else 4 fp32 columns of the rope tile. Pass 1 takes the amax of the
 // lane's 16 rows and one shuffle joins the halves; pass 2 reads again and converts.
 template <bool kE4M3, bool kBf16>
 __device__ __forceinline__ void col_chunk(const RopeQuantizeParams& P, const uint4* src, const Tile& t, int64_t HD,
-                                          int64_t col, int lane) {
+                                          int64_t col, int lane, int c8 = 0) {
   constexpr int kCols = kBf16 ? 8 : 4;
-  constexpr int kStep = kBf16 ? kRawPitch * 2 / 16 : kRopePitch / 4;  // uint4 per row
+  constexpr int kStep = kBf16 ? 8 : kRopePitch / 4;  // uint4 per row
   const int r0 = 16 * (lane >> 4);
   src += r0 * kStep;
   uint32_t m[4] = {0, 0, 0, 0};  // bf16: packed magnitudes of column pairs; fp32: magnitude bits
 #pragma unroll 8
   for (int i = 0; i < 16; ++i) {
-    const uint4 v = src[i * kStep];
+    const uint4 v = src[i * kStep + (kBf16 ? (c8 ^ (i & 7)) : 0)];  // r0 % 8 == 0
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) m[j] = kBf16 ? __vmaxu2(m[j], bf_mag(w[j])) : max(m[j], w[j] & 0x7FFFFFFFu);
@@ -617,7 +625,7 @@ __device__ __forceinline__ void col_chunk(const RopeQuantizeParams& P, const uin
   uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0 + r0) * HD + col;
 #pragma unroll 8
   for (int i = 0; i < 16; ++i) {
-    const uint4 v = src[i * kStep];
+    const uint4 v = src[i * kStep + (kBf16 ? (c8 ^ (i & 7)) : 0)];
     const bool ok = r0 + i < t.nrows;
     if constexpr (kBf16) {
       const uint32_t lo = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.x) * mul[0], bf_hi(v.x) * mul[1]) |
@@ -642,8 +650,8 @@ template <bool kE4M3>
 __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const Tile& t,
                                          int64_t HD, int lane) {
   const int c = lane & 15;
-  col_chunk<kE4M3, true>(P, reinterpret_cast<const uint4*>(stage + 8 * c), t, HD,
-                         static_cast<int64_t>(t.h) * kD + 8 * c, lane);
+  col_chunk<kE4M3, true>(P, chunk_at(stage, 0, c & ~7), t, HD,
+                         static_cast<int64_t>(t.h) * kD + 8 * c, lane, c & 7);
 }
 
 // W3: columnwise rope of the previous tile from its fp32 rope tile, chunk c = rope columns
@@ -676,10 +684,11 @@ __device__ __forceinline__ void row_scales_out(const RopeQuantizeParams& P, cons
   }
 }
 
-// The producer: tile (t0, h) into a stage with one TMA copy.
+// The producer: tile (t0, h) into a stage with three TMA copies, one per column third.
 __device__ __forceinline__ void issue(const CUtensorMap* tmap, int t0, int h, __nv_bfloat16* stage, uint64_t* bar) {
-  ptx::mbar_arrive_expect_tx(bar, kTileBytes);  // the whole box, zero-filled parts included
-  ptx::tma_load_3d(stage, tmap, bar, 0, h, t0);
+  ptx::mbar_arrive_expect_tx(bar, kTileBytes);  // whole boxes, zero-filled rows included
+#pragma unroll
+  for (int s = 0; s < 3; ++s) ptx::tma_load_3d(stage + s * kRows * kThird, tmap, bar, s * kThird, h, t0);
 }
 
 }  // namespace mla
@@ -694,8 +703,8 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int ntok = static_cast<int>(p.S * p.B), H = static_cast<int>(p.H);
   const int64_t HD = p.H * mla::kD;
-  // TMA destinations 128-byte aligned in the shared window
-  __nv_bfloat16* raw = reinterpret_cast<__nv_bfloat16*>(smem_raw + ((128 - ptx::smem_u32(smem_raw) % 128) % 128));
+  // TMA destinations 1024-byte aligned in the shared window (the 128-byte swizzle atom)
+  __nv_bfloat16* raw = reinterpret_cast<__nv_bfloat16*>(smem_raw + ((1024 - ptx::smem_u32(smem_raw) % 1024) % 1024));
   float* rope0 = reinterpret_cast<float*>(raw + kStages * kStageElems);      // [2][32][kRopePitch]
   float4* tab = reinterpret_cast<float4*>(rope0 + 2 * kRopeFloats);          // [32 slots][32 lanes]
   uint8_t* sink0 = reinterpret_cast<uint8_t*>(tab + mla::kTabSlots * 32);    // [2][32][8]
@@ -796,13 +805,13 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
   const int64_t tokens = p.rope.S * p.rope.B, tiles = ceil_div(tokens, kRows) * p.rope.H;
   if (tokens > 0x7FFFFFFF - kRows || tiles > 0x7FFFFFFF / 2)  // run indices step by the grid size
     throw Error("mxmla.rope_backward_quantize", "grad", "too many tokens or tiles for the 32-bit tile index");
-  // dq as {D, H, tokens}; the box's inner extent D + 8 reads 8 zeros past each head (row padding)
+  // dq as {D, H, tokens}; a tile is three boxes {64, 1, 32} (one 128-byte swizzle row per token)
   const cuuint64_t dims[3] = {cuuint64_t(mla::kD), cuuint64_t(p.rope.H), cuuint64_t(tokens)};
   // a dimension of extent 1 may carry any stride: give TMA a legal one
   const int64_t hs = p.rope.H > 1 ? p.rope.in_st[2] : mla::kD, ts = tokens > 1 ? tok_stride : hs * p.rope.H;
   const cuuint64_t strides[2] = {cuuint64_t(hs * 2), cuuint64_t(ts * 2)};
-  const cuuint32_t box[3] = {cuuint32_t(mla::kRawPitch), 1, cuuint32_t(kRows)};
-  const CUtensorMap tmap = make_tmap_bf16(p.rope.in, 3, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const cuuint32_t box[3] = {cuuint32_t(mla::kThird), 1, cuuint32_t(kRows)};
+  const CUtensorMap tmap = make_tmap_bf16(p.rope.in, 3, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
   auto kernel = sm90_rope_quantize_mla_kernel<TT, kE4M3>;
   static int cached[64] = {};
   int dev = 0;
