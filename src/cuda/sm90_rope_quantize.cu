@@ -835,12 +835,15 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
     MXMLA_CUDA_CHECK(cudaStreamSynchronize(stream));
     MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_rq_prof, sizeof(h)));
     const int per_block = static_cast<int>(tiles / blocks), last = std::min(per_block - 2, kRqProfTiles - 1);
-    double a[8] = {};
-    int cnt = 0;
+    double a[8] = {}, amax = 0;
+    int cnt = 0, lastw[4] = {};  // per tile: the longest role (last to the tile barrier)
     for (int b = 0; b < kRqProfBlocks; ++b)
       for (int k = 2; k < last; ++k, ++cnt) {
         for (int i = 0; i < 7; ++i) a[i] += double(h[b][k][i]);
         a[7] += double(h[b][k + 1][7]) - double(h[b][k][7]);
+        int w = 0;
+        for (int i = 1; i < 4; ++i) w = h[b][k][i] > h[b][k][w] ? i : w;
+        ++lastw[w], amax += double(h[b][k][w]);
       }
     const char* names[8] = {"W0 (RoPE rows): wait + work", "W1 (nope rows): wait + work", "W2 (nope cols): wait + work",
                             "W3 (rope cols, scales): work", "W0: TMA wait", "W1: TMA wait", "W2: TMA wait",
@@ -848,6 +851,8 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
     std::fprintf(stderr, "rope_backward_quantize profile: %lld tiles per block, %d samples, mean cycles per tile\n",
                  static_cast<long long>(per_block), cnt);
     for (int i = 0; i < 8; ++i) std::fprintf(stderr, "  %-32s %8.0f\n", names[i], a[i] / std::max(cnt, 1));
+    std::fprintf(stderr, "  %-32s %8.0f  (longest: W0 %d, W1 %d, W2 %d, W3 %d tiles)\n", "longest role per tile",
+                 amax / std::max(cnt, 1), lastw[0], lastw[1], lastw[2], lastw[3]);
   }
 #endif
 }
