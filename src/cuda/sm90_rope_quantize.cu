@@ -39,11 +39,14 @@ namespace {
 
 using namespace rope_dev;
 
-// Per tile k of blocks 0..7: slots 0-3 each warp's cycles from the iteration's start to the tile
-// barrier (its TMA wait and its work), 4-6 warps 0-2's TMA wait, 7 the iteration's start (warp 0).
+// Per tile k of blocks 0..7, clock64 values (one SM's clock: comparable across a block's warps):
+// slots 0-3 warp w's arrival at the tile barrier, 4-7 its iteration start, 8-10 warps 0-2's TMA
+// wait (cycles), 11 the producer's TMA issue done (W3, after the barrier). No stamp reads the
+// barrier's exit: __syncthreads compiles to BAR.SYNC.DEFER_BLOCKING, and a clock read right after
+// it issued before the last warp had arrived (eighteenth session).
 #if MXMLA_ROPEQ_PROFILE
-constexpr int kRqProfBlocks = 8, kRqProfTiles = 64;
-__device__ unsigned long long g_rq_prof[kRqProfBlocks][kRqProfTiles][8];
+constexpr int kRqProfBlocks = 8, kRqProfTiles = 64, kRqProfSlots = 12;
+__device__ unsigned long long g_rq_prof[kRqProfBlocks][kRqProfTiles][kRqProfSlots];
 #endif
 __device__ __forceinline__ unsigned long long rq_clock() { return MXMLA_ROPEQ_PROFILE ? clock64() : 0; }
 __device__ __forceinline__ void rq_stamp(int k, int slot, unsigned long long v) {
@@ -172,9 +175,8 @@ __device__ __forceinline__ void rope_to_tile(const RopeKernelParams& p, const Ti
 
 // A row's 32 codes (8 words) of one block, lanes 2k / 2k+1 = rows 2k / 2k+1: the lanes swap
 // halves so that each store instruction writes whole 32-byte sectors. dst_even: the block's
-// first byte in row lane - odd, plus 16 odd. kStreaming: evict-first stores (the generic kernel;
-// the fast path measured them 1.8 % slower).
-template <bool kStreaming>
+// first byte in row lane - odd, plus 16 odd. Evict-first stores (the fast path below, which
+// writes its codes with the default policy, measured them 1.8 % slower there).
 __device__ __forceinline__ void store_row_block(const uint32_t* w, uint8_t* dst_even, int64_t HD, int lane, int nrows) {
   const int odd = lane & 1;
   uint32_t mine[4], theirs[4];
@@ -189,13 +191,8 @@ __device__ __forceinline__ void store_row_block(const uint32_t* w, uint8_t* dst_
                              : make_uint4(theirs[0], theirs[1], theirs[2], theirs[3]);
   uint4* de = reinterpret_cast<uint4*>(dst_even);
   uint4* dodd = reinterpret_cast<uint4*>(dst_even + HD);
-  if constexpr (kStreaming) {
-    if (lane - odd < nrows) __stcs(de, even_half);
-    if ((lane | 1) < nrows) __stcs(dodd, odd_half);
-  } else {
-    if (lane - odd < nrows) *de = even_half;
-    if ((lane | 1) < nrows) *dodd = odd_half;
-  }
+  if (lane - odd < nrows) __stcs(de, even_half);
+  if ((lane | 1) < nrows) __stcs(dodd, odd_half);
 }
 
 // Phase 3: rowwise. Lane = row, warp = 32-column block. Codes leave in whole 32-byte sectors:
@@ -220,7 +217,7 @@ __device__ __forceinline__ void rowwise(const RopeQuantizeParams& P, const Tile&
     for (int k = 0; k < 8; ++k)
       w[k] = ptx::cvt_fp8x2<kE4M3>(v[4 * k] * mul, v[4 * k + 1] * mul) |
              (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(v[4 * k + 2] * mul, v[4 * k + 3] * mul)) << 16);
-    store_row_block<true>(w, P.row_codes + (t.t0 + lane - odd) * HD + col0 + 32 * blk + 16 * odd, HD, lane, t.nrows);
+    store_row_block(w, P.row_codes + (t.t0 + lane - odd) * HD + col0 + 32 * blk + 16 * odd, HD, lane, t.nrows);
     if (lane < t.nrows) P.row_scales[cursor_offset(row_cursor(P.row_map, 0, col0 / 32 + blk), t.t0 + lane)] = e;
   }
 }
@@ -365,15 +362,21 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 //   W0 RoPE:     lane = row: RoPE backward of the row's 64 rope elements (table values from
 //                the lane's own shared-memory slots, which hold the current run's token tile:
 //                see the tile order below), the fp32 result into the rope tile, then the row's
-//                two rope blocks rowwise;
+//                two rope blocks rowwise: the row's 64 code bytes go into its own row of the
+//                stage's rope third (read and no longer needed), and after a __syncwarp each
+//                store instruction writes 8 rows x 64 bytes (16 rows x 32 bytes straight from
+//                registers: 1.1 % slower);
 //   W1 nope row: the four nope blocks of every row, lane = (row 4i + lane / 8, 16 columns), two
 //                lanes per block: each code store writes 4 whole 128-byte rows (lane = row
 //                wrote 16 rows x 32 bytes per instruction: 1.8 % slower);
 //   W2 nope col: lane = (8-column chunk, 16-row half): packed bf16 amax, one shuffle joins the
 //                halves;
 //   W3 rope col: one tile behind: the rope tile of the previous tile, lane = (4 fp32 columns,
-//                16-row half), and that tile's rowwise scales, collected by W0 / W1 in a
-//                per-row sink, stored two bytes at a time. Lane 0 is also the TMA producer.
+//                16-row half). Lane 0 is also the TMA producer.
+//   Rowwise scales: W0 / W1 put them in a sink that collects a group (the block's consecutive
+//   tiles of one token tile inside one aligned block of 8 heads: 48 bytes per row), and W3
+//   writes a closed group in 16-byte stores (three 2-byte stores per row and tile: 0.9 %
+//   slower; the scales cost ~6.5 % of the time when written that way).
 //   W2 / W3 also hold, lane = row, the cos / sin row of the block's next run in registers
 //   (loaded a run ahead, issued just after the hand-off barrier so that they overlap a tile)
 //   and store it into W0's slots between two runs (one extra barrier per run): W0 never waits
@@ -381,20 +384,23 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 // Tile order: runs of up to 32 heads of one token tile, dealt round-robin to the blocks
 // (common/tile_deal.h), so that co-running blocks share DRAM pages; a block's contiguous range
 // of tiles was 1.6 % slower (same-run A/B), runs of 8 pay more in table reloads than they gain
-// (runs of 16 equal runs of 32). Head counts that are not a multiple of 8 take contiguous ranges
-// (short runs would hand the tables off every few tiles).
+// (runs of 16 equal runs of 32; runs of 64 / 128 were 0.4 / 0.6 % slower). What is left after
+// the whole rounds of runs goes out as one contiguous range per block, and head counts that are
+// not a multiple of 8 take contiguous ranges throughout (short runs would hand the tables off
+// every few tiles).
 // Loads: three TMA copies per tile (a 3-D map {D, H, tokens}, boxes {64, 1, 32} with the 128-byte
 // swizzle: a stage is [3 column thirds][32 rows][128 bytes], 16-byte chunk c of a row at c ^ (row
 // % 8), so lane-per-row and lane-per-chunk reads are both conflict-free; rows past the last token
 // are outside the tensor and land as zeros), on the stage's mbarrier; 3 stages. The TMA unit reads
 // exactly the head's 384 bytes per row this way: one box {D + 8, 1, 32} into 400-byte rows (the
 // padding made the reads conflict-free) took 2.3 times the L2 read requests, 10 % more DRAM reads
-// and 5.5 % more time (docs/performance.md, seventeenth session). The rope tile
-// and the sink are double-buffered, so one barrier per tile orders everything: W0-W2 work on
-// tile k while W3 finishes tile k - 1. Rows past the last token are zero with zero tables, so
-// every amax runs over all 32 rows unpredicated; only stores are predicated. The optional dx
-// copy is written by W0 (rope part) and W1 (nope part). Codes are stored with the default cache
-// policy (evict-first measured 1.8 % slower). What was measured and tried: docs/notes-rope.md.
+// and 5.5 % more time (docs/performance.md, seventeenth session). The rope tile and the group
+// sink are double-buffered, so one barrier per tile orders everything: W0-W2 work on tile k
+// while W3 finishes tile k - 1 (and writes the group tile k - 1 closed). Rows past the last token
+// are zero with zero tables, so every amax runs over all 32 rows unpredicated; only stores are
+// predicated. The optional dx copy is written by W0 (rope part) and W1 (nope part). Codes are
+// stored with the default cache policy (evict-first measured 1.8 % slower). What was measured
+// and tried: docs/notes-rope.md.
 namespace mla {
 constexpr int kD = 192, kR = 64, kNope = kD - kR, kHalf = kR / 2;
 constexpr int kThreads = 128;
@@ -405,9 +411,10 @@ constexpr int kTileBytes = kRows * kD * 2;  // three boxes {kThird, 1, kRows}
 constexpr int kStageElems = kRows * kD;
 constexpr int kRopeFloats = kRows * kRopePitch;
 constexpr int kTabSlots = 2 * kR / 4;  // float4 slots per lane: cos then sin, in column order
-// shared memory: raw stages | 2 rope tiles | table slots [32][32] float4 | 2 sinks [32][8] | mbarriers
+// shared memory: raw stages | 2 rope tiles | table slots [32][32] float4 | 2 group sinks [32][48] | mbarriers
 constexpr int kRawBytes = kStages * kTileBytes, kRopeBytes = 2 * kRopeFloats * 4, kTabBytes = kTabSlots * 32 * 16;
-constexpr int kSinkBytes = 2 * kRows * 8;
+constexpr int kGroup = 8, kGPitch = kGroup * 6;  // row scales collected per 8 heads: 48 bytes per row
+constexpr int kSinkBytes = 2 * kRows * kGPitch;
 constexpr int kSmemBytes = 1024 + kRawBytes + kRopeBytes + kTabBytes + kSinkBytes + kStages * 8;  // + alignment
 static_assert(kNope == 4 * 32 && kR == 2 * 32, "roles: 4 nope blocks (W1), 2 rope blocks (W0) per row");
 static_assert(kNope / 8 == 16 && kR / 4 == 16, "W2 / W3: 16 column chunks x 2 row halves = 32 lanes");
@@ -471,9 +478,11 @@ __device__ __forceinline__ void tab8(const float4* tab, int slot0, int lane, flo
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
-// W0: RoPE backward of row `lane`, its fp32 rope row, then its two rope blocks rowwise.
+// W0: RoPE backward of row `lane`, its fp32 rope row, then its two rope blocks rowwise (codes
+// staged in the stage's rope third, which only W0 reads; scales into the group sink: `sink` =
+// the head's 6-byte column of row 0).
 template <bool kE4M3>
-__device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetChoice& sc, const __nv_bfloat16* stage,
+__device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetChoice& sc, __nv_bfloat16* stage,
                                          const float4* tab, float* rope, uint8_t* sink, const Tile& t, int64_t HD,
                                          int lane) {
   float* rr = rope + lane * kRopePitch;
@@ -507,8 +516,7 @@ __device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetC
     }
   }
   if (P.row_codes == nullptr) return;
-  const int odd = lane & 1;
-  uint8_t* dst_even = P.row_codes + row0 - odd * HD + kNope + 16 * odd;
+  uint4* third = reinterpret_cast<uint4*>(stage) + 2 * (kRows * 8);  // [32 rows][8 chunks]
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     float4 v[8];
@@ -523,12 +531,27 @@ __device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetC
     uint32_t w[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) w[k] = codes4<kE4M3>(v[k].x, v[k].y, v[k].z, v[k].w, mul);
-    store_row_block<false>(w, dst_even + 32 * b, HD, lane, t.nrows);
-    sink[lane * 8 + 4 + b] = e;
+    // the row's codes into its own (consumed) row of the stage's rope third, 16-byte chunk cc of
+    // row r at ((cc + 4 (r % 2)) ^ (r % 8)): conflict-free for these writes and the reads below
+    third[lane * 8 + ((2 * b + 4 * (lane & 1)) ^ (lane & 7))] = make_uint4(w[0], w[1], w[2], w[3]);
+    third[lane * 8 + ((2 * b + 1 + 4 * (lane & 1)) ^ (lane & 7))] = make_uint4(w[4], w[5], w[6], w[7]);
+    sink[lane * kGPitch + 4 + b] = e;
   }
+  __syncwarp();
+  // 8 rows x 64 bytes per store instruction (was 16 rows x 32 bytes)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int r = 8 * j + (lane >> 2), cc = lane & 3;
+    const uint4 v = third[r * 8 + ((cc + 4 * (r & 1)) ^ (r & 7))];
+    if (r < t.nrows)
+      *reinterpret_cast<uint4*>(P.row_codes + static_cast<int64_t>(t.t0 + r) * HD + static_cast<int64_t>(t.h) * kD +
+                                kNope + 16 * cc) = v;
+  }
+  ptx::fence_proxy_async();  // generic writes to the stage, before the TMA refills it
 }
 
-// W1: the four nope blocks of row `lane` (and the nope part of the dx copy).
+// W1: the four nope blocks of row `lane` (and the nope part of the dx copy); scales into the
+// group sink as in rope_row.
 template <bool kE4M3>
 __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv_bfloat16* stage, uint8_t* sink,
                                          const Tile& t, int64_t HD, int lane) {
@@ -565,7 +588,7 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
                                codes4<kE4M3>(bf_lo(v1.x), bf_hi(v1.x), bf_lo(v1.y), bf_hi(v1.y), mul),
                                codes4<kE4M3>(bf_lo(v1.z), bf_hi(v1.z), bf_lo(v1.w), bf_hi(v1.w), mul));
     if (r < t.nrows) *reinterpret_cast<uint4*>(P.row_codes + static_cast<int64_t>(t.t0 + r) * HD + col0) = w;
-    if ((cp & 1) == 0) sink[r * 8 + (cp >> 1)] = e;
+    if ((cp & 1) == 0) sink[r * kGPitch + (cp >> 1)] = e;
   }
 }
 
@@ -664,22 +687,35 @@ __device__ __forceinline__ void rope_col(const RopeQuantizeParams& P, const floa
                           static_cast<int64_t>(t.h) * kD + kNope + 4 * c, lane);
 }
 
-// W3: the previous tile's rowwise scales from the sink, [32 rows][6 bytes].
-__device__ __forceinline__ void row_scales_out(const RopeQuantizeParams& P, const uint8_t* sink, const Tile& t,
-                                               int lane) {
-  const int64_t nkb = P.rope.H * (kD / 32), kb0 = static_cast<int64_t>(t.h) * (kD / 32);
-  if (P.row_map.mode == MapMode::kCompact && reinterpret_cast<uintptr_t>(P.row_scales) % 2 == 0) {
+// The rowwise scales of a group: consecutive tiles of one token tile whose heads h0 .. h0 + n - 1
+// lie in one aligned block of 8 heads; sink row r holds head h's 6 bytes at (h % 8) * 6.
+struct RowGroup {
+  int t0, nrows, h0, n;
+};
+__device__ __forceinline__ void flush_group(const RopeQuantizeParams& P, const uint8_t* sink, const RowGroup& g,
+                                            int lane) {
+  const int64_t nkb = P.rope.H * (kD / 32);
+  const int c0 = (g.h0 & 7) * 6, bytes = g.n * 6;
+  uint8_t* base = P.row_scales + static_cast<int64_t>(g.t0) * nkb + static_cast<int64_t>(g.h0) * 6;
+  if (P.row_map.mode == MapMode::kCompact) {
+    if (g.n == kGroup && nkb % 16 == 0 && reinterpret_cast<uintptr_t>(base) % 16 == 0) {
 #pragma unroll
-    for (int k = 0; k < 3; ++k) {  // (row, byte pair) i = lane + 32 k: 2-byte aligned, 3 per row
-      const int i = lane + 32 * k, r = i / 3, pr = i - 3 * r;
-      if (r < t.nrows)
-        *reinterpret_cast<uint16_t*>(P.row_scales + (t.t0 + r) * nkb + kb0 + 2 * pr) =
-            *reinterpret_cast<const uint16_t*>(sink + r * 8 + 2 * pr);
+      for (int k = 0; k < 3; ++k) {  // (row, 16-byte chunk) i = lane + 32 k, 3 per row
+        const int i = lane + 32 * k, r = i / 3, c = i - 3 * r;
+        if (r < g.nrows)
+          *reinterpret_cast<uint4*>(base + r * nkb + 16 * c) = *reinterpret_cast<const uint4*>(sink + 16 * i);
+      }
+    } else {
+      for (int i = lane; i < g.nrows * bytes; i += 32) {
+        const int r = i / bytes, c = i - r * bytes;
+        base[r * nkb + c] = sink[r * kGPitch + c0 + c];
+      }
     }
   } else {
-    for (int i = lane; i < kRows * 6; i += 32) {
-      const int r = i / 6, b = i - 6 * r;
-      if (r < t.nrows) P.row_scales[cursor_offset(row_cursor(P.row_map, 0, kb0 + b), t.t0 + r)] = sink[r * 8 + b];
+    for (int i = lane; i < g.nrows * bytes; i += 32) {
+      const int r = i / bytes, c = i - r * bytes;
+      P.row_scales[cursor_offset(row_cursor(P.row_map, 0, static_cast<int64_t>(g.h0) * 6 + c), g.t0 + r)] =
+          sink[r * kGPitch + c0 + c];
     }
   }
 }
@@ -707,7 +743,7 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   __nv_bfloat16* raw = reinterpret_cast<__nv_bfloat16*>(smem_raw + ((1024 - ptx::smem_u32(smem_raw) % 1024) % 1024));
   float* rope0 = reinterpret_cast<float*>(raw + kStages * kStageElems);      // [2][32][kRopePitch]
   float4* tab = reinterpret_cast<float4*>(rope0 + 2 * kRopeFloats);          // [32 slots][32 lanes]
-  uint8_t* sink0 = reinterpret_cast<uint8_t*>(tab + mla::kTabSlots * 32);    // [2][32][8]
+  uint8_t* sink0 = reinterpret_cast<uint8_t*>(tab + mla::kTabSlots * 32);    // [2][32][kGPitch]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sink0 + mla::kSinkBytes);     // [kStages]
   const bool producer = threadIdx.x == 96;  // W3, lane 0
   if (producer) {
@@ -738,20 +774,30 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   }
   Tile prev{0, 0, 0};
   bool have_prev = false;
+  mla::RowGroup grp{0, 0, 0, 0};  // the group of the current tile, in sink buffer gpar
+  int gpar = 0;
   int st = 0;
   uint32_t parity = 0;
   for (int k = 0;; ++k) {
-    const unsigned long long t0 = rq_clock();  // (profiling only)
-    if (warp == 0) rq_stamp(k, 7, t0);
+    rq_stamp(k, 4 + warp, rq_clock());  // (profiling only)
     const bool have = cur.lvl < 3;
     if (!have && !have_prev) break;
     const Tile t{cur.h, cur.tt * kRows, min(kRows, ntok - cur.tt * kRows)};
+    const bool newgrp = have && !(have_prev && t.t0 == prev.t0 && t.h == prev.h + 1 && (t.h & 7) != 0);
+    const bool flush = have_prev && (!have || newgrp);  // tile k - 1 closed its group
+    const mla::RowGroup done = grp;
+    const int done_par = gpar;
+    if (newgrp) {
+      if (have_prev) gpar ^= 1;
+      grp = {t.t0, t.nrows, t.h, 0};
+    }
+    if (have) ++grp.n;
     if (have && warp < 3) {
-      const __nv_bfloat16* stage = raw + st * kStageElems;
-      uint8_t* sink = sink0 + (k & 1) * kRows * 8;
+      __nv_bfloat16* stage = raw + st * kStageElems;
+      uint8_t* sink = sink0 + gpar * kRows * mla::kGPitch + (t.h & 7) * 6;
       const unsigned long long w0 = rq_clock();
       ptx::mbar_wait(&bars[st], parity);  // tile k has landed
-      rq_stamp(k, 4 + warp, rq_clock() - w0);
+      rq_stamp(k, 8 + warp, rq_clock() - w0);
       if (warp == 0) {
         mla::rope_row<kE4M3>(P, sc, stage, tab, rope0 + (k & 1) * kRopeFloats, sink, t, HD, lane);
       } else if (warp == 1) {
@@ -762,13 +808,14 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     }
     if (have_prev && warp == 3) {  // tile k - 1
       if (P.col_codes != nullptr) mla::rope_col<kE4M3>(P, rope0 + ((k - 1) & 1) * kRopeFloats, prev, HD, lane);
-      if (P.row_codes != nullptr) mla::row_scales_out(P, sink0 + ((k - 1) & 1) * kRows * 8, prev, lane);
+      if (P.row_codes != nullptr && flush) mla::flush_group(P, sink0 + done_par * kRows * mla::kGPitch, done, lane);
     }
     // Tile k's stage is read by W0-W2 and free; its rope tile and sink are complete for W3; W3
     // is done with tile k - 1's, which tile k + 1 reuses.
-    rq_stamp(k, warp, rq_clock() - t0);
+    rq_stamp(k, warp, rq_clock());
     __syncthreads();
     if (producer && ahead.lvl < 3) mla::issue(&tmap, ahead.tt * kRows, ahead.h, raw + st * kStageElems, &bars[st]);
+    if (warp == 3) rq_stamp(k, 11, rq_clock());
     run_step(ahead, deal, blk, G, H);
     const bool boundary = have && cur.t + 1 == cur.tend;
     prev = t, have_prev = have;
@@ -830,29 +877,40 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
   MXMLA_CUDA_CHECK(cudaGetLastError());
 #if MXMLA_ROPEQ_PROFILE
   static int launches = 0;
-  if (++launches == 6) {  // mean cycles per tile over blocks 0..7, tiles 2 .. (tiles per block - 3)
-    static unsigned long long h[kRqProfBlocks][kRqProfTiles][8];
+  if (++launches == 6) {  // means over blocks 0..7, tiles 2 .. (tiles per block - 3), relative to warp 0's start
+    static unsigned long long h[kRqProfBlocks][kRqProfTiles][kRqProfSlots];
     MXMLA_CUDA_CHECK(cudaStreamSynchronize(stream));
     MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_rq_prof, sizeof(h)));
     const int per_block = static_cast<int>(tiles / blocks), last = std::min(per_block - 2, kRqProfTiles - 1);
-    double a[8] = {}, amax = 0;
-    int cnt = 0, lastw[4] = {};  // per tile: the longest role (last to the tile barrier)
+    double start[4] = {}, arrive[4] = {}, own[4] = {}, wait[3] = {};
+    double cycle = 0, last_arrival = 0, issued = 0, own_max = 0;
+    int cnt = 0, lastw[4] = {};
+    auto d = [](unsigned long long a, unsigned long long b) { return double(static_cast<long long>(a - b)); };
     for (int b = 0; b < kRqProfBlocks; ++b)
       for (int k = 2; k < last; ++k, ++cnt) {
-        for (int i = 0; i < 7; ++i) a[i] += double(h[b][k][i]);
-        a[7] += double(h[b][k + 1][7]) - double(h[b][k][7]);
+        const unsigned long long* s = h[b][k];
+        const unsigned long long base = s[4];
         int w = 0;
-        for (int i = 1; i < 4; ++i) w = h[b][k][i] > h[b][k][w] ? i : w;
-        ++lastw[w], amax += double(h[b][k][w]);
+        double om = 0;
+        for (int i = 0; i < 4; ++i) {
+          start[i] += d(s[4 + i], base), arrive[i] += d(s[i], base);
+          own[i] += d(s[i], s[4 + i]), om = std::max(om, d(s[i], s[4 + i]));
+          if (s[i] > s[w]) w = i;
+        }
+        for (int i = 0; i < 3; ++i) wait[i] += double(s[8 + i]);
+        ++lastw[w], last_arrival += d(s[w], base), issued += d(s[11], base);
+        own_max += om, cycle += d(h[b][k + 1][4], base);
       }
-    const char* names[8] = {"W0 (RoPE rows): wait + work", "W1 (nope rows): wait + work", "W2 (nope cols): wait + work",
-                            "W3 (rope cols, scales): work", "W0: TMA wait", "W1: TMA wait", "W2: TMA wait",
-                            "tile cycle"};
-    std::fprintf(stderr, "rope_backward_quantize profile: %lld tiles per block, %d samples, mean cycles per tile\n",
-                 static_cast<long long>(per_block), cnt);
-    for (int i = 0; i < 8; ++i) std::fprintf(stderr, "  %-32s %8.0f\n", names[i], a[i] / std::max(cnt, 1));
-    std::fprintf(stderr, "  %-32s %8.0f  (longest: W0 %d, W1 %d, W2 %d, W3 %d tiles)\n", "longest role per tile",
-                 amax / std::max(cnt, 1), lastw[0], lastw[1], lastw[2], lastw[3]);
+    const double n = std::max(cnt, 1);
+    std::fprintf(stderr, "rope_backward_quantize profile: %lld tiles per block, %d samples, mean cycles per tile "
+                         "from warp 0's iteration start\n", static_cast<long long>(per_block), cnt);
+    const char* names[4] = {"W0 (RoPE rows)", "W1 (nope rows)", "W2 (nope cols)", "W3 (rope cols, scales)"};
+    for (int i = 0; i < 4; ++i)
+      std::fprintf(stderr, "  %-24s start %6.0f  arrive %6.0f  own work+wait %6.0f  TMA wait %5.0f\n", names[i],
+                   start[i] / n, arrive[i] / n, own[i] / n, i < 3 ? wait[i] / n : 0.0);
+    std::fprintf(stderr, "  last to arrive: W0 %d, W1 %d, W2 %d, W3 %d tiles; last arrival %.0f; "
+                 "per-tile max own %.0f\n", lastw[0], lastw[1], lastw[2], lastw[3], last_arrival / n, own_max / n);
+    std::fprintf(stderr, "  next TMA issued %.0f; tile cycle %.0f\n", issued / n, cycle / n);
   }
 #endif
 }

@@ -123,8 +123,9 @@ TEST(RopeCpu, PositionsAndYarn) {
 
 // The tile order of the rope_backward_quantize fast path (common/tile_deal.h), walked as each
 // block walks it: every tile exactly once, block loads within one tile of each other, no run
-// across a token tile, the cursor's (token tile, head) equal to the tile number's, and head
-// counts that are not a multiple of 8 walked as one contiguous range per block.
+// across a token tile, the cursor's (token tile, head) equal to the tile number's, level 0 in
+// whole rounds of full runs, level 1 (the rest, less than a round) one contiguous range per
+// block, and head counts that are not a multiple of 8 walked on level 1 alone.
 TEST(TileDeal, EveryTileOnceBalancedRunsInsideTokenTiles) {
   using detail::TileDeal;
   using detail::TileRun;
@@ -136,16 +137,21 @@ TEST(TileDeal, EveryTileOnceBalancedRunsInsideTokenTiles) {
           const int ntiles = ntt * H;
           if (G > ntiles) continue;  // the launcher's grid never exceeds the tiles
           const TileDeal d = detail::make_tile_deal(ntiles, G, H, run0);
-          ASSERT_EQ(d.contig, H % detail::kMinRun != 0) << "H " << H;
+          if (H % detail::kMinRun != 0) ASSERT_EQ(d.n0, 0) << "H " << H;
+          ASSERT_EQ(d.n0 % G, 0);
+          if (H % detail::kMinRun == 0)
+            ASSERT_LT(d.ntiles - d.base1, G * d.len0) << "level 1 holds less than a round: H " << H << " G " << G;
           std::vector<int> seen(ntiles, 0);
           int lo = ntiles, hi = 0;
           for (int b = 0; b < G; ++b) {
             TileRun c;
             detail::run_first(c, d, b, G, H);
-            int count = 0, run_tt = -1, run_end = -1, last = -1;
+            int count = 0, run_tt = -1, run_end = -1, last1 = -1;
             while (c.lvl < 3) {
-              if (d.contig && last >= 0) ASSERT_EQ(c.t, last + 1) << "contiguous mode, H " << H << " G " << G;
-              last = c.t;
+              ASSERT_TRUE(c.lvl == 0 || c.lvl == 1);
+              if (c.lvl == 0) ASSERT_TRUE(last1 < 0 && c.tend - c.t <= d.len0 && c.t < d.base1) << "level 0 after 1";
+              if (c.lvl == 1 && last1 >= 0) ASSERT_EQ(c.t, last1 + 1) << "level 1 range, H " << H << " G " << G;
+              if (c.lvl == 1) last1 = c.t;
               ASSERT_TRUE(c.t >= 0 && c.t < ntiles) << "tile " << c.t << " H " << H << " G " << G;
               ASSERT_EQ(c.tt, c.t / H);
               ASSERT_EQ(c.h, c.t % H);
@@ -505,6 +511,22 @@ TEST(RopeGpu, BackwardQuantizeFastPathLongRuns) {
   RbqCase a{3199, 1, 128, 192, 64};  // thd, fp32 tables per token
   a.seed = 700;
   check_rope_quantize(a);
+}
+
+// Both levels of the deal and the rowwise-scale groups: 8 heads, 594 token tiles (4752 tiles; a
+// tail tile of 24 tokens). On the H200's grid (396 blocks) level 0 is one round of runs of 8
+// heads — whole groups of 8, written as 16-byte stores — and level 1 gives every block a range
+// of 4 tiles, half a group (the byte path); other grids split them differently, with the same
+// bits expected. Compact scales, then swizzled scales with rowwise codes alone.
+TEST(RopeGpu, BackwardQuantizeFastPathDealLevels) {
+  MXMLA_REQUIRE_GPU();
+  RbqCase a{19000, 1, 8, 192, 64};  // thd, fp32 tables per token
+  a.seed = 710;
+  check_rope_quantize(a);
+  if (HasFatalFailure()) return;
+  RbqCase b{19000, 1, 8, 192, 64};
+  b.swizzle = true, b.columnwise = false, b.style = RopeStyle::kRotateHalf, b.seed = 711;
+  check_rope_quantize(b);
 }
 #endif
 
