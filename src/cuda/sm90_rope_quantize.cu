@@ -369,18 +369,21 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 //   W1 nope row: the four nope blocks of every row, lane = (row 4i + lane / 8, 16 columns), two
 //                lanes per block: each code store writes 4 whole 128-byte rows (lane = row
 //                wrote 16 rows x 32 bytes per instruction: 1.8 % slower);
-//   W2 nope col: lane = (8-column chunk, 16-row half): packed bf16 amax, one shuffle joins the
-//                halves;
+//   W2 nope col: lane l = columns [4l, 4l + 4) of all 32 rows: packed bf16 amax in the lane, each
+//                code store instruction writes one 128-byte row (lane = (8-column chunk, 16-row
+//                half), 2 rows x 128 bytes per instruction and a shuffle joining the halves: 1.2 %
+//                slower; 16 columns x 8 rows per lane, 4 rows per instruction: 30 % slower);
 //   W3 rope col: one tile behind: the rope tile of the previous tile, lane = (4 fp32 columns,
 //                16-row half). Lane 0 is also the TMA producer.
 //   Rowwise scales: W0 / W1 put them in a sink that collects a group (the block's consecutive
 //   tiles of one token tile inside one aligned block of 8 heads: 48 bytes per row), and W3
 //   writes a closed group in 16-byte stores (three 2-byte stores per row and tile: 0.9 %
 //   slower; the scales cost ~6.5 % of the time when written that way).
-//   W2 / W3 also hold, lane = row, the cos / sin row of the block's next run in registers
+//   W1 / W3 also hold, lane = row, the cos / sin row of the block's next run in registers
 //   (loaded a run ahead, issued just after the hand-off barrier so that they overlap a tile)
 //   and store it into W0's slots between two runs (one extra barrier per run): W0 never waits
-//   for a table load, and these two warps had the slack.
+//   for a table load (W2 holding the cos row instead of W1: 0.6 % slower; a quarter row in
+//   each of the four warps, 25 registers fewer: 3 % slower).
 // Tile order: runs of up to 32 heads of one token tile, dealt round-robin to the blocks
 // (common/tile_deal.h), so that co-running blocks share DRAM pages; a block's contiguous range
 // of tiles was 1.6 % slower (same-run A/B), runs of 8 pay more in table reloads than they gain
@@ -417,7 +420,7 @@ constexpr int kGroup = 8, kGPitch = kGroup * 6;  // row scales collected per 8 h
 constexpr int kSinkBytes = 2 * kRows * kGPitch;
 constexpr int kSmemBytes = 1024 + kRawBytes + kRopeBytes + kTabBytes + kSinkBytes + kStages * 8;  // + alignment
 static_assert(kNope == 4 * 32 && kR == 2 * 32, "roles: 4 nope blocks (W1), 2 rope blocks (W0) per row");
-static_assert(kNope / 8 == 16 && kR / 4 == 16, "W2 / W3: 16 column chunks x 2 row halves = 32 lanes");
+static_assert(kNope / 4 == 32 && kR / 4 == 16, "W2: 4 columns per lane; W3: 16 column chunks x 2 row halves");
 static_assert(kD == 3 * kThird && kThird * 2 == 128, "a row is three 128-byte swizzle rows");
 static_assert((kRows * kThird * 2) % 1024 == 0, "every box starts on a 1024-byte swizzle atom");
 static_assert((kRawBytes + kRopeBytes + kTabBytes + kSinkBytes) % 8 == 0, "mbarriers are 8-byte aligned");
@@ -443,7 +446,7 @@ __device__ __forceinline__ uint32_t rcp_bits() {
 }
 
 // The table row of token `tok` (zero past the last token) for one table (t = 0: cos, 1: sin), held
-// in registers by one lane of W2 (cos) or W3 (sin) while the block works through a run.
+// in registers by one lane of W1 (cos) or W3 (sin) while the block works through a run.
 template <typename TT>
 __device__ __forceinline__ void load_table_row(const RopeKernelParams& p, const int64_t* cu, int64_t ncu, int ntok,
                                                int tok, int t, float (&v)[kR]) {
@@ -592,99 +595,90 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
   }
 }
 
-// Columnwise scales of `n` (4 or 8) consecutive columns starting at column `col` of the tile's
-// block row, byte j of `s` for column col + j.
-template <int n>
-__device__ __forceinline__ void col_scales(const RopeQuantizeParams& P, int t0, int64_t col, uint64_t s) {
+// Columnwise scales of 4 consecutive columns starting at column `col` of the tile's block row,
+// byte j of `s` for column col + j.
+__device__ __forceinline__ void col_scales4(const RopeQuantizeParams& P, int t0, int64_t col, uint32_t s) {
   const ScaleCursor cc = col_cursor(P.col_map, 0, t0 / kRows, col);
   uint8_t* d0 = P.col_scales + cursor_offset(cc, 0);
-  if (cc.compact && reinterpret_cast<uintptr_t>(d0) % n == 0) {
-    if constexpr (n == 8) *reinterpret_cast<uint64_t*>(d0) = s;
-    else *reinterpret_cast<uint32_t*>(d0) = static_cast<uint32_t>(s);
+  if (cc.compact && reinterpret_cast<uintptr_t>(d0) % 4 == 0) {
+    *reinterpret_cast<uint32_t*>(d0) = s;
   } else {
 #pragma unroll
-    for (int j = 0; j < n; ++j) P.col_scales[cursor_offset(cc, j)] = static_cast<uint8_t>(s >> (8 * j));
+    for (int j = 0; j < 4; ++j) P.col_scales[cursor_offset(cc, j)] = static_cast<uint8_t>(s >> (8 * j));
   }
 }
 
-// Columnwise blocks of one 16-byte column chunk per lane, lane = (chunk c = lane % 16, row half
-// lane / 16: rows [16 half, 16 half + 16)). kBf16: 8 bf16 columns of the swizzled stage (`src`
-// = the chunk's column third, `c8` = its chunk inside the third; row i at chunk c8 ^ (i % 8); packed
-// two-lane magnitude max); else 4 fp32 columns of the rope tile. Pass 1 takes the amax of the
-// lane's 16 rows and one shuffle joins the halves; pass 2 reads again and converts.
-template <bool kE4M3, bool kBf16>
-__device__ __forceinline__ void col_chunk(const RopeQuantizeParams& P, const uint4* src, const Tile& t, int64_t HD,
-                                          int64_t col, int lane, int c8 = 0) {
-  constexpr int kCols = kBf16 ? 8 : 4;
-  constexpr int kStep = kBf16 ? 8 : kRopePitch / 4;  // uint4 per row
-  const int r0 = 16 * (lane >> 4);
-  src += r0 * kStep;
-  uint32_t m[4] = {0, 0, 0, 0};  // bf16: packed magnitudes of column pairs; fp32: magnitude bits
-#pragma unroll 8
-  for (int i = 0; i < 16; ++i) {
-    const uint4 v = src[i * kStep + (kBf16 ? (c8 ^ (i & 7)) : 0)];  // r0 % 8 == 0
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) m[j] = kBf16 ? __vmaxu2(m[j], bf_mag(w[j])) : max(m[j], w[j] & 0x7FFFFFFFu);
-  }
-  float mul[kCols];
-  uint64_t scales = 0;  // byte j: the scale of column col + j
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t other = __shfl_xor_sync(0xFFFFFFFFu, m[j], 16);
-    m[j] = kBf16 ? __vmaxu2(m[j], other) : max(m[j], other);
-    if constexpr (kBf16) {
-      const uint32_t e0 = block_scale_from_amax_bits(m[j] << 16, rcp_bits<kE4M3>());
-      const uint32_t e1 = block_scale_from_amax_bits(m[j] & 0xFFFF0000u, rcp_bits<kE4M3>());
-      scales |= static_cast<uint64_t>(e0 | (e1 << 8)) << (16 * j);
-      mul[2 * j] = e8m0_quant_multiplier(static_cast<uint8_t>(e0));
-      mul[2 * j + 1] = e8m0_quant_multiplier(static_cast<uint8_t>(e1));
-    } else {
-      const uint32_t e = block_scale_from_amax_bits(m[j], rcp_bits<kE4M3>());
-      scales |= static_cast<uint64_t>(e) << (8 * j);
-      mul[j] = e8m0_quant_multiplier(static_cast<uint8_t>(e));
-    }
-  }
-  uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0 + r0) * HD + col;
-#pragma unroll 8
-  for (int i = 0; i < 16; ++i) {
-    const uint4 v = src[i * kStep + (kBf16 ? (c8 ^ (i & 7)) : 0)];
-    const bool ok = r0 + i < t.nrows;
-    if constexpr (kBf16) {
-      const uint32_t lo = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.x) * mul[0], bf_hi(v.x) * mul[1]) |
-                          (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.y) * mul[2], bf_hi(v.y) * mul[3])) << 16);
-      const uint32_t hi = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.z) * mul[4], bf_hi(v.z) * mul[5]) |
-                          (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.w) * mul[6], bf_hi(v.w) * mul[7])) << 16);
-      if (ok) *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
-    } else {
-      const uint32_t w = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.x) * mul[0], __uint_as_float(v.y) * mul[1]) |
-                         (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.z) * mul[2],
-                                                                      __uint_as_float(v.w) * mul[3]))
-                          << 16);
-      if (ok) *reinterpret_cast<unsigned int*>(dst) = w;
-    }
-    dst += HD;
-  }
-  if (r0 == 0) col_scales<kCols>(P, t.t0, col, scales);
-}
-
-// W2: columnwise nope, chunk c = columns [8c, 8c + 8) of the head.
+// W2: columnwise nope. Lane l owns columns [4l, 4l + 4) of the head (8 bytes at byte 8 (l % 2) of
+// chunk l / 2) in all 32 rows: the amax is lane-local (packed bf16 magnitudes of two column pairs),
+// and each code store instruction writes one row's 128 nope bytes. A half warp reads one whole
+// swizzled 128-byte row of a column third: conflict-free.
 template <bool kE4M3>
 __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const Tile& t,
                                          int64_t HD, int lane) {
-  const int c = lane & 15;
-  col_chunk<kE4M3, true>(P, chunk_at(stage, 0, c & ~7), t, HD,
-                         static_cast<int64_t>(t.h) * kD + 8 * c, lane, c & 7);
+  auto ld = [&](int r) { return reinterpret_cast<const uint2*>(chunk_at(stage, r, lane >> 1))[lane & 1]; };
+  uint32_t m0 = 0, m1 = 0;  // columns (0, 1), (2, 3)
+#pragma unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    const uint2 v = ld(r);
+    m0 = __vmaxu2(m0, bf_mag(v.x)), m1 = __vmaxu2(m1, bf_mag(v.y));
+  }
+  const uint32_t e0 = block_scale_from_amax_bits(m0 << 16, rcp_bits<kE4M3>());
+  const uint32_t e1 = block_scale_from_amax_bits(m0 & 0xFFFF0000u, rcp_bits<kE4M3>());
+  const uint32_t e2 = block_scale_from_amax_bits(m1 << 16, rcp_bits<kE4M3>());
+  const uint32_t e3 = block_scale_from_amax_bits(m1 & 0xFFFF0000u, rcp_bits<kE4M3>());
+  const float mul0 = e8m0_quant_multiplier(static_cast<uint8_t>(e0)), mul1 = e8m0_quant_multiplier(static_cast<uint8_t>(e1));
+  const float mul2 = e8m0_quant_multiplier(static_cast<uint8_t>(e2)), mul3 = e8m0_quant_multiplier(static_cast<uint8_t>(e3));
+  const int64_t col = static_cast<int64_t>(t.h) * kD + 4 * lane;
+  uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0) * HD + col;
+#pragma unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    const uint2 v = ld(r);
+    const uint32_t w = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.x) * mul0, bf_hi(v.x) * mul1) |
+                       (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.y) * mul2, bf_hi(v.y) * mul3)) << 16);
+    if (r < t.nrows) *reinterpret_cast<uint32_t*>(dst) = w;
+    dst += HD;
+  }
+  col_scales4(P, t.t0, col, e0 | (e1 << 8) | (e2 << 16) | (e3 << 24));
 }
 
-// W3: columnwise rope of the previous tile from its fp32 rope tile, chunk c = rope columns
-// [4c, 4c + 4).
+// W3: columnwise rope of the previous tile from its fp32 rope tile, lane = (4-column chunk c =
+// lane % 16, row half lane / 16: rows [16 half, 16 half + 16)). Pass 1 takes the amax of the lane's
+// 16 rows and one shuffle joins the halves; pass 2 reads again and converts. Each code store
+// instruction writes 2 rows x 64 bytes (one row per instruction, 2 bytes per lane: 0.5 % slower).
 template <bool kE4M3>
 __device__ __forceinline__ void rope_col(const RopeQuantizeParams& P, const float* rope, const Tile& t, int64_t HD,
                                          int lane) {
-  const int c = lane & 15;
-  col_chunk<kE4M3, false>(P, reinterpret_cast<const uint4*>(rope + 4 * c), t, HD,
-                          static_cast<int64_t>(t.h) * kD + kNope + 4 * c, lane);
+  constexpr int kStep = kRopePitch / 4;  // float4 per row
+  const int c = lane & 15, r0 = 16 * (lane >> 4);
+  const uint4* src = reinterpret_cast<const uint4*>(rope + 4 * c) + r0 * kStep;
+  uint32_t m[4] = {0, 0, 0, 0};  // magnitude bits
+#pragma unroll 8
+  for (int i = 0; i < 16; ++i) {
+    const uint4 v = src[i * kStep];
+    m[0] = max(m[0], v.x & 0x7FFFFFFFu), m[1] = max(m[1], v.y & 0x7FFFFFFFu);
+    m[2] = max(m[2], v.z & 0x7FFFFFFFu), m[3] = max(m[3], v.w & 0x7FFFFFFFu);
+  }
+  float mul[4];
+  uint32_t scales = 0;  // byte j: the scale of column col + j
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t e = block_scale_from_amax_bits(max(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], 16)), rcp_bits<kE4M3>());
+    scales |= e << (8 * j);
+    mul[j] = e8m0_quant_multiplier(static_cast<uint8_t>(e));
+  }
+  const int64_t col = static_cast<int64_t>(t.h) * kD + kNope + 4 * c;
+  uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0 + r0) * HD + col;
+#pragma unroll 8
+  for (int i = 0; i < 16; ++i) {
+    const uint4 v = src[i * kStep];
+    const uint32_t w = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.x) * mul[0], __uint_as_float(v.y) * mul[1]) |
+                       (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.z) * mul[2],
+                                                                    __uint_as_float(v.w) * mul[3]))
+                        << 16);
+    if (r0 + i < t.nrows) *reinterpret_cast<unsigned int*>(dst) = w;
+    dst += HD;
+  }
+  if (r0 == 0) col_scales4(P, t.t0, col, scales);
 }
 
 // The rowwise scales of a group: consecutive tiles of one token tile whose heads h0 .. h0 + n - 1
@@ -757,14 +751,16 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   TileRun cur, ahead, nrun;  // tile k and tile k + kStages of this block; the next run's first tile
   run_first(cur, deal, blk, G, H);
   ahead = cur;
-  // W2 / W3 lane r: the cos / sin row of token r of a run's token tile: the first run's now, the
+  // W1 / W3 lane r: the cos / sin row of token r of a run's token tile: the first run's now, the
   // next run's in registers (loaded a run ahead, stored into the slots between two runs)
+  const bool tab_warp = warp & 1;
+  const int tab_t = warp >> 1;  // 0: cos (W1), 1: sin (W3)
   float nxt[mla::kR];
-  if (warp >= 2 && cur.lvl < 3) {
-    mla::load_table_row<TT>(p, cu, ncu, ntok, cur.tt * kRows + lane, warp - 2, nxt);
-    mla::store_table_row(tab, warp - 2, lane, nxt);
+  if (tab_warp && cur.lvl < 3) {
+    mla::load_table_row<TT>(p, cu, ncu, ntok, cur.tt * kRows + lane, tab_t, nxt);
+    mla::store_table_row(tab, tab_t, lane, nxt);
     nrun = run_next(cur, deal, blk, G, H);
-    if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, warp - 2, nxt);
+    if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, tab_t, nxt);
   }
   __syncthreads();
 #pragma unroll
@@ -821,11 +817,11 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     prev = t, have_prev = have;
     run_step(cur, deal, blk, G, H);
     if (boundary && cur.lvl < 3) {  // W0 is done with this run's tables: the next run's take the slots
-      if (warp >= 2) mla::store_table_row(tab, warp - 2, lane, nxt);
+      if (tab_warp) mla::store_table_row(tab, tab_t, lane, nxt);
       __syncthreads();
-      if (warp >= 2) {  // after the barrier, so that the loads overlap the next tile's work
+      if (tab_warp) {  // after the barrier, so that the loads overlap the next tile's work
         nrun = run_next(cur, deal, blk, G, H);
-        if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, warp - 2, nxt);
+        if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, tab_t, nxt);
       }
     }
     if (++st == kStages) st = 0, parity ^= 1;
