@@ -15,7 +15,7 @@
 //   cost model alone, the mainloop runs at ~99 % of the tensor cores' per-cycle peak. The epilogue
 //              and the mainloop take about the same time per tile and barely wait for each other;
 //              the epilogue's cost is the ~13 % it slows the mainloop. Measured with synthetic
-//              epilogues (knobs 7-21, scripts/prof-qproj, docs/notes-qproj.md): its shared-memory
+//              epilogues (knobs 7-24, scripts/prof-qproj, docs/notes-qproj.md): its shared-memory
 //              loads are free (3 passes over the tile: +0.4 %), its arithmetic competes with the
 //              wgmmas for the sub-partitions (FMAs at full rate: +31 %; the same integer work
 //              +12 % on 7 warps, +2 % on one warp per sub-partition; while the wgmmas run, a
@@ -285,7 +285,7 @@ __device__ __forceinline__ void col_item(const KParams& p, const Smem& sm, int b
 //      bf16 inputs), its rowwise blocks (amax over 8 lanes, scale, codes) and the bf16 q of it;
 //   C  thread = (32-row block, 4 columns): amax over 32 rows, 4 scales, then the codes row by row
 //      (a warp writes 128 contiguous bytes per row), from the bf16 nope or the fp32 rope part.
-// Knobs 7-21 (timing only, see the top): one kind of the epilogue's work alone. The results feed a
+// Knobs 7-24 (timing only, see the top): one kind of the epilogue's work alone. The results feed a
 // shared store under a condition the compiler cannot prove false, so that the work is kept.
 __device__ __forceinline__ void synthetic_epilogue(const KParams& p, Smem& sm, int tid, int bi, int m0, int h) {
   uint32_t acc = 0;
@@ -729,7 +729,7 @@ void print_profile(int tiles, cudaStream_t stream) {
                            "producer waits for free stages"};
   std::fprintf(stderr, "qproj profile: %d tiles per CTA, %d tile samples, mean cycles per tile\n", tiles, cnt);
   for (int i = 0; i < 16; ++i)  // (without the epilogue only the MMA warps' and the producer's phases mean anything)
-    // knob 0: no epilogue rows; knobs 7-21 (synthetic): no N / R / barrier stamps
+    // knob 0: no epilogue rows; knobs 7-24 (synthetic): no N / R / barrier stamps
     if ((MXMLA_QPROJ_EPILOGUE != 0 || i < 4 || i >= 14) && (MXMLA_QPROJ_EPILOGUE < 7 || i < 5 || i > 7))
       std::fprintf(stderr, "  %-40s %8.0f\n", names[i], a[i] / std::max(cnt, 1));
 }

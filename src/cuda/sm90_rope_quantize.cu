@@ -222,6 +222,19 @@ __device__ __forceinline__ void rowwise(const RopeQuantizeParams& P, const Tile&
   }
 }
 
+// Columnwise scales of 4 consecutive columns starting at column `col` of the tile's block row,
+// byte j of `s` for column col + j (both kernels).
+__device__ __forceinline__ void col_scales4(const RopeQuantizeParams& P, int t0, int64_t col, uint32_t s) {
+  const ScaleCursor cc = col_cursor(P.col_map, 0, t0 / kRows, col);
+  uint8_t* d0 = P.col_scales + cursor_offset(cc, 0);
+  if (cc.compact && reinterpret_cast<uintptr_t>(d0) % 4 == 0) {
+    *reinterpret_cast<uint32_t*>(d0) = s;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) P.col_scales[cursor_offset(cc, j)] = static_cast<uint8_t>(s >> (8 * j));
+  }
+}
+
 // Phase 4: columnwise. Unit u = (4 columns, 8 rows); lanes 8 apart share columns; D units.
 template <typename T, bool kE4M3>
 __device__ __forceinline__ void columnwise(const RopeQuantizeParams& P, const Tile& t, const TileView<T>& tv,
@@ -260,16 +273,7 @@ __device__ __forceinline__ void columnwise(const RopeQuantizeParams& P, const Ti
         __stcs(reinterpret_cast<unsigned int*>(P.col_codes + (t.t0 + r) * HD + col0 + 4 * cg), w);
       }
     }
-    if (part == 0) {
-      const ScaleCursor cc = col_cursor(P.col_map, 0, t.t0 / kRows, col0 + 4 * cg);
-      uint8_t* d0 = P.col_scales + cursor_offset(cc, 0);
-      if (cc.compact && reinterpret_cast<uintptr_t>(d0) % 4 == 0) {
-        *reinterpret_cast<uint32_t*>(d0) = scales;
-      } else {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) P.col_scales[cursor_offset(cc, j)] = static_cast<uint8_t>(scales >> (8 * j));
-      }
-    }
+    if (part == 0) col_scales4(P, t.t0, col0 + 4 * cg, scales);
   }
 }
 
@@ -592,19 +596,6 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
                                codes4<kE4M3>(bf_lo(v1.z), bf_hi(v1.z), bf_lo(v1.w), bf_hi(v1.w), mul));
     if (r < t.nrows) *reinterpret_cast<uint4*>(P.row_codes + static_cast<int64_t>(t.t0 + r) * HD + col0) = w;
     if ((cp & 1) == 0) sink[r * kGPitch + (cp >> 1)] = e;
-  }
-}
-
-// Columnwise scales of 4 consecutive columns starting at column `col` of the tile's block row,
-// byte j of `s` for column col + j.
-__device__ __forceinline__ void col_scales4(const RopeQuantizeParams& P, int t0, int64_t col, uint32_t s) {
-  const ScaleCursor cc = col_cursor(P.col_map, 0, t0 / kRows, col);
-  uint8_t* d0 = P.col_scales + cursor_offset(cc, 0);
-  if (cc.compact && reinterpret_cast<uintptr_t>(d0) % 4 == 0) {
-    *reinterpret_cast<uint32_t*>(d0) = s;
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) P.col_scales[cursor_offset(cc, j)] = static_cast<uint8_t>(s >> (8 * j));
   }
 }
 
