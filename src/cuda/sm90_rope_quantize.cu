@@ -372,7 +372,9 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 //                registers: 1.1 % slower);
 //   W1 nope row: the four nope blocks of every row, lane = (row 4i + lane / 8, 16 columns), two
 //                lanes per block: each code store writes 4 whole 128-byte rows (lane = row
-//                wrote 16 rows x 32 bytes per instruction: 1.8 % slower);
+//                wrote 16 rows x 32 bytes per instruction: 1.8 % slower); lanes 4-7 of each
+//                quarter warp take the neighbouring row, which keeps the 16-byte loads free of
+//                bank conflicts without selects (0.4 % faster than swapping their two chunks);
 //   W2 nope col: lane l = columns [4l, 4l + 4) of all 32 rows: packed bf16 amax in the lane, each
 //                code store instruction writes one 128-byte row (lane = (8-column chunk, 16-row
 //                half), 2 rows x 128 bytes per instruction and a shuffle joining the halves: 1.2 %
@@ -573,45 +575,83 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
     }
   }
   if (P.row_codes == nullptr) return;
-  // Codes: lane = (row 4i + lane / 8, 16 columns 16 (lane % 8)); two lanes per 32-column block
-  // (amax joined by one shuffle), so each store instruction writes 4 whole 128-byte code rows.
-  const int cp = lane & 7, rsub = lane >> 3;
-  const int64_t col0 = static_cast<int64_t>(t.h) * kD + 16 * cp;
-#pragma unroll 2
-  for (int i = 0; i < kRows / 4; ++i) {
-    const int r = 4 * i + rsub;
-    // lanes 4-7 of a row (the second column third) read their second 16 bytes first: a quarter
-    // warp (one row) then hits 8 different bank groups (16-byte loads are served 8 lanes at a time)
-    const int sw = (cp >> 2) & 1;
-    const uint4 a = *chunk_at(stage, r, 2 * cp + sw), b = *chunk_at(stage, r, 2 * cp + (sw ^ 1));
-    const uint4 v0 = sw ? b : a, v1 = sw ? a : b;
-    uint32_t m = __vmaxu2(__vmaxu2(__vmaxu2(bf_mag(v0.x), bf_mag(v0.y)), __vmaxu2(bf_mag(v0.z), bf_mag(v0.w))),
-                          __vmaxu2(__vmaxu2(bf_mag(v1.x), bf_mag(v1.y)), __vmaxu2(bf_mag(v1.z), bf_mag(v1.w))));
-    m = __vmaxu2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-    const uint8_t e = block_scale_from_amax_bits(max(m & 0xFFFFu, m >> 16) << 16, rcp_bits<kE4M3>());
-    const float mul = e8m0_quant_multiplier(e);
-    const uint4 w = make_uint4(codes4<kE4M3>(bf_lo(v0.x), bf_hi(v0.x), bf_lo(v0.y), bf_hi(v0.y), mul),
-                               codes4<kE4M3>(bf_lo(v0.z), bf_hi(v0.z), bf_lo(v0.w), bf_hi(v0.w), mul),
-                               codes4<kE4M3>(bf_lo(v1.x), bf_hi(v1.x), bf_lo(v1.y), bf_hi(v1.y), mul),
-                               codes4<kE4M3>(bf_lo(v1.z), bf_hi(v1.z), bf_lo(v1.w), bf_hi(v1.w), mul));
-    if (r < t.nrows) *reinterpret_cast<uint4*>(P.row_codes + static_cast<int64_t>(t.t0 + r) * HD + col0) = w;
-    if ((cp & 1) == 0) sink[r * kGPitch + (cp >> 1)] = e;
+  // Codes: lane = (row 4i + rs, 16 columns 16 (lane % 8)); two lanes per 32-column block (amax
+  // joined by one shuffle), so each store instruction writes 4 whole 128-byte code rows. rs =
+  // lane / 8, but lanes 4-7 of each quarter warp (the second column third) take the neighbouring
+  // row (rs ^ 1): a quarter warp's 16-byte loads then hit 8 different bank groups.
+  const int cp = lane & 7, rs = (lane >> 3) ^ ((cp >> 2) & 1), p0 = (2 * cp) & 7;
+  const char* base = reinterpret_cast<const char*>(stage) + (cp >> 2) * (kRows * 128) + rs * 128;
+  const uint4* src[2][2];  // [i % 2][k]: chunk 2 cp + k of row 4 i + rs is src[i % 2][k][64 (i / 2)]
+#pragma unroll
+  for (int par = 0; par < 2; ++par)
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      src[par][k] = reinterpret_cast<const uint4*>(base + 512 * par + 16 * ((p0 + k) ^ rs ^ (4 * par)));
+  uint8_t* dst = P.row_codes + static_cast<int64_t>(t.t0 + rs) * HD + static_cast<int64_t>(t.h) * kD + 16 * cp;
+  uint8_t* sk = sink + rs * kGPitch + (cp >> 1);
+#pragma unroll 1
+  for (int m = 0; m < kRows / 8; ++m) {
+#pragma unroll
+    for (int par = 0; par < 2; ++par) {
+      const int r = 8 * m + 4 * par + rs;
+      const uint4 v0 = src[par][0][64 * m], v1 = src[par][1][64 * m];
+      uint32_t mm = __vmaxu2(__vmaxu2(__vmaxu2(bf_mag(v0.x), bf_mag(v0.y)), __vmaxu2(bf_mag(v0.z), bf_mag(v0.w))),
+                             __vmaxu2(__vmaxu2(bf_mag(v1.x), bf_mag(v1.y)), __vmaxu2(bf_mag(v1.z), bf_mag(v1.w))));
+      mm = __vmaxu2(mm, __shfl_xor_sync(0xFFFFFFFFu, mm, 1));
+      const uint8_t e = block_scale_from_amax_bits(max(mm & 0xFFFFu, mm >> 16) << 16, rcp_bits<kE4M3>());
+      const float mul = e8m0_quant_multiplier(e);
+      const uint4 w = make_uint4(codes4<kE4M3>(bf_lo(v0.x), bf_hi(v0.x), bf_lo(v0.y), bf_hi(v0.y), mul),
+                                 codes4<kE4M3>(bf_lo(v0.z), bf_hi(v0.z), bf_lo(v0.w), bf_hi(v0.w), mul),
+                                 codes4<kE4M3>(bf_lo(v1.x), bf_hi(v1.x), bf_lo(v1.y), bf_hi(v1.y), mul),
+                                 codes4<kE4M3>(bf_lo(v1.z), bf_hi(v1.z), bf_lo(v1.w), bf_hi(v1.w), mul));
+      if (r < t.nrows) *reinterpret_cast<uint4*>(dst) = w;
+      dst += 4 * HD;
+      if ((cp & 1) == 0) sk[(8 * m + 4 * par) * kGPitch] = e;
+    }
   }
 }
 
 // W2: columnwise nope. Lane l owns columns [4l, 4l + 4) of the head (8 bytes at byte 8 (l % 2) of
 // chunk l / 2) in all 32 rows: the amax is lane-local (packed bf16 magnitudes of two column pairs),
 // and each code store instruction writes one row's 128 nope bytes. A half warp reads one whole
-// swizzled 128-byte row of a column third: conflict-free.
+// swizzled 128-byte row of a column third: conflict-free. The lane's 8 shared-memory addresses of
+// a group of 8 rows are computed once (the swizzle repeats every 8 rows), and full tiles store
+// without a row predicate (fewer address instructions than chunk_at per row: level alone, -0.3 %
+// together with W1's row permutation, docs/performance.md, twentieth session).
+// W2's codes: row 8 g + j from src[j][128 g], stored at dst + (8 g + j) HD; kTail: rows >= nrows are skipped.
+template <bool kE4M3, bool kTail>
+__device__ __forceinline__ void nope_col_codes(const uint2* const (&src)[8], uint8_t* dst, int64_t HD, int nrows,
+                                               float mul0, float mul1, float mul2, float mul3) {
+#pragma unroll 1
+  for (int g = 0; g < kRows / 8; ++g) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint2 v = src[j][128 * g];
+      const uint32_t w = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.x) * mul0, bf_hi(v.x) * mul1) |
+                         (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.y) * mul2, bf_hi(v.y) * mul3)) << 16);
+      if (!kTail || j < nrows) *reinterpret_cast<uint32_t*>(dst) = w;
+      dst += HD;
+    }
+    nrows -= 8;
+  }
+}
 template <bool kE4M3>
 __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const Tile& t,
                                          int64_t HD, int lane) {
-  auto ld = [&](int r) { return reinterpret_cast<const uint2*>(chunk_at(stage, r, lane >> 1))[lane & 1]; };
+  // lane's 8 bytes of row 8 g + j: src[j][128 g] (the 128-byte swizzle repeats every 8 rows = 1024 bytes)
+  const char* third = reinterpret_cast<const char*>(stage) + (lane >> 4) * (kRows * 128) + (lane & 1) * 8;
+  const int cc = (lane >> 1) & 7;
+  const uint2* src[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) src[j] = reinterpret_cast<const uint2*>(third + 128 * j + 16 * (cc ^ j));
   uint32_t m0 = 0, m1 = 0;  // columns (0, 1), (2, 3)
-#pragma unroll 8
-  for (int r = 0; r < kRows; ++r) {
-    const uint2 v = ld(r);
-    m0 = __vmaxu2(m0, bf_mag(v.x)), m1 = __vmaxu2(m1, bf_mag(v.y));
+#pragma unroll 1
+  for (int g = 0; g < kRows / 8; ++g) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint2 v = src[j][128 * g];
+      m0 = __vmaxu2(m0, bf_mag(v.x)), m1 = __vmaxu2(m1, bf_mag(v.y));
+    }
   }
   const uint32_t e0 = block_scale_from_amax_bits(m0 << 16, rcp_bits<kE4M3>());
   const uint32_t e1 = block_scale_from_amax_bits(m0 & 0xFFFF0000u, rcp_bits<kE4M3>());
@@ -621,14 +661,8 @@ __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv
   const float mul2 = e8m0_quant_multiplier(static_cast<uint8_t>(e2)), mul3 = e8m0_quant_multiplier(static_cast<uint8_t>(e3));
   const int64_t col = static_cast<int64_t>(t.h) * kD + 4 * lane;
   uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0) * HD + col;
-#pragma unroll 8
-  for (int r = 0; r < kRows; ++r) {
-    const uint2 v = ld(r);
-    const uint32_t w = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.x) * mul0, bf_hi(v.x) * mul1) |
-                       (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.y) * mul2, bf_hi(v.y) * mul3)) << 16);
-    if (r < t.nrows) *reinterpret_cast<uint32_t*>(dst) = w;
-    dst += HD;
-  }
+  if (t.nrows == kRows) nope_col_codes<kE4M3, false>(src, dst, HD, t.nrows, mul0, mul1, mul2, mul3);
+  else nope_col_codes<kE4M3, true>(src, dst, HD, t.nrows, mul0, mul1, mul2, mul3);
   col_scales4(P, t.t0, col, e0 | (e1 << 8) | (e2 << 16) | (e3 << 24));
 }
 
