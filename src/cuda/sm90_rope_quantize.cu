@@ -611,13 +611,6 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
   }
 }
 
-// W2: columnwise nope. Lane l owns columns [4l, 4l + 4) of the head (8 bytes at byte 8 (l % 2) of
-// chunk l / 2) in all 32 rows: the amax is lane-local (packed bf16 magnitudes of two column pairs),
-// and each code store instruction writes one row's 128 nope bytes. A half warp reads one whole
-// swizzled 128-byte row of a column third: conflict-free. The lane's 8 shared-memory addresses of
-// a group of 8 rows are computed once (the swizzle repeats every 8 rows), and full tiles store
-// without a row predicate (fewer address instructions than chunk_at per row: level alone, -0.3 %
-// together with W1's row permutation, docs/performance.md, twentieth session).
 // W2's codes: row 8 g + j from src[j][128 g], stored at dst + (8 g + j) HD; kTail: rows >= nrows are skipped.
 template <bool kE4M3, bool kTail>
 __device__ __forceinline__ void nope_col_codes(const uint2* const (&src)[8], uint8_t* dst, int64_t HD, int nrows,
@@ -635,6 +628,14 @@ __device__ __forceinline__ void nope_col_codes(const uint2* const (&src)[8], uin
     nrows -= 8;
   }
 }
+
+// W2: columnwise nope. Lane l owns columns [4l, 4l + 4) of the head (8 bytes at byte 8 (l % 2) of
+// chunk l / 2) in all 32 rows: the amax is lane-local (packed bf16 magnitudes of two column pairs),
+// and each code store instruction writes one row's 128 nope bytes. A half warp reads one whole
+// swizzled 128-byte row of a column third: conflict-free. The lane's 8 shared-memory addresses of
+// a group of 8 rows are computed once (the swizzle repeats every 8 rows), and full tiles store
+// without a row predicate (fewer address instructions than chunk_at per row: level alone, -0.3 %
+// together with W1's row permutation, docs/performance.md, twentieth session).
 template <bool kE4M3>
 __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const Tile& t,
                                          int64_t HD, int lane) {
