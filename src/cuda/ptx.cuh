@@ -52,4 +52,16 @@ __device__ __forceinline__ uint32_t cvt_f16x2_from_fp8x2(uint16_t codes) {
   return r;
 }
 
+// Profiling helpers: the GPU-wide nanosecond timer (comparable across SMs) and the SM's index.
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint32_t smid() {
+  uint32_t s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+
 }  // namespace mxmla::ptx

@@ -26,9 +26,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <vector>
 
 // Profiling knob (cmake -DMXMLA_ROPEQ_PROFILE=1): clock64 stamps of the DeepSeek-V3 fast path's
-// roles per tile on its first blocks, summarised on stderr after the sixth launch (docs/notes-rope.md:
+// roles per tile on its first blocks and every block's start / end time (global timer) and SM,
+// summarised on stderr after the sixth launch (docs/notes-rope.md:
 // `scripts/variants "--rope-only --no-compile" "MXMLA_ROPEQ_PROFILE=1"`). 0: no code.
 #ifndef MXMLA_ROPEQ_PROFILE
 #define MXMLA_ROPEQ_PROFILE 0
@@ -44,14 +46,25 @@ using namespace rope_dev;
 // wait (cycles), 11 the producer's TMA issue done (W3, after the barrier). No stamp reads the
 // barrier's exit: __syncthreads compiles to BAR.SYNC.DEFER_BLOCKING, and a clock read right after
 // it issued before the last warp had arrived (eighteenth session).
+// Per block (all blocks up to kRqSpanBlocks): the global timer (ns) at its start and end and its SM,
+// for the spread of the blocks' finishing times (the grid is persistent and the deal static).
 #if MXMLA_ROPEQ_PROFILE
-constexpr int kRqProfBlocks = 8, kRqProfTiles = 64, kRqProfSlots = 12;
+constexpr int kRqProfBlocks = 8, kRqProfTiles = 64, kRqProfSlots = 12, kRqSpanBlocks = 2048;
 __device__ unsigned long long g_rq_prof[kRqProfBlocks][kRqProfTiles][kRqProfSlots];
+__device__ unsigned long long g_rq_span[kRqSpanBlocks][3];  // start, end, SM
 #endif
 __device__ __forceinline__ unsigned long long rq_clock() { return MXMLA_ROPEQ_PROFILE ? clock64() : 0; }
 __device__ __forceinline__ void rq_stamp(int k, int slot, unsigned long long v) {
 #if MXMLA_ROPEQ_PROFILE
   if (blockIdx.x < kRqProfBlocks && k < kRqProfTiles && (threadIdx.x & 31) == 0) g_rq_prof[blockIdx.x][k][slot] = v;
+#endif
+}
+__device__ __forceinline__ void rq_span(int end) {  // thread 0: block start (end = 0) / end (1)
+#if MXMLA_ROPEQ_PROFILE
+  if (blockIdx.x < kRqSpanBlocks && threadIdx.x == 0) {
+    g_rq_span[blockIdx.x][end] = ptx::globaltimer();
+    if (!end) g_rq_span[blockIdx.x][2] = ptx::smid();
+  }
 #endif
 }
 
@@ -765,6 +778,7 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   float4* tab = reinterpret_cast<float4*>(rope0 + 2 * kRopeFloats);          // [32 slots][32 lanes]
   uint8_t* sink0 = reinterpret_cast<uint8_t*>(tab + mla::kTabSlots * 32);    // [2][32][kGPitch]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sink0 + mla::kSinkBytes);     // [kStages]
+  rq_span(0);  // (profiling only)
   const bool producer = threadIdx.x == 96;  // W3, lane 0
   if (producer) {
     ptx::prefetch_tmap(&tmap);
@@ -852,6 +866,7 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     }
     if (++st == kStages) st = 0, parity ^= 1;
   }
+  rq_span(1);
 }
 
 // Tokens of the fast path sit at one stride: sbhd / thd token s * B + b, bshd b * S + s. The
@@ -933,6 +948,30 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
     std::fprintf(stderr, "  last to arrive: W0 %d, W1 %d, W2 %d, W3 %d tiles; last arrival %.0f; "
                  "per-tile max own %.0f\n", lastw[0], lastw[1], lastw[2], lastw[3], last_arrival / n, own_max / n);
     std::fprintf(stderr, "  next TMA issued %.0f; tile cycle %.0f\n", issued / n, cycle / n);
+    // the spread of the blocks' finishing times (a static deal cannot rebalance slow SMs)
+    static unsigned long long sp[kRqSpanBlocks][3];
+    MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(sp, g_rq_span, sizeof(sp)));
+    const int nb = static_cast<int>(std::min<int64_t>(blocks, kRqSpanBlocks));
+    unsigned long long t0 = sp[0][0];
+    for (int b = 0; b < nb; ++b) t0 = std::min(t0, sp[b][0]);
+    std::vector<double> b_start(nb), b_end(nb), sm_end(1024, 0.0);
+    for (int b = 0; b < nb; ++b) {
+      b_start[b] = 1e-3 * double(sp[b][0] - t0), b_end[b] = 1e-3 * double(sp[b][1] - t0);
+      double& e = sm_end[sp[b][2] & 1023];
+      e = std::max(e, b_end[b]);
+    }
+    std::vector<double> sms;
+    for (double e : sm_end)
+      if (e > 0) sms.push_back(e);
+    auto q = [](std::vector<double> v, double f) {
+      std::sort(v.begin(), v.end());
+      return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(f * double(v.size())))];
+    };
+    std::fprintf(stderr, "  blocks (%d, %lld tiles each, %lld with one more): start us min/med/max %.2f / %.2f / %.2f; "
+                 "end %.2f / %.2f / %.2f; SMs (%zu) last end min/med/max %.2f / %.2f / %.2f\n", nb,
+                 static_cast<long long>(tiles / blocks), static_cast<long long>(tiles % blocks), q(b_start, 0),
+                 q(b_start, 0.5), q(b_start, 1), q(b_end, 0), q(b_end, 0.5), q(b_end, 1), sms.size(), q(sms, 0), q(sms, 0.5),
+                 q(sms, 1));
   }
 #endif
 }
