@@ -1,48 +1,85 @@
-// mxmla internal — the order in which persistent blocks take tiles (host and device, so that the
-// CPU tests check it): tiles are numbered head-fastest (tile = token tile * H + head). Level 0
-// deals runs of gcd(H, run0) consecutive tiles round-robin (run j goes to block j % G) in whole
-// rounds of G runs, so that at any time the co-running blocks work on a few neighbouring token
-// tiles (they share DRAM pages) while a block keeps one set of table rows for a whole run.
-// Level 1 gives what is left (less than a round) to the blocks as contiguous ranges, block b
-// [b L / G, (b + 1) L / G) of the L tiles, a run being the part of a range inside one token
-// tile: every tile goes to exactly one block, every block ends within one tile of the others,
-// and no run crosses a token tile. Until the eighteenth session level 1 dealt runs of 4 and
-// then single tiles round-robin: each of those short runs reloads a whole token tile's table
-// rows, and ranges took 0.6 % off rope_backward_quantize at DeepSeek-V3 shape (docs/notes-rope.md).
-// Head counts that are not a multiple of kMinRun would get short runs and a table hand-off every
-// few tiles (H 6: runs of 2, 13 % slower than contiguous ranges, device run 1 of the thirteenth
-// session): they skip level 0. Used by the rope_backward_quantize fast path (sm90_rope_quantize.cu).
+// mxmla internal — the order in which the persistent blocks of the rope_backward_quantize fast
+// path (sm90_rope_quantize.cu) take tiles; host and device code, so that the CPU tests walk it.
+// Tiles are numbered head-fastest (tile = token tile * H + head). A run is a stretch of
+// consecutive tiles inside one token tile: a block keeps that token tile's table rows for the
+// whole run and hands the next run's in at its end.
+//
+// Queue (H a multiple of kMinRun): the runs, in tile order, come from a global counter (guided
+// self-scheduling). Runs hold len0 = gcd(H, run0) tiles while at least kQueueRounds * G * len0
+// tiles are left, then half as many, down to kMinRun, so that the blocks finish close together
+// whatever their SMs' speeds; block b's first run is run b, every later one the next the counter
+// gives. Consecutive runs go to blocks that run at the same time, so co-running blocks work on a
+// few neighbouring token tiles (they share DRAM pages). The static deal this replaced (runs of 32
+// dealt round-robin, the rest as contiguous ranges) left the blocks' finishing times 426-500 us
+// apart in a 0.49 ms kernel on the H200; the queue is 2.8 % faster (docs/notes-rope.md).
+// Shorter runs cost table reloads and hand-offs (minimum runs of 4: 2.7 % slower than 8).
+//
+// Ranges (other head counts): block b takes [b L / G, (b + 1) L / G) of the L tiles, a run being
+// the part of the range inside one token tile; short runs would hand the tables off every few
+// tiles (H 6: runs of 2 were 13 % slower than ranges, thirteenth session).
 #pragma once
 
 #include "common/mxfp8_common.h"
 
 namespace mxmla::detail {
 
-constexpr int kMinRun = 8;  // the shortest run dealt round-robin
+constexpr int kMinRun = 8;       // the shortest queued run; H % kMinRun == 0 takes the queue
+constexpr int kQueueRounds = 2;  // runs of len while >= kQueueRounds * G * len tiles are left
+constexpr int kMaxRun = 32;      // run0 <= kMaxRun
+constexpr int kQueueSegs = 3;    // run lengths 32, 16, 8
+static_assert(kMinRun << (kQueueSegs - 1) == kMaxRun, "one segment per run length");
+// The kernel claims run n + 2 two tiles before the end of run n and its TMA producer runs three
+// tiles ahead: both need runs of at least three tiles (sm90_rope_quantize.cu).
+static_assert(kMinRun >= 3, "queued runs of at least three tiles");
 
-struct TileDeal {
-  int len0, n0;  // level 0: runs of len0 tiles, n0 of them (a multiple of G), from tile 0
-  int base1;     // level 1: tiles [base1, ntiles) as contiguous ranges
-  int ntiles;
-};
 // gcd(h, p) for h >= 1 and a power of two p
 MXMLA_HD int gcd_pow2(int h, int p) { return (h & -h) < p ? (h & -h) : p; }
-// ntiles tiles of H heads per token tile over G blocks (1 <= G <= ntiles); run0 a power of two.
-MXMLA_HD TileDeal make_tile_deal(int ntiles, int G, int H, int run0) {
-  TileDeal d;
-  d.len0 = gcd_pow2(H, run0);
-  d.n0 = H % kMinRun != 0 ? 0 : (ntiles / (G * d.len0)) * G;
-  d.base1 = d.n0 * d.len0, d.ntiles = ntiles;
-  return d;
+
+struct TileQueue {
+  int nseg;    // 0: ranges (H not a multiple of kMinRun); else segments of the queue
+  int ntiles;  // segment s: runs [q0[s], q0[s + 1]) of len[s] tiles from tile t0[s]
+  int len[kQueueSegs], t0[kQueueSegs], q0[kQueueSegs + 1];
+};
+// ntiles tiles of H heads per token tile (a multiple of H) for a grid of G blocks; run0 a power
+// of two in [kMinRun, kMaxRun].
+MXMLA_HD TileQueue make_tile_queue(int ntiles, int G, int H, int run0) {
+  TileQueue Q{};
+  Q.ntiles = ntiles;
+  if (H % kMinRun != 0) return Q;
+  int t = 0, q = 0, len = gcd_pow2(H, run0);
+  while (t < ntiles) {
+    const int left = ntiles - t;
+    while (len > kMinRun && left < kQueueRounds * G * len) len /= 2;
+    // every run while kQueueRounds * G * len tiles are left (at least one), the last length all
+    const int n = len == kMinRun ? (left + len - 1) / len : (left - kQueueRounds * G * len) / len + 1;
+    Q.len[Q.nseg] = len, Q.t0[Q.nseg] = t, Q.q0[Q.nseg] = q, ++Q.nseg;
+    t += n * len, q += n;
+  }
+  Q.q0[Q.nseg] = q;
+  return Q;
 }
-// A block's cursor: tile t of its run [t, tend) on level lvl (3: the block is done), tile t's
-// token tile and head; level 0: the run's index j; level 1: hi = the end of the block's range.
+MXMLA_HD int queue_runs(const TileQueue& Q) { return Q.q0[Q.nseg]; }
+
+// A block's cursor: tile t of its run [t, tend) (lvl 0: a queued run; 1: a run of the range that
+// ends at hi; 3: the block is done) and tile t's token tile and head.
 struct TileRun {
-  int lvl, j, t, tend;
+  int lvl, t, tend;
   int tt, h;
   int hi;
 };
-// Level 1: the run that starts at tile t of the range [t, hi).
+// Run j of the queue (the block is done past the last).
+MXMLA_HD void queue_run(TileRun& c, const TileQueue& Q, int j, int H) {
+  if (j >= queue_runs(Q)) {
+    c.lvl = 3;
+    return;
+  }
+  int s = 0;
+  while (j >= Q.q0[s + 1]) ++s;
+  c.lvl = 0, c.t = Q.t0[s] + (j - Q.q0[s]) * Q.len[s];
+  c.tend = c.t + Q.len[s] < Q.ntiles ? c.t + Q.len[s] : Q.ntiles;
+  c.tt = c.t / H, c.h = c.t - c.tt * H;
+}
+// The run that starts at tile t of the range [t, hi).
 MXMLA_HD void range_at(TileRun& c, int t, int hi, int H) {
   c.t = t, c.hi = hi, c.lvl = t < hi ? 1 : 3;
   if (t < hi) {
@@ -51,33 +88,10 @@ MXMLA_HD void range_at(TileRun& c, int t, int hi, int H) {
     c.tend = e < hi ? e : hi;
   }
 }
-// Run j of level 0 for block `block`, or the block's level-1 range once level 0 is used up.
-MXMLA_HD void run_at(TileRun& c, const TileDeal& d, int j, int block, int G, int H) {
-  if (j >= d.n0) {
-    const int left = d.ntiles - d.base1;
-    return range_at(c, d.base1 + static_cast<int>(static_cast<int64_t>(block) * left / G),
-                    d.base1 + static_cast<int>(static_cast<int64_t>(block + 1) * left / G), H);
-  }
-  c.lvl = 0, c.j = j, c.t = j * d.len0, c.tend = c.t + d.len0;
-  c.tt = c.t / H, c.h = c.t - c.tt * H;
-}
-MXMLA_HD void run_first(TileRun& c, const TileDeal& d, int block, int G, int H) { run_at(c, d, block, block, G, H); }
-// The block's next run (its first tile), leaving c as it is.
-MXMLA_HD TileRun run_next(const TileRun& c, const TileDeal& d, int block, int G, int H) {
-  TileRun n = c;
-  if (c.lvl == 0)
-    run_at(n, d, c.j + G, block, G, H);
-  else
-    range_at(n, c.tend, c.hi, H);
-  return n;
-}
-// The block's next tile (a run never crosses a token tile: inside one, the head steps).
-MXMLA_HD void run_step(TileRun& c, const TileDeal& d, int block, int G, int H) {
-  if (++c.t == c.tend) {
-    c = run_next(c, d, block, G, H);
-    return;
-  }
-  ++c.h;
+// Block `block`'s range's first run.
+MXMLA_HD void range_first(TileRun& c, int ntiles, int block, int G, int H) {
+  range_at(c, static_cast<int>(static_cast<int64_t>(block) * ntiles / G),
+           static_cast<int>(static_cast<int64_t>(block + 1) * ntiles / G), H);
 }
 
 }  // namespace mxmla::detail

@@ -47,11 +47,11 @@ using namespace rope_dev;
 // barrier's exit: __syncthreads compiles to BAR.SYNC.DEFER_BLOCKING, and a clock read right after
 // it issued before the last warp had arrived (eighteenth session).
 // Per block (all blocks up to kRqSpanBlocks): the global timer (ns) at its start and end and its SM,
-// for the spread of the blocks' finishing times (the grid is persistent and the deal static).
+// and its tile count, for the spread of the blocks' finishing times (the grid is persistent).
 #if MXMLA_ROPEQ_PROFILE
 constexpr int kRqProfBlocks = 8, kRqProfTiles = 64, kRqProfSlots = 12, kRqSpanBlocks = 2048;
 __device__ unsigned long long g_rq_prof[kRqProfBlocks][kRqProfTiles][kRqProfSlots];
-__device__ unsigned long long g_rq_span[kRqSpanBlocks][3];  // start, end, SM
+__device__ unsigned long long g_rq_span[kRqSpanBlocks][4];  // start, end, SM, tiles
 #endif
 __device__ __forceinline__ unsigned long long rq_clock() { return MXMLA_ROPEQ_PROFILE ? clock64() : 0; }
 __device__ __forceinline__ void rq_stamp(int k, int slot, unsigned long long v) {
@@ -59,11 +59,11 @@ __device__ __forceinline__ void rq_stamp(int k, int slot, unsigned long long v) 
   if (blockIdx.x < kRqProfBlocks && k < kRqProfTiles && (threadIdx.x & 31) == 0) g_rq_prof[blockIdx.x][k][slot] = v;
 #endif
 }
-__device__ __forceinline__ void rq_span(int end) {  // thread 0: block start (end = 0) / end (1)
+__device__ __forceinline__ void rq_span(int end, int tiles) {  // thread 0: block start (end = 0) / end (1)
 #if MXMLA_ROPEQ_PROFILE
   if (blockIdx.x < kRqSpanBlocks && threadIdx.x == 0) {
     g_rq_span[blockIdx.x][end] = ptx::globaltimer();
-    if (!end) g_rq_span[blockIdx.x][2] = ptx::smid();
+    g_rq_span[blockIdx.x][end ? 3 : 2] = end ? static_cast<unsigned long long>(tiles) : ptx::smid();
   }
 #endif
 }
@@ -403,13 +403,14 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 //   and store it into W0's slots between two runs (one extra barrier per run): W0 never waits
 //   for a table load (W2 holding the cos row instead of W1: 0.6 % slower; a quarter row in
 //   each of the four warps, 25 registers fewer: 3 % slower).
-// Tile order: runs of up to 32 heads of one token tile, dealt round-robin to the blocks
-// (common/tile_deal.h), so that co-running blocks share DRAM pages; a block's contiguous range
-// of tiles was 1.6 % slower (same-run A/B), runs of 8 pay more in table reloads than they gain
-// (runs of 16 equal runs of 32; runs of 64 / 128 were 0.4 / 0.6 % slower). What is left after
-// the whole rounds of runs goes out as one contiguous range per block, and head counts that are
-// not a multiple of 8 take contiguous ranges throughout (short runs would hand the tables off
-// every few tiles).
+// Tile order: runs of up to 32 heads of one token tile from a queue in tile order (a global
+// counter, zeroed per launch), shorter runs (16, then 8) at the end so that the blocks finish
+// together (common/tile_deal.h): co-running blocks share DRAM pages, a block's contiguous range
+// of tiles was 1.6 % slower (same-run A/B), runs of 8 throughout pay more in table reloads than
+// they gain (runs of 16 equal runs of 32; runs of 64 / 128 were 0.4 / 0.6 % slower), and the
+// queue took 2.8 % off the static round-robin deal of runs of 32 (twenty-first session). Head
+// counts that are not a multiple of 8 take contiguous ranges (short runs would hand the tables
+// off every few tiles).
 // Loads: three TMA copies per tile (a 3-D map {D, H, tokens}, boxes {64, 1, 32} with the 128-byte
 // swizzle: a stage is [3 column thirds][32 rows][128 bytes], 16-byte chunk c of a row at c ^ (row
 // % 8), so lane-per-row and lane-per-chunk reads are both conflict-free; rows past the last token
@@ -491,8 +492,9 @@ __device__ __forceinline__ void store_table_row(float4* tab, int t, int lane, co
   for (int c = 0; c < kR; c += 4) tab[(16 * t + c / 4) * 32 + lane] = make_float4(v[c], v[c + 1], v[c + 2], v[c + 3]);
 }
 
-// Tile order: runs of up to kRun0 heads of one token tile dealt round-robin (common/tile_deal.h).
+// Tile order: queued runs of up to kRun0 heads of one token tile (common/tile_deal.h).
 constexpr int kRun0 = 32;
+static_assert(kRun0 >= kMinRun && kRun0 <= kMaxRun && (kRun0 & (kRun0 - 1)) == 0, "a queue run length");
 
 // 8 table values at column c (c % 4 == 0; two slots).
 __device__ __forceinline__ void tab8(const float4* tab, int slot0, int lane, float* v) {
@@ -765,7 +767,8 @@ __device__ __forceinline__ void issue(const CUtensorMap* tmap, int t0, int h, __
 template <typename TT, bool kE4M3>
 __global__ void __launch_bounds__(mla::kThreads, 3)
     sm90_rope_quantize_mla_kernel(const __grid_constant__ CUtensorMap tmap, const RopeQuantizeParams P,
-                                  const int64_t* cu, int64_t ncu, int ntiles) {
+                                  const int64_t* cu, int64_t ncu, const __grid_constant__ TileQueue Q,
+                                  int* queue) {
   using mla::kRopeFloats, mla::kStageElems, mla::kStages;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const RopeKernelParams& p = P.rope;
@@ -778,7 +781,7 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   float4* tab = reinterpret_cast<float4*>(rope0 + 2 * kRopeFloats);          // [32 slots][32 lanes]
   uint8_t* sink0 = reinterpret_cast<uint8_t*>(tab + mla::kTabSlots * 32);    // [2][32][kGPitch]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sink0 + mla::kSinkBytes);     // [kStages]
-  rq_span(0);  // (profiling only)
+  rq_span(0, 0);  // (profiling only)
   const bool producer = threadIdx.x == 96;  // W3, lane 0
   if (producer) {
     ptx::prefetch_tmap(&tmap);
@@ -786,11 +789,37 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     ptx::fence_barrier_init();
   }
   const SetChoice sc = sets_of(p.style, true);
-  const int G = gridDim.x, blk = blockIdx.x;  // every block has a tile (the launcher's grid <= tiles)
-  const TileDeal deal = make_tile_deal(ntiles, G, H, mla::kRun0);
+  // every block has a run (the launcher's grid <= the queue's runs, <= the tiles)
+  const int G = gridDim.x, blk = blockIdx.x;
+  const bool queued = Q.nseg > 0;  // else the block's range (common/tile_deal.h)
+  // runq[n % 4]: the queue index of the block's run n (run 0 is run blk): run n + 1 is claimed
+  // at the start, run n + 2 two tiles before the end of run n (by W2's lane 0, off the critical
+  // path; its atomic returns while W2 works on the tile and it stores the index before the tile
+  // barrier). The next run's index is then read at least two barriers later: at run n's end by
+  // the table prefetch, and by the TMA producer's cursor, three tiles ahead, at run n + 1's
+  // start at the earliest (runs of at least three tiles).
+  __shared__ int runq[4];
+  int claim_slot = -1, claim = 0;
   TileRun cur, ahead, nrun;  // tile k and tile k + kStages of this block; the next run's first tile
-  run_first(cur, deal, blk, G, H);
+  int cur_n = 0, ahead_n = 0;  // the run numbers of cur and ahead
+  if (queued) {
+    queue_run(cur, Q, blk, H);
+    if (threadIdx.x == 0) runq[1] = G + atomicAdd(queue, 1);
+    __syncthreads();
+  } else {
+    range_first(cur, Q.ntiles, blk, G, H);
+  }
   ahead = cur;
+  auto next_run = [&](const TileRun& c, int n) {  // the run after c, the block's run n
+    TileRun r = c;
+    if (queued) queue_run(r, Q, runq[(n + 1) & 3], H);
+    else range_at(r, c.tend, c.hi, H);
+    return r;
+  };
+  auto step = [&](TileRun& c, int& n) {  // the block's next tile
+    if (++c.t == c.tend) c = next_run(c, n++);
+    else ++c.h;
+  };
   // W1 / W3 lane r: the cos / sin row of token r of a run's token tile: the first run's now, the
   // next run's in registers (loaded a run ahead, stored into the slots between two runs)
   const bool tab_warp = warp & 1;
@@ -799,14 +828,14 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   if (tab_warp && cur.lvl < 3) {
     mla::load_table_row<TT>(p, cu, ncu, ntok, cur.tt * kRows + lane, tab_t, nxt);
     mla::store_table_row(tab, tab_t, lane, nxt);
-    nrun = run_next(cur, deal, blk, G, H);
+    nrun = next_run(cur, cur_n);
     if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, tab_t, nxt);
   }
   __syncthreads();
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
     if (producer && ahead.lvl < 3) mla::issue(&tmap, ahead.tt * kRows, ahead.h, raw + s * kStageElems, &bars[s]);
-    run_step(ahead, deal, blk, G, H);
+    step(ahead, ahead_n);
   }
   Tile prev{0, 0, 0};
   bool have_prev = false;
@@ -814,7 +843,8 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   int gpar = 0;
   int st = 0;
   uint32_t parity = 0;
-  for (int k = 0;; ++k) {
+  int k = 0;  // the loop's iteration: tile k of this block
+  for (;; ++k) {
     rq_stamp(k, 4 + warp, rq_clock());  // (profiling only)
     const bool have = cur.lvl < 3;
     if (!have && !have_prev) break;
@@ -849,24 +879,27 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     // Tile k's stage is read by W0-W2 and free; its rope tile and sink are complete for W3; W3
     // is done with tile k - 1's, which tile k + 1 reuses.
     rq_stamp(k, warp, rq_clock());
+    if (claim_slot >= 0) runq[claim_slot] = G + claim, claim_slot = -1;
     __syncthreads();
     if (producer && ahead.lvl < 3) mla::issue(&tmap, ahead.tt * kRows, ahead.h, raw + st * kStageElems, &bars[st]);
     if (warp == 3) rq_stamp(k, 11, rq_clock());
-    run_step(ahead, deal, blk, G, H);
+    step(ahead, ahead_n);
     const bool boundary = have && cur.t + 1 == cur.tend;
     prev = t, have_prev = have;
-    run_step(cur, deal, blk, G, H);
+    step(cur, cur_n);
+    if (queued && threadIdx.x == 64 && cur.lvl < 3 && cur.t + 2 == cur.tend)  // claim run cur_n + 2
+      claim = atomicAdd(queue, 1), claim_slot = (cur_n + 2) & 3;
     if (boundary && cur.lvl < 3) {  // W0 is done with this run's tables: the next run's take the slots
       if (tab_warp) mla::store_table_row(tab, tab_t, lane, nxt);
       __syncthreads();
       if (tab_warp) {  // after the barrier, so that the loads overlap the next tile's work
-        nrun = run_next(cur, deal, blk, G, H);
+        nrun = next_run(cur, cur_n);
         if (nrun.lvl < 3) mla::load_table_row<TT>(p, cu, ncu, ntok, nrun.tt * kRows + lane, tab_t, nxt);
       }
     }
     if (++st == kStages) st = 0, parity ^= 1;
   }
-  rq_span(1);
+  rq_span(1, k - 1);  // (profiling only) the loop's last iteration had no tile
 }
 
 // Tokens of the fast path sit at one stride: sbhd / thd token s * B + b, bshd b * S + s. The
@@ -887,7 +920,7 @@ bool uniform_token_stride(const RopeKernelParams& p, int64_t& stride) {
 template <typename TT, bool kE4M3>
 void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int64_t tok_stride, cudaStream_t stream) {
   const int64_t tokens = p.rope.S * p.rope.B, tiles = ceil_div(tokens, kRows) * p.rope.H;
-  if (tokens > 0x7FFFFFFF - kRows || tiles > 0x7FFFFFFF / 2)  // run indices step by the grid size
+  if (tokens > 0x7FFFFFFF - kRows || tiles > 0x7FFFFFFF / 2)  // tile indices and the queue counter fit 32 bits
     throw Error("mxmla.rope_backward_quantize", "grad", "too many tokens or tiles for the 32-bit tile index");
   // dq as {D, H, tokens}; a tile is three boxes {64, 1, 32} (one 128-byte swizzle row per token)
   const cuuint64_t dims[3] = {cuuint64_t(mla::kD), cuuint64_t(p.rope.H), cuuint64_t(tokens)};
@@ -908,9 +941,15 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
     MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     fit = per_sm * sms > 0 ? per_sm * sms : 1;
   }
-  const int64_t blocks = std::min<int64_t>(fit, tiles);
-  kernel<<<static_cast<unsigned>(blocks), mla::kThreads, mla::kSmemBytes, stream>>>(tmap, p, cu, ncu,
-                                                                                    static_cast<int>(tiles));
+  int64_t blocks = std::min<int64_t>(fit, tiles);
+  const TileQueue Q = make_tile_queue(static_cast<int>(tiles), static_cast<int>(blocks), static_cast<int>(p.rope.H),
+                                      mla::kRun0);
+  if (Q.nseg > 0) blocks = std::min<int64_t>(blocks, queue_runs(Q));  // every block's first run is run blockIdx.x
+  // the queue's counter, zero at launch (stream-ordered: concurrent launches and graphs each get their own)
+  StreamScratch counter(Q.nseg > 0 ? static_cast<int64_t>(sizeof(int)) : 0, stream);
+  if (Q.nseg > 0) MXMLA_CUDA_CHECK(cudaMemsetAsync(counter.ptr, 0, sizeof(int), stream));
+  kernel<<<static_cast<unsigned>(blocks), mla::kThreads, mla::kSmemBytes, stream>>>(
+      tmap, p, cu, ncu, Q, reinterpret_cast<int*>(counter.ptr));
   MXMLA_CUDA_CHECK(cudaGetLastError());
 #if MXMLA_ROPEQ_PROFILE
   static int launches = 0;
@@ -918,7 +957,12 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
     static unsigned long long h[kRqProfBlocks][kRqProfTiles][kRqProfSlots];
     MXMLA_CUDA_CHECK(cudaStreamSynchronize(stream));
     MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_rq_prof, sizeof(h)));
-    const int per_block = static_cast<int>(tiles / blocks), last = std::min(per_block - 2, kRqProfTiles - 1);
+    static unsigned long long sp[kRqSpanBlocks][4];  // every block's start, end, SM and tiles
+    MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(sp, g_rq_span, sizeof(sp)));
+    const int nb = static_cast<int>(std::min<int64_t>(blocks, kRqSpanBlocks));
+    int per_block = 0x7FFFFFFF;  // the fewest tiles of a profiled block (the queue deals them)
+    for (int b = 0; b < std::min(nb, kRqProfBlocks); ++b) per_block = std::min(per_block, static_cast<int>(sp[b][3]));
+    const int last = std::min(per_block - 2, kRqProfTiles - 1);
     double start[4] = {}, arrive[4] = {}, own[4] = {}, wait[3] = {};
     double cycle = 0, last_arrival = 0, issued = 0, own_max = 0;
     int cnt = 0, lastw[4] = {};
@@ -939,8 +983,8 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
         own_max += om, cycle += d(h[b][k + 1][4], base);
       }
     const double n = std::max(cnt, 1);
-    std::fprintf(stderr, "rope_backward_quantize profile: %lld tiles per block, %d samples, mean cycles per tile "
-                         "from warp 0's iteration start\n", static_cast<long long>(per_block), cnt);
+    std::fprintf(stderr, "rope_backward_quantize profile: %d tiles in the shortest profiled block, %d samples, mean "
+                         "cycles per tile from warp 0's iteration start\n", per_block, cnt);
     const char* names[4] = {"W0 (RoPE rows)", "W1 (nope rows)", "W2 (nope cols)", "W3 (rope cols, scales)"};
     for (int i = 0; i < 4; ++i)
       std::fprintf(stderr, "  %-24s start %6.0f  arrive %6.0f  own work+wait %6.0f  TMA wait %5.0f\n", names[i],
@@ -948,15 +992,12 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
     std::fprintf(stderr, "  last to arrive: W0 %d, W1 %d, W2 %d, W3 %d tiles; last arrival %.0f; "
                  "per-tile max own %.0f\n", lastw[0], lastw[1], lastw[2], lastw[3], last_arrival / n, own_max / n);
     std::fprintf(stderr, "  next TMA issued %.0f; tile cycle %.0f\n", issued / n, cycle / n);
-    // the spread of the blocks' finishing times (a static deal cannot rebalance slow SMs)
-    static unsigned long long sp[kRqSpanBlocks][3];
-    MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(sp, g_rq_span, sizeof(sp)));
-    const int nb = static_cast<int>(std::min<int64_t>(blocks, kRqSpanBlocks));
+    // the spread of the blocks' finishing times and tile counts (the queue rebalances slow SMs)
     unsigned long long t0 = sp[0][0];
     for (int b = 0; b < nb; ++b) t0 = std::min(t0, sp[b][0]);
-    std::vector<double> b_start(nb), b_end(nb), sm_end(1024, 0.0);
+    std::vector<double> b_start(nb), b_end(nb), b_tiles(nb), sm_end(1024, 0.0);
     for (int b = 0; b < nb; ++b) {
-      b_start[b] = 1e-3 * double(sp[b][0] - t0), b_end[b] = 1e-3 * double(sp[b][1] - t0);
+      b_start[b] = 1e-3 * double(sp[b][0] - t0), b_end[b] = 1e-3 * double(sp[b][1] - t0), b_tiles[b] = double(sp[b][3]);
       double& e = sm_end[sp[b][2] & 1023];
       e = std::max(e, b_end[b]);
     }
@@ -967,11 +1008,10 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
       std::sort(v.begin(), v.end());
       return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(f * double(v.size())))];
     };
-    std::fprintf(stderr, "  blocks (%d, %lld tiles each, %lld with one more): start us min/med/max %.2f / %.2f / %.2f; "
-                 "end %.2f / %.2f / %.2f; SMs (%zu) last end min/med/max %.2f / %.2f / %.2f\n", nb,
-                 static_cast<long long>(tiles / blocks), static_cast<long long>(tiles % blocks), q(b_start, 0),
-                 q(b_start, 0.5), q(b_start, 1), q(b_end, 0), q(b_end, 0.5), q(b_end, 1), sms.size(), q(sms, 0), q(sms, 0.5),
-                 q(sms, 1));
+    std::fprintf(stderr, "  blocks (%d, tiles min/med/max %.0f / %.0f / %.0f): start us min/med/max %.2f / %.2f / %.2f; "
+                 "end %.2f / %.2f / %.2f; SMs (%zu) last end min/med/max %.2f / %.2f / %.2f\n", nb, q(b_tiles, 0),
+                 q(b_tiles, 0.5), q(b_tiles, 1), q(b_start, 0), q(b_start, 0.5), q(b_start, 1), q(b_end, 0), q(b_end, 0.5),
+                 q(b_end, 1), sms.size(), q(sms, 0), q(sms, 0.5), q(sms, 1));
   }
 #endif
 }

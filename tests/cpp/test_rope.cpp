@@ -121,52 +121,162 @@ TEST(RopeCpu, PositionsAndYarn) {
   for (int i = 23; i < 32; ++i) EXPECT_DOUBLE_EQ(f[i], f0[i] / 40);  // above: interpolated by the factor
 }
 
-// The tile order of the rope_backward_quantize fast path (common/tile_deal.h), walked as each
-// block walks it: every tile exactly once, block loads within one tile of each other, no run
-// across a token tile, the cursor's (token tile, head) equal to the tile number's, level 0 in
-// whole rounds of full runs, level 1 (the rest, less than a round) one contiguous range per
-// block, and head counts that are not a multiple of 8 walked on level 1 alone.
-TEST(TileDeal, EveryTileOnceBalancedRunsInsideTokenTiles) {
-  using detail::TileDeal;
+// The tile order of the rope_backward_quantize fast path (common/tile_deal.h). Head counts that
+// are not a multiple of 8: one contiguous range per block, walked as each block walks it — every
+// tile exactly once, block loads within one tile of each other, no run across a token tile, the
+// cursor's (token tile, head) equal to the tile number's. Other head counts: the queue's runs
+// cover the tiles once, in order, each inside one token tile, len0 = gcd(H, run0) halved down to
+// 8 as the tiles left fall below 2 G len; then the kernel's claim protocol is simulated (blocks of
+// different speeds, run 0 = the block's index, run n + 1 claimed at the start / two tiles before
+// the end of run n - 1, the TMA producer's cursor three tiles ahead): no cursor reads a run
+// number before it is claimed, every tile is done once, and the blocks finish within 2 + 2 x 8
+// tiles of each other (the static deal's spread is the tiles per block times the speed range).
+struct QueueSim {
+  int tiles = 0;
+  double spread = 0;    // the first block's finish to the last's, in tile times of the fastest
+  bool stored = true;  // every run number read after it was claimed and stored
+};
+QueueSim simulate_queue(const detail::TileQueue& Q, int G, int H, std::vector<int>& seen) {
   using detail::TileRun;
-  int configs = 0;
+  struct Blk {
+    TileRun cur, ahead;
+    int n = 0, an = 0;
+    int runq[4] = {-1, -1, -1, -1}, runn[4] = {-1, -1, -1, -1};  // queue index, run number
+    int runk[4] = {};  // the iteration from which the claim is visible
+    int k = -1;        // the loop iteration (-1: before the loop)
+    double time = 0, speed = 1;
+  };
+  int counter = 0;
+  std::vector<Blk> b(G);
+  QueueSim r;
+  auto read = [&](Blk& x, int n) {  // run n's queue index, read in iteration x.k (after its barrier)
+    const int slot = n & 3;
+    if (x.runn[slot] != n || x.runk[slot] > x.k) r.stored = false;  // not claimed or not yet stored
+    return x.runq[slot];
+  };
+  auto next = [&](Blk& x, TileRun& c, int& n) {  // the kernel's step(): the cursor's next tile
+    if (++c.t != c.tend) return void(++c.h);
+    detail::queue_run(c, Q, read(x, n + 1), H);
+    ++n;
+  };
+  // claimed in iteration k, stored before iteration k + 1's barrier (at the start: before the loop)
+  auto claim = [&](Blk& x, int n) { x.runq[n & 3] = G + counter++, x.runn[n & 3] = n, x.runk[n & 3] = x.k + 1; };
+  for (int i = 0; i < G; ++i) {
+    b[i].speed = 1.0 + 0.2 * ((i * 37) % 101) / 100.0;
+    detail::queue_run(b[i].cur, Q, i, H);
+    claim(b[i], 1);
+    b[i].runk[1] = -1;  // the start's claim is followed by a barrier
+    if (b[i].cur.lvl < 3) read(b[i], 1);  // the first table prefetch
+    b[i].ahead = b[i].cur;
+    for (int s = 0; s < 3 && b[i].ahead.lvl < 3; ++s) next(b[i], b[i].ahead, b[i].an);
+  }
+  double lo = 1e300, hi = 0;
+  std::vector<int> order(G);
+  for (int i = 0; i < G; ++i) order[i] = i;
+  auto later = [&](int x, int y) { return b[x].time > b[y].time || (b[x].time == b[y].time && x > y); };
+  std::make_heap(order.begin(), order.end(), later);
+  while (!order.empty()) {  // the block that finishes its tile first steps first (and claims first)
+    std::pop_heap(order.begin(), order.end(), later);
+    Blk& x = b[order.back()];
+    if (x.cur.lvl == 3) {
+      lo = std::min(lo, x.time), hi = std::max(hi, x.time);
+      order.pop_back();
+      continue;
+    }
+    ++seen[x.cur.t], ++r.tiles, x.time += x.speed, ++x.k;
+    if (x.ahead.lvl < 3) next(x, x.ahead, x.an);
+    const int n = x.n;
+    next(x, x.cur, x.n);
+    if (x.cur.lvl < 3 && x.cur.t + 2 == x.cur.tend) claim(x, x.n + 2);
+    if (x.n != n && x.cur.lvl < 3) read(x, x.n + 1);  // the table prefetch at a run boundary
+    std::push_heap(order.begin(), order.end(), later);
+  }
+  r.spread = hi - lo;
+  return r;
+}
+
+TEST(TileQueue, RunsCoverTilesInOrderBlocksFinishTogether) {
+  using detail::TileQueue;
+  using detail::TileRun;
+  int configs = 0, queued = 0;
   for (int H : {1, 2, 3, 5, 7, 8, 16, 24, 40, 128, 129})
-    for (int ntt : {1, 2, 3, 7, 33, 512})
+    for (int ntt : {1, 2, 3, 7, 33, 512, 900})
       for (int G : {1, 2, 3, 7, 132, 396})
         for (int run0 : {8, 32}) {
           const int ntiles = ntt * H;
           if (G > ntiles) continue;  // the launcher's grid never exceeds the tiles
-          const TileDeal d = detail::make_tile_deal(ntiles, G, H, run0);
-          if (H % detail::kMinRun != 0) ASSERT_EQ(d.n0, 0) << "H " << H;
-          ASSERT_EQ(d.n0 % G, 0);
-          if (H % detail::kMinRun == 0)
-            ASSERT_LT(d.ntiles - d.base1, G * d.len0) << "level 1 holds less than a round: H " << H << " G " << G;
+          const TileQueue Q = detail::make_tile_queue(ntiles, G, H, run0);
+          ASSERT_EQ(Q.ntiles, ntiles);
           std::vector<int> seen(ntiles, 0);
-          int lo = ntiles, hi = 0;
-          for (int b = 0; b < G; ++b) {
-            TileRun c;
-            detail::run_first(c, d, b, G, H);
-            int count = 0, run_tt = -1, run_end = -1, last1 = -1;
-            while (c.lvl < 3) {
-              ASSERT_TRUE(c.lvl == 0 || c.lvl == 1);
-              if (c.lvl == 0) ASSERT_TRUE(last1 < 0 && c.tend - c.t <= d.len0 && c.t < d.base1) << "level 0 after 1";
-              if (c.lvl == 1 && last1 >= 0) ASSERT_EQ(c.t, last1 + 1) << "level 1 range, H " << H << " G " << G;
-              if (c.lvl == 1) last1 = c.t;
-              ASSERT_TRUE(c.t >= 0 && c.t < ntiles) << "tile " << c.t << " H " << H << " G " << G;
+          ++configs;
+          if (H % detail::kMinRun != 0) {
+            ASSERT_EQ(Q.nseg, 0) << "H " << H;
+            int lo = ntiles, hi = 0;
+            for (int b = 0; b < G; ++b) {
+              TileRun c;
+              detail::range_first(c, ntiles, b, G, H);
+              int count = 0, run_tt = -1, run_end = -1, last = -1;
+              while (c.lvl < 3) {
+                ASSERT_EQ(c.lvl, 1);
+                if (last >= 0) ASSERT_EQ(c.t, last + 1) << "a contiguous range, H " << H << " G " << G;
+                last = c.t;
+                ASSERT_TRUE(c.t >= 0 && c.t < ntiles) << "tile " << c.t << " H " << H << " G " << G;
+                ASSERT_EQ(c.tt, c.t / H);
+                ASSERT_EQ(c.h, c.t % H);
+                if (c.tend != run_end) run_end = c.tend, run_tt = c.tt;  // a new run
+                ASSERT_EQ(c.tt, run_tt) << "a run crosses a token tile: H " << H << " G " << G;
+                ++seen[c.t], ++count;
+                if (++c.t == c.tend) detail::range_at(c, c.tend, c.hi, H);
+                else ++c.h;
+              }
+              lo = std::min(lo, count), hi = std::max(hi, count);
+            }
+            EXPECT_LE(hi - lo, 1) << "H " << H << " token tiles " << ntt << " G " << G;
+          } else {
+            ++queued;
+            ASSERT_TRUE(Q.nseg >= 1 && Q.nseg <= detail::kQueueSegs) << Q.nseg;
+            int len0 = detail::gcd_pow2(H, run0);  // halved while fewer than 2 G len0 tiles
+            while (len0 > detail::kMinRun && ntiles < detail::kQueueRounds * G * len0) len0 /= 2;
+            ASSERT_EQ(Q.len[0], len0);
+            ASSERT_EQ(Q.len[Q.nseg - 1], detail::kMinRun) << "the queue ends in the shortest runs";
+            ASSERT_TRUE(Q.q0[0] == 0 && Q.t0[0] == 0);
+            for (int s = 0; s < Q.nseg; ++s) {
+              ASSERT_GT(Q.q0[s + 1], Q.q0[s]);
+              ASSERT_EQ(Q.t0[s] % Q.len[s], 0);
+              if (s > 0) ASSERT_EQ(Q.len[s], Q.len[s - 1] / 2);
+              const int t_end = s + 1 < Q.nseg ? Q.t0[s + 1] : ntiles;
+              ASSERT_EQ(t_end - Q.t0[s], (Q.q0[s + 1] - Q.q0[s]) * Q.len[s]) << "segment " << s;
+              if (s + 1 < Q.nseg) {  // its last run started with >= 2 G len tiles left, the next one without
+                ASSERT_GE(ntiles - (t_end - Q.len[s]), detail::kQueueRounds * G * Q.len[s]);
+                ASSERT_LT(ntiles - t_end, detail::kQueueRounds * G * Q.len[s]);
+              }
+            }
+            int t = 0;
+            for (int j = 0; j < detail::queue_runs(Q); ++j) {
+              TileRun c;
+              detail::queue_run(c, Q, j, H);
+              ASSERT_EQ(c.lvl, 0);
+              ASSERT_EQ(c.t, t) << "runs in tile order, run " << j;
+              ASSERT_GE(c.tend - c.t, detail::kMinRun) << "run " << j;
               ASSERT_EQ(c.tt, c.t / H);
               ASSERT_EQ(c.h, c.t % H);
-              if (c.tend != run_end) run_end = c.tend, run_tt = c.tt;  // a new run
-              ASSERT_EQ(c.tt, run_tt) << "a run crosses a token tile: H " << H << " G " << G;
-              ++seen[c.t], ++count;
-              detail::run_step(c, d, b, G, H);
+              ASSERT_EQ((c.tend - 1) / H, c.tt) << "a run crosses a token tile: H " << H << " run " << j;
+              t = c.tend;
             }
-            lo = std::min(lo, count), hi = std::max(hi, count);
+            ASSERT_EQ(t, ntiles);
+            TileRun past;
+            detail::queue_run(past, Q, detail::queue_runs(Q), H);
+            ASSERT_EQ(past.lvl, 3);
+            const int grid = std::min(G, detail::queue_runs(Q));  // the launcher's grid
+            const QueueSim sim = simulate_queue(Q, grid, H, seen);
+            ASSERT_EQ(sim.tiles, ntiles);
+            ASSERT_TRUE(sim.stored) << "a run read before it was claimed and stored: H " << H << " G " << G;
+            EXPECT_LE(sim.spread, (2 + 2 * detail::kMinRun) * 1.2) << "H " << H << " token tiles " << ntt << " G " << G;
           }
-          for (int t = 0; t < ntiles; ++t) ASSERT_EQ(seen[t], 1) << "tile " << t << " H " << H << " G " << G;
-          EXPECT_LE(hi - lo, 1) << "H " << H << " token tiles " << ntt << " G " << G;
-          ++configs;
+          for (int i = 0; i < ntiles; ++i) ASSERT_EQ(seen[i], 1) << "tile " << i << " H " << H << " G " << G;
         }
-  EXPECT_GT(configs, 500);  // 592 (shape, grid, run) cases
+  EXPECT_GT(configs, 600);
+  EXPECT_GT(queued, 250);
 }
 
 #if MXMLA_WITH_CUDA
@@ -502,23 +612,24 @@ TEST(RopeGpu, BackwardQuantizeFastPathManyTiles) {
   }
 }
 
-// The fast path's long runs: 128 heads and enough token tiles (100 x 128 = 12800 tiles) that the
-// deal's level 0 hands runs of 32 heads round-robin to every block of the grid (3 per SM x 132
-// SMs need 12672 tiles) and the rest goes out one tile at a time; the next run's table rows are
-// prefetched and handed off at every run boundary. Tokens not a multiple of 32 (a tail tile).
+// The fast path's long runs: 128 heads and enough token tiles (200 x 128 = 25600 tiles) that the
+// queue holds runs of all three lengths on the H200's grid of 396 blocks (9 runs of 32 heads
+// while 2 x 396 x 32 = 25344 tiles are left, 791 of 16, 1582 of 8), most of them taken from the
+// counter; the next run's table rows are prefetched and handed off at every run boundary. Tokens
+// not a multiple of 32 (a tail tile).
 TEST(RopeGpu, BackwardQuantizeFastPathLongRuns) {
   MXMLA_REQUIRE_GPU();
-  RbqCase a{3199, 1, 128, 192, 64};  // thd, fp32 tables per token
+  RbqCase a{6399, 1, 128, 192, 64};  // thd, fp32 tables per token
   a.seed = 700;
   check_rope_quantize(a);
 }
 
-// Both levels of the deal and the rowwise-scale groups: 8 heads, 594 token tiles (4752 tiles; a
-// tail tile of 24 tokens). On the H200's grid (396 blocks) level 0 is one round of runs of 8
-// heads — whole groups of 8, written as 16-byte stores — and level 1 gives every block a range
-// of 4 tiles, half a group (the byte path); other grids split them differently, with the same
-// bits expected. Compact scales, then swizzled scales with rowwise codes alone.
-TEST(RopeGpu, BackwardQuantizeFastPathDealLevels) {
+// The queue with 8 heads, 594 token tiles (4752 tiles; a tail tile of 24 tokens): runs of 8 heads,
+// whole rowwise-scale groups of 8 written as 16-byte stores; on the H200's grid (396 blocks) 198
+// of the 594 runs come from the counter. (Partial groups, the byte path: the ranges of 6 and 5
+// heads in BackwardQuantizeFastPathManyTiles.) Compact scales, then swizzled scales with rowwise
+// codes alone.
+TEST(RopeGpu, BackwardQuantizeFastPathQueuedRuns) {
   MXMLA_REQUIRE_GPU();
   RbqCase a{19000, 1, 8, 192, 64};  // thd, fp32 tables per token
   a.seed = 710;
