@@ -594,14 +594,14 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
   // joined by one shuffle), so each store instruction writes 4 whole 128-byte code rows. rs =
   // lane / 8, but lanes 4-7 of each quarter warp (the second column third) take the neighbouring
   // row (rs ^ 1): a quarter warp's 16-byte loads then hit 8 different bank groups.
-  const int cp = lane & 7, rs = (lane >> 3) ^ ((cp >> 2) & 1), p0 = (2 * cp) & 7;
-  const char* base = reinterpret_cast<const char*>(stage) + (cp >> 2) * (kRows * 128) + rs * 128;
-  const uint4* src[2][2];  // [i % 2][k]: chunk 2 cp + k of row 4 i + rs is src[i % 2][k][64 (i / 2)]
+  const int cp = lane & 7, rs = (lane >> 3) ^ ((cp >> 2) & 1);
+  // [i % 2][k]: chunk 2 cp + k of row 4 i + rs is src[i % 2][k][64 (i / 2)] (the swizzle repeats
+  // every 8 rows = 64 chunks)
+  const uint4* src[2][2];
 #pragma unroll
   for (int par = 0; par < 2; ++par)
 #pragma unroll
-    for (int k = 0; k < 2; ++k)
-      src[par][k] = reinterpret_cast<const uint4*>(base + 512 * par + 16 * ((p0 + k) ^ rs ^ (4 * par)));
+    for (int k = 0; k < 2; ++k) src[par][k] = chunk_at(stage, 4 * par + rs, 2 * cp + k);
   uint8_t* dst = P.row_codes + static_cast<int64_t>(t.t0 + rs) * HD + static_cast<int64_t>(t.h) * kD + 16 * cp;
   uint8_t* sk = sink + rs * kGPitch + (cp >> 1);
 #pragma unroll 1
@@ -655,11 +655,9 @@ template <bool kE4M3>
 __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const Tile& t,
                                          int64_t HD, int lane) {
   // lane's 8 bytes of row 8 g + j: src[j][128 g] (the 128-byte swizzle repeats every 8 rows = 1024 bytes)
-  const char* third = reinterpret_cast<const char*>(stage) + (lane >> 4) * (kRows * 128) + (lane & 1) * 8;
-  const int cc = (lane >> 1) & 7;
   const uint2* src[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) src[j] = reinterpret_cast<const uint2*>(third + 128 * j + 16 * (cc ^ j));
+  for (int j = 0; j < 8; ++j) src[j] = reinterpret_cast<const uint2*>(chunk_at(stage, j, lane >> 1)) + (lane & 1);
   uint32_t m0 = 0, m1 = 0;  // columns (0, 1), (2, 3)
 #pragma unroll 1
   for (int g = 0; g < kRows / 8; ++g) {
