@@ -12,7 +12,7 @@
 // few neighbouring token tiles (they share DRAM pages). The static deal this replaced (runs of 32
 // dealt round-robin, the rest as contiguous ranges) left the blocks' finishing times 426-500 us
 // apart in a 0.49 ms kernel on the H200; the queue is 2.8 % faster (docs/notes-rope.md).
-// Shorter runs cost table reloads and hand-offs (minimum runs of 4: 2.7 % slower than 8).
+// Shorter runs cost table reloads and hand-offs (minimum runs of 4: 2.8 % slower than 8).
 //
 // Ranges (other head counts): block b takes [b L / G, (b + 1) L / G) of the L tiles, a run being
 // the part of the range inside one token tile; short runs would hand the tables off every few
