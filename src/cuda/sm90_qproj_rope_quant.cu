@@ -44,6 +44,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/ptx.cuh"
 #include "cuda/ptx_sm90.cuh"
+#include "cuda/prof_spans.cuh"
 #include "cuda/stream_scratch.h"
 
 // Experiment knob (cmake -DMXMLA_QPROJ_EPILOGUE=n): 0 times the mainloop and the tile hand-off alone
@@ -121,10 +122,13 @@ struct KParams {
 // Stamp slots per tile: MMA warp 0 of warpgroup 0: 0 tile start, 1 mainloop done, 2 tile_empty
 // passed, 3 hand-off done, 15 cycles spent waiting for stage data (sum over the tile's k-blocks);
 // epilogue: 4 tile_full passed (warp 0), 5..11 each warp's end, 12 warp 0 after N, 13 after R, 14
-// after the named barrier; producer: 16 cycles spent waiting for free stages (sum).
+// after the named barrier; producer: 16 cycles spent waiting for free stages (sum). Per CTA (up to
+// kProfSpans): its start (the producer) and end (the epilogue's last tile) on the global timer, its
+// SM and its tile count (cuda/prof_spans.cuh: do the SMs finish together?).
 #if MXMLA_QPROJ_PROFILE
-constexpr int kProfCtas = 8, kProfTiles = 64, kProfSlots = 17;
+constexpr int kProfCtas = 8, kProfTiles = 64, kProfSlots = 17, kProfSpans = 1024;
 __device__ unsigned long long g_prof[kProfCtas][kProfTiles][kProfSlots];
+__device__ BlockSpan g_spans[kProfSpans];
 #endif
 __device__ __forceinline__ void stamp_value(uint32_t n, int slot, unsigned long long v) {
 #if MXMLA_QPROJ_PROFILE
@@ -133,6 +137,11 @@ __device__ __forceinline__ void stamp_value(uint32_t n, int slot, unsigned long 
 }
 __device__ __forceinline__ unsigned long long prof_clock() { return MXMLA_QPROJ_PROFILE ? clock64() : 0; }
 __device__ __forceinline__ void stamp(uint32_t n, int slot) { stamp_value(n, slot, prof_clock()); }
+__device__ __forceinline__ void span(bool end, uint32_t tiles) {  // one thread: the CTA's start / end
+#if MXMLA_QPROJ_PROFILE
+  if (blockIdx.x < kProfSpans) end ? span_end(g_spans[blockIdx.x], int(tiles)) : span_begin(g_spans[blockIdx.x]);
+#endif
+}
 
 // Tile t -> (sequence bi, first token m0, head h): groups of kGroupM token tiles, head-major inside.
 __device__ __forceinline__ void tile_coords(const KParams& p, int t, int& bi, int& m0, int& h) {
@@ -555,6 +564,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (threadIdx.x < 32) {  // ---------------- producer: one thread issues the TMA loads
     if (threadIdx.x == 0) {
+      span(false, 0);  // (profiling only)
       ptx::prefetch_tmap(&tmap_x);
       ptx::prefetch_tmap(&tmap_w);
       uint32_t st = 0, phase = 0, n = 0;  // ring position and its parity; tiles
@@ -593,6 +603,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (tid % 32 == 0) stamp(n, 5 + tid / 32);
       ptx::mbar_arrive(&sm.tile_empty);
     }
+    if (tid == 0) span(true, n);  // (profiling only)
     return;
   }
 
@@ -700,8 +711,9 @@ int sm_count() {
 }
 
 #if MXMLA_QPROJ_PROFILE
-// Mean cycles per tile of each phase over the profiled CTAs (tiles 2 .. last-1), on stderr.
-void print_profile(int tiles, cudaStream_t stream) {
+// Mean cycles per tile of each phase over the profiled CTAs (tiles 2 .. last-1), then the spread of
+// every CTA's span, on stderr.
+void print_profile(int tiles, int grid, cudaStream_t stream) {
   static unsigned long long h[kProfCtas][kProfTiles][kProfSlots];
   MXMLA_CUDA_CHECK(cudaStreamSynchronize(stream));
   MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_prof, sizeof(h)));
@@ -732,6 +744,9 @@ void print_profile(int tiles, cudaStream_t stream) {
     // knob 0: no epilogue rows; knobs 7-24 (synthetic): no N / R / barrier stamps
     if ((MXMLA_QPROJ_EPILOGUE != 0 || i < 4 || i >= 14) && (MXMLA_QPROJ_EPILOGUE < 7 || i < 5 || i > 7))
       std::fprintf(stderr, "  %-40s %8.0f\n", names[i], a[i] / std::max(cnt, 1));
+  static BlockSpan sp[kProfSpans];
+  MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(sp, g_spans, sizeof(sp)));
+  print_block_spans(sp, std::min(grid, kProfSpans));
 }
 #endif
 
@@ -744,7 +759,7 @@ void launch(const CUtensorMap& tx, const CUtensorMap& tw, const KParams& kp, cud
   MXMLA_CUDA_CHECK(cudaGetLastError());
 #if MXMLA_QPROJ_PROFILE
   static int launches = 0;
-  if (++launches == 6) print_profile((kp.num_tiles + grid - 1) / grid, stream);
+  if (++launches == 6) print_profile((kp.num_tiles + grid - 1) / grid, grid, stream);
 #endif
 }
 

@@ -21,12 +21,12 @@
 #include "common/tile_deal.h"
 #include "cuda/ptx.cuh"
 #include "cuda/ptx_sm90.cuh"
+#include "cuda/prof_spans.cuh"
 #include "cuda/tma_host.h"
 #include "cuda/sm90_rope_common.cuh"
 
 #include <algorithm>
 #include <cstdio>
-#include <vector>
 
 // Profiling knob (cmake -DMXMLA_ROPEQ_PROFILE=1): clock64 stamps of the DeepSeek-V3 fast path's
 // roles per tile on its first blocks and every block's start / end time (global timer) and SM,
@@ -51,7 +51,7 @@ using namespace rope_dev;
 #if MXMLA_ROPEQ_PROFILE
 constexpr int kRqProfBlocks = 8, kRqProfTiles = 64, kRqProfSlots = 12, kRqSpanBlocks = 2048;
 __device__ unsigned long long g_rq_prof[kRqProfBlocks][kRqProfTiles][kRqProfSlots];
-__device__ unsigned long long g_rq_span[kRqSpanBlocks][4];  // start, end, SM, tiles
+__device__ BlockSpan g_rq_span[kRqSpanBlocks];
 #endif
 __device__ __forceinline__ unsigned long long rq_clock() { return MXMLA_ROPEQ_PROFILE ? clock64() : 0; }
 __device__ __forceinline__ void rq_stamp(int k, int slot, unsigned long long v) {
@@ -61,10 +61,7 @@ __device__ __forceinline__ void rq_stamp(int k, int slot, unsigned long long v) 
 }
 __device__ __forceinline__ void rq_span(int end, int tiles) {  // thread 0: block start (end = 0) / end (1)
 #if MXMLA_ROPEQ_PROFILE
-  if (blockIdx.x < kRqSpanBlocks && threadIdx.x == 0) {
-    g_rq_span[blockIdx.x][end] = ptx::globaltimer();
-    g_rq_span[blockIdx.x][end ? 3 : 2] = end ? static_cast<unsigned long long>(tiles) : ptx::smid();
-  }
+  if (blockIdx.x < kRqSpanBlocks && threadIdx.x == 0) end ? span_end(g_rq_span[blockIdx.x], tiles) : span_begin(g_rq_span[blockIdx.x]);
 #endif
 }
 
@@ -955,11 +952,11 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
     static unsigned long long h[kRqProfBlocks][kRqProfTiles][kRqProfSlots];
     MXMLA_CUDA_CHECK(cudaStreamSynchronize(stream));
     MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_rq_prof, sizeof(h)));
-    static unsigned long long sp[kRqSpanBlocks][4];  // every block's start, end, SM and tiles
+    static BlockSpan sp[kRqSpanBlocks];
     MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(sp, g_rq_span, sizeof(sp)));
     const int nb = static_cast<int>(std::min<int64_t>(blocks, kRqSpanBlocks));
     int per_block = 0x7FFFFFFF;  // the fewest tiles of a profiled block (the queue deals them)
-    for (int b = 0; b < std::min(nb, kRqProfBlocks); ++b) per_block = std::min(per_block, static_cast<int>(sp[b][3]));
+    for (int b = 0; b < std::min(nb, kRqProfBlocks); ++b) per_block = std::min(per_block, static_cast<int>(sp[b].tiles));
     const int last = std::min(per_block - 2, kRqProfTiles - 1);
     double start[4] = {}, arrive[4] = {}, own[4] = {}, wait[3] = {};
     double cycle = 0, last_arrival = 0, issued = 0, own_max = 0;
@@ -990,26 +987,7 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
     std::fprintf(stderr, "  last to arrive: W0 %d, W1 %d, W2 %d, W3 %d tiles; last arrival %.0f; "
                  "per-tile max own %.0f\n", lastw[0], lastw[1], lastw[2], lastw[3], last_arrival / n, own_max / n);
     std::fprintf(stderr, "  next TMA issued %.0f; tile cycle %.0f\n", issued / n, cycle / n);
-    // the spread of the blocks' finishing times and tile counts (the queue rebalances slow SMs)
-    unsigned long long t0 = sp[0][0];
-    for (int b = 0; b < nb; ++b) t0 = std::min(t0, sp[b][0]);
-    std::vector<double> b_start(nb), b_end(nb), b_tiles(nb), sm_end(1024, 0.0);
-    for (int b = 0; b < nb; ++b) {
-      b_start[b] = 1e-3 * double(sp[b][0] - t0), b_end[b] = 1e-3 * double(sp[b][1] - t0), b_tiles[b] = double(sp[b][3]);
-      double& e = sm_end[sp[b][2] & 1023];
-      e = std::max(e, b_end[b]);
-    }
-    std::vector<double> sms;
-    for (double e : sm_end)
-      if (e > 0) sms.push_back(e);
-    auto q = [](std::vector<double> v, double f) {
-      std::sort(v.begin(), v.end());
-      return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(f * double(v.size())))];
-    };
-    std::fprintf(stderr, "  blocks (%d, tiles min/med/max %.0f / %.0f / %.0f): start us min/med/max %.2f / %.2f / %.2f; "
-                 "end %.2f / %.2f / %.2f; SMs (%zu) last end min/med/max %.2f / %.2f / %.2f\n", nb, q(b_tiles, 0),
-                 q(b_tiles, 0.5), q(b_tiles, 1), q(b_start, 0), q(b_start, 0.5), q(b_start, 1), q(b_end, 0), q(b_end, 0.5),
-                 q(b_end, 1), sms.size(), q(sms, 0), q(sms, 0.5), q(sms, 1));
+    print_block_spans(sp, nb);  // the queue rebalances slow SMs
   }
 #endif
 }
