@@ -67,7 +67,9 @@ struct RopeBackwardQuantizeOptions {
 };
 // `out` holds caller-allocated outputs of quantize_shapes({tokens, h*d}, swizzle) (data
 // [tokens, h*d]); `dx_copy` (optional) is a contiguous bf16 or fp32 tensor of dq's shape.
-// CUDA: the rules of apply_rope plus d <= 256, 16-byte aligned codes and dx_copy.
+// CUDA: the rules of apply_rope plus d <= 256, 16-byte aligned codes and dx_copy. Stream-ordered
+// scratch (cudaMallocAsync on `stream`): the uploaded cu_seqlens, and the DeepSeek-V3 fast path's
+// 4-byte tile-queue counter (zeroed per call), so concurrent calls on different streams are safe.
 void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const TensorDesc& sin, MXFP8Tensor& out,
                             TensorDesc* dx_copy, const RopeBackwardQuantizeOptions& opts,
                             const TensorDesc* cu_seqlens = nullptr, Stream stream = nullptr);
