@@ -588,6 +588,81 @@ TEST(RopeGpu, BackwardQuantizeDeepSeekHeadsNonUniformTokenStride) {
   }
 }
 
+// The fast path's tile-queue counter belongs to one call (stream-ordered scratch zeroed per call):
+// calls on two streams, queued alternately so that they overlap, and a CUDA graph of one call
+// replayed three times (outputs re-poisoned before each replay) all give the reference's bits. A
+// shared or stale counter would leave runs undone (poisoned bytes). 128 heads x 32 token tiles =
+// 4096 tiles: 512 runs of 8 on the H200's 396 blocks, 116 of them from the counter.
+TEST(RopeGpu, BackwardQuantizeFastPathConcurrentStreamsAndGraph) {
+  MXMLA_REQUIRE_GPU();
+  const int64_t tokens = 1000, H = 128, D = 192, R = 64, HD = H * D;
+  const std::vector<int64_t> shape{tokens, H, D};
+  RopeBackwardQuantizeOptions o;  // thd with per-token fp32 tables, E4M3, both directions, compact scales
+  o.rope.layout = RopeLayout::kTHD, o.rope.rope_dim = R, o.rope.tables_per_token = true;
+  const std::vector<uint8_t> x =
+      test::encode(test::make_data(tokens, HD, test::Data::kAdversarial, 900), DType::kBFloat16);
+  util::Rng rng(900);
+  std::vector<float> c(tokens * R), sn(tokens * R);
+  for (auto& v : c) v = static_cast<float>(rng.normal());
+  for (auto& v : sn) v = static_cast<float>(rng.normal());
+  const MXFP8Shapes qs = quantize_shapes({tokens, HD}, false);
+  test::HostQ ref = test::alloc_host(qs, true, true);
+  rope_backward_quantize(TensorDesc(const_cast<uint8_t*>(x.data()), DType::kBFloat16, shape),
+                         TensorDesc(c.data(), DType::kFloat32, {tokens, R}),
+                         TensorDesc(sn.data(), DType::kFloat32, {tokens, R}), ref.t, nullptr, o, nullptr, nullptr);
+  const Device dev{DeviceType::kCUDA, 0};
+  util::DeviceBuffer dx(x.size()), dc(c.size() * 4), ds(sn.size() * 4);
+  dx.upload(x.data()), dc.upload(c.data()), ds.upload(sn.data());
+  const TensorDesc xd(dx.ptr, DType::kBFloat16, shape, dev), cd(dc.ptr, DType::kFloat32, {tokens, R}, dev),
+      sd(ds.ptr, DType::kFloat32, {tokens, R}, dev);
+  struct Out {
+    util::DeviceBuffer row, rs, col, cs;
+    MXFP8Tensor t;
+  };
+  std::vector<Out> outs;
+  for (int i = 0; i < 2; ++i) {
+    outs.push_back({util::DeviceBuffer(ref.row.size()), util::DeviceBuffer(ref.rs.size()),
+                    util::DeviceBuffer(ref.col.size()), util::DeviceBuffer(ref.cs.size()), MXFP8Tensor{}});
+    Out& u = outs.back();
+    u.t.rowwise_data = TensorDesc(u.row.ptr, DType::kUInt8, qs.data, dev);
+    u.t.rowwise_scale_inv = TensorDesc(u.rs.ptr, DType::kUInt8, qs.rowwise_scale, dev);
+    u.t.columnwise_data = TensorDesc(u.col.ptr, DType::kUInt8, qs.data, dev);
+    u.t.columnwise_scale_inv = TensorDesc(u.cs.ptr, DType::kUInt8, qs.columnwise_scale, dev);
+  }
+  auto poison = [](Out& u, cudaStream_t st) {
+    for (util::DeviceBuffer* b : {&u.row, &u.rs, &u.col, &u.cs}) MXMLA_CUDA_CHECK(cudaMemsetAsync(b->ptr, 0xCD, b->bytes, st));
+  };
+  auto expect_ref = [&](const Out& u, const std::string& what) {
+    EXPECT_EQ(test::first_mismatch(u.row.download<uint8_t>(), ref.row), "") << what << " rowwise codes";
+    EXPECT_EQ(test::first_mismatch(u.rs.download<uint8_t>(), ref.rs), "") << what << " rowwise scales";
+    EXPECT_EQ(test::first_mismatch(u.col.download<uint8_t>(), ref.col), "") << what << " columnwise codes";
+    EXPECT_EQ(test::first_mismatch(u.cs.download<uint8_t>(), ref.cs), "") << what << " columnwise scales";
+  };
+  cudaStream_t st[2];
+  for (auto& q : st) MXMLA_CUDA_CHECK(cudaStreamCreateWithFlags(&q, cudaStreamNonBlocking));
+  for (int i = 0; i < 2; ++i) poison(outs[i], st[i]);
+  for (int rep = 0; rep < 4; ++rep)  // alternately queued: the two streams' kernels overlap
+    for (int i = 0; i < 2; ++i) rope_backward_quantize(xd, cd, sd, outs[i].t, nullptr, o, nullptr, st[i]);
+  MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int i = 0; i < 2; ++i) expect_ref(outs[i], "stream " + std::to_string(i));
+  // a graph of one call (relaxed capture: the launcher's pointer checks are not stream work)
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  MXMLA_CUDA_CHECK(cudaStreamBeginCapture(st[0], cudaStreamCaptureModeRelaxed));
+  rope_backward_quantize(xd, cd, sd, outs[0].t, nullptr, o, nullptr, st[0]);
+  MXMLA_CUDA_CHECK(cudaStreamEndCapture(st[0], &graph));
+  MXMLA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 3; ++rep) {
+    poison(outs[0], st[0]);
+    MXMLA_CUDA_CHECK(cudaGraphLaunch(exec, st[0]));
+    MXMLA_CUDA_CHECK(cudaStreamSynchronize(st[0]));
+    expect_ref(outs[0], "graph replay " + std::to_string(rep));
+  }
+  MXMLA_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MXMLA_CUDA_CHECK(cudaGraphDestroy(graph));
+  for (auto& q : st) MXMLA_CUDA_CHECK(cudaStreamDestroy(q));
+}
+
 // The fast path over many tiles per block (table values reused across the heads of a token tile
 // and reloaded at the next one), a tail tile, sequences that start inside a token tile, batch > 1,
 // each style, swizzled scales and the dx copy.
