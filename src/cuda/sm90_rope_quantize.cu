@@ -787,8 +787,8 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   // every block has a run (the launcher's grid <= the queue's runs, <= the tiles)
   const int G = gridDim.x, blk = blockIdx.x;
   const bool queued = Q.nseg > 0;  // else the block's range (common/tile_deal.h)
-  // runq[n % 4]: the queue index of the block's run n (run 0 is run blk): run n + 1 is claimed
-  // at the start, run n + 2 two tiles before the end of run n (by W2's lane 0, off the critical
+  // runq[n % 4]: the queue index of the block's run n (run 0 is run blk): run 1 is claimed at
+  // the start, run n + 2 two tiles before the end of run n (by W2's lane 0, off the critical
   // path; its atomic returns while W2 works on the tile and it stores the index before the tile
   // barrier). The next run's index is then read at least two barriers later: at run n's end by
   // the table prefetch, and by the TMA producer's cursor, three tiles ahead, at run n + 1's
