@@ -46,7 +46,7 @@ MXMLA_HD TileQueue make_tile_queue(int ntiles, int G, int H, int run0) {
   TileQueue Q{};
   Q.ntiles = ntiles;
   if (H % kMinRun != 0) return Q;
-  int t = 0, q = 0, len = gcd_pow2(H, run0);
+  int t = 0, q = 0, len = gcd_pow2(H, run0 < kMaxRun ? run0 : kMaxRun);  // at most kQueueSegs lengths
   while (t < ntiles) {
     const int left = ntiles - t;
     while (len > kMinRun && left < kQueueRounds * G * len) len /= 2;
