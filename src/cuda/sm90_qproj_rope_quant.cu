@@ -61,6 +61,9 @@
 // by sub-partition: 20 only on epilogue warps 0-3 (one per SM sub-partition, 4200 each), 21 only
 // on warps 4-6 (sub-partitions 1-3, 5600 each). 22, 23: knobs 9, 10 on epilogue warps 0-3 only;
 // 24: knob 9's 48 KB as 256 bulk copies (TMA unit) of 192-byte rows from the shared tile.
+// 30-32 split the mainloop (epilogue off, as 0): 30 the TMA loads without the wgmmas, 31 the
+// wgmmas without the loads (each stage is loaded once, in the first tile, then reused), 32
+// neither (the barrier hand-offs alone) — for energy per call (scripts/energy-qproj).
 #ifndef MXMLA_QPROJ_EPILOGUE
 #define MXMLA_QPROJ_EPILOGUE 1
 #endif
@@ -72,6 +75,11 @@
 
 namespace mxmla::detail {
 namespace {
+
+// the MXMLA_QPROJ_EPILOGUE knob's switches (all true in the default build)
+[[maybe_unused]] constexpr bool kEpilogueOn = MXMLA_QPROJ_EPILOGUE != 0 && MXMLA_QPROJ_EPILOGUE < 30;
+constexpr bool kMmaOn = MXMLA_QPROJ_EPILOGUE != 30 && MXMLA_QPROJ_EPILOGUE != 32;
+constexpr bool kLoadsOn = MXMLA_QPROJ_EPILOGUE != 31 && MXMLA_QPROJ_EPILOGUE != 32;
 
 // ---------------------------------------------------------------- configuration
 struct Cfg {
@@ -366,7 +374,7 @@ __device__ __forceinline__ void synthetic_epilogue(const KParams& p, Smem& sm, i
 
 template <bool kHalves, bool kE4M3>
 __device__ __forceinline__ void epilogue_tile(const KParams& p, Smem& sm, int tid, int bi, int m0, int h, uint32_t n) {
-  if constexpr (MXMLA_QPROJ_EPILOGUE >= 7) {
+  if constexpr (MXMLA_QPROJ_EPILOGUE >= 7 && kEpilogueOn) {
     synthetic_epilogue(p, sm, tid, bi, m0, h);
     return;
   }
@@ -576,6 +584,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const unsigned long long w0 = prof_clock();
           ptx::mbar_wait(&sm.empty[st], phase ^ 1);
           waited += prof_clock() - w0;
+          if (!kLoadsOn && (n > 0 || kb >= Cfg::kStages)) {  // (energy knobs 31, 32 only)
+            ptx::mbar_arrive(&sm.full[st]);
+            if (++st == Cfg::kStages) st = 0, phase ^= 1;
+            continue;
+          }
           ptx::mbar_arrive_expect_tx(&sm.full[st], Cfg::kStageBytes);
           // x map dims: {K, B, S} for sbhd (b is the inner token dim), {K, S, B} for bshd
           if (p.sbhd) ptx::tma_load_3d(sm.a[st], &tmap_x, &sm.full[st], kb * Cfg::kBK, bi, m0);
@@ -597,7 +610,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       tile_coords(p, t, bi, m0, h);
       ptx::mbar_wait(&sm.tile_full, n & 1);  // (implies that every epilogue thread is done with the previous tile)
       if (tid == 0) stamp(n, 4);
-#if MXMLA_QPROJ_EPILOGUE
+#if MXMLA_QPROJ_EPILOGUE && MXMLA_QPROJ_EPILOGUE < 30
       epilogue_tile<kHalves, kE4M3>(p, sm, tid, bi, m0, h, n);
 #endif
       if (tid % 32 == 0) stamp(n, 5 + tid / 32);
@@ -630,7 +643,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const uint64_t da = da0 + st * kAStep, db = db0 + st * kBStep;
 #pragma unroll
       for (int k = 0; k < Cfg::kBK / 16; ++k)  // 16 elements = 32 bytes = 2 descriptor units
-        ptx::wgmma_m64n192k16_bf16(acc, da + 2 * k, db + 2 * k, kb > 0 || k > 0);
+        if (kMmaOn) ptx::wgmma_m64n192k16_bf16(acc, da + 2 * k, db + 2 * k, kb > 0 || k > 0);
       ptx::wgmma_commit();
       if (kb > 0) {
         ptx::wgmma_wait<1>();  // the previous stage's wgmmas are done: hand it back
