@@ -8,8 +8,8 @@ them is power, not the kernel's schedule.
 
 Each case runs for --seconds in batches of calls (CUDA events around each batch); a thread reads
 NVML (SM clock, power, clock-event reasons) every --period-ms. The first --settle seconds of a case
-are not counted (the clock moves while power settles). Cases run in the order A B A B so that drift
-shows. Prints one table: ms per call, median / min / max SM MHz, median W, Mcycles per call
+are not counted (the clock moves while power settles). With --rounds 2 (the default) the cases run
+A B A B, so that drift shows. Prints one table: ms per call, median / min / max SM MHz, median W, Mcycles per call
 (ms x median MHz), mJ per call (ms x median W), TFLOP/s, TFLOP/s per GHz and the clock-event
 reasons seen.
 
@@ -62,20 +62,19 @@ class Nvml:
 
 def run_case(nvml: Nvml, fn, seconds: float, settle: float, period: float, batch: int) -> dict:
     samples, stop = [], threading.Event()
-    t_count = [None]
+    t0 = time.monotonic()
+    t_count = t0 + settle  # samples and batches from here on count
 
     def sampler():
         while not stop.is_set():
             s = nvml.sample()
-            if t_count[0] is not None and time.monotonic() >= t_count[0]:
+            if time.monotonic() >= t_count:
                 samples.append(s)
             time.sleep(period)
 
     th = threading.Thread(target=sampler, daemon=True)
     th.start()
     ms_per_call = []
-    t0 = time.monotonic()
-    t_count[0] = t0 + settle
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while time.monotonic() - t0 < seconds:
         e0.record()
@@ -83,7 +82,7 @@ def run_case(nvml: Nvml, fn, seconds: float, settle: float, period: float, batch
             fn()
         e1.record()
         e1.synchronize()
-        if time.monotonic() >= t_count[0]:
+        if time.monotonic() >= t_count:
             ms_per_call.append(e0.elapsed_time(e1) / batch)
     stop.set()
     th.join()
@@ -94,7 +93,7 @@ def run_case(nvml: Nvml, fn, seconds: float, settle: float, period: float, batch
     for s in samples:
         reasons |= s[2]
     return {"ms": statistics.median(ms_per_call), "mhz": statistics.median(mhz), "mhz_min": min(mhz),
-            "mhz_max": max(mhz), "w": statistics.median(s[1] for s in samples), "n": len(samples),
+            "mhz_max": max(mhz), "w": statistics.median(s[1] for s in samples),
             "reasons": ",".join(v for k, v in _REASONS.items() if reasons & k) or "none"}
 
 
