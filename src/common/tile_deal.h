@@ -1,5 +1,6 @@
 // mxmla internal — the order in which the persistent blocks of the rope_backward_quantize fast
-// path (sm90_rope_quantize.cu) take tiles; host and device code, so that the CPU tests walk it.
+// path (sm90_rope_quantize.cu) take tiles, and the fused Q up-projection's grid size (at the end);
+// host and device code, so that the CPU tests walk it.
 // Tiles are numbered head-fastest (tile = token tile * H + head). A run is a stretch of
 // consecutive tiles inside one token tile: a block keeps that token tile's table rows for the
 // whole run and hands the next run's in at its end.
@@ -92,6 +93,17 @@ MXMLA_HD void range_at(TileRun& c, int t, int hi, int H) {
 MXMLA_HD void range_first(TileRun& c, int ntiles, int block, int G, int H) {
   range_at(c, static_cast<int>(static_cast<int64_t>(block) * ntiles / G),
            static_cast<int>(static_cast<int64_t>(block + 1) * ntiles / G), H);
+}
+
+// The persistent grid of the fused Q up-projection (sm90_qproj_rope_quant.cu), whose CTAs take
+// tiles t = b, b + G, ...: the fewest CTAs that need as many waves as one CTA per SM, so that no
+// partial last wave keeps a few SMs busy while the rest idle (4096 tiles on 132 SMs: 128 CTAs of 32
+// tiles, not 132 of which 4 take a 32nd). At the H200's power cap the SMs left idle cost no
+// throughput: the others run at a higher clock (docs/notes-qproj.md, twenty-fourth session).
+// tiles >= 1, sms >= 1.
+MXMLA_HD int balanced_grid(int tiles, int sms) {
+  const int waves = (tiles + sms - 1) / sms;
+  return (tiles + waves - 1) / waves;
 }
 
 }  // namespace mxmla::detail

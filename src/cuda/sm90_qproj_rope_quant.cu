@@ -40,6 +40,7 @@
 #include <string>
 
 #include "common/qproj_ops.h"
+#include "common/tile_deal.h"
 #include "cuda/tma_host.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ptx.cuh"
@@ -71,6 +72,12 @@
 // phases per tile on the first CTAs, summarised on stderr after the sixth launch. 0: no code.
 #ifndef MXMLA_QPROJ_PROFILE
 #define MXMLA_QPROJ_PROFILE 0
+#endif
+// Grid knob (cmake -DMXMLA_QPROJ_GRID=n): 0 (default) the fewest CTAs that take as many waves of
+// tiles as one CTA per SM (common/tile_deal.h, balanced_grid); 1 one CTA per SM (the rule before
+// the twenty-fourth session); n > 1 at most n CTAs.
+#ifndef MXMLA_QPROJ_GRID
+#define MXMLA_QPROJ_GRID 0
 #endif
 
 namespace mxmla::detail {
@@ -767,7 +774,9 @@ template <bool kHalves, bool kE4M3>
 void launch(const CUtensorMap& tx, const CUtensorMap& tw, const KParams& kp, cudaStream_t stream) {
   auto* kernel = sm90_qproj_rope_quant_kernel<kHalves, kE4M3>;
   MXMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-  const int grid = std::min(kp.num_tiles, sm_count());
+  const int sms = sm_count();
+  const int grid = MXMLA_QPROJ_GRID == 0 ? balanced_grid(kp.num_tiles, sms)
+                                         : std::min(kp.num_tiles, MXMLA_QPROJ_GRID == 1 ? sms : MXMLA_QPROJ_GRID);
   kernel<<<grid, Cfg::kThreads, kSmemBytes, stream>>>(tx, tw, kp);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 #if MXMLA_QPROJ_PROFILE

@@ -3,11 +3,13 @@
 // random inputs within the fp32-accumulation bound, NaN/Inf, tails, batches, strides, errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <sstream>
 
+#include "common/tile_deal.h"
 #include "cpu/reference.h"
 #include "mxmla/qproj.h"
 #include "test_util.h"
@@ -217,6 +219,24 @@ TEST(QProjCpu, RowwiseScalesOfNopeBlocksMatchQuantize) {
     for (int b = 0; b < 4; ++b) ASSERT_EQ(hq.rs[row * 6 + b], r.q.rs[row * 6 + b]) << "row " << row << " block " << b;
     for (int d = 0; d < 128; ++d) ASSERT_EQ(hq.row[row * 192 + d], r.q.row[row * 192 + d]);
   }
+}
+
+// The fused kernel's persistent grid (common/tile_deal.h, balanced_grid): as many waves of tiles as
+// one CTA per SM, with the fewest CTAs that allow it.
+TEST(QProjCpu, GridIsTheFewestCtasForTheWaves) {
+  using detail::balanced_grid;
+  EXPECT_EQ(balanced_grid(4096, 132), 128);   // T 4096 x NH 128: 32 tiles each, not 31 or 32
+  EXPECT_EQ(balanced_grid(2048, 132), 128);   // T 16384 x NH 16
+  EXPECT_EQ(balanced_grid(16384, 132), 132);  // T 16384 x NH 128: 125 waves need all 132
+  EXPECT_EQ(balanced_grid(133, 132), 67);
+  EXPECT_EQ(balanced_grid(1, 132), 1);
+  for (int sms : {1, 7, 78, 114, 132})
+    for (int tiles = 1; tiles <= 3000; ++tiles) {
+      const int g = balanced_grid(tiles, sms), waves = (tiles + sms - 1) / sms;
+      ASSERT_TRUE(g >= 1 && g <= std::min(tiles, sms)) << tiles << " tiles, " << sms << " SMs: " << g;
+      ASSERT_EQ((tiles + g - 1) / g, waves) << tiles << " tiles, " << sms << " SMs";
+      if (g > 1) ASSERT_GT((tiles + g - 2) / (g - 1), waves) << tiles << " tiles, " << sms << " SMs: not the fewest";
+    }
 }
 
 // ---------------------------------------------------------------- GPU vs reference
