@@ -277,6 +277,11 @@ std::vector<QCase> bit_exact_cases() {
   add([](QCase& c) { c.T = 150, c.NH = 2, c.K = 64, c.B = 2, c.layout = QKVLayout::kBSHD, c.tab_specials = true, c.style = RopeStyle::kInterleaved; });
   add([](QCase& c) { c.T = 65, c.NH = 2, c.K = 80, c.w_kn = true; });
   add([](QCase& c) { c.T = 40, c.NH = 3, c.K = 48, c.w_kn = true, c.w_pad = 8, c.style = RopeStyle::kInterleaved; });
+  // More tiles than SMs, so that each CTA takes several (on the H200's 132 SMs: 528 tiles on 132 CTAs,
+  // 144 on 72; every case above has at most one tile per CTA): the shared hand-off tile passed from
+  // one tile to the next (tile_full / tile_empty parities) and the stage ring running across tiles
+  add([](QCase& c) { c.T = 4100, c.NH = 16, c.K = 64; });
+  add([](QCase& c) { c.T = 600, c.NH = 24, c.K = 64, c.B = 2, c.layout = QKVLayout::kBSHD, c.style = RopeStyle::kRotateHalf, c.bhsd = true; });
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, QProjGpu, ::testing::ValuesIn(bit_exact_cases()),
