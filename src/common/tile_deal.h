@@ -98,8 +98,10 @@ MXMLA_HD void range_first(TileRun& c, int ntiles, int block, int G, int H) {
 // The persistent grid of the fused Q up-projection (sm90_qproj_rope_quant.cu), whose CTAs take
 // tiles t = b, b + G, ...: the fewest CTAs that need as many waves as one CTA per SM, so that no
 // partial last wave keeps a few SMs busy while the rest idle (4096 tiles on 132 SMs: 128 CTAs of 32
-// tiles, not 132 of which 4 take a 32nd). At the H200's power cap the SMs left idle cost no
-// throughput: the others run at a higher clock (docs/notes-qproj.md, twenty-fourth session).
+// tiles, not 132 of which 4 take a 32nd). At the H200's power cap the SMs left out cost next to
+// nothing, the others clocking a little higher: single calls −0.8 % at T 4096 × NH 128, −1.4 % at
+// T 16384 × NH 16 (docs/performance.md, twenty-fourth session). Fewer CTAs than that (more waves)
+// measured slower.
 // tiles >= 1, sms >= 1.
 MXMLA_HD int balanced_grid(int tiles, int sms) {
   const int waves = (tiles + sms - 1) / sms;
