@@ -139,11 +139,13 @@ struct KParams {
 // epilogue: 4 tile_full passed (warp 0), 5..11 each warp's end, 12 warp 0 after N, 13 after R, 14
 // after the named barrier; producer: 16 cycles spent waiting for free stages (sum). Per CTA (up to
 // kProfSpans): its start (the producer) and end (the epilogue's last tile) on the global timer, its
-// SM and its tile count (cuda/prof_spans.cuh: do the SMs finish together?).
+// SM and its tile count (cuda/prof_spans.cuh: do the SMs finish together?), and when its MMA warps
+// handed over their last tile: the end minus that is the drain, the epilogue the mainloop cannot hide.
 #if MXMLA_QPROJ_PROFILE
 constexpr int kProfCtas = 8, kProfTiles = 64, kProfSlots = 17, kProfSpans = 1024;
 __device__ unsigned long long g_prof[kProfCtas][kProfTiles][kProfSlots];
 __device__ BlockSpan g_spans[kProfSpans];
+__device__ unsigned long long g_mma_end[kProfSpans];  // global timer when the MMA warps' last hand-off is done
 #endif
 __device__ __forceinline__ void stamp_value(uint32_t n, int slot, unsigned long long v) {
 #if MXMLA_QPROJ_PROFILE
@@ -684,6 +686,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::mbar_arrive(&sm.tile_full);
     if (pw) stamp(n, 3);
   }
+#if MXMLA_QPROJ_PROFILE
+  if (pw && blockIdx.x < kProfSpans) g_mma_end[blockIdx.x] = ptx::globaltimer();
+#endif
 }
 
 // ---------------------------------------------------------------- W given as [K, N]
@@ -767,6 +772,14 @@ void print_profile(int tiles, int grid, cudaStream_t stream) {
   static BlockSpan sp[kProfSpans];
   MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(sp, g_spans, sizeof(sp)));
   print_block_spans(sp, std::min(grid, kProfSpans));
+  static unsigned long long me[kProfSpans];
+  MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(me, g_mma_end, sizeof(me)));
+  std::vector<double> drain;
+  for (int b = 0; b < std::min(grid, kProfSpans); ++b) drain.push_back(1e-3 * double(sp[b].end - me[b]));
+  std::sort(drain.begin(), drain.end());
+  if (!drain.empty())
+    std::fprintf(stderr, "  drain (epilogue end - MMA warps' last hand-off) us min/med/max %.2f / %.2f / %.2f\n", drain.front(),
+                 drain[drain.size() / 2], drain.back());
 }
 #endif
 
