@@ -79,6 +79,7 @@
 #ifndef MXMLA_QPROJ_GRID
 #define MXMLA_QPROJ_GRID 0
 #endif
+static_assert(MXMLA_QPROJ_GRID >= 0, "MXMLA_QPROJ_GRID: 0 (balanced), 1 (one CTA per SM) or a CTA count");
 
 namespace mxmla::detail {
 namespace {

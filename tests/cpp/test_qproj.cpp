@@ -225,7 +225,7 @@ TEST(QProjCpu, RowwiseScalesOfNopeBlocksMatchQuantize) {
 // one CTA per SM, with the fewest CTAs that allow it.
 TEST(QProjCpu, GridIsTheFewestCtasForTheWaves) {
   using detail::balanced_grid;
-  EXPECT_EQ(balanced_grid(4096, 132), 128);   // T 4096 x NH 128: 32 tiles each, not 31 or 32
+  EXPECT_EQ(balanced_grid(4096, 132), 128);   // T 4096 x NH 128: 128 CTAs of 32 tiles, not 132 of 31 or 32
   EXPECT_EQ(balanced_grid(2048, 132), 128);   // T 16384 x NH 16
   EXPECT_EQ(balanced_grid(16384, 132), 132);  // T 16384 x NH 128: 125 waves need all 132
   EXPECT_EQ(balanced_grid(133, 132), 67);
