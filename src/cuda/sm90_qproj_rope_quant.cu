@@ -729,13 +729,6 @@ CUtensorMap make_tmap(const void* base, int rank, const cuuint64_t* dims, const 
   return make_tmap_bf16(base, rank, dims, strides_bytes, box, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-int sm_count() {
-  int dev = 0, n = 0;
-  MXMLA_CUDA_CHECK(cudaGetDevice(&dev));
-  MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
-
 #if MXMLA_QPROJ_PROFILE
 // Mean cycles per tile of each phase over the profiled CTAs (tiles 2 .. last-1), then the spread of
 // every CTA's span, on stderr.
@@ -787,8 +780,17 @@ void print_profile(int tiles, int grid, cudaStream_t stream) {
 template <bool kHalves, bool kE4M3>
 void launch(const CUtensorMap& tx, const CUtensorMap& tw, const KParams& kp, cudaStream_t stream) {
   auto* kernel = sm90_qproj_rope_quant_kernel<kHalves, kE4M3>;
-  MXMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-  const int sms = sm_count();
+  // per device, once (as the other kernels' launchers): the shared-memory limit, then the SM count
+  static int cached_sms[64] = {};
+  int dev = 0;
+  MXMLA_CUDA_CHECK(cudaGetDevice(&dev));
+  int& sms = cached_sms[dev & 63];
+  if (sms == 0) {
+    MXMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
+    int n = 0;
+    MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    sms = n > 0 ? n : 1;
+  }
   const int grid = MXMLA_QPROJ_GRID == 0 ? balanced_grid(kp.num_tiles, sms)
                                          : std::min(kp.num_tiles, MXMLA_QPROJ_GRID == 1 ? sms : MXMLA_QPROJ_GRID);
   kernel<<<grid, Cfg::kThreads, kSmemBytes, stream>>>(tx, tw, kp);
