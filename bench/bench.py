@@ -26,7 +26,7 @@ import sys
 import torch
 
 import mxmla
-from timing import timer  # bench/timing.py (the script's folder is on sys.path)
+from timing import flush_buffer, timer  # bench/timing.py (the script's folder is on sys.path)
 
 
 # ----------------------------------------------------------------------------- torch peers
@@ -204,7 +204,7 @@ def main() -> int:
         print("bench: no CUDA device: nothing to measure")
         return 0
     dev = torch.device("cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    flush = flush_buffer(dev)
     M, K = a.M, a.K
     torch.manual_seed(0)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from timing import timer  # bench/timing.py, as bench.py
+from timing import flush_buffer, timer  # bench/timing.py, as bench.py
 
 
 def main() -> int:
@@ -28,7 +28,7 @@ def main() -> int:
         print("epilogue_peers: no CUDA GPU here; nothing to time")
         return 0
     dev = torch.device("cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    flush = flush_buffer(dev)
     K = 1536
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; ms per call, ratio to the plain GEMM")
     for r in range(a.rounds):

@@ -7,6 +7,11 @@ import statistics
 import torch
 
 
+def flush_buffer(dev: torch.device) -> torch.Tensor:
+    """The buffer timer() fills before each call: 256 MiB, several times the H200's L2."""
+    return torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+
+
 def timer(fn, iters: int, flush: torch.Tensor) -> float:
     """Median milliseconds of fn() with L2 flushed before each call."""
     for _ in range(3):
