@@ -28,7 +28,7 @@ def _write_export(path):
 def test_sass_summary_counts(tmp_path):
     export = tmp_path / "sass.csv"
     _write_export(export)
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass-summary"), str(export), "--per", "4",
+    out = subprocess.run([sys.executable, str(ROOT / "dev" / "scripts" / "sass-summary"), str(export), "--per", "4",
                           "--block", "2"], check=True, capture_output=True, text=True).stdout
     # 36 executions / 4 = 9 per unit, 32 shared wavefronts / 4 = 8, 37 samples
     assert "4 instructions, 37 stall samples, 9.0 warp instructions executed and 8.0 shared wavefronts" in out
@@ -46,6 +46,6 @@ def test_sass_summary_counts(tmp_path):
 def test_sass_summary_rejects_other_csv(tmp_path):
     bad = tmp_path / "other.csv"
     bad.write_text("a,b\n1,2\n")
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass-summary"), str(bad)], capture_output=True,
+    r = subprocess.run([sys.executable, str(ROOT / "dev" / "scripts" / "sass-summary"), str(bad)], capture_output=True,
                        text=True)
     assert r.returncode != 0 and "no header row" in r.stderr

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One call of each quantize variant on bf16 [16384, 24576], for Nsight Compute:
-   ncu --clock-control none -k regex:sm90_mxfp8 python3 bench/profile_quantize.py"""
+   ncu --clock-control none -k regex:sm90_mxfp8 python3 dev/bench/profile_quantize.py"""
 import torch
 
 import mxmla

@@ -15,7 +15,10 @@ import sys
 
 import torch
 
-from timing import flush_buffer, timer  # bench/timing.py, as bench.py
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from timing import flush_buffer, timer  # noqa: E402  (bench/timing.py, the harness's timer)
 
 
 def main() -> int:

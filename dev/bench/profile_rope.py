@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One call of each RoPE kernel on bf16 [16384, 128, 192] (thd, fp32 tables), for Nsight Compute:
-   ncu --clock-control none -k regex:sm90_rope python3 bench/profile_rope.py"""
+   ncu --clock-control none -k regex:sm90_rope python3 dev/bench/profile_rope.py"""
 import torch
 
 import mxmla
