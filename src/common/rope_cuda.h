@@ -1,4 +1,4 @@
-// mxmla internal — the RoPE kernel's parameters (src/cuda/sm90_rope.cu), built by src/rope.cpp.
+// mxmla internal — the RoPE kernel's parameters (src/cuda/rope.cu), built by src/rope.cpp.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +32,7 @@ struct RopeKernelParams {
 
 void rope_cuda(const RopeKernelParams& p, Stream stream);
 
-// RoPE backward fused with MXFP8 quantization (src/cuda/sm90_rope_quantize.cu): dx = R^T dq in
+// RoPE backward fused with MXFP8 quantization (src/cuda/rope_quantize.cu): dx = R^T dq in
 // fp32 (rope fields of `rope`, backward; out unused), quantized as [tokens, H*D] in token order
 // (sbhd / thd: s*B + b, bshd: b*S + s) with the SPEC §2 rules, and optionally copied (bf16 or
 // fp32, contiguous in the same order). Null codes: that direction is off.

@@ -9,7 +9,7 @@
 #include <functional>
 #include <sstream>
 
-#include "common/tile_deal.h"
+#include "cuda/heuristics.h"
 #include "cpu/reference.h"
 #include "mxmla/qproj.h"
 #include "test_util.h"
@@ -221,10 +221,10 @@ TEST(QProjCpu, RowwiseScalesOfNopeBlocksMatchQuantize) {
   }
 }
 
-// The fused kernel's persistent grid (common/tile_deal.h, balanced_grid): as many waves of tiles as
+// The fused kernel's persistent grid (cuda/heuristics.h, balanced_grid): as many waves of tiles as
 // one CTA per SM, with the fewest CTAs that allow it.
 TEST(QProjCpu, GridIsTheFewestCtasForTheWaves) {
-  using detail::balanced_grid;
+  using detail::heuristics::balanced_grid;
   EXPECT_EQ(balanced_grid(4096, 132), 128);   // T 4096 x NH 128: 128 CTAs of 32 tiles, not 132 of 31 or 32
   EXPECT_EQ(balanced_grid(2048, 132), 128);   // T 16384 x NH 16
   EXPECT_EQ(balanced_grid(16384, 132), 132);  // T 16384 x NH 128: 125 waves need all 132

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <functional>
 
-#include "common/tile_deal.h"
+#include "cuda/tile_scheduler.h"
 #include "mxmla/rope.h"
 #include "test_util.h"
 
@@ -121,7 +121,7 @@ TEST(RopeCpu, PositionsAndYarn) {
   for (int i = 23; i < 32; ++i) EXPECT_DOUBLE_EQ(f[i], f0[i] / 40);  // above: interpolated by the factor
 }
 
-// The tile order of the rope_backward_quantize fast path (common/tile_deal.h). Head counts that
+// The tile order of the rope_backward_quantize fast path (cuda/tile_scheduler.h). Head counts that
 // are not a multiple of 8: one contiguous range per block, walked as each block walks it — every
 // tile exactly once, block loads within one tile of each other, no run across a token tile, the
 // cursor's (token tile, head) equal to the tile number's. Other head counts: the queue's runs

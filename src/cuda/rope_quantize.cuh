@@ -1,4 +1,6 @@
-// mxmla — RoPE backward fused with MXFP8 quantization for SM90 (rope_backward_quantize).
+// mxmla internal — RoPE backward fused with MXFP8 quantization (rope_backward_quantize): the two
+// kernels (launchers: rope_quantize.cu). Arch-neutral within sm_90+ (the fast path loads by TMA
+// onto mbarriers; no wgmma): built for every architecture in MXMLA_CUDA_ARCHS.
 //
 // dq [tokens, H, D] (any of sbhd / bshd / thd, strided) -> dx = R^T dq in fp32 -> E4M3/E5M2 codes
 // and E8M0 scales of dx viewed as [tokens, H*D], rowwise and/or columnwise, plus an optional bf16 /
@@ -17,62 +19,41 @@
 //   5. the optional dx copy.
 // Codes, amax and scales follow the quantize kernel's rules exactly (SPEC §2), on the fp32 values.
 // Index math is 32-bit (the launcher checks tokens and tiles fit).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (types only)
+#include <cuda_bf16.h>
+
 #include "common/mxfp8_common.h"
-#include "common/tile_deal.h"
-#include "cuda/ptx.cuh"
-#include "cuda/ptx_sm90.cuh"
-#include "cuda/prof_spans.cuh"
-#include "cuda/tma_host.h"
-#include "cuda/sm90_rope_common.cuh"
+#include "cuda/numerics.cuh"
+#include "cuda/probe.cuh"
+#include "cuda/ptx/cp_async.cuh"
+#include "cuda/ptx/convert.cuh"
+#include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/rope_common.cuh"
+#include "cuda/heuristics.h"
+#include "cuda/launch.h"
+#include "cuda/stream_scratch.h"
+#include "cuda/tile_scheduler.h"
+#include "cuda/tma_desc.h"
 
-#include <algorithm>
-#include <cstdio>
-
-// Profiling knob (cmake -DMXMLA_ROPEQ_PROFILE=1): clock64 stamps of the DeepSeek-V3 fast path's
-// roles per tile on its first blocks and every block's start / end time (global timer) and SM,
-// summarised on stderr after the sixth launch (docs/notes-rope.md:
-// `scripts/variants "--rope-only --no-compile" "MXMLA_ROPEQ_PROFILE=1"`). 0: no code.
-#ifndef MXMLA_ROPEQ_PROFILE
-#define MXMLA_ROPEQ_PROFILE 0
-#endif
-
-namespace mxmla::detail {
-namespace {
+namespace mxmla::detail::ropeq {
 
 using namespace rope_dev;
 
-// Per tile k of blocks 0..7, clock64 values (one SM's clock: comparable across a block's warps):
-// slots 0-3 warp w's arrival at the tile barrier, 4-7 its iteration start, 8-10 warps 0-2's TMA
-// wait (cycles), 11 the producer's TMA issue done (W3, after the barrier). No stamp reads the
-// barrier's exit: __syncthreads compiles to BAR.SYNC.DEFER_BLOCKING, and a clock read right after
-// it issued before the last warp had arrived (eighteenth session).
-// Per block (all blocks up to kRqSpanBlocks): the global timer (ns) at its start and end and its SM,
-// and its tile count, for the spread of the blocks' finishing times (the grid is persistent).
-#if MXMLA_ROPEQ_PROFILE
-constexpr int kRqProfBlocks = 8, kRqProfTiles = 64, kRqProfSlots = 12, kRqSpanBlocks = 2048;
-__device__ unsigned long long g_rq_prof[kRqProfBlocks][kRqProfTiles][kRqProfSlots];
-__device__ BlockSpan g_rq_span[kRqSpanBlocks];
-#endif
-__device__ __forceinline__ unsigned long long rq_clock() { return MXMLA_ROPEQ_PROFILE ? clock64() : 0; }
-__device__ __forceinline__ void rq_stamp(int k, int slot, unsigned long long v) {
-#if MXMLA_ROPEQ_PROFILE
-  if (blockIdx.x < kRqProfBlocks && k < kRqProfTiles && (threadIdx.x & 31) == 0) g_rq_prof[blockIdx.x][k][slot] = v;
-#endif
-}
-__device__ __forceinline__ void rq_span(int end, int tiles) {  // thread 0: block start (end = 0) / end (1)
-#if MXMLA_ROPEQ_PROFILE
-  if (blockIdx.x < kRqSpanBlocks && threadIdx.x == 0) end ? span_end(g_rq_span[blockIdx.x], tiles) : span_begin(g_rq_span[blockIdx.x]);
-#endif
-}
+// The fast path's probe points (cuda/probe.cuh; NoProbe compiles to nothing, the recording probe
+// is dev/cuda/03_ropeq_profile.cu): per tile k, stamp slots 0-3 warp w's arrival at the tile
+// barrier, 4-7 its iteration start, 8-10 warps 0-2's TMA wait (cycles), 11 the producer's TMA
+// issue done (W3, after the barrier), each by lane 0 of the warp; cta_begin / cta_end(tiles) by
+// thread 0. No stamp reads the barrier's exit: __syncthreads compiles to BAR.SYNC.DEFER_BLOCKING,
+// and a clock read right after it issued before the last warp had arrived.
 
 // Tile configuration.
 constexpr int kThreads = 192;  // 6 warps: one per 32-column block of a DeepSeek head in the rowwise pass
 constexpr int kWarps = kThreads / 32;
 constexpr int kRows = 32;      // tokens per tile = the MXFP8 block along the columnwise axis
-#ifndef MXMLA_ROPEQ_STAGES
-#define MXMLA_ROPEQ_STAGES 2
-#endif
-constexpr int kStages = MXMLA_ROPEQ_STAGES;  // raw tiles k+1 .. k+kStages-1 load while tile k is processed
+constexpr int kStages = 2;     // raw tiles k+1 .. k+kStages-1 load while tile k is processed
 constexpr int kMaxD = static_cast<int>(kRopeQuantizeMaxHeadDim);
 static_assert(kStages >= 2, "the ring needs a stage to fill while one is processed");
 static_assert(kMaxD % 32 == 0, "heads are whole MXFP8 blocks");
@@ -89,8 +70,6 @@ size_t smem_bytes(int64_t D, int64_t R) {
   return kStages * static_cast<size_t>(kRows * raw_pitch<T>(static_cast<int>(D))) * sizeof(T) +
          static_cast<size_t>(kRows * rope_pitch(static_cast<int>(R))) * sizeof(float);
 }
-
-__device__ __forceinline__ uint32_t mag_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
 
 struct Tile {
   int h, t0, nrows;  // head, first token, tokens present (0: past the end)
@@ -303,7 +282,7 @@ __device__ __forceinline__ void copy_dx(const RopeQuantizeParams& P, const Tile&
 }
 
 template <typename T, typename TT, bool kE4M3>
-__global__ void __launch_bounds__(kThreads) sm90_rope_quantize_kernel(const RopeQuantizeParams P, const int64_t* cu,
+__global__ void __launch_bounds__(kThreads) rope_quantize_kernel(const RopeQuantizeParams P, const int64_t* cu,
                                                                       int64_t ncu, int ntiles) {
   extern __shared__ __align__(16) float smem[];
   const RopeKernelParams& p = P.rope;
@@ -342,31 +321,6 @@ __global__ void __launch_bounds__(kThreads) sm90_rope_quantize_kernel(const Rope
   }
 }
 
-template <typename T, typename TT, bool kE4M3>
-void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStream_t stream) {
-  const int64_t tokens = p.rope.S * p.rope.B, tiles = ceil_div(tokens, kRows) * p.rope.H;
-  if (tokens > 0x7FFFFFFF - kRows || tiles > 0x7FFFFFFF)
-    throw Error("mxmla.rope_backward_quantize", "grad", "too many tokens or tiles for the 32-bit tile index");
-  const size_t smem = smem_bytes<T>(p.rope.D, p.rope.R);
-  auto kernel = sm90_rope_quantize_kernel<T, TT, kE4M3>;
-  // Persistent grid: as many blocks as fit at this head geometry (cached per device, D and R).
-  static int cached[64][kMaxD / 32 + 1][kMaxD / 16 + 1] = {};
-  int dev = 0;
-  MXMLA_CUDA_CHECK(cudaGetDevice(&dev));
-  int& fit = cached[dev & 63][p.rope.D / 32][p.rope.R / 16];
-  if (fit == 0) {
-    MXMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem_bytes<T>(kMaxD, kMaxD))));
-    int per_sm = 0, sms = 0;
-    MXMLA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-    MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    fit = per_sm * sms > 0 ? per_sm * sms : 1;
-  }
-  const int64_t blocks = std::min<int64_t>(fit, tiles);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, cu, ncu, static_cast<int>(tiles));
-  MXMLA_CUDA_CHECK(cudaGetLastError());
-}
-
 // ---------------------------------------------------------------------------------------------
 // Fast path: bf16 dq with DeepSeek-V3 query heads (D = 192, R = 64) whose tokens sit at one
 // uniform stride (contiguous thd / sbhd / bshd, or head-strided). The generic kernel above spends
@@ -402,7 +356,7 @@ void launch(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStr
 //   each of the four warps, 25 registers fewer: 3 % slower).
 // Tile order: runs of up to 32 heads of one token tile from a queue in tile order (a global
 // counter, zeroed per launch), shorter runs (16, then 8) at the end so that the blocks finish
-// together (common/tile_deal.h): co-running blocks share DRAM pages, a block's contiguous range
+// together (cuda/tile_scheduler.h): co-running blocks share DRAM pages, a block's contiguous range
 // of tiles was 1.6 % slower (same-run A/B), runs of 8 throughout pay more in table reloads than
 // they gain (runs of 16 equal runs of 32; runs of 64 / 128 were 0.4 / 0.6 % slower), and the
 // queue took 2.8 % off the static round-robin deal of runs of 32 (twenty-first session). Head
@@ -449,18 +403,8 @@ __device__ __forceinline__ const uint4* chunk_at(const __nv_bfloat16* stage, int
   return reinterpret_cast<const uint4*>(stage) + (c >> 3) * (kRows * 8) + r * 8 + ((c & 7) ^ (r & 7));
 }
 
-__device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 __device__ __forceinline__ uint32_t bf_mag(uint32_t w) { return w & 0x7FFF7FFFu; }
 
-template <bool kE4M3>
-__device__ __forceinline__ uint32_t codes4(float a, float b, float c, float d, float mul) {
-  return ptx::cvt_fp8x2<kE4M3>(a * mul, b * mul) | (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(c * mul, d * mul)) << 16);
-}
-template <bool kE4M3>
-__device__ __forceinline__ uint32_t rcp_bits() {
-  return kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
-}
 
 // The table row of token `tok` (zero past the last token) for one table (t = 0: cos, 1: sin), held
 // in registers by one lane of W1 (cos) or W3 (sin) while the block works through a run.
@@ -489,7 +433,7 @@ __device__ __forceinline__ void store_table_row(float4* tab, int t, int lane, co
   for (int c = 0; c < kR; c += 4) tab[(16 * t + c / 4) * 32 + lane] = make_float4(v[c], v[c + 1], v[c + 2], v[c + 3]);
 }
 
-// Tile order: queued runs of up to kRun0 heads of one token tile (common/tile_deal.h).
+// Tile order: queued runs of up to kRun0 heads of one token tile (cuda/tile_scheduler.h).
 constexpr int kRun0 = 32;
 static_assert(kRun0 >= kMinRun && kRun0 <= kMaxRun && (kRun0 & (kRun0 - 1)) == 0, "a queue run length");
 
@@ -547,11 +491,11 @@ __device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetC
       v[k] = *reinterpret_cast<const float4*>(rr + 32 * b + 4 * k);
       m = max(m, max(max(mag_bits(v[k].x), mag_bits(v[k].y)), max(mag_bits(v[k].z), mag_bits(v[k].w))));
     }
-    const uint8_t e = block_scale_from_amax_bits(m, rcp_bits<kE4M3>());
+    const uint8_t e = block_scale_from_amax_bits(m, rcp_max_bits<kE4M3>());
     const float mul = e8m0_quant_multiplier(e);
     uint32_t w[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = codes4<kE4M3>(v[k].x, v[k].y, v[k].z, v[k].w, mul);
+    for (int k = 0; k < 8; ++k) w[k] = fp8x4<kE4M3>(v[k].x, v[k].y, v[k].z, v[k].w, mul);
     // the row's codes into its own (consumed) row of the stage's rope third, 16-byte chunk cc of
     // row r at ((cc + 4 (r % 2)) ^ (r % 8)): conflict-free for these writes and the reads below
     third[lane * 8 + ((2 * b + 4 * (lane & 1)) ^ (lane & 7))] = make_uint4(w[0], w[1], w[2], w[3]);
@@ -610,12 +554,12 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
       uint32_t mm = __vmaxu2(__vmaxu2(__vmaxu2(bf_mag(v0.x), bf_mag(v0.y)), __vmaxu2(bf_mag(v0.z), bf_mag(v0.w))),
                              __vmaxu2(__vmaxu2(bf_mag(v1.x), bf_mag(v1.y)), __vmaxu2(bf_mag(v1.z), bf_mag(v1.w))));
       mm = __vmaxu2(mm, __shfl_xor_sync(0xFFFFFFFFu, mm, 1));
-      const uint8_t e = block_scale_from_amax_bits(max(mm & 0xFFFFu, mm >> 16) << 16, rcp_bits<kE4M3>());
+      const uint8_t e = block_scale_from_amax_bits(max(mm & 0xFFFFu, mm >> 16) << 16, rcp_max_bits<kE4M3>());
       const float mul = e8m0_quant_multiplier(e);
-      const uint4 w = make_uint4(codes4<kE4M3>(bf_lo(v0.x), bf_hi(v0.x), bf_lo(v0.y), bf_hi(v0.y), mul),
-                                 codes4<kE4M3>(bf_lo(v0.z), bf_hi(v0.z), bf_lo(v0.w), bf_hi(v0.w), mul),
-                                 codes4<kE4M3>(bf_lo(v1.x), bf_hi(v1.x), bf_lo(v1.y), bf_hi(v1.y), mul),
-                                 codes4<kE4M3>(bf_lo(v1.z), bf_hi(v1.z), bf_lo(v1.w), bf_hi(v1.w), mul));
+      const uint4 w = make_uint4(fp8x4<kE4M3>(bf16_lo(v0.x), bf16_hi(v0.x), bf16_lo(v0.y), bf16_hi(v0.y), mul),
+                                 fp8x4<kE4M3>(bf16_lo(v0.z), bf16_hi(v0.z), bf16_lo(v0.w), bf16_hi(v0.w), mul),
+                                 fp8x4<kE4M3>(bf16_lo(v1.x), bf16_hi(v1.x), bf16_lo(v1.y), bf16_hi(v1.y), mul),
+                                 fp8x4<kE4M3>(bf16_lo(v1.z), bf16_hi(v1.z), bf16_lo(v1.w), bf16_hi(v1.w), mul));
       if (r < t.nrows) *reinterpret_cast<uint4*>(dst) = w;
       dst += 4 * HD;
       if ((cp & 1) == 0) sk[(8 * m + 4 * par) * kGPitch] = e;
@@ -632,8 +576,8 @@ __device__ __forceinline__ void nope_col_codes(const uint2* const (&src)[8], uin
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const uint2 v = src[j][128 * g];
-      const uint32_t w = ptx::cvt_fp8x2<kE4M3>(bf_lo(v.x) * mul0, bf_hi(v.x) * mul1) |
-                         (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf_lo(v.y) * mul2, bf_hi(v.y) * mul3)) << 16);
+      const uint32_t w = ptx::cvt_fp8x2<kE4M3>(bf16_lo(v.x) * mul0, bf16_hi(v.x) * mul1) |
+                         (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(bf16_lo(v.y) * mul2, bf16_hi(v.y) * mul3)) << 16);
       if (!kTail || j < nrows) *reinterpret_cast<uint32_t*>(dst) = w;
       dst += HD;
     }
@@ -664,10 +608,10 @@ __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv
       m0 = __vmaxu2(m0, bf_mag(v.x)), m1 = __vmaxu2(m1, bf_mag(v.y));
     }
   }
-  const uint32_t e0 = block_scale_from_amax_bits(m0 << 16, rcp_bits<kE4M3>());
-  const uint32_t e1 = block_scale_from_amax_bits(m0 & 0xFFFF0000u, rcp_bits<kE4M3>());
-  const uint32_t e2 = block_scale_from_amax_bits(m1 << 16, rcp_bits<kE4M3>());
-  const uint32_t e3 = block_scale_from_amax_bits(m1 & 0xFFFF0000u, rcp_bits<kE4M3>());
+  const uint32_t e0 = block_scale_from_amax_bits(m0 << 16, rcp_max_bits<kE4M3>());
+  const uint32_t e1 = block_scale_from_amax_bits(m0 & 0xFFFF0000u, rcp_max_bits<kE4M3>());
+  const uint32_t e2 = block_scale_from_amax_bits(m1 << 16, rcp_max_bits<kE4M3>());
+  const uint32_t e3 = block_scale_from_amax_bits(m1 & 0xFFFF0000u, rcp_max_bits<kE4M3>());
   const float mul0 = e8m0_quant_multiplier(static_cast<uint8_t>(e0)), mul1 = e8m0_quant_multiplier(static_cast<uint8_t>(e1));
   const float mul2 = e8m0_quant_multiplier(static_cast<uint8_t>(e2)), mul3 = e8m0_quant_multiplier(static_cast<uint8_t>(e3));
   const int64_t col = static_cast<int64_t>(t.h) * kD + 4 * lane;
@@ -698,7 +642,7 @@ __device__ __forceinline__ void rope_col(const RopeQuantizeParams& P, const floa
   uint32_t scales = 0;  // byte j: the scale of column col + j
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t e = block_scale_from_amax_bits(max(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], 16)), rcp_bits<kE4M3>());
+    const uint32_t e = block_scale_from_amax_bits(max(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], 16)), rcp_max_bits<kE4M3>());
     scales |= e << (8 * j);
     mul[j] = e8m0_quant_multiplier(static_cast<uint8_t>(e));
   }
@@ -759,9 +703,9 @@ __device__ __forceinline__ void issue(const CUtensorMap* tmap, int t0, int h, __
 
 }  // namespace mla
 
-template <typename TT, bool kE4M3>
+template <typename TT, bool kE4M3, class Probe = NoProbe>
 __global__ void __launch_bounds__(mla::kThreads, 3)
-    sm90_rope_quantize_mla_kernel(const __grid_constant__ CUtensorMap tmap, const RopeQuantizeParams P,
+    rope_quantize_mla_kernel(const __grid_constant__ CUtensorMap tmap, const RopeQuantizeParams P,
                                   const int64_t* cu, int64_t ncu, const __grid_constant__ TileQueue Q,
                                   int* queue) {
   using mla::kRopeFloats, mla::kStageElems, mla::kStages;
@@ -776,7 +720,7 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   float4* tab = reinterpret_cast<float4*>(rope0 + 2 * kRopeFloats);          // [32 slots][32 lanes]
   uint8_t* sink0 = reinterpret_cast<uint8_t*>(tab + mla::kTabSlots * 32);    // [2][32][kGPitch]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sink0 + mla::kSinkBytes);     // [kStages]
-  rq_span(0, 0);  // (profiling only)
+  if (threadIdx.x == 0) Probe::cta_begin();
   const bool producer = threadIdx.x == 96;  // W3, lane 0
   if (producer) {
     ptx::prefetch_tmap(&tmap);
@@ -786,7 +730,7 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   const SetChoice sc = sets_of(p.style, true);
   // every block has a run (the launcher's grid <= the queue's runs, <= the tiles)
   const int G = gridDim.x, blk = blockIdx.x;
-  const bool queued = Q.nseg > 0;  // else the block's range (common/tile_deal.h)
+  const bool queued = Q.nseg > 0;  // else the block's range (cuda/tile_scheduler.h)
   // runq[n % 4]: the queue index of the block's run n (run 0 is run blk): run 1 is claimed at
   // the start, run n + 2 two tiles before the end of run n (by W2's lane 0, off the critical
   // path; its atomic returns while W2 works on the tile and it stores the index before the tile
@@ -840,7 +784,7 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
   uint32_t parity = 0;
   int k = 0;  // the loop's iteration: tile k of this block
   for (;; ++k) {
-    rq_stamp(k, 4 + warp, rq_clock());  // (profiling only)
+    if (lane == 0) Probe::stamp_value(k, 4 + warp, Probe::clock());
     const bool have = cur.lvl < 3;
     if (!have && !have_prev) break;
     const Tile t{cur.h, cur.tt * kRows, min(kRows, ntok - cur.tt * kRows)};
@@ -856,9 +800,9 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     if (have && warp < 3) {
       __nv_bfloat16* stage = raw + st * kStageElems;
       uint8_t* sink = sink0 + gpar * kRows * mla::kGPitch + (t.h & 7) * 6;
-      const unsigned long long w0 = rq_clock();
+      const unsigned long long w0 = Probe::clock();
       ptx::mbar_wait(&bars[st], parity);  // tile k has landed
-      rq_stamp(k, 8 + warp, rq_clock() - w0);
+      if (lane == 0) Probe::stamp_value(k, 8 + warp, Probe::clock() - w0);
       if (warp == 0) {
         mla::rope_row<kE4M3>(P, sc, stage, tab, rope0 + (k & 1) * kRopeFloats, sink, t, HD, lane);
       } else if (warp == 1) {
@@ -873,11 +817,11 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     }
     // Tile k's stage is read by W0-W2 and free; its rope tile and sink are complete for W3; W3
     // is done with tile k - 1's, which tile k + 1 reuses.
-    rq_stamp(k, warp, rq_clock());
+    if (lane == 0) Probe::stamp_value(k, warp, Probe::clock());
     if (claim_slot >= 0) runq[claim_slot] = G + claim, claim_slot = -1;
     __syncthreads();
     if (producer && ahead.lvl < 3) mla::issue(&tmap, ahead.tt * kRows, ahead.h, raw + st * kStageElems, &bars[st]);
-    if (warp == 3) rq_stamp(k, 11, rq_clock());
+    if (warp == 3 && lane == 0) Probe::stamp_value(k, 11, Probe::clock());
     step(ahead, ahead_n);
     const bool boundary = have && cur.t + 1 == cur.tend;
     prev = t, have_prev = have;
@@ -894,13 +838,14 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     }
     if (++st == kStages) st = 0, parity ^= 1;
   }
-  rq_span(1, k - 1);  // (profiling only) the loop's last iteration had no tile
+  if (threadIdx.x == 0) Probe::cta_end(k - 1);  // the loop's last iteration had no tile
 }
 
+// ---------------------------------------------------------------- fast path: launch (host)
 // Tokens of the fast path sit at one stride: sbhd / thd token s * B + b, bshd b * S + s. The
 // fast path also wants the heads and tokens laid out without overlap (what TMA's tensor map
 // describes); anything else — overlapping views — takes the generic kernel.
-bool uniform_token_stride(const RopeKernelParams& p, int64_t& stride) {
+inline bool uniform_token_stride(const RopeKernelParams& p, int64_t& stride) {
   const int64_t ss = p.in_st[0], bs = p.in_st[1];
   bool ok = false;
   if (p.sbhd) {
@@ -912,8 +857,9 @@ bool uniform_token_stride(const RopeKernelParams& p, int64_t& stride) {
   return ok && hs >= p.D && (p.S * p.B == 1 || stride >= hs * p.H);
 }
 
-template <typename TT, bool kE4M3>
-void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int64_t tok_stride, cudaStream_t stream) {
+// Launches the fast path on `stream`; returns its grid size.
+template <typename TT, bool kE4M3, class Probe = NoProbe>
+int64_t launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int64_t tok_stride, cudaStream_t stream) {
   const int64_t tokens = p.rope.S * p.rope.B, tiles = ceil_div(tokens, kRows) * p.rope.H;
   if (tokens > 0x7FFFFFFF - kRows || tiles > 0x7FFFFFFF / 2)  // tile indices and the queue counter fit 32 bits
     throw Error("mxmla.rope_backward_quantize", "grad", "too many tokens or tiles for the 32-bit tile index");
@@ -923,109 +869,19 @@ void launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int
   const int64_t hs = p.rope.H > 1 ? p.rope.in_st[2] : mla::kD, ts = tokens > 1 ? tok_stride : hs * p.rope.H;
   const cuuint64_t strides[2] = {cuuint64_t(hs * 2), cuuint64_t(ts * 2)};
   const cuuint32_t box[3] = {cuuint32_t(mla::kThird), 1, cuuint32_t(kRows)};
-  const CUtensorMap tmap = make_tmap_bf16(p.rope.in, 3, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
-  auto kernel = sm90_rope_quantize_mla_kernel<TT, kE4M3>;
-  static int cached[64] = {};
-  int dev = 0;
-  MXMLA_CUDA_CHECK(cudaGetDevice(&dev));
-  int& fit = cached[dev & 63];
-  if (fit == 0) {
-    MXMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, mla::kSmemBytes));
-    int per_sm = 0, sms = 0;
-    MXMLA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, mla::kThreads, mla::kSmemBytes));
-    MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    fit = per_sm * sms > 0 ? per_sm * sms : 1;
-  }
-  int64_t blocks = std::min<int64_t>(fit, tiles);
+  const CUtensorMap tmap = make_tma_desc(p.rope.in, DType::kBFloat16, 3, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+  const void* kernel = reinterpret_cast<const void*>(&rope_quantize_mla_kernel<TT, kE4M3, Probe>);
+  int64_t blocks = heuristics::persistent_grid(kernel_fit(kernel, mla::kThreads, mla::kSmemBytes, mla::kSmemBytes).resident(), tiles);
   const TileQueue Q = make_tile_queue(static_cast<int>(tiles), static_cast<int>(blocks), static_cast<int>(p.rope.H),
                                       mla::kRun0);
-  if (Q.nseg > 0) blocks = std::min<int64_t>(blocks, queue_runs(Q));  // every block's first run is run blockIdx.x
+  if (Q.nseg > 0) blocks = heuristics::queue_grid(blocks, tiles, queue_runs(Q));  // every block's first run is run blockIdx.x
   // the queue's counter, zero at launch (stream-ordered: concurrent launches and graphs each get their own)
   StreamScratch counter(Q.nseg > 0 ? static_cast<int64_t>(sizeof(int)) : 0, stream);
   if (Q.nseg > 0) MXMLA_CUDA_CHECK(cudaMemsetAsync(counter.ptr, 0, sizeof(int), stream));
-  kernel<<<static_cast<unsigned>(blocks), mla::kThreads, mla::kSmemBytes, stream>>>(
+  rope_quantize_mla_kernel<TT, kE4M3, Probe><<<static_cast<unsigned>(blocks), mla::kThreads, mla::kSmemBytes, stream>>>(
       tmap, p, cu, ncu, Q, reinterpret_cast<int*>(counter.ptr));
   MXMLA_CUDA_CHECK(cudaGetLastError());
-#if MXMLA_ROPEQ_PROFILE
-  static int launches = 0;
-  if (++launches == 6) {  // means over blocks 0..7, tiles 2 .. (tiles per block - 3), relative to warp 0's start
-    static unsigned long long h[kRqProfBlocks][kRqProfTiles][kRqProfSlots];
-    MXMLA_CUDA_CHECK(cudaStreamSynchronize(stream));
-    MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(h, g_rq_prof, sizeof(h)));
-    static BlockSpan sp[kRqSpanBlocks];
-    MXMLA_CUDA_CHECK(cudaMemcpyFromSymbol(sp, g_rq_span, sizeof(sp)));
-    const int nb = static_cast<int>(std::min<int64_t>(blocks, kRqSpanBlocks));
-    int per_block = 0x7FFFFFFF;  // the fewest tiles of a profiled block (the queue deals them)
-    for (int b = 0; b < std::min(nb, kRqProfBlocks); ++b) per_block = std::min(per_block, static_cast<int>(sp[b].tiles));
-    const int last = std::min(per_block - 2, kRqProfTiles - 1);
-    double start[4] = {}, arrive[4] = {}, own[4] = {}, wait[3] = {};
-    double cycle = 0, last_arrival = 0, issued = 0, own_max = 0;
-    int cnt = 0, lastw[4] = {};
-    auto d = [](unsigned long long a, unsigned long long b) { return double(static_cast<long long>(a - b)); };
-    for (int b = 0; b < kRqProfBlocks; ++b)
-      for (int k = 2; k < last; ++k, ++cnt) {
-        const unsigned long long* s = h[b][k];
-        const unsigned long long base = s[4];
-        int w = 0;
-        double om = 0;
-        for (int i = 0; i < 4; ++i) {
-          start[i] += d(s[4 + i], base), arrive[i] += d(s[i], base);
-          own[i] += d(s[i], s[4 + i]), om = std::max(om, d(s[i], s[4 + i]));
-          if (s[i] > s[w]) w = i;
-        }
-        for (int i = 0; i < 3; ++i) wait[i] += double(s[8 + i]);
-        ++lastw[w], last_arrival += d(s[w], base), issued += d(s[11], base);
-        own_max += om, cycle += d(h[b][k + 1][4], base);
-      }
-    const double n = std::max(cnt, 1);
-    std::fprintf(stderr, "rope_backward_quantize profile: %d tiles in the shortest profiled block, %d samples, mean "
-                         "cycles per tile from warp 0's iteration start\n", per_block, cnt);
-    const char* names[4] = {"W0 (RoPE rows)", "W1 (nope rows)", "W2 (nope cols)", "W3 (rope cols, scales)"};
-    for (int i = 0; i < 4; ++i)
-      std::fprintf(stderr, "  %-24s start %6.0f  arrive %6.0f  own work+wait %6.0f  TMA wait %5.0f\n", names[i],
-                   start[i] / n, arrive[i] / n, own[i] / n, i < 3 ? wait[i] / n : 0.0);
-    std::fprintf(stderr, "  last to arrive: W0 %d, W1 %d, W2 %d, W3 %d tiles; last arrival %.0f; "
-                 "per-tile max own %.0f\n", lastw[0], lastw[1], lastw[2], lastw[3], last_arrival / n, own_max / n);
-    std::fprintf(stderr, "  next TMA issued %.0f; tile cycle %.0f\n", issued / n, cycle / n);
-    print_block_spans(sp, nb);  // the queue rebalances slow SMs
-  }
-#endif
+  return blocks;
 }
 
-template <typename T>
-void dispatch_table(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, cudaStream_t s) {
-  const bool e4m3 = p.fmt == Fp8Format::kE4M3;  // the format is a template argument: one cvt per code pair
-  if (p.rope.tab_t == DType::kFloat32)
-    e4m3 ? launch<T, float, true>(p, cu, ncu, s) : launch<T, float, false>(p, cu, ncu, s);
-  else
-    e4m3 ? launch<T, __nv_bfloat16, true>(p, cu, ncu, s) : launch<T, __nv_bfloat16, false>(p, cu, ncu, s);
-}
-
-}  // namespace
-
-void rope_quantize_cuda(const RopeQuantizeParams& p, Stream s) {
-  auto stream = reinterpret_cast<cudaStream_t>(s);
-  if (p.rope.S * p.rope.B * p.rope.H == 0) return;
-  // Padding of swizzled scale buffers is zero (SPEC §2.1): the kernel writes real blocks only.
-  if (p.row_codes && row_map_bytes(p.row_map) > row_map_blocks(p.row_map))
-    MXMLA_CUDA_CHECK(cudaMemsetAsync(p.row_scales, 0, row_map_bytes(p.row_map), stream));
-  if (p.col_codes && col_map_bytes(p.col_map) > col_map_blocks(p.col_map))
-    MXMLA_CUDA_CHECK(cudaMemsetAsync(p.col_scales, 0, col_map_bytes(p.col_map), stream));
-  DeviceCuSeqlens cu(p.rope.cu, stream);
-  int64_t tok_stride = 0;
-  if (p.rope.io_t == DType::kBFloat16 && p.rope.D == mla::kD && p.rope.R == mla::kR &&
-      uniform_token_stride(p.rope, tok_stride)) {  // DeepSeek-V3 query heads: the fast path
-    const bool e4m3 = p.fmt == Fp8Format::kE4M3, f32 = p.rope.tab_t == DType::kFloat32;
-    if (f32) return e4m3 ? launch_mla<float, true>(p, cu.ptr, cu.n, tok_stride, stream)
-                         : launch_mla<float, false>(p, cu.ptr, cu.n, tok_stride, stream);
-    return e4m3 ? launch_mla<__nv_bfloat16, true>(p, cu.ptr, cu.n, tok_stride, stream)
-                : launch_mla<__nv_bfloat16, false>(p, cu.ptr, cu.n, tok_stride, stream);
-  }
-  switch (p.rope.io_t) {
-    case DType::kBFloat16: return dispatch_table<__nv_bfloat16>(p, cu.ptr, cu.n, stream);
-    case DType::kFloat16: return dispatch_table<__half>(p, cu.ptr, cu.n, stream);
-    default: return dispatch_table<float>(p, cu.ptr, cu.n, stream);
-  }
-}
-
-}  // namespace mxmla::detail
+}  // namespace mxmla::detail::ropeq

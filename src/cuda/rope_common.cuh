@@ -1,6 +1,6 @@
-// mxmla — device helpers shared by the RoPE kernels (sm90_rope.cu, sm90_rope_quantize.cu): element
-// conversion, 8-element vector access, the one fp32 term of include/mxmla/rope.h, the table row
-// of a token, and the per-thread element sets every style closes over.
+// mxmla — device helpers shared by the RoPE kernels (rope.cu, rope_quantize.cu): element
+// conversion, 8-element vector access, the table row of a token, and the per-thread element sets
+// every style closes over. The rounding rules and the fp32 RoPE term come from cuda/numerics.cuh.
 //
 // The rope part of a head (R elements, R % 16 == 0) is split over R/16 threads; thread q owns 16
 // elements of each of the sets it reads or writes:
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/rope_cuda.h"
+#include "cuda/numerics.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/stream_scratch.h"
 
@@ -26,15 +27,13 @@ template <typename T>
 struct Elem;
 template <>
 struct Elem<__nv_bfloat16> {
-  __device__ static float to_float(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
-  __device__ static uint16_t from_float(float f) {
-    return isnan(f) ? 0x7FC0 : __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  }
+  __device__ static float to_float(uint16_t b) { return bf16_lo(b); }
+  __device__ static uint16_t from_float(float f) { return bf16_out(f); }
 };
 template <>
 struct Elem<__half> {
   __device__ static float to_float(uint16_t b) { return __half2float(__ushort_as_half(b)); }
-  __device__ static uint16_t from_float(float f) { return isnan(f) ? 0x7E00 : __half_as_ushort(__float2half_rn(f)); }
+  __device__ static uint16_t from_float(float f) { return f16_out(f); }
 };
 
 // Raw 8 elements (16 bytes for 16-bit types, 32 bytes for fp32).
@@ -73,7 +72,7 @@ __device__ __forceinline__ Raw8<T> pack8(const float* v) {
   if constexpr (sizeof(T) == 4) {
     uint32_t o[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) o[k] = isnan(v[k]) ? 0x7FC00000u : __float_as_uint(v[k]);
+    for (int k = 0; k < 8; ++k) o[k] = f32_out(v[k]);
     r.v[0] = make_uint4(o[0], o[1], o[2], o[3]), r.v[1] = make_uint4(o[4], o[5], o[6], o[7]);
   } else {
     uint32_t w[4];
@@ -96,10 +95,6 @@ __device__ __forceinline__ int set_part(bool contig, int q, int half, int part) 
   return contig ? 16 * q + 8 * part : half * part + 8 * q;
 }
 
-__device__ __forceinline__ float term(float sgn_s, float xb, float c, float xa) {
-  return __fmaf_rn(sgn_s, xb, __fmul_rn(c, xa));  // a rounded product, then one fma
-}
-
 // Which sets a style and direction read (in), look up (tab) and write (out).
 struct SetChoice {
   bool in_c, out_c, tab_c;
@@ -116,14 +111,14 @@ __device__ __forceinline__ void rotate16(RopeStyle st, bool backward, const floa
     if (!backward) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        o[k] = term(-sn[k], in[2 * k + 1], c[k], in[2 * k]);
-        o[8 + k] = term(sn[8 + k], in[2 * k], c[8 + k], in[2 * k + 1]);
+        o[k] = rope_term(-sn[k], in[2 * k + 1], c[k], in[2 * k]);
+        o[8 + k] = rope_term(sn[8 + k], in[2 * k], c[8 + k], in[2 * k + 1]);
       }
     } else {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        o[2 * k] = term(sn[8 + k], in[8 + k], c[k], in[k]);
-        o[2 * k + 1] = term(-sn[k], in[k], c[8 + k], in[8 + k]);
+        o[2 * k] = rope_term(sn[8 + k], in[8 + k], c[k], in[k]);
+        o[2 * k + 1] = rope_term(-sn[k], in[k], c[8 + k], in[8 + k]);
       }
     }
   } else if (st == RopeStyle::kRotateHalf) {
@@ -131,25 +126,25 @@ __device__ __forceinline__ void rotate16(RopeStyle st, bool backward, const floa
     if (!backward) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        o[k] = term(-sn[k], in[8 + k], c[k], in[k]);
-        o[8 + k] = term(sn[8 + k], in[k], c[8 + k], in[8 + k]);
+        o[k] = rope_term(-sn[k], in[8 + k], c[k], in[k]);
+        o[8 + k] = rope_term(sn[8 + k], in[k], c[8 + k], in[8 + k]);
       }
     } else {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        o[k] = term(sn[8 + k], in[8 + k], c[k], in[k]);
-        o[8 + k] = term(-sn[k], in[k], c[8 + k], in[8 + k]);
+        o[k] = rope_term(sn[8 + k], in[8 + k], c[k], in[k]);
+        o[8 + k] = rope_term(-sn[k], in[k], c[8 + k], in[8 + k]);
       }
     }
   } else {  // interleaved
 #pragma unroll
     for (int l = 0; l < 16; l += 2) {
       if (!backward) {
-        o[l] = term(-sn[l], in[l + 1], c[l], in[l]);
-        o[l + 1] = term(sn[l + 1], in[l], c[l + 1], in[l + 1]);
+        o[l] = rope_term(-sn[l], in[l + 1], c[l], in[l]);
+        o[l + 1] = rope_term(sn[l + 1], in[l], c[l + 1], in[l + 1]);
       } else {
-        o[l] = term(sn[l + 1], in[l + 1], c[l], in[l]);
-        o[l + 1] = term(-sn[l], in[l], c[l + 1], in[l + 1]);
+        o[l] = rope_term(sn[l + 1], in[l + 1], c[l], in[l]);
+        o[l + 1] = rope_term(-sn[l], in[l], c[l + 1], in[l + 1]);
       }
     }
   }

@@ -1,6 +1,53 @@
-// mxmla internal — the order in which the persistent blocks of the rope_backward_quantize fast
-// path (sm90_rope_quantize.cu) take tiles, and the fused Q up-projection's grid size (at the end);
-// host and device code, so that the CPU tests walk it.
+// mxmla internal — tile schedulers of the persistent kernels, and the order they walk
+// tiles in. Host and device code (MXMLA_HD), so that the CPU tests walk the same sequences.
+//
+//   StaticPersistent   CTA b takes tiles b, b + G, b + 2G, ... (G = gridDim.x): no shared state;
+//                      the fused Q up-projection's scheduler (every role walks the same sequence).
+//   grouped_tile       rasterisation of a linear tile index into (M tile, N tile): groups of kGroupM
+//                      M tiles x all N tiles, N-major inside a group (the group's A rows stay in L2
+//                      while B streams through).
+//   TileQueue          the dynamic queue (guided self-scheduling): runs of consecutive tiles from a
+//                      global counter, shorter runs at the end so that the CTAs finish together;
+//                      the rope_backward_quantize fast path's scheduler.
+//   longest_first      room for variable-length work (attention over packed sequences): the host
+//                      lists work items by decreasing cost, CTAs claim them in that order from a
+//                      counter (the same claim as the queue's).
+// Launch sizes (how many CTAs) are chosen on the host: cuda/heuristics.h.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common/mxfp8_common.h"
+
+namespace mxmla::detail {
+
+// ---------------------------------------------------------------- static persistent
+struct StaticPersistent {
+  int num_tiles;
+#if defined(__CUDACC__)
+  __device__ __forceinline__ int first() const { return static_cast<int>(blockIdx.x); }
+  __device__ __forceinline__ int next(int t) const { return t + static_cast<int>(gridDim.x); }
+#endif
+  MXMLA_HD bool valid(int t) const { return t < num_tiles; }
+};
+
+// ---------------------------------------------------------------- grouped rasterisation
+// Linear tile t -> (m, n) of an m_tiles x n_tiles grid, in groups of kGroupM M tiles (the last
+// group may be shorter), n-major inside a group.
+template <int kGroupM>
+MXMLA_HD void grouped_tile(int t, int m_tiles, int n_tiles, int& m, int& n) {
+  static_assert(kGroupM >= 1, "groups of at least one M tile");
+  const int group = t / (kGroupM * n_tiles);
+  const int first = group * kGroupM;
+  const int gm = kGroupM < m_tiles - first ? kGroupM : m_tiles - first;
+  const int local = t - group * kGroupM * n_tiles;
+  n = local / gm;
+  m = first + local % gm;
+}
+
+// ---------------------------------------------------------------- the dynamic queue
 // Tiles are numbered head-fastest (tile = token tile * H + head). A run is a stretch of
 // consecutive tiles inside one token tile: a block keeps that token tile's table rows for the
 // whole run and hands the next run's in at its end.
@@ -17,13 +64,7 @@
 //
 // Ranges (other head counts): block b takes [b L / G, (b + 1) L / G) of the L tiles, a run being
 // the part of the range inside one token tile; short runs would hand the tables off every few
-// tiles (H 6: runs of 2 were 13 % slower than ranges, thirteenth session).
-#pragma once
-
-#include "common/mxfp8_common.h"
-
-namespace mxmla::detail {
-
+// tiles (H 6: runs of 2 were 13 % slower than ranges).
 constexpr int kMinRun = 8;       // the shortest queued run; H % kMinRun == 0 takes the queue
 constexpr int kQueueRounds = 2;  // runs of len while >= kQueueRounds * G * len tiles are left
 constexpr int kMaxRun = 32;      // run0 <= kMaxRun
@@ -95,17 +136,30 @@ MXMLA_HD void range_first(TileRun& c, int ntiles, int block, int G, int H) {
            static_cast<int>(static_cast<int64_t>(block + 1) * ntiles / G), H);
 }
 
-// The persistent grid of the fused Q up-projection (sm90_qproj_rope_quant.cu), whose CTAs take
-// tiles t = b, b + G, ...: the fewest CTAs that need as many waves as one CTA per SM, so that no
-// partial last wave keeps a few SMs busy while the rest idle (4096 tiles on 132 SMs: 128 CTAs of 32
-// tiles, not 132 of which 4 take a 32nd). At the H200's power cap the SMs left out cost next to
-// nothing, the others clocking a little higher: single calls −0.8 % at T 4096 × NH 128, −1.4 % at
-// T 16384 × NH 16 (docs/performance.md, twenty-fourth session). Fewer CTAs than that (more waves)
-// measured slower.
-// tiles >= 1, sms >= 1.
-MXMLA_HD int balanced_grid(int tiles, int sms) {
-  const int waves = (tiles + sms - 1) / sms;
-  return (tiles + waves - 1) / waves;
+#if defined(__CUDACC__)
+// A CTA's claim of the next queue index from the launch's counter (zeroed per launch).
+__device__ __forceinline__ int claim_next(int* counter) { return atomicAdd(counter, 1); }
+#endif
+
+// ---------------------------------------------------------------- longest first (varlen)
+// One unit of variable-length work: item `block` of sequence `seq`, with its cost in any unit.
+struct WorkItem {
+  int seq, block;
+  int64_t cost;
+};
+// Work items of packed sequences (cu_seqlens: b + 1 non-decreasing offsets) in blocks of `block`
+// rows, ordered by decreasing cost (ties: sequence, then block, ascending). With `causal`, block i
+// of a sequence costs i + 1 (it attends to i + 1 key blocks), else the sequence's block count.
+inline std::vector<WorkItem> longest_first(const std::vector<int64_t>& cu_seqlens, int block, bool causal) {
+  std::vector<WorkItem> items;
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    const int64_t len = cu_seqlens[s + 1] - cu_seqlens[s];
+    const int64_t nb = (len + block - 1) / block;
+    for (int64_t i = 0; i < nb; ++i)
+      items.push_back({static_cast<int>(s), static_cast<int>(i), causal ? i + 1 : nb});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
 }
 
 }  // namespace mxmla::detail

@@ -1,5 +1,6 @@
 // mxmla — MXFP8 dequantization and scale re-layout kernels (compact <-> swizzled, compact -> BHSD).
-// Both are memory-bound elementwise passes; the layouts come from common/mxfp8_common.h.
+// Both are memory-bound elementwise passes; the layouts come from common/mxfp8_common.h. Arch-neutral
+// (the FP8 -> f16 conversion needs sm_89+): built for every architecture in MXMLA_CUDA_ARCHS.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -10,7 +11,8 @@
 
 #include "common/ops.h"
 #include "cuda/cuda_check.h"
-#include "cuda/ptx.cuh"
+#include "cuda/ptx/convert.cuh"
+#include "cuda/heuristics.h"
 
 namespace mxmla::detail {
 namespace {
@@ -27,7 +29,7 @@ __device__ __forceinline__ float e8m0_to_float(uint8_t e) {
 
 // codes [batch, rows, cols] -> out (fp32 or bf16, same shape); one thread = 8 consecutive codes of a row.
 template <typename OutT, bool kE4M3>
-__global__ void __launch_bounds__(kThreads) sm90_mxfp8_dequantize_kernel(const DequantizeProblem p) {
+__global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const DequantizeProblem p) {
   const ScaleMap& m = p.map;
   const int64_t groups_per_row = m.cols / kDequantVec;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -114,7 +116,7 @@ __device__ __forceinline__ int swizzled_coords(const ScaleMap& m, bool rowwise, 
 }
 
 template <typename I>
-__global__ void __launch_bounds__(kThreads) sm90_remap_scales_kernel(const __grid_constant__ RemapBatch batch) {
+__global__ void __launch_bounds__(kThreads) remap_scales_kernel(const __grid_constant__ RemapBatch batch) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (t >= batch.first[batch.count]) return;
   int k = 0;
@@ -199,7 +201,7 @@ struct BhsdBatch {
   int count;
 };
 
-__global__ void __launch_bounds__(kBhsdThreads) sm90_scales_to_bhsd_kernel(const __grid_constant__ BhsdBatch batch) {
+__global__ void __launch_bounds__(kBhsdThreads) scales_to_bhsd_kernel(const __grid_constant__ BhsdBatch batch) {
   extern __shared__ __align__(16) uint8_t stage[];
   int k = 0;
   while (blockIdx.x >= batch.first[k + 1]) ++k;
@@ -287,7 +289,7 @@ __global__ void __launch_bounds__(kBhsdThreads) sm90_scales_to_bhsd_kernel(const
   }
 }
 
-// The job of sm90_scales_to_bhsd_kernel for a compact -> BHSD remap, or false when it does not
+// The job of scales_to_bhsd_kernel for a compact -> BHSD remap, or false when it does not
 // apply (other layouts, a stage over kBhsdMaxSmem, extents past 32 bits).
 bool make_bhsd_job(const RemapProblem& p, BhsdJob& j, int& smem) {
   const ScaleMap& s = p.src_map;
@@ -328,7 +330,7 @@ bool make_bhsd_job(const RemapProblem& p, BhsdJob& j, int& smem) {
 }
 
 unsigned grid_for(int64_t threads, const char* op) {
-  const int64_t blocks = ceil_div(threads, kThreads);
+  const int64_t blocks = heuristics::elementwise_grid(threads, kThreads);
   if (blocks > 0x7FFFFFFF) throw Error(op, "input", "too many elements for one launch");
   return static_cast<unsigned>(blocks);
 }
@@ -342,11 +344,11 @@ void dequantize_cuda(const DequantizeProblem& p, Stream s) {
   const unsigned grid = grid_for(threads, "mxmla.dequantize");
   const bool e4m3 = p.fmt == Fp8Format::kE4M3;
   if (p.out_dtype == DType::kFloat32) {
-    if (e4m3) sm90_mxfp8_dequantize_kernel<float, true><<<grid, kThreads, 0, stream>>>(p);
-    else sm90_mxfp8_dequantize_kernel<float, false><<<grid, kThreads, 0, stream>>>(p);
+    if (e4m3) mxfp8_dequantize_kernel<float, true><<<grid, kThreads, 0, stream>>>(p);
+    else mxfp8_dequantize_kernel<float, false><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    if (e4m3) sm90_mxfp8_dequantize_kernel<__nv_bfloat16, true><<<grid, kThreads, 0, stream>>>(p);
-    else sm90_mxfp8_dequantize_kernel<__nv_bfloat16, false><<<grid, kThreads, 0, stream>>>(p);
+    if (e4m3) mxfp8_dequantize_kernel<__nv_bfloat16, true><<<grid, kThreads, 0, stream>>>(p);
+    else mxfp8_dequantize_kernel<__nv_bfloat16, false><<<grid, kThreads, 0, stream>>>(p);
   }
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
@@ -360,7 +362,7 @@ void remap_scales_cuda(const std::vector<RemapProblem>& all, Stream s) {
   const auto flush_bhsd = [&] {
     if (bb.count > 0 && bb.first[bb.count] > 0) {
       if (bb.first[bb.count] > 0x7FFFFFFF) throw Error("mxmla.remap_scales", "input", "too many scale tiles for one launch");
-      sm90_scales_to_bhsd_kernel<<<static_cast<unsigned>(bb.first[bb.count]), kBhsdThreads, smem, stream>>>(bb);
+      scales_to_bhsd_kernel<<<static_cast<unsigned>(bb.first[bb.count]), kBhsdThreads, smem, stream>>>(bb);
       MXMLA_CUDA_CHECK(cudaGetLastError());
     }
     bb = BhsdBatch{}, smem = 0;
@@ -395,9 +397,9 @@ void remap_scales_cuda(const std::vector<RemapProblem>& all, Stream s) {
     }
     const unsigned grid = grid_for(batch.first[batch.count], "mxmla.remap_scales");
     if (fits32)
-      sm90_remap_scales_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(batch);
+      remap_scales_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(batch);
     else
-      sm90_remap_scales_kernel<int64_t><<<grid, kThreads, 0, stream>>>(batch);
+      remap_scales_kernel<int64_t><<<grid, kThreads, 0, stream>>>(batch);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
 }

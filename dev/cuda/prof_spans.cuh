@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "cuda/ptx.cuh"
+#include "cuda/ptx/common.cuh"
 
 namespace mxmla::detail {
 

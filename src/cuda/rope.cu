@@ -1,13 +1,15 @@
 // mxmla — RoPE forward / backward kernel (SPEC §3), fp32 semantics of include/mxmla/rope.h.
+// Arch-neutral (plain loads and stores): built for every architecture in MXMLA_CUDA_ARCHS.
 //
 // Elementwise and memory-bound. A head's rope part is split over R/16 threads (the element sets of
-// sm90_rope_common.cuh); the same threads copy the head's pass-through (nope) part as raw 16-byte
+// rope_common.cuh); the same threads copy the head's pass-through (nope) part as raw 16-byte
 // chunks when the output is not the input (for DeepSeek heads, a warp's 8 heads two whole heads
 // per instruction: the cache lines an instruction touches decide this kernel's speed). A
 // thread's data loads (nope chunks, rope inputs) are issued before its first store, so each
 // thread keeps ~100 bytes in flight.
 #include "cuda/cuda_check.h"
-#include "cuda/sm90_rope_common.cuh"
+#include "cuda/rope_common.cuh"
+#include "cuda/heuristics.h"
 
 namespace mxmla::detail {
 namespace {
@@ -24,7 +26,7 @@ constexpr int kMinBlocks = sizeof(T) == 4 ? 3 : 4;
 
 // One thread per (token, head, q); 32-bit index math (the launcher checks the count fits).
 template <typename T, typename TT>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<T>) sm90_rope_kernel(const RopeKernelParams p, const int64_t* cu,
+__global__ void __launch_bounds__(kThreads, kMinBlocks<T>) rope_kernel(const RopeKernelParams p, const int64_t* cu,
                                                                          int64_t ncu, int nthreads) {
   const int lanes = static_cast<int>(p.R / 16), half = static_cast<int>(p.R / 2);
   const int idx = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
@@ -107,8 +109,8 @@ void launch(const RopeKernelParams& p, const int64_t* cu, int64_t ncu, cudaStrea
   if (threads > 0x7FFFFFFF - kThreads)
     throw Error(p.backward ? "mxmla.rope_backward" : "mxmla.apply_rope", p.backward ? "grad" : "x",
                 "has too many heads x tokens for one launch (tokens * heads * rope_dim / 16 must be < 2^31)");
-  const int64_t blocks = (threads + kThreads - 1) / kThreads;
-  sm90_rope_kernel<T, TT><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, cu, ncu, static_cast<int>(threads));
+  const int64_t blocks = heuristics::elementwise_grid(threads, kThreads);
+  rope_kernel<T, TT><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, cu, ncu, static_cast<int>(threads));
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,4 +1,5 @@
-// mxmla — MXFP8 quantization kernel for SM90 (rowwise, columnwise, or both in one pass).
+// mxmla — MXFP8 quantization kernel (rowwise, columnwise, or both in one pass). Arch-neutral: it needs
+// cp.async and the FP8 conversions (sm_89+) and is built for every architecture in MXMLA_CUDA_ARCHS.
 //
 // Memory-bound: one read of the input, one write of each output. Persistent blocks of two warps
 // stream tiles of 32 rows x 32 16-byte chunks (32 x 256 bf16, 32 x 128 fp32) through a
@@ -13,7 +14,7 @@
 // (compact or swizzled), so swizzled scales are written directly; padding is zeroed by the
 // launcher. Tiles are walked in groups of four row tiles (one 128-row swizzle tile), so swizzled
 // columnwise scales leave as whole words. BHSD scales (attention) take two passes: compact
-// scales to scratch, then the staged re-layout kernel of sm90_mxfp8_scales.cu
+// scales to scratch, then the staged re-layout kernel of mxfp8_scales.cu
 // (quantize_bhsd_two_pass).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,25 +24,23 @@
 
 #include "common/ops.h"
 #include "cuda/cuda_check.h"
-#include "cuda/ptx.cuh"
+#include "cuda/launch.h"
+#include "cuda/ptx/convert.cuh"
+#include "cuda/ptx/cp_async.cuh"
+#include "cuda/heuristics.h"
 #include "cuda/stream_scratch.h"
 
 namespace mxmla::detail {
 namespace {
 
-// Tile configuration.
+// Tile configuration (the values measured best on the H200: docs/notes-quantize.md).
 constexpr int kWarpsPerBlock = 2;  // share one tile ring: columnwise and rowwise passes run side by side
 constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kTileRows = 32;    // = MXFP8 block size along the columnwise axis
 constexpr int kTileChunks = 32;  // 16-byte chunks per tile row (one per lane)
-#ifndef MXMLA_QUANT_STAGES
-#define MXMLA_QUANT_STAGES 3
-#endif
-#ifndef MXMLA_QUANT_ROW_UNROLL
-#define MXMLA_QUANT_ROW_UNROLL 4
-#endif
-constexpr int kRowUnroll = MXMLA_QUANT_ROW_UNROLL;  // rowwise blocks in flight per lane
-constexpr int kStages = MXMLA_QUANT_STAGES;  // ring depth: tiles k+1 .. k+kStages-1 load while k is quantized
+constexpr int kRowUnroll = 4;    // rowwise blocks in flight per lane
+constexpr int kStages = 3;       // ring depth: tiles k+1 .. k+kStages-1 load while k is quantized
+static_assert(kStages >= 2 && kRowUnroll >= 1, "a ring of at least two stages");
 constexpr int kTileBytes = kTileRows * kTileChunks * 16;
 constexpr int kRowSinkBytes = kTileRows * 4 * 8;  // compact rowwise scales of a column group
 constexpr int kSmemBytes = kStages * kTileBytes + kRowSinkBytes;  // one ring per block
@@ -376,7 +375,7 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
 // the rowwise pass of the same tile; with one direction the warps split it (rowwise: half the
 // blocks of each row each; columnwise: warp 0 alone).
 template <typename T, bool kE4M3>
-__global__ void __launch_bounds__(kThreads) sm90_mxfp8_quantize_kernel(const QuantizeProblem p, int64_t num_groups) {
+__global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(const QuantizeProblem p, int64_t num_groups) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int kBlocks = kTileChunks * VEC / 32;  // rowwise blocks per tile row
   static_assert(32 % VEC == 0 && VEC * sizeof(T) == 16, "a chunk is 16 bytes of whole elements");
@@ -450,26 +449,15 @@ void launch(const QuantizeProblem& p, cudaStream_t stream) {
   const int64_t groups = by_cols ? p.batch * ceil_div(p.rows, kTileRows) * ceil_div(ceil_div(p.cols, kTileCols), 4)
                                  : p.batch * ceil_div(p.rows, 4 * kTileRows) * ceil_div(p.cols, kTileCols);
   if (groups == 0) return;
-  // Persistent grid: as many blocks as fit on the device at once (cached per device).
-  static int cached_blocks[64] = {0};
-  int dev = 0;
-  MXMLA_CUDA_CHECK(cudaGetDevice(&dev));
-  int& fit = cached_blocks[dev & 63];
-  if (fit == 0) {
-    auto kernel = sm90_mxfp8_quantize_kernel<T, kE4M3>;
-    MXMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    int per_sm = 0, sms = 0;
-    MXMLA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmemBytes));
-    MXMLA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    fit = per_sm * sms > 0 ? per_sm * sms : 1;
-  }
-  const int64_t blocks = std::min<int64_t>(fit, groups);
-  sm90_mxfp8_quantize_kernel<T, kE4M3><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, groups);
+  // Persistent grid: as many blocks as fit on the device at once.
+  const void* kernel = reinterpret_cast<const void*>(&mxfp8_quantize_kernel<T, kE4M3>);
+  const int64_t blocks = heuristics::persistent_grid(kernel_fit(kernel, kThreads, kSmemBytes, kSmemBytes).resident(), groups);
+  mxfp8_quantize_kernel<T, kE4M3><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, groups);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
 // BHSD scales (the attention hand-off) in two passes: the quantize kernel writes compact scales
-// to scratch, then the staged remap kernel (sm90_mxfp8_scales.cu) writes whole 512-byte BHSD
+// to scratch, then the staged remap kernel (mxfp8_scales.cu) writes whole 512-byte BHSD
 // swizzle tiles, padding included. Faster than the quantize kernel scattering BHSD scale bytes
 // itself (0.1248 vs 0.1342 ms for Q, K, V at b 2, h 16, s 4096: docs/performance.md).
 void quantize_bhsd_two_pass(const QuantizeProblem& p, Stream s) {

@@ -1,0 +1,40 @@
+// mxmla internal — every launch-size choice of the kernels, in one place (host, plain C++: the CPU
+// tests check these rules). The kernels' tile shapes are constexpr tables in their files; what is
+// chosen per call — how many CTAs — is chosen here, from the device's SM count and how many CTAs
+// of the kernel are resident per SM (cuda/launch.h reads both once per device and kernel).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace mxmla::detail::heuristics {
+
+// A persistent grid: one wave of resident CTAs, never more CTAs than work units (and at least one).
+// The quantize and rope_backward_quantize kernels.
+inline int64_t persistent_grid(int64_t resident, int64_t units) {
+  return std::max<int64_t>(1, std::min(resident, units));
+}
+
+// The fused Q up-projection (CTAs take tiles t = b, b + G, ...): the fewest CTAs that need as
+// many waves as one CTA per SM, so that no partial last wave keeps a few SMs busy while the rest
+// idle (4096 tiles on 132 SMs: 128 CTAs of 32 tiles, not 132 of which 4 take a 32nd). At the
+// H200's power cap the SMs left out cost next to nothing, the others clocking a little higher:
+// single calls -0.8 % at T 4096 x NH 128, -1.4 % at T 16384 x NH 16 (docs/notes-qproj.md). Fewer
+// CTAs than that (more waves) measured slower. tiles >= 1, sms >= 1.
+inline int balanced_grid(int tiles, int sms) {
+  const int waves = (tiles + sms - 1) / sms;
+  return (tiles + waves - 1) / waves;
+}
+
+// The rope_backward_quantize fast path with its run queue: the persistent grid, but no more CTAs
+// than the queue has runs (every CTA's first run is run blockIdx.x).
+inline int64_t queue_grid(int64_t resident, int64_t tiles, int64_t runs) {
+  return std::min(persistent_grid(resident, tiles), std::max<int64_t>(1, runs));
+}
+
+// Elementwise kernels (RoPE, dequantize, scale re-layout): one thread per work unit.
+inline int64_t elementwise_grid(int64_t units, int threads_per_block) {
+  return (units + threads_per_block - 1) / threads_per_block;
+}
+
+}  // namespace mxmla::detail::heuristics

@@ -1,0 +1,76 @@
+// mxmla internal — the device side of every bit-exact rule, each written once and shared by the
+// kernels (the CPU reference spells the same rules in software, src/cpu/, and the tests compare):
+//   * MXFP8 scales: the E8M0 rule and the quantization multiplier (common/mxfp8_common.h, shared
+//     with the reference), FP8 codes by cvt.rn.satfinite (cuda/ptx/convert.cuh), packed four at a time;
+//   * the RoPE term: fmaf(sign * sin, x_b, cos * x_a) with the product rounded first
+//     (include/mxmla/rope.h);
+//   * bf16 / fp16 conversions: widening (exact), narrowing round-to-nearest-even with the
+//     reference's canonical NaN (bf16 0x7FC0, fp16 0x7E00, fp32 0x7FC00000).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/mxfp8_common.h"
+#include "cuda/ptx/convert.cuh"
+
+namespace mxmla::detail {
+
+// ---------------------------------------------------------------- MXFP8
+template <bool kE4M3>
+__device__ __forceinline__ constexpr uint32_t rcp_max_bits() {
+  return kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
+}
+// |v| as fp32 bits: an integer max over these is the amax, and sees NaN (> 0x7F800000) and Inf.
+__device__ __forceinline__ uint32_t mag_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
+// Four FP8 codes of v * m (one multiplier per element), byte i = element i.
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t fp8x4(float v0, float v1, float v2, float v3, float m0, float m1, float m2,
+                                          float m3) {
+  return ptx::cvt_fp8x2<kE4M3>(v0 * m0, v1 * m1) | (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(v2 * m2, v3 * m3)) << 16);
+}
+// ... with one multiplier.
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t fp8x4(float v0, float v1, float v2, float v3, float m) {
+  return ptx::cvt_fp8x2<kE4M3>(v0 * m, v1 * m) | (static_cast<uint32_t>(ptx::cvt_fp8x2<kE4M3>(v2 * m, v3 * m)) << 16);
+}
+
+// ---------------------------------------------------------------- RoPE
+// One output of a rotation: sgn_s * xb + c * xa with the product c * xa rounded to fp32 first, then
+// one fma (include/mxmla/rope.h; forward and backward alike).
+__device__ __forceinline__ float rope_term(float sgn_s, float xb, float c, float xa) {
+  return __fmaf_rn(sgn_s, xb, __fmul_rn(c, xa));
+}
+
+// ---------------------------------------------------------------- bf16 / fp16
+// bf16 pair in a 32-bit word (element 0 in the low half) -> fp32, exactly.
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+// fp32 pair -> bf16 pair, round to nearest even (NaN payloads as the hardware leaves them: for
+// intermediate values that are read back, not for outputs).
+__device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// An output bf16: round to nearest even, NaN -> 0x7FC0 (the reference's float_to_bf16).
+__device__ __forceinline__ uint16_t bf16_out(float f) {
+  return isnan(f) ? uint16_t{0x7FC0} : __bfloat16_as_ushort(__float2bfloat16_rn(f));
+}
+__device__ __forceinline__ uint32_t bf16x2_out(float lo, float hi) {
+  return bf16_out(lo) | (static_cast<uint32_t>(bf16_out(hi)) << 16);
+}
+// A bf16 pair that came out of bf16x2_rn, with its NaNs made canonical (as bf16_out would have).
+__device__ __forceinline__ uint32_t bf16x2_canonical(uint32_t w) {
+  uint32_t r = w;
+  if ((w & 0x7FFFu) > 0x7F80u) r = (r & 0xFFFF0000u) | 0x7FC0u;
+  if ((w & 0x7FFF0000u) > 0x7F800000u) r = (r & 0xFFFFu) | 0x7FC00000u;
+  return r;
+}
+// An output fp16: round to nearest even, NaN -> 0x7E00.
+__device__ __forceinline__ uint16_t f16_out(float f) { return isnan(f) ? uint16_t{0x7E00} : __half_as_ushort(__float2half_rn(f)); }
+// An output fp32: NaN -> 0x7FC00000.
+__device__ __forceinline__ uint32_t f32_out(float f) { return isnan(f) ? 0x7FC00000u : __float_as_uint(f); }
+
+}  // namespace mxmla::detail

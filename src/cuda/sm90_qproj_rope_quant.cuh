@@ -1,0 +1,159 @@
+// mxmla internal — the fused Q up-projection kernel (sm_90a): its configuration, its parameters and
+// its body, composed of the SM90 parts (mainloop + epilogue + scheduler; see
+// sm90_qproj_rope_quant.cu for the launcher). A header so that experiments (dev/cuda/) can
+// instantiate the same body with a probe or another epilogue.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (types only)
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/qproj_ops.h"
+#include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/sm90/epilogue_rope_mxfp8.cuh"
+#include "cuda/sm90/mainloop_tma_wgmma.cuh"
+#include "cuda/sm90/pipeline.cuh"
+#include "cuda/probe.cuh"
+#include "cuda/tile_scheduler.h"
+#include "cuda/stream_scratch.h"
+
+namespace mxmla::detail::qproj {
+
+// ---------------------------------------------------------------- configuration
+struct Cfg {
+  static constexpr int kD = 192, kR = 64;  // DeepSeek-V3 head (the one compiled tile): BN = D
+  static constexpr int kBM = 128, kBK = 64;  // tokens per tile, K per stage (128 bytes of bf16)
+  static constexpr int kStages = 4;
+  static constexpr int kMmaWGs = 2;          // warpgroups of 64 rows
+  static constexpr int kGroupM = 32;         // token tiles per raster group
+};
+
+struct SchedParams {
+  int B, NH, mtiles, num_tiles;  // sequences, heads, token tiles per sequence, tiles
+};
+struct Params {
+  SchedParams sched;
+  int kblocks;
+  sm90::RopeMxfp8Params epi;
+};
+
+// Kernel traits: the parts and the shared memory they share. Epi: the epilogue (the default one
+// computes the op; dev/cuda/ has others); Probe: NoProbe, or a recording one (dev/cuda/).
+template <RopeStyle kStyle, bool kE4M3, class Epi = sm90::EpilogueRopeMxfp8<Cfg::kD, Cfg::kR, Cfg::kBM, kStyle, kE4M3>,
+          class ProbeT = NoProbe>
+struct Kernel {
+  using Mainloop = sm90::MainloopTmaWgmma<Cfg::kBM, Cfg::kD, Cfg::kBK, Cfg::kStages, Cfg::kMmaWGs, ptx::MmaDtype::kBF16,
+                                          ptx::MmaDtype::kBF16>;
+  using Epilogue = Epi;
+  using Probe = ProbeT;
+  // warpgroups: 0 producer (warp 0: TMA; warps 1..3: epilogue), 1..kMmaWGs MMA, then the epilogue's
+  static constexpr int kThreads = 128 * (Cfg::kMmaWGs + 2);
+  static_assert(Epilogue::kThreads == 128 + 96, "the epilogue takes warps 1..3 and the last warpgroup");
+  struct alignas(1024) Smem {
+    typename Mainloop::SharedStorage ml;  // the stage ring (x, W tiles)
+    typename Epilogue::SharedStorage epi;  // the hand-off tile
+    typename Mainloop::Barriers stages;   // full / empty per stage
+    sm90::Handoff handoff;                // tile_full / tile_empty
+  };
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack of the dynamic buffer
+  static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
+};
+
+// Tile t -> (sequence bi, first token m0, head h): groups of kGroupM token tiles, head-major inside.
+__device__ __forceinline__ void tile_coords(const SchedParams& s, int t, int& bi, int& m0, int& h) {
+  int mt;
+  grouped_tile<Cfg::kGroupM>(t, s.B * s.mtiles, s.NH, mt, h);
+  bi = mt / s.mtiles;
+  m0 = (mt % s.mtiles) * Cfg::kBM;
+}
+
+// ---------------------------------------------------------------- the kernel
+template <class K>
+__global__ void __launch_bounds__(K::kThreads, 1)
+    sm90_qproj_rope_quant_kernel(const __grid_constant__ CUtensorMap tmap_x, const __grid_constant__ CUtensorMap tmap_w,
+                                 const Params p) {
+  using Mainloop = typename K::Mainloop;
+  using Epilogue = typename K::Epilogue;
+  using Probe = typename K::Probe;
+  extern __shared__ uint8_t smem_raw[];
+  // 1024-align by an offset from smem_raw (not through an integer), so that the compiler keeps the
+  // shared address space: LDS/STS with 32-bit addresses instead of generic loads (measured: the
+  // generic ones cost the epilogue long-scoreboard stalls and registers)
+  auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
+  const int wg = threadIdx.x / 128;
+  const StaticPersistent sched{p.sched.num_tiles};
+
+  if (threadIdx.x == 0) {
+    sm.stages.init(Mainloop::kConsumerArrivals);
+    sm.handoff.init(128 * Cfg::kMmaWGs, Epilogue::kThreads);  // every MMA thread; every epilogue thread
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 32) {  // ---------------- producer: one thread issues the TMA loads
+    if (threadIdx.x == 0) {
+      Probe::cta_begin();
+      ptx::prefetch_tmap(&tmap_x);
+      ptx::prefetch_tmap(&tmap_w);
+      typename Mainloop::State st;
+      uint32_t n = 0;
+      for (int t = sched.first(); sched.valid(t); t = sched.next(t), ++n) {
+        int bi, m0, h;
+        tile_coords(p.sched, t, bi, m0, h);
+        Mainloop::template produce<Probe>(sm.ml, sm.stages, st, p.kblocks, n, [&](void* a, void* b, uint64_t* bar, int kb) {
+          // x map dims: {K, B, S} for sbhd (b is the inner token dim), {K, S, B} for bshd
+          if (p.epi.sbhd) ptx::tma_load_3d(a, &tmap_x, bar, kb * Cfg::kBK, bi, m0);
+          else ptx::tma_load_3d(a, &tmap_x, bar, kb * Cfg::kBK, m0, bi);
+          ptx::tma_load_2d(b, &tmap_w, bar, kb * Cfg::kBK, h * Cfg::kD);
+        });
+      }
+    }
+    return;
+  }
+
+  if (wg == 0 || wg == Cfg::kMmaWGs + 1) {  // ---------------- epilogue: warps 1..3 and the last warpgroup
+    const int tid = wg == 0 ? 128 + threadIdx.x - 32 : threadIdx.x - 128 * wg;  // whole warps
+    uint32_t n = 0;
+    for (int t = sched.first(); sched.valid(t); t = sched.next(t), ++n) {
+      int bi, m0, h;
+      tile_coords(p.sched, t, bi, m0, h);
+      sm.handoff.consumer_wait(n);  // (implies that every epilogue thread is done with the previous tile)
+      if (tid == 0) Probe::stamp(n, 4);
+      Epilogue::template run<Probe>(p.epi, sm.epi, tid, bi, m0, h, n);
+      if (tid % 32 == 0) Probe::stamp(n, 5 + tid / 32);
+      sm.handoff.consumer_release();
+    }
+    if (tid == 0) Probe::cta_end(n);
+    return;
+  }
+
+  // ---------------- MMA warpgroups: 64 rows each
+  const int cw = wg - 1;
+  float acc[Mainloop::kAcc];
+  const typename Mainloop::Consumer mma(sm.ml, cw);
+  typename Mainloop::State st;
+  const bool stamps = Probe::kOn && threadIdx.x == 128;  // lane 0 of the first MMA warp
+  uint32_t n = 0;
+  for (int t = sched.first(); sched.valid(t); t = sched.next(t), ++n) {
+    if (stamps) Probe::stamp(n, 0);
+    mma.template mma<Probe>(sm.stages, st, p.kblocks, acc, stamps, n);
+    sm.handoff.producer_wait(n);  // the epilogue has read the previous tile
+    if (stamps) Probe::stamp(n, 2);
+    Epilogue::store_accumulators(sm.epi, cw, acc);
+    sm.handoff.producer_commit();
+    if (stamps) Probe::stamp(n, 3);
+  }
+  if (stamps) Probe::mma_end();
+}
+
+}  // namespace mxmla::detail::qproj
+
+namespace mxmla::detail {
+// Host: the kernel's inputs for problem p (tensor maps of x and W; W transposed into scratch_w
+// first when given as [K, N], scratch_w then holding N * K bf16; bf16 tables widened into
+// scratch_tab, 2 * S * R floats). Queues those conversions on `stream`.
+void qproj_prepare(const QProjProblem& p, cudaStream_t stream, StreamScratch& scratch_w, StreamScratch& scratch_tab,
+                   CUtensorMap& tx, CUtensorMap& tw, qproj::Params& kp);
+}  // namespace mxmla::detail
