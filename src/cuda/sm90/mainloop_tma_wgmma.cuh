@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "cuda/probe.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/sm90/pipeline.cuh"

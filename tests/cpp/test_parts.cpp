@@ -1,0 +1,91 @@
+// CPU tests of the host/device parts the persistent kernels share: the tile schedulers' orders
+// (cuda/tile_scheduler.h) and the launch-size rules (cuda/heuristics.h). The dynamic queue's own
+// tests are in test_rope.cpp (TileQueue), the fused kernel's grid in test_qproj.cpp.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <vector>
+
+#include "cuda/heuristics.h"
+#include "cuda/tile_scheduler.h"
+
+namespace mxmla::test {
+namespace {
+
+// Grouped rasterisation visits every (m, n) tile exactly once, N-major inside groups of kGroupM
+// M tiles, the last group shorter.
+template <int kGroupM>
+void check_grouped(int m_tiles, int n_tiles) {
+  std::set<std::pair<int, int>> seen;
+  int prev_group = -1;
+  for (int t = 0; t < m_tiles * n_tiles; ++t) {
+    int m, n;
+    detail::grouped_tile<kGroupM>(t, m_tiles, n_tiles, m, n);
+    ASSERT_GE(m, 0);
+    ASSERT_LT(m, m_tiles);
+    ASSERT_GE(n, 0);
+    ASSERT_LT(n, n_tiles);
+    ASSERT_TRUE(seen.insert({m, n}).second) << "tile (" << m << ", " << n << ") twice";
+    const int group = m / kGroupM;
+    ASSERT_GE(group, prev_group) << "groups are walked in order";
+    prev_group = group;
+    if (t > 0) {  // inside a group: consecutive t walk M first, then the next N
+      int pm, pn;
+      detail::grouped_tile<kGroupM>(t - 1, m_tiles, n_tiles, pm, pn);
+      if (pm / kGroupM == group) ASSERT_TRUE((pn == n && pm + 1 == m) || (pn + 1 == n && m == group * kGroupM));
+    }
+  }
+  EXPECT_EQ(static_cast<int>(seen.size()), m_tiles * n_tiles);
+}
+
+TEST(TileScheduler, GroupedRasterCoversEveryTileOnce) {
+  check_grouped<32>(128, 128);  // T 16384 x NH 128
+  check_grouped<32>(33, 5);     // a short last group
+  check_grouped<32>(1, 1);
+  check_grouped<4>(7, 3);
+  check_grouped<1>(5, 9);
+}
+
+TEST(TileScheduler, StaticPersistentWalksEveryTileOnce) {
+  // CTA b: b, b + G, ... (the device side's first / next, written out)
+  for (int tiles : {1, 7, 132, 1000})
+    for (int G : {1, 5, 132}) {
+      const detail::StaticPersistent s{tiles};
+      std::vector<int> count(tiles, 0);
+      for (int b = 0; b < std::min(G, tiles); ++b)
+        for (int t = b; s.valid(t); t += G) ++count[t];
+      EXPECT_TRUE(std::all_of(count.begin(), count.end(), [](int c) { return c == 1; })) << tiles << " tiles, G " << G;
+    }
+}
+
+TEST(TileScheduler, LongestFirstOrdersVarlenWork) {
+  // sequences of 300, 0 (empty), 64 and 129 tokens in blocks of 64
+  const std::vector<int64_t> cu = {0, 300, 300, 364, 493};
+  const auto causal = detail::longest_first(cu, 64, true);
+  ASSERT_EQ(causal.size(), 5u + 0u + 1u + 3u);
+  for (size_t i = 1; i < causal.size(); ++i) EXPECT_GE(causal[i - 1].cost, causal[i].cost);
+  EXPECT_EQ(causal.front().seq, 0);  // the longest sequence's last block first
+  EXPECT_EQ(causal.front().block, 4);
+  EXPECT_EQ(causal.front().cost, 5);
+  std::set<std::pair<int, int>> items;
+  for (const auto& w : causal) EXPECT_TRUE(items.insert({w.seq, w.block}).second);
+  const auto full = detail::longest_first(cu, 64, false);  // every block of a sequence costs its length
+  EXPECT_EQ(full.front().seq, 0);
+  EXPECT_EQ(full.back().seq, 2);
+}
+
+TEST(Heuristics, PersistentAndQueueGrids) {
+  using namespace detail::heuristics;
+  EXPECT_EQ(persistent_grid(264, 10000), 264);  // one wave of resident CTAs
+  EXPECT_EQ(persistent_grid(264, 100), 100);    // no more CTAs than work
+  EXPECT_EQ(persistent_grid(264, 0), 1);
+  EXPECT_EQ(queue_grid(396, 10000, 200), 200);  // every CTA starts on its own run
+  EXPECT_EQ(queue_grid(396, 10000, 1000), 396);
+  EXPECT_EQ(elementwise_grid(1000, 256), 4);
+  EXPECT_EQ(elementwise_grid(1024, 256), 4);
+  EXPECT_EQ(balanced_grid(4096, 132), 128);
+}
+
+}  // namespace
+}  // namespace mxmla::test
