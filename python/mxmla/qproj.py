@@ -4,20 +4,105 @@ columnwise along 32 tokens of a sequence), in one pass that never writes q in bf
 
 Three front ends: the functional ``fused_q_uproj_rope_quant`` (torch tensors or numpy arrays; numpy
 runs the CPU reference), the class ``FusedMLAQUpProjRopeQuant`` in the reference system's shape, and
-the torch custom op ``torch.ops.mxmla.fused_q_uproj_rope_quant`` (with a fake implementation, so
-torch.compile traces it), registered by ``register_torch_op()``.
+the torch custom op ``torch.ops.mxmla.fused_q_uproj_rope_quant`` (registered on ``import mxmla``,
+with a fake implementation, so torch.compile traces it).
+
+Not differentiable yet (its backward is rope_backward_quantize plus the two backward GEMMs, which
+this library does not chain for you): with grad mode on, an input that requires grad is an error.
+Call it inside a torch.autograd.Function's forward, under torch.no_grad(), or on detached inputs.
 """
-from typing import Any, Optional
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Tuple, Union
+
+import numpy as np
 
 from . import _mxmla_core as _core
+from ._backend import Backend, alloc_outputs, is_torch, kind_of, output_descs, torch, type_name
+from ._checks import (
+    FP8_FORMAT,
+    QKV_LAYOUT,
+    ROPE_STYLE,
+    WEIGHT_LAYOUT,
+    choice,
+    directions,
+    flag,
+    integer,
+    not_differentiable,
+    same_kind,
+)
+from .mxfp8 import MXFP8Tensor, _options, _present
+from .rope import _check_tables
 
-_STYLES = ("interleaved_in_halves_out", "interleaved", "rotate_half")
+if TYPE_CHECKING:
+    import torch as _torch_t
+
+    Array = Union[_torch_t.Tensor, np.ndarray]
+else:
+    Array = Any
+
+_OP = "mxmla.fused_q_uproj_rope_quant"
+_NOT_DIFF = "its backward is not implemented yet: use rope_backward_quantize and the backward GEMMs in your own " \
+            "torch.autograd.Function"
 
 
-def fused_q_uproj_rope_quant(x: Any, w: Any, cos: Any, sin: Any, nope_dim: int = 128, rope_dim: int = 64,
+def _qproj_options(nope_dim: int, rope_dim: int, style: str, layout: str, batch: int, weight_layout: str,
+                   rowwise: bool, columnwise: bool, fp8_format: str, bhsd_scales: bool, op: str = _OP) -> Any:
+    return _options(_core.QProjOptions, nope_dim=int(nope_dim), rope_dim=int(rope_dim),
+                    style=ROPE_STYLE.parse(op, "style", style), layout=QKV_LAYOUT.parse(op, "layout", layout),
+                    batch=int(batch), weight_layout=WEIGHT_LAYOUT.parse(op, "weight_layout", weight_layout),
+                    rowwise=rowwise, columnwise=columnwise, format=FP8_FORMAT.parse(op, "fp8_format", fp8_format),
+                    bhsd_scales=bhsd_scales)
+
+
+def _heads(x_shape: Any, w_shape: Any, nope_dim: int, rope_dim: int, weight_layout: str) -> Tuple[int, int]:
+    """(tokens, heads) of x [T, K] and w (the C++ side checks the shapes; this only reads them)."""
+    D = int(nope_dim) + int(rope_dim)
+    N = int(w_shape[0] if weight_layout == "nk" else w_shape[1]) if len(w_shape) == 2 else 0
+    return int(x_shape[0]) if len(x_shape) else 0, max(N // D, 1) if D > 0 else 1
+
+
+def _qproj_shapes(tokens: int, heads: int, o: Any) -> tuple:
+    return _core.qproj_shapes(tokens, heads, o, _OP)
+
+
+def _fused_impl(x: Any, w: Any, cos: Any, sin: Any, nope_dim: int, rope_dim: int, style: str, layout: str,
+                batch: int, weight_layout: str, rowwise: bool, columnwise: bool, fp8_format: str, bhsd_scales: bool,
+                return_q: bool) -> tuple:
+    be = Backend(_OP, "x", x)
+    xd = be.desc("x", x, bf16=True)
+    wd = be.desc("w", w, bf16=True)
+    for arg, d in (("x", xd), ("w", wd)):
+        if len(d[2]) != 2:
+            raise ValueError(f"{_OP}: argument '{arg}': must be 2-D, got shape {d[2]}")
+    o = _qproj_options(nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise, columnwise, fp8_format,
+                       bhsd_scales)
+    tokens, heads = _heads(xd[2], wd[2], nope_dim, rope_dim, weight_layout)
+    qshape, data, rs, cs = _qproj_shapes(tokens, heads, o)
+    outs = alloc_outputs(be, (data, rs, cs), rowwise, columnwise)
+    q = be.empty(qshape, "bfloat16") if return_q else None
+    _core.fused_q_uproj_rope_quant(xd, wd, be.desc("cos", cos, bf16=True), be.desc("sin", sin, bf16=True),
+                                   *output_descs(be, outs), be.opt_desc("q", q, bf16=True), o, be.stream())
+    return (*outs, q, qshape)
+
+
+def _fused_args(op: str, nope_dim: Any, rope_dim: Any, style: Any, layout: Any, batch: Any, weight_layout: Any,
+                rowwise: Any, columnwise: Any, fp8_format: Any, bhsd_scales: Any) -> tuple:
+    args = (integer(op, "nope_dim", nope_dim), integer(op, "rope_dim", rope_dim),
+            choice(op, "style", style, ROPE_STYLE), choice(op, "layout", layout, QKV_LAYOUT),
+            integer(op, "batch", batch), choice(op, "weight_layout", weight_layout, WEIGHT_LAYOUT),
+            flag(op, "rowwise", rowwise), flag(op, "columnwise", columnwise),
+            choice(op, "fp8_format", fp8_format, FP8_FORMAT), flag(op, "bhsd_scales", bhsd_scales))
+    directions(op, args[6], args[7])
+    return args
+
+
+def fused_q_uproj_rope_quant(x: Array, w: Array, cos: Array, sin: Array, nope_dim: int = 128, rope_dim: int = 64,
                              style: str = "interleaved_in_halves_out", layout: str = "sbhd", batch: int = 1,
                              weight_layout: str = "nk", rowwise: bool = True, columnwise: bool = True,
-                             fp8_format: str = "e4m3", bhsd_scales: bool = False, return_q: bool = False) -> Any:
+                             fp8_format: str = "e4m3", bhsd_scales: bool = False,
+                             return_q: bool = False) -> Union[MXFP8Tensor, Tuple[MXFP8Tensor, Array]]:
     """x [T, K] bf16, w [N, K] (weight_layout "nk", nn.Linear's weight) or [K, N] ("kn") bf16 with
     N = heads * (nope_dim + rope_dim), cos/sin [>= s, rope_dim] float32/bfloat16 (rope_tables builds
     them for a style) -> MXFP8Tensor of q [s, b, heads, D] (layout "sbhd", T = s*b tokens, s-major) or
@@ -25,35 +110,29 @@ def fused_q_uproj_rope_quant(x: Any, w: Any, cos: Any, sin: Any, nope_dim: int =
 
     With batch 1 and compact scales the buffers are the reference system's: codes [T, heads, D]
     (viewed as [T, 1, heads, D]), rowwise scales [T*heads, D/32], columnwise [ceil(T/32), heads*D].
-    bhsd_scales=True writes the swizzled BHSD scales attention reads (SPEC §2.2)."""
-    from . import MXFP8Tensor, _Backend, _alloc_outputs, _check_format, _descs
-
-    _check_format(fp8_format)
-    if style not in _STYLES:
-        raise ValueError(f"mxmla: argument 'style': must be one of {_STYLES}, got {style!r}")
-    if layout not in ("sbhd", "bshd"):
-        raise ValueError(f"mxmla.fused_q_uproj_rope_quant: argument 'layout': must be 'sbhd' or 'bshd', got {layout!r}")
-    if not rowwise and not columnwise:
-        raise ValueError("mxmla.fused_q_uproj_rope_quant: argument 'rowwise'/'columnwise': at least one must be True")
-    be = _Backend(x)
-    xd = be.desc(x, "x", bf16_from_uint16=True)
-    wd = be.desc(w, "w", bf16_from_uint16=True)
-    if len(xd[2]) != 2 or len(wd[2]) != 2:
-        raise ValueError(f"mxmla.fused_q_uproj_rope_quant: argument '{'x' if len(xd[2]) != 2 else 'w'}': must be 2-D")
-    D = int(nope_dim) + int(rope_dim)
-    N = wd[2][0] if weight_layout == "nk" else wd[2][1]
-    heads = N // D if D > 0 else 0
-    qshape, data, rs, cs = _core.qproj_shapes(xd[2][0], max(heads, 1), int(nope_dim), int(rope_dim), layout,
-                                              int(batch), bool(bhsd_scales))
-    outs = _alloc_outputs(be, (data, rs, cs), rowwise, columnwise)
-    q = be.empty(qshape, "bfloat16") if return_q else None
-    _core.fused_q_uproj_rope_quant(xd, wd, be.desc(cos, "cos", bf16_from_uint16=True),
-                                   be.desc(sin, "sin", bf16_from_uint16=True), *_descs(be, outs),
-                                   None if q is None else be.desc(q, "q", bf16_from_uint16=True), int(nope_dim),
-                                   int(rope_dim), style, layout, int(batch), weight_layout, fp8_format,
-                                   bool(bhsd_scales), be.stream())
+    bhsd_scales=True writes the swizzled BHSD scales attention reads (SPEC §2.2).
+    numpy: bf16 as ml_dtypes.bfloat16 or uint16 bits; q comes back in x's flavour.
+    Not differentiable (see the module docstring)."""
+    op = _OP
+    (nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise, columnwise, fp8_format,
+     bhsd_scales) = _fused_args(op, nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise, columnwise,
+                                fp8_format, bhsd_scales)
+    return_q = flag(op, "return_q", return_q)
+    torch_kind = kind_of(op, "x", x) == "torch"
+    same_kind(op, "x", x, w=w, cos=cos, sin=sin)
+    _check_tables(op, style, cos, sin)
+    if torch_kind:
+        not_differentiable(op, _NOT_DIFF, x=x, w=w, cos=cos, sin=sin)
+        res = torch.ops.mxmla.fused_q_uproj_rope_quant(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch,
+                                                       fp8_format, bhsd_scales, weight_layout, rowwise, columnwise,
+                                                       return_q)
+        outs, q = _present(res[:4], rowwise, columnwise), res[4]
+        qshape = res[0].shape if rowwise else res[2].shape  # the codes have q's shape
+    else:
+        *outs, q, qshape = _fused_impl(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise,
+                                       columnwise, fp8_format, bhsd_scales, return_q)
     t = MXFP8Tensor(tuple(qshape), fp8_format, "bhsd" if bhsd_scales else "compact", *outs, layout=layout,
-                    attention=True, _backend=be)
+                    attention=True)
     return (t, q) if return_q else t
 
 
@@ -62,61 +141,58 @@ class FusedMLAQUpProjRopeQuant:
     "Q Up-Proj GEMM/RoPE/Quant"): ``run(x, w, cos, sin, s, b)`` -> (query MXFP8Tensor, saved activation).
 
     The saved activation is what the backward needs from the forward: x itself (bf16 weights; the
-    weight gradient is dW = dQ'^T x). x may be [s*b, K] or [s, b, K] / [b, s, K] (flattened)."""
+    weight gradient is dW = dQ'^T x). x may be [s*b, K] or [s, b, K] / [b, s, K] (flattened).
+    The options are checked here, at construction (the C++ rules included)."""
 
     def __init__(self, nope_dim: int = 128, rope_dim: int = 64, style: str = "interleaved_in_halves_out",
                  layout: str = "sbhd", fp8_format: str = "e4m3", bhsd_scales: bool = False):
-        self.nope_dim, self.rope_dim, self.style, self.layout = nope_dim, rope_dim, style, layout
-        self.fp8_format, self.bhsd_scales = fp8_format, bhsd_scales
+        op = "mxmla.FusedMLAQUpProjRopeQuant"
+        (self.nope_dim, self.rope_dim, self.style, self.layout, _, _, _, _, self.fp8_format,
+         self.bhsd_scales) = _fused_args(op, nope_dim, rope_dim, style, layout, 1, "nk", True, True, fp8_format,
+                                         bhsd_scales)
+        # the C++ rules on the head geometry (nope_dim >= 0, rope_dim positive and even, D % 32 == 0)
+        _core.qproj_shapes(0, 1, _qproj_options(self.nope_dim, self.rope_dim, self.style, self.layout, 1, "nk", True,
+                                                True, self.fp8_format, self.bhsd_scales), op)
+
+    def __repr__(self) -> str:
+        return (f"FusedMLAQUpProjRopeQuant(nope_dim={self.nope_dim}, rope_dim={self.rope_dim}, style='{self.style}', "
+                f"layout='{self.layout}', fp8_format='{self.fp8_format}', bhsd_scales={self.bhsd_scales})")
 
     @staticmethod
     def is_supported(device: Any = None) -> bool:
         """True when the SM90 kernel can run: a CUDA build and a compute-capability 9.0 device (H100/H200).
         (The CPU reference runs everywhere.)"""
-        from . import info
-
-        i = info()
-        if not i["cuda_enabled"] or not i["gpus"]:
+        version, cuda, archs, cuda_rope = _core.build_info()
+        n = _core.cuda_device_count()
+        if not cuda or n == 0:
             return False
         idx = 0 if device is None else (device.index or 0) if hasattr(device, "index") else int(device)
-        return idx < len(i["gpus"]) and "sm_90" in i["gpus"][idx]
+        return idx < n and "sm_90" in _core.cuda_device_description(idx)
 
-    def run(self, x: Any, w: Any, cos: Any, sin: Any, s: int, b: int = 1) -> tuple:
+    def run(self, x: Array, w: Array, cos: Array, sin: Array, s: int, b: int = 1) -> Tuple[MXFP8Tensor, Array]:
+        op = "mxmla.FusedMLAQUpProjRopeQuant.run"
+        s, b = integer(op, "s", s), integer(op, "b", b)
+        kind_of(op, "x", x)
         if len(x.shape) == 3:
             x = x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+        if len(x.shape) != 2:
+            raise ValueError(f"{op}: argument 'x': must be [s*b, K] or 3-D, got shape {tuple(x.shape)}")
         if x.shape[0] != s * b:
-            raise ValueError(f"mxmla.FusedMLAQUpProjRopeQuant.run: argument 'x': {x.shape[0]} tokens, expected s*b = {s * b}")
+            raise ValueError(f"{op}: argument 'x': {x.shape[0]} tokens, expected s*b = {s * b}")
         q = fused_q_uproj_rope_quant(x, w, cos, sin, self.nope_dim, self.rope_dim, self.style, self.layout, b,
                                      fp8_format=self.fp8_format, bhsd_scales=self.bhsd_scales)
         return q, x
 
 
-_torch_op = None
-
-
 def register_torch_op() -> Any:
-    """Register ``torch.ops.mxmla.fused_q_uproj_rope_quant`` (a torch.library custom op returning the
-    four uint8 buffers: rowwise codes, rowwise scales, columnwise codes, columnwise scales) and its
-    fake (meta) implementation for torch.compile. Returns the op; idempotent."""
-    global _torch_op
-    if _torch_op is not None:
-        return _torch_op
-    import torch
-
-    @torch.library.custom_op("mxmla::fused_q_uproj_rope_quant", mutates_args=())
-    def op(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope_dim: int, rope_dim: int,
-           style: str, layout: str, batch: int, fp8_format: str,
-           bhsd_scales: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        t = fused_q_uproj_rope_quant(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch,
-                                     fp8_format=fp8_format, bhsd_scales=bhsd_scales)
-        return t.rowwise_data, t.rowwise_scale_inv, t.columnwise_data, t.columnwise_scale_inv
-
-    @op.register_fake
-    def _(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch, fp8_format, bhsd_scales):
-        heads = w.shape[0] // (nope_dim + rope_dim)
-        _, data, rs, cs = _core.qproj_shapes(x.shape[0], heads, nope_dim, rope_dim, layout, batch, bhsd_scales)
-        e = lambda shape: x.new_empty(tuple(shape), dtype=torch.uint8)  # noqa: E731
-        return e(data), e(rs), e(data), e(cs)
-
-    _torch_op = op
-    return op
+    """Deprecated: the ops are registered on ``import mxmla`` (when torch is importable). Returns
+    ``torch.ops.mxmla.fused_q_uproj_rope_quant``: (x, w, cos, sin, nope_dim, rope_dim, style, layout,
+    batch, fp8_format, bhsd_scales, weight_layout="nk", rowwise=True, columnwise=True, return_q=False)
+    -> (rowwise codes, rowwise scales, columnwise codes, columnwise scales, q); a direction that is off,
+    and q without return_q, come back as empty placeholders."""
+    warnings.warn("mxmla.register_torch_op() is deprecated: the torch ops are registered on import mxmla; use "
+                  "torch.ops.mxmla.fused_q_uproj_rope_quant (or mxmla.fused_q_uproj_rope_quant)", DeprecationWarning,
+                  stacklevel=2)
+    if torch is None:
+        raise ImportError("mxmla.register_torch_op: torch is not installed")
+    return torch.ops.mxmla.fused_q_uproj_rope_quant

@@ -3,7 +3,14 @@
 // It holds no torch or numpy headers: the Python layer passes each tensor as a plain descriptor
 // (data pointer, dtype name, shape, element strides, DLPack device type and index) read from the
 // torch tensor or numpy array, so one build serves every torch version. Outputs are allocated
-// by the Python layer. mxmla::Error surfaces as ValueError, CUDA failures as RuntimeError.
+// by the Python layer.
+//
+// Options cross as the C++ option structs themselves (bound below with their enums, whose value
+// names are the spellings the Python API accepts): the Python layer validates the user's strings
+// once, builds one options struct per call and passes it with the tensor descriptors.
+// mxmla::Error surfaces as ValueError (op, argument, rule; an argument the C++ API names
+// differently from the Python function, e.g. 'input' for quantize's 'x', is renamed to the
+// Python name), CUDA failures as RuntimeError.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -29,6 +36,7 @@ namespace {
 
 // (ptr, dtype, shape, strides, device_type (DLPack: 1 cpu, 2 cuda), device_index)
 using Desc = std::tuple<uintptr_t, std::string, std::vector<int64_t>, std::vector<int64_t>, int, int>;
+using OptDesc = std::optional<Desc>;
 
 DType parse_dtype(const std::string& s) {
   if (s == "float32") return DType::kFloat32;
@@ -51,57 +59,28 @@ TensorDesc to_desc(const Desc& d) {
   else throw Error("mxmla", "device", "DLPack device type " + std::to_string(dev_type) + " is not supported (cpu or cuda)");
   return TensorDesc(reinterpret_cast<void*>(ptr), parse_dtype(dtype), shape, dev, strides);
 }
-TensorDesc opt_desc(const std::optional<Desc>& d) { return d ? to_desc(*d) : TensorDesc(); }
-
-// Enum from its Python spelling; the error lists every choice: "must be 'a', 'b' or 'c', got 'x'".
-template <typename E>
-E parse_choice(const char* arg, const std::string& s, std::initializer_list<std::pair<const char*, E>> choices) {
-  std::string list;
-  size_t i = 0;
-  for (const auto& [name, value] : choices) {
-    if (s == name) return value;
-    list += std::string(i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + "'" + name + "'";
-    ++i;
-  }
-  throw Error("mxmla", arg, "must be " + list + ", got '" + s + "'");
-}
-Fp8Format parse_format(const std::string& s) {
-  return parse_choice<Fp8Format>("fp8_format", s, {{"e4m3", Fp8Format::kE4M3}, {"e5m2", Fp8Format::kE5M2}});
-}
-QKVLayout parse_layout(const std::string& s) {
-  return parse_choice<QKVLayout>("layout", s, {{"sbhd", QKVLayout::kSBHD}, {"bshd", QKVLayout::kBSHD}});
-}
-ScaleLayout parse_scale_layout(const std::string& s) {
-  return parse_choice<ScaleLayout>(
-      "scale_layout", s,
-      {{"compact", ScaleLayout::kCompact}, {"swizzled", ScaleLayout::kSwizzled}, {"bhsd", ScaleLayout::kBHSD}});
-}
+TensorDesc opt_desc(const OptDesc& d) { return d ? to_desc(*d) : TensorDesc(); }
 Stream to_stream(uintptr_t s) { return reinterpret_cast<Stream>(s); }
 
-RopeStyle parse_style(const std::string& s) {
-  return parse_choice<RopeStyle>("style", s,
-                                 {{"interleaved_in_halves_out", RopeStyle::kInterleavedInHalvesOut},
-                                  {"interleaved", RopeStyle::kInterleaved},
-                                  {"rotate_half", RopeStyle::kRotateHalf}});
-}
-RopeLayout parse_rope_layout(const std::string& s) {
-  return parse_choice<RopeLayout>("layout", s,
-                                  {{"sbhd", RopeLayout::kSBHD}, {"bshd", RopeLayout::kBSHD}, {"thd", RopeLayout::kTHD}});
-}
-YarnParams parse_yarn(const std::optional<std::tuple<double, int64_t, double, double, double, double>>& y) {
-  YarnParams p;
-  if (!y) return p;
-  p.enabled = true;
-  std::tie(p.factor, p.original_max_position, p.beta_fast, p.beta_slow, p.mscale, p.mscale_all_dim) = *y;
-  return p;
-}
-
-MXFP8Tensor make_tensor(const std::optional<Desc>& rd, const std::optional<Desc>& rs, const std::optional<Desc>& cd,
-                        const std::optional<Desc>& cs) {
+MXFP8Tensor make_tensor(const OptDesc& rd, const OptDesc& rs, const OptDesc& cd, const OptDesc& cs) {
   MXFP8Tensor t;
   t.rowwise_data = opt_desc(rd), t.rowwise_scale_inv = opt_desc(rs);
   t.columnwise_data = opt_desc(cd), t.columnwise_scale_inv = opt_desc(cs);
   return t;
+}
+
+// Runs `fn`; an mxmla::Error whose argument the C++ API names differently from the Python
+// function is re-thrown under the Python name (op and rule unchanged).
+using Names = std::initializer_list<std::pair<const char*, const char*>>;
+template <typename Fn>
+void renamed(Names names, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    for (const auto& [from, to] : names)
+      if (e.arg() == from) throw Error(e.op(), to, e.rule());
+    throw;
+  }
 }
 
 nb::tuple shapes_tuple(const MXFP8Shapes& s) { return nb::make_tuple(s.data, s.rowwise_scale, s.columnwise_scale); }
@@ -116,183 +95,359 @@ nb::tuple shapes_for(const std::string& op, const std::string& arg, Fn&& fn) {
   }
 }
 
+// What dequantize needs besides the buffers (the C++ API reads it from an MXFP8Tensor).
+struct DequantizeOptions {
+  std::vector<int64_t> shape;
+  Fp8Format format = Fp8Format::kE4M3;
+  ScaleLayout scale_layout = ScaleLayout::kCompact;
+  QKVLayout qkv_layout = QKVLayout::kSBHD;
+  bool attention = false;
+  bool columnwise = false;
+};
+
+template <typename E>
+const char* enum_name(E v);
+template <>
+const char* enum_name(Fp8Format v) { return v == Fp8Format::kE4M3 ? "e4m3" : "e5m2"; }
+template <>
+const char* enum_name(ScaleLayout v) {
+  return v == ScaleLayout::kCompact ? "compact" : v == ScaleLayout::kSwizzled ? "swizzled" : "bhsd";
+}
+template <>
+const char* enum_name(QKVLayout v) { return v == QKVLayout::kSBHD ? "sbhd" : "bshd"; }
+template <>
+const char* enum_name(RopeStyle v) {
+  return v == RopeStyle::kInterleavedInHalvesOut ? "interleaved_in_halves_out"
+         : v == RopeStyle::kInterleaved          ? "interleaved"
+                                                 : "rotate_half";
+}
+template <>
+const char* enum_name(RopeLayout v) { return v == RopeLayout::kSBHD ? "sbhd" : v == RopeLayout::kBSHD ? "bshd" : "thd"; }
+template <>
+const char* enum_name(WeightLayout v) { return v == WeightLayout::kNK ? "nk" : "kn"; }
+
+std::string b(bool v) { return v ? "True" : "False"; }
+std::string q(const char* s) { return std::string("'") + s + "'"; }
+
+std::string repr(const QuantizeOptions& o) {
+  return "QuantizeOptions(rowwise=" + b(o.rowwise) + ", columnwise=" + b(o.columnwise) + ", format=" +
+         q(enum_name(o.format)) + ", swizzle=" + b(o.swizzle) + ")";
+}
+std::string repr(const RopeOptions& o) {
+  return "RopeOptions(style=" + q(enum_name(o.style)) + ", layout=" + q(enum_name(o.layout)) +
+         ", rope_dim=" + std::to_string(o.rope_dim) + ", tables_per_token=" + b(o.tables_per_token) + ")";
+}
+
 }  // namespace
 
 NB_MODULE(_mxmla_core, m) {
   m.doc() = "mxmla compiled core (use the mxmla package)";
   nb::exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
 
+  // ------------------------------------------------------------------ enums (value names = Python spellings)
+  nb::enum_<Fp8Format>(m, "Fp8Format").value("e4m3", Fp8Format::kE4M3).value("e5m2", Fp8Format::kE5M2);
+  nb::enum_<ScaleLayout>(m, "ScaleLayout")
+      .value("compact", ScaleLayout::kCompact)
+      .value("swizzled", ScaleLayout::kSwizzled)
+      .value("bhsd", ScaleLayout::kBHSD);
+  nb::enum_<QKVLayout>(m, "QKVLayout").value("sbhd", QKVLayout::kSBHD).value("bshd", QKVLayout::kBSHD);
+  nb::enum_<RopeStyle>(m, "RopeStyle")
+      .value("interleaved_in_halves_out", RopeStyle::kInterleavedInHalvesOut)
+      .value("interleaved", RopeStyle::kInterleaved)
+      .value("rotate_half", RopeStyle::kRotateHalf);
+  nb::enum_<RopeLayout>(m, "RopeLayout")
+      .value("sbhd", RopeLayout::kSBHD)
+      .value("bshd", RopeLayout::kBSHD)
+      .value("thd", RopeLayout::kTHD);
+  nb::enum_<WeightLayout>(m, "WeightLayout").value("nk", WeightLayout::kNK).value("kn", WeightLayout::kKN);
+
+  // ------------------------------------------------------------------ option structs (fields read/write)
+  nb::class_<QuantizeOptions>(m, "QuantizeOptions")
+      .def(nb::init<>())
+      .def_rw("rowwise", &QuantizeOptions::rowwise)
+      .def_rw("columnwise", &QuantizeOptions::columnwise)
+      .def_rw("format", &QuantizeOptions::format)
+      .def_rw("swizzle", &QuantizeOptions::swizzle)
+      .def("__repr__", [](const QuantizeOptions& o) { return repr(o); });
+  nb::class_<AttentionQuantizeOptions>(m, "AttentionQuantizeOptions")
+      .def(nb::init<>())
+      .def_rw("layout", &AttentionQuantizeOptions::layout)
+      .def_rw("rowwise", &AttentionQuantizeOptions::rowwise)
+      .def_rw("columnwise", &AttentionQuantizeOptions::columnwise)
+      .def_rw("format", &AttentionQuantizeOptions::format)
+      .def_rw("bhsd_scales", &AttentionQuantizeOptions::bhsd_scales)
+      .def("__repr__", [](const AttentionQuantizeOptions& o) {
+        return "AttentionQuantizeOptions(layout=" + q(enum_name(o.layout)) + ", rowwise=" + b(o.rowwise) +
+               ", columnwise=" + b(o.columnwise) + ", format=" + q(enum_name(o.format)) +
+               ", bhsd_scales=" + b(o.bhsd_scales) + ")";
+      });
+  nb::class_<RopeOptions>(m, "RopeOptions")
+      .def(nb::init<>())
+      .def_rw("style", &RopeOptions::style)
+      .def_rw("layout", &RopeOptions::layout)
+      .def_rw("rope_dim", &RopeOptions::rope_dim)
+      .def_rw("tables_per_token", &RopeOptions::tables_per_token)
+      .def("__repr__", [](const RopeOptions& o) { return repr(o); });
+  nb::class_<RopeBackwardQuantizeOptions>(m, "RopeBackwardQuantizeOptions")
+      .def(nb::init<>())
+      .def_rw("rope", &RopeBackwardQuantizeOptions::rope)
+      .def_rw("rowwise", &RopeBackwardQuantizeOptions::rowwise)
+      .def_rw("columnwise", &RopeBackwardQuantizeOptions::columnwise)
+      .def_rw("format", &RopeBackwardQuantizeOptions::format)
+      .def_rw("swizzle", &RopeBackwardQuantizeOptions::swizzle)
+      .def("__repr__", [](const RopeBackwardQuantizeOptions& o) {
+        return "RopeBackwardQuantizeOptions(rope=" + repr(o.rope) + ", rowwise=" + b(o.rowwise) +
+               ", columnwise=" + b(o.columnwise) + ", format=" + q(enum_name(o.format)) +
+               ", swizzle=" + b(o.swizzle) + ")";
+      });
+  nb::class_<QProjOptions>(m, "QProjOptions")
+      .def(nb::init<>())
+      .def_rw("nope_dim", &QProjOptions::nope_dim)
+      .def_rw("rope_dim", &QProjOptions::rope_dim)
+      .def_rw("style", &QProjOptions::style)
+      .def_rw("layout", &QProjOptions::layout)
+      .def_rw("batch", &QProjOptions::batch)
+      .def_rw("weight_layout", &QProjOptions::weight_layout)
+      .def_rw("rowwise", &QProjOptions::rowwise)
+      .def_rw("columnwise", &QProjOptions::columnwise)
+      .def_rw("format", &QProjOptions::format)
+      .def_rw("bhsd_scales", &QProjOptions::bhsd_scales)
+      .def("__repr__", [](const QProjOptions& o) {
+        return "QProjOptions(nope_dim=" + std::to_string(o.nope_dim) + ", rope_dim=" + std::to_string(o.rope_dim) +
+               ", style=" + q(enum_name(o.style)) + ", layout=" + q(enum_name(o.layout)) +
+               ", batch=" + std::to_string(o.batch) + ", weight_layout=" + q(enum_name(o.weight_layout)) +
+               ", rowwise=" + b(o.rowwise) + ", columnwise=" + b(o.columnwise) + ", format=" +
+               q(enum_name(o.format)) + ", bhsd_scales=" + b(o.bhsd_scales) + ")";
+      });
+  nb::class_<YarnParams>(m, "YarnParams")
+      .def(nb::init<>())
+      .def_static("deepseek_v3", &YarnParams::deepseek_v3)
+      .def_rw("enabled", &YarnParams::enabled)
+      .def_rw("factor", &YarnParams::factor)
+      .def_rw("original_max_position", &YarnParams::original_max_position)
+      .def_rw("beta_fast", &YarnParams::beta_fast)
+      .def_rw("beta_slow", &YarnParams::beta_slow)
+      .def_rw("mscale", &YarnParams::mscale)
+      .def_rw("mscale_all_dim", &YarnParams::mscale_all_dim)
+      .def("__repr__", [](const YarnParams& y) {
+        return "YarnParams(enabled=" + b(y.enabled) + ", factor=" + std::to_string(y.factor) +
+               ", original_max_position=" + std::to_string(y.original_max_position) +
+               ", beta_fast=" + std::to_string(y.beta_fast) + ", beta_slow=" + std::to_string(y.beta_slow) +
+               ", mscale=" + std::to_string(y.mscale) + ", mscale_all_dim=" + std::to_string(y.mscale_all_dim) + ")";
+      });
+  nb::class_<DequantizeOptions>(m, "DequantizeOptions")
+      .def(nb::init<>())
+      .def_rw("shape", &DequantizeOptions::shape)
+      .def_rw("format", &DequantizeOptions::format)
+      .def_rw("scale_layout", &DequantizeOptions::scale_layout)
+      .def_rw("qkv_layout", &DequantizeOptions::qkv_layout)
+      .def_rw("attention", &DequantizeOptions::attention)
+      .def_rw("columnwise", &DequantizeOptions::columnwise);
+
+  // ------------------------------------------------------------------ shapes (what the Python layer and the fakes allocate)
   m.def("quantize_shapes", [](const std::vector<int64_t>& shape, bool swizzle, const std::string& op,
                                const std::string& arg) {
     return shapes_for(op, arg, [&] { return quantize_shapes(shape, swizzle); });
   });
-  m.def("attention_shapes", [](const std::vector<int64_t>& shape, const std::string& layout, bool bhsd,
-                                const std::string& op, const std::string& arg) {
-    return shapes_for(op, arg, [&] { return attention_shapes(shape, parse_layout(layout), bhsd); });
+  m.def("attention_shapes", [](const std::vector<int64_t>& shape, QKVLayout layout, bool bhsd, const std::string& op,
+                                const std::string& arg) {
+    return shapes_for(op, arg, [&] { return attention_shapes(shape, layout, bhsd); });
+  });
+  // (q shape, codes, rowwise scales, columnwise scales); an error is re-thrown under `op` (the
+  // Python function or class that asked), argument and rule unchanged.
+  m.def("qproj_shapes", [](int64_t tokens, int64_t heads, const QProjOptions& o, const std::string& op) {
+    try {
+      const MXFP8Shapes s = qproj_shapes(tokens, heads, o);
+      return nb::make_tuple(qproj_q_shape(tokens, heads, o), s.data, s.rowwise_scale, s.columnwise_scale);
+    } catch (const Error& e) {
+      throw Error(op, e.arg(), e.rule());
+    }
   });
 
+  // ------------------------------------------------------------------ MXFP8
   m.def(
       "quantize",
-      [](const Desc& x, const std::optional<Desc>& rd, const std::optional<Desc>& rs, const std::optional<Desc>& cd,
-         const std::optional<Desc>& cs, const std::string& fmt, bool swizzle, uintptr_t stream) {
-        QuantizeOptions o;
-        o.rowwise = rd.has_value(), o.columnwise = cd.has_value(), o.format = parse_format(fmt), o.swizzle = swizzle;
-        MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
-        nb::gil_scoped_release release;
-        quantize(to_desc(x), t, o, to_stream(stream));
+      [](const Desc& x, const OptDesc& rd, const OptDesc& rs, const OptDesc& cd, const OptDesc& cs,
+         const QuantizeOptions& o, uintptr_t stream) {
+        renamed({{"input", "x"}}, [&] {
+          MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
+          const TensorDesc xd = to_desc(x);
+          nb::gil_scoped_release release;
+          quantize(xd, t, o, to_stream(stream));
+        });
       },
-      nb::arg("x"), nb::arg("rowwise_data").none(), nb::arg("rowwise_scale").none(), nb::arg("columnwise_data").none(),
-      nb::arg("columnwise_scale").none(), nb::arg("fp8_format"), nb::arg("swizzle"), nb::arg("stream"));
+      nb::arg("x"), nb::arg("rowwise_data").none(), nb::arg("rowwise_scale_inv").none(),
+      nb::arg("columnwise_data").none(), nb::arg("columnwise_scale_inv").none(), nb::arg("options"),
+      nb::arg("stream"));
 
   m.def(
       "quantize_attention",
-      [](const Desc& x, const std::optional<Desc>& rd, const std::optional<Desc>& rs, const std::optional<Desc>& cd,
-         const std::optional<Desc>& cs, const std::string& layout, const std::string& fmt, bool bhsd, uintptr_t stream) {
-        AttentionQuantizeOptions o;
-        o.layout = parse_layout(layout), o.rowwise = rd.has_value(), o.columnwise = cd.has_value();
-        o.format = parse_format(fmt), o.bhsd_scales = bhsd;
-        MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
-        nb::gil_scoped_release release;
-        quantize_attention(to_desc(x), t, o, to_stream(stream));
+      [](const Desc& x, const OptDesc& rd, const OptDesc& rs, const OptDesc& cd, const OptDesc& cs,
+         const AttentionQuantizeOptions& o, uintptr_t stream) {
+        renamed({{"input", "x"}}, [&] {
+          MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
+          const TensorDesc xd = to_desc(x);
+          nb::gil_scoped_release release;
+          quantize_attention(xd, t, o, to_stream(stream));
+        });
       },
-      nb::arg("x"), nb::arg("rowwise_data").none(), nb::arg("rowwise_scale").none(), nb::arg("columnwise_data").none(),
-      nb::arg("columnwise_scale").none(), nb::arg("layout"), nb::arg("fp8_format"), nb::arg("bhsd"), nb::arg("stream"));
+      nb::arg("x"), nb::arg("rowwise_data").none(), nb::arg("rowwise_scale_inv").none(),
+      nb::arg("columnwise_data").none(), nb::arg("columnwise_scale_inv").none(), nb::arg("options"),
+      nb::arg("stream"));
 
   m.def(
       "dequantize",
-      [](const Desc& data, const Desc& scale, const Desc& out, const std::vector<int64_t>& shape, const std::string& fmt,
-         const std::string& scale_layout, bool columnwise, bool attention, const std::string& layout, uintptr_t stream) {
-        MXFP8Tensor t;
-        t.shape = shape, t.format = parse_format(fmt), t.scale_layout = parse_scale_layout(scale_layout);
-        t.attention = attention, t.qkv_layout = parse_layout(layout);
-        (columnwise ? t.columnwise_data : t.rowwise_data) = to_desc(data);
-        (columnwise ? t.columnwise_scale_inv : t.rowwise_scale_inv) = to_desc(scale);
-        TensorDesc o = to_desc(out);
-        nb::gil_scoped_release release;
-        dequantize(t, o, columnwise, to_stream(stream));
+      [](const Desc& data, const Desc& scale, const Desc& out, const DequantizeOptions& o, uintptr_t stream) {
+        renamed({{"input", "q"},
+                 {"input.shape", "q.shape"},
+                 {"rowwise_data", "q.rowwise_data"},
+                 {"rowwise_scale_inv", "q.rowwise_scale_inv"},
+                 {"columnwise_data", "q.columnwise_data"},
+                 {"columnwise_scale_inv", "q.columnwise_scale_inv"},
+                 {"output", "out"}},
+                [&] {
+                  MXFP8Tensor t;
+                  t.shape = o.shape, t.format = o.format, t.scale_layout = o.scale_layout;
+                  t.attention = o.attention, t.qkv_layout = o.qkv_layout;
+                  (o.columnwise ? t.columnwise_data : t.rowwise_data) = to_desc(data);
+                  (o.columnwise ? t.columnwise_scale_inv : t.rowwise_scale_inv) = to_desc(scale);
+                  TensorDesc od = to_desc(out);
+                  nb::gil_scoped_release release;
+                  dequantize(t, od, o.columnwise, to_stream(stream));
+                });
       },
-      nb::arg("data"), nb::arg("scale"), nb::arg("out"), nb::arg("shape"), nb::arg("fp8_format"),
-      nb::arg("scale_layout"), nb::arg("columnwise"), nb::arg("attention"), nb::arg("layout"), nb::arg("stream"));
+      nb::arg("data"), nb::arg("scale"), nb::arg("out"), nb::arg("options"), nb::arg("stream"));
 
-  m.def("swizzle_scales", [](const Desc& src, const Desc& dst, int64_t M, int64_t K, bool rowwise, uintptr_t stream) {
-    TensorDesc d = to_desc(dst);
-    nb::gil_scoped_release release;
-    swizzle_scales(to_desc(src), d, M, K, rowwise, to_stream(stream));
-  });
-  m.def("unswizzle_scales", [](const Desc& src, const Desc& dst, int64_t M, int64_t K, bool rowwise, uintptr_t stream) {
-    TensorDesc d = to_desc(dst);
-    nb::gil_scoped_release release;
-    unswizzle_scales(to_desc(src), d, M, K, rowwise, to_stream(stream));
-  });
-  m.def("attention_scales_to_bhsd", [](const Desc& src, const Desc& dst, const std::vector<int64_t>& shape,
-                                       const std::string& layout, bool rowwise, uintptr_t stream) {
-    TensorDesc d = to_desc(dst);
-    nb::gil_scoped_release release;
-    attention_scales_to_bhsd(to_desc(src), d, shape, parse_layout(layout), rowwise, to_stream(stream));
-  });
+  m.def(
+      "swizzle_scales",
+      [](const Desc& src, const Desc& dst, int64_t M, int64_t K, bool rowwise, uintptr_t stream) {
+        renamed({{"compact", "scales"}}, [&] {
+          const TensorDesc s = to_desc(src);
+          TensorDesc d = to_desc(dst);
+          nb::gil_scoped_release release;
+          swizzle_scales(s, d, M, K, rowwise, to_stream(stream));
+        });
+      },
+      nb::arg("scales"), nb::arg("out"), nb::arg("M"), nb::arg("K"), nb::arg("rowwise"), nb::arg("stream"));
+  m.def(
+      "unswizzle_scales",
+      [](const Desc& src, const Desc& dst, int64_t M, int64_t K, bool rowwise, uintptr_t stream) {
+        renamed({{"swizzled", "scales"}}, [&] {
+          const TensorDesc s = to_desc(src);
+          TensorDesc d = to_desc(dst);
+          nb::gil_scoped_release release;
+          unswizzle_scales(s, d, M, K, rowwise, to_stream(stream));
+        });
+      },
+      nb::arg("scales"), nb::arg("out"), nb::arg("M"), nb::arg("K"), nb::arg("rowwise"), nb::arg("stream"));
 
-  m.def("attention_scales_to_bhsd_batch",
-        [](const std::vector<std::tuple<Desc, Desc, std::vector<int64_t>, std::string, bool>>& jobs, uintptr_t stream) {
-          std::vector<BhsdScaleJob> js;
-          for (const auto& [src, dst, shape, layout, rowwise] : jobs)
-            js.push_back(BhsdScaleJob{to_desc(src), to_desc(dst), shape, parse_layout(layout), rowwise});
+  // Phase two for one or several scale tensors in one launch: jobs of (compact scales, BHSD output,
+  // 4-D shape, layout, rowwise, the Python name of the compact scales for errors).
+  m.def(
+      "attention_scales_to_bhsd",
+      [](const std::vector<std::tuple<Desc, Desc, std::vector<int64_t>, QKVLayout, bool, std::string>>& jobs,
+         uintptr_t stream) {
+        std::vector<BhsdScaleJob> js;
+        for (const auto& [src, dst, shape, layout, rowwise, name] : jobs)
+          js.push_back(BhsdScaleJob{to_desc(src), to_desc(dst), shape, layout, rowwise});
+        try {
           nb::gil_scoped_release release;
           attention_scales_to_bhsd(js, to_stream(stream));
-        });
-
-  m.def(
-      "rope",
-      [](const Desc& x, const Desc& cos, const Desc& sin, const Desc& out, const std::string& style,
-         const std::string& layout, int64_t rope_dim, bool per_token, const std::optional<Desc>& cu, bool backward,
-         uintptr_t stream) {
-        RopeOptions o;
-        o.style = parse_style(style), o.layout = parse_rope_layout(layout), o.rope_dim = rope_dim;
-        o.tables_per_token = per_token;
-        TensorDesc od = to_desc(out);
-        TensorDesc cud = cu ? to_desc(*cu) : TensorDesc();
-        nb::gil_scoped_release release;
-        if (backward)
-          rope_backward(to_desc(x), to_desc(cos), to_desc(sin), od, o, cu ? &cud : nullptr, to_stream(stream));
-        else
-          apply_rope(to_desc(x), to_desc(cos), to_desc(sin), od, o, cu ? &cud : nullptr, to_stream(stream));
+        } catch (const Error& e) {
+          // the C++ API tags a job k of several as "compact[k]" / "shape[k]"; name the Python argument
+          for (size_t k = 0; k < jobs.size(); ++k) {
+            const std::string tag = jobs.size() > 1 ? "[" + std::to_string(k) + "]" : "";
+            const std::string& name = std::get<5>(jobs[k]);
+            if (e.arg() == "compact" + tag) throw Error(e.op(), name, e.rule());
+            if (e.arg() == "shape" + tag) throw Error(e.op(), name + ".shape", e.rule());
+          }
+          throw;
+        }
       },
-      nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"), nb::arg("style"), nb::arg("layout"),
-      nb::arg("rope_dim"), nb::arg("tables_per_token"), nb::arg("cu_seqlens").none(), nb::arg("backward"),
+      nb::arg("jobs"), nb::arg("stream"));
+
+  // ------------------------------------------------------------------ RoPE
+  m.def(
+      "apply_rope",
+      [](const Desc& x, const Desc& cos, const Desc& sin, const Desc& out, const RopeOptions& o, const OptDesc& cu,
+         uintptr_t stream) {
+        const TensorDesc xd = to_desc(x), c = to_desc(cos), s = to_desc(sin), cud = opt_desc(cu);
+        TensorDesc od = to_desc(out);
+        nb::gil_scoped_release release;
+        apply_rope(xd, c, s, od, o, cu ? &cud : nullptr, to_stream(stream));
+      },
+      nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"), nb::arg("options"), nb::arg("cu_seqlens").none(),
       nb::arg("stream"));
   m.def(
-      "rope_backward_quantize",
-      [](const Desc& dq, const Desc& cos, const Desc& sin, const std::optional<Desc>& rd, const std::optional<Desc>& rs,
-         const std::optional<Desc>& cd, const std::optional<Desc>& cs, const std::optional<Desc>& dx,
-         const std::string& style, const std::string& layout, int64_t rope_dim, bool per_token,
-         const std::optional<Desc>& cu, const std::string& fmt, bool swizzle, uintptr_t stream) {
-        RopeBackwardQuantizeOptions o;
-        o.rope.style = parse_style(style), o.rope.layout = parse_rope_layout(layout), o.rope.rope_dim = rope_dim;
-        o.rope.tables_per_token = per_token;
-        o.rowwise = rd.has_value(), o.columnwise = cd.has_value(), o.format = parse_format(fmt), o.swizzle = swizzle;
-        MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
-        TensorDesc dxd = dx ? to_desc(*dx) : TensorDesc();
-        TensorDesc cud = cu ? to_desc(*cu) : TensorDesc();
-        nb::gil_scoped_release release;
-        rope_backward_quantize(to_desc(dq), to_desc(cos), to_desc(sin), t, dx ? &dxd : nullptr, o, cu ? &cud : nullptr,
-                               to_stream(stream));
+      "rope_backward",
+      [](const Desc& grad, const Desc& cos, const Desc& sin, const Desc& dx, const RopeOptions& o, const OptDesc& cu,
+         uintptr_t stream) {
+        renamed({{"dx", "out"}}, [&] {
+          const TensorDesc g = to_desc(grad), c = to_desc(cos), s = to_desc(sin), cud = opt_desc(cu);
+          TensorDesc d = to_desc(dx);
+          nb::gil_scoped_release release;
+          rope_backward(g, c, s, d, o, cu ? &cud : nullptr, to_stream(stream));
+        });
       },
-      nb::arg("dq"), nb::arg("cos"), nb::arg("sin"), nb::arg("rowwise_data").none(), nb::arg("rowwise_scale").none(),
-      nb::arg("columnwise_data").none(), nb::arg("columnwise_scale").none(), nb::arg("dx").none(), nb::arg("style"),
-      nb::arg("layout"), nb::arg("rope_dim"), nb::arg("tables_per_token"), nb::arg("cu_seqlens").none(),
-      nb::arg("fp8_format"), nb::arg("swizzle"), nb::arg("stream"));
-  m.def("rope_tables", [](const std::vector<double>& positions, int64_t rope_dim, double base,
-                          const std::optional<std::tuple<double, int64_t, double, double, double, double>>& yarn,
-                          const std::string& style, const Desc& cos, const Desc& sin) {
-    TensorDesc c = to_desc(cos), s = to_desc(sin);
-    rope_tables(positions, rope_dim, base, parse_yarn(yarn), parse_style(style), c, s);
-  }, nb::arg("positions"), nb::arg("rope_dim"), nb::arg("base"), nb::arg("yarn").none(), nb::arg("style"),
-     nb::arg("cos"), nb::arg("sin"));
-  m.def("rope_inv_freq", [](int64_t rope_dim, double base,
-                            const std::optional<std::tuple<double, int64_t, double, double, double, double>>& yarn) {
-    return rope_inv_freq(rope_dim, base, parse_yarn(yarn));
-  }, nb::arg("rope_dim"), nb::arg("base"), nb::arg("yarn").none());
-  m.def("yarn_softmax_scale", [](int64_t head_dim,
-                                 const std::optional<std::tuple<double, int64_t, double, double, double, double>>& yarn) {
-    return yarn_softmax_scale(head_dim, parse_yarn(yarn));
-  }, nb::arg("head_dim"), nb::arg("yarn").none());
-  m.def("positions_arange", &positions_arange, nb::arg("n"), nb::arg("offset") = 0);
-  m.def("positions_from_cu_seqlens", &positions_from_cu_seqlens);
-  m.def("positions_context_parallel", &positions_context_parallel);
+      nb::arg("grad"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"), nb::arg("options"),
+      nb::arg("cu_seqlens").none(), nb::arg("stream"));
+  m.def(
+      "rope_backward_quantize",
+      [](const Desc& dq, const Desc& cos, const Desc& sin, const OptDesc& rd, const OptDesc& rs, const OptDesc& cd,
+         const OptDesc& cs, const OptDesc& dx, const RopeBackwardQuantizeOptions& o, const OptDesc& cu,
+         uintptr_t stream) {
+        renamed({{"grad", "dq"}, {"options", "rowwise"}}, [&] {
+          MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
+          const TensorDesc d = to_desc(dq), c = to_desc(cos), s = to_desc(sin), cud = opt_desc(cu);
+          TensorDesc dxd = opt_desc(dx);
+          nb::gil_scoped_release release;
+          rope_backward_quantize(d, c, s, t, dx ? &dxd : nullptr, o, cu ? &cud : nullptr, to_stream(stream));
+        });
+      },
+      nb::arg("dq"), nb::arg("cos"), nb::arg("sin"), nb::arg("rowwise_data").none(),
+      nb::arg("rowwise_scale_inv").none(), nb::arg("columnwise_data").none(), nb::arg("columnwise_scale_inv").none(),
+      nb::arg("dx_copy").none(), nb::arg("options"), nb::arg("cu_seqlens").none(), nb::arg("stream"));
 
-  m.def("qproj_shapes", [](int64_t tokens, int64_t heads, int64_t nope, int64_t rope, const std::string& layout,
-                           int64_t batch, bool bhsd) {
-    QProjOptions o;
-    o.nope_dim = nope, o.rope_dim = rope, o.layout = parse_layout(layout), o.batch = batch, o.bhsd_scales = bhsd;
-    const MXFP8Shapes s = qproj_shapes(tokens, heads, o);
-    return nb::make_tuple(qproj_q_shape(tokens, heads, o), s.data, s.rowwise_scale, s.columnwise_scale);
-  });
+  m.def(
+      "rope_tables",
+      [](const std::vector<double>& positions, int64_t rope_dim, double base, const YarnParams& yarn, RopeStyle style,
+         const Desc& cos, const Desc& sin) {
+        TensorDesc c = to_desc(cos), s = to_desc(sin);
+        try {
+          rope_tables(positions, rope_dim, base, yarn, style, c, s);
+        } catch (const Error& e) {  // rope_tables checks its arguments through rope_inv_freq
+          throw Error("mxmla.rope_tables", e.arg(), e.rule());
+        }
+      },
+      nb::arg("positions"), nb::arg("rope_dim"), nb::arg("base"), nb::arg("yarn"), nb::arg("style"), nb::arg("cos"),
+      nb::arg("sin"));
+  m.def("rope_inv_freq", &rope_inv_freq, nb::arg("rope_dim"), nb::arg("base"), nb::arg("yarn"));
+  m.def("yarn_softmax_scale", &yarn_softmax_scale, nb::arg("head_dim"), nb::arg("yarn"));
+  m.def("positions_arange", &positions_arange, nb::arg("n"), nb::arg("offset") = 0);
+  m.def("positions_from_cu_seqlens", &positions_from_cu_seqlens, nb::arg("cu_seqlens"));
+  m.def("positions_context_parallel", &positions_context_parallel, nb::arg("local_len"), nb::arg("cp_size"),
+        nb::arg("cp_rank"));
+
+  // ------------------------------------------------------------------ fused Q up-projection
   m.def(
       "fused_q_uproj_rope_quant",
-      [](const Desc& x, const Desc& w, const Desc& cos, const Desc& sin, const std::optional<Desc>& rd,
-         const std::optional<Desc>& rs, const std::optional<Desc>& cd, const std::optional<Desc>& cs,
-         const std::optional<Desc>& q, int64_t nope, int64_t rope, const std::string& style, const std::string& layout,
-         int64_t batch, const std::string& weight_layout, const std::string& fmt, bool bhsd, uintptr_t stream) {
-        QProjOptions o;
-        o.nope_dim = nope, o.rope_dim = rope, o.style = parse_style(style), o.layout = parse_layout(layout);
-        o.batch = batch, o.format = parse_format(fmt), o.bhsd_scales = bhsd;
-        if (weight_layout != "nk" && weight_layout != "kn")
-          throw Error("mxmla.fused_q_uproj_rope_quant", "weight_layout", "must be 'nk' ([N, K]) or 'kn' ([K, N]), got '" + weight_layout + "'");
-        o.weight_layout = weight_layout == "kn" ? WeightLayout::kKN : WeightLayout::kNK;
-        o.rowwise = rd.has_value(), o.columnwise = cd.has_value();
-        MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
-        TensorDesc qd = q ? to_desc(*q) : TensorDesc();
-        nb::gil_scoped_release release;
-        fused_q_uproj_rope_quant(to_desc(x), to_desc(w), to_desc(cos), to_desc(sin), t, q ? &qd : nullptr, o,
-                                 to_stream(stream));
+      [](const Desc& x, const Desc& w, const Desc& cos, const Desc& sin, const OptDesc& rd, const OptDesc& rs,
+         const OptDesc& cd, const OptDesc& cs, const OptDesc& q, const QProjOptions& o, uintptr_t stream) {
+        renamed({{"options", "rowwise"}}, [&] {
+          MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
+          const TensorDesc xd = to_desc(x), wd = to_desc(w), c = to_desc(cos), s = to_desc(sin);
+          TensorDesc qd = opt_desc(q);
+          nb::gil_scoped_release release;
+          fused_q_uproj_rope_quant(xd, wd, c, s, t, q ? &qd : nullptr, o, to_stream(stream));
+        });
       },
       nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"), nb::arg("rowwise_data").none(),
-      nb::arg("rowwise_scale").none(), nb::arg("columnwise_data").none(), nb::arg("columnwise_scale").none(),
-      nb::arg("q").none(), nb::arg("nope_dim"), nb::arg("rope_dim"), nb::arg("style"), nb::arg("layout"),
-      nb::arg("batch"), nb::arg("weight_layout"), nb::arg("fp8_format"), nb::arg("bhsd_scales"), nb::arg("stream"));
+      nb::arg("rowwise_scale_inv").none(), nb::arg("columnwise_data").none(), nb::arg("columnwise_scale_inv").none(),
+      nb::arg("q").none(), nb::arg("options"), nb::arg("stream"));
 
   m.def("build_info", [] {
-    const BuildInfo b = build_info();
-    return nb::make_tuple(b.version, b.cuda_enabled, std::string(b.cuda_archs), b.cuda_rope);
+    const BuildInfo bi = build_info();
+    return nb::make_tuple(bi.version, bi.cuda_enabled, std::string(bi.cuda_archs), bi.cuda_rope);
   });
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_device_description", &cuda_device_description);

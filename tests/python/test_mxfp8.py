@@ -171,7 +171,7 @@ def test_strided_numpy_input():
         (lambda: mxmla.quantize_attention(np.ones((4, 32), np.float32)), "must be 4-D"),
         (lambda: mxmla.quantize_attention(np.ones((4, 1, 1, 32), np.float32), layout="bhsd"), "argument 'layout'"),
         (lambda: mxmla.quantize([1.0] * 32), "expected a torch.Tensor or numpy.ndarray"),
-        (lambda: mxmla.swizzle_scales(np.zeros((4, 2), np.uint8), 4, 96), "argument 'compact': shape \\[4, 2\\] must be \\[4, 3\\]"),
+        (lambda: mxmla.swizzle_scales(np.zeros((4, 2), np.uint8), 4, 96), "mxmla.swizzle_scales: argument 'scales': shape \\[4, 2\\] must be \\[4, 3\\]"),
     ],
 )
 def test_errors(call, match):

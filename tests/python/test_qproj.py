@@ -131,7 +131,7 @@ def test_errors_name_the_argument():
 
 @pytest.mark.skipif(torch is None, reason="torch is not installed")
 def test_torch_custom_op_traces_under_compile():
-    op = mxmla.register_torch_op()
+    op = torch.ops.mxmla.fused_q_uproj_rope_quant  # registered on import mxmla (register_torch_op() is deprecated)
     T, H, K = 64, 1, 64
     xn, wn = inputs(T, H, K, seed=4)
     x = torch.from_numpy(xn.astype(np.int16)).view(torch.bfloat16)

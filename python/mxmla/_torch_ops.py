@@ -1,0 +1,297 @@
+"""Private: every public op as a torch.library custom op (namespace ``mxmla``), registered on
+``import mxmla`` when torch is importable.
+
+Each op has a fake (meta) implementation whose output shapes come from the same C++ shape
+functions the real path allocates with (quantize_shapes, attention_shapes, qproj_shapes), so
+``torch.compile(fullgraph=True)`` traces them and ``device="meta"`` tensors work. No op has an output
+of data-dependent shape. The shape functions take concrete sizes: a symbolic size is specialised.
+
+Ops returning an MXFP8 result return its four uint8 buffers (rowwise codes, rowwise scales,
+columnwise codes, columnwise scales); a direction that is off comes back as an empty placeholder
+(shape [0]); the Python functions turn them into MXFP8Tensor (None for an absent direction).
+
+Autograd: apply_rope and rope_backward are each other's gradient (register_autograd); the ``*_out``
+forms (mutating ``out``) and the ops without a gradient raise when an input needs one.
+(No ``from __future__ import annotations`` here: torch infers the op schemas from the annotations.)
+"""
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _mxmla_core as _core
+from . import mxfp8 as _mx
+from . import qproj as _qp
+from . import rope as _rope
+
+Tensor = torch.Tensor
+_T4 = Tuple[Tensor, Tensor, Tensor, Tensor]
+_T5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+def _ints(shape: Sequence) -> List[int]:
+    return [int(d) for d in shape]  # a SymInt is specialised (the C++ shape functions take ints)
+
+
+def _placeholder(like: Tensor, t: Optional[Tensor], dtype: torch.dtype = torch.uint8) -> Tensor:
+    return like.new_empty((0,), dtype=dtype) if t is None else t
+
+
+def _fake4(like: Tensor, shapes: Sequence, rowwise: bool, columnwise: bool) -> _T4:
+    data, rs, cs = shapes
+    e = lambda s, on: like.new_empty(tuple(_ints(s)) if on else (0,), dtype=torch.uint8)  # noqa: E731
+    return e(data, rowwise), e(rs, rowwise), e(data, columnwise), e(cs, columnwise)
+
+
+def _no_gradient(op_def, op: str, why: str, names: Sequence[str]) -> None:
+    """Ops without a gradient: an input that requires grad (grad mode on) raises in the forward
+    (the Python functions raise the same error before calling the op)."""
+
+    def setup_context(ctx, inputs, output):
+        for name, v in zip(names, inputs):
+            if isinstance(v, Tensor) and v.requires_grad:
+                raise RuntimeError(f"{op}: argument '{name}': requires grad, but {op.split('.')[-1]} has no gradient "
+                                   f"({why}); call it on {name}.detach(), under torch.no_grad(), or inside a "
+                                   f"torch.autograd.Function's forward")
+
+    def backward(ctx, *grads):  # pragma: no cover - setup_context raised already
+        raise RuntimeError(f"{op} has no gradient ({why})")
+
+    op_def.register_autograd(backward, setup_context=setup_context)
+
+
+# ----------------------------------------------------------------------------- MXFP8
+@torch.library.custom_op("mxmla::quantize", mutates_args=())
+def quantize(x: Tensor, rowwise: bool, columnwise: bool, fp8_format: str, swizzle: bool) -> _T4:
+    return tuple(_placeholder(x, o) for o in _mx._quantize_impl(x, rowwise, columnwise, fp8_format, swizzle))
+
+
+@quantize.register_fake
+def _(x, rowwise, columnwise, fp8_format, swizzle):
+    return _fake4(x, _core.quantize_shapes(_ints(x.shape), swizzle, "mxmla.quantize", "x"), rowwise, columnwise)
+
+
+_no_gradient(quantize, "mxmla.quantize", _mx._NOT_DIFF, ["x"])
+
+
+@torch.library.custom_op("mxmla::quantize_attention", mutates_args=())
+def quantize_attention(x: Tensor, layout: str, rowwise: bool, columnwise: bool, fp8_format: str,
+                       bhsd_scales: bool) -> _T4:
+    outs = _mx._quantize_attention_impl(x, layout, rowwise, columnwise, fp8_format, bhsd_scales)
+    return tuple(_placeholder(x, o) for o in outs)
+
+
+@quantize_attention.register_fake
+def _(x, layout, rowwise, columnwise, fp8_format, bhsd_scales):
+    op = "mxmla.quantize_attention"
+    lay = _mx.QKV_LAYOUT.parse(op, "layout", layout)
+    return _fake4(x, _core.attention_shapes(_ints(x.shape), lay, bhsd_scales, op, "x"), rowwise, columnwise)
+
+
+_no_gradient(quantize_attention, "mxmla.quantize_attention", _mx._NOT_DIFF, ["x"])
+
+
+@torch.library.custom_op("mxmla::dequantize", mutates_args=())
+def dequantize(data: Tensor, scale: Tensor, shape: List[int], fp8_format: str, scale_layout: str, columnwise: bool,
+               attention: bool, layout: str, dtype: torch.dtype) -> Tensor:
+    name = str(dtype).replace("torch.", "")
+    return _mx._dequantize_impl(data, scale, shape, fp8_format, scale_layout, columnwise, attention, layout, name)
+
+
+@dequantize.register_fake
+def _(data, scale, shape, fp8_format, scale_layout, columnwise, attention, layout, dtype):
+    return data.new_empty(tuple(_ints(shape)), dtype=dtype)
+
+
+@torch.library.custom_op("mxmla::swizzle_scales", mutates_args=())
+def swizzle_scales(scales: Tensor, M: int, K: int, rowwise: bool) -> Tensor:
+    return _mx._swizzle_impl(scales, M, K, rowwise, True)
+
+
+@swizzle_scales.register_fake
+def _(scales, M, K, rowwise):
+    s = _core.quantize_shapes([int(M), int(K)], True, "mxmla.swizzle_scales", "K")
+    return scales.new_empty(tuple(s[1] if rowwise else s[2]), dtype=torch.uint8)
+
+
+@torch.library.custom_op("mxmla::unswizzle_scales", mutates_args=())
+def unswizzle_scales(scales: Tensor, M: int, K: int, rowwise: bool) -> Tensor:
+    return _mx._swizzle_impl(scales, M, K, rowwise, False)
+
+
+@unswizzle_scales.register_fake
+def _(scales, M, K, rowwise):
+    s = _core.quantize_shapes([int(M), int(K)], False, "mxmla.unswizzle_scales", "K")
+    return scales.new_empty(tuple(s[1] if rowwise else s[2]), dtype=torch.uint8)
+
+
+def _bhsd_shape(op: str, shape: Sequence, layout: str, rowwise: bool, arg: str) -> List[int]:
+    s = _core.attention_shapes(_ints(shape), _mx.QKV_LAYOUT.parse(op, "layout", layout), True, op, arg)
+    return s[1] if rowwise else s[2]
+
+
+@torch.library.custom_op("mxmla::attention_scales_to_bhsd", mutates_args=())
+def attention_scales_to_bhsd(scales: Tensor, shape: List[int], layout: str, rowwise: bool) -> Tensor:
+    return _mx._bhsd_impl("mxmla.attention_scales_to_bhsd", [scales], [shape], [layout], [rowwise], ["scales"],
+                          ["shape"])[0]
+
+
+@attention_scales_to_bhsd.register_fake
+def _(scales, shape, layout, rowwise):
+    return scales.new_empty(tuple(_bhsd_shape("mxmla.attention_scales_to_bhsd", shape, layout, rowwise, "shape")),
+                            dtype=torch.uint8)
+
+
+@torch.library.custom_op("mxmla::to_bhsd", mutates_args=())
+def to_bhsd(scales: List[Tensor], shapes: List[int], bshd: List[bool], rowwise: List[bool],
+            index: List[int]) -> List[Tensor]:
+    """Phase two for len(scales) compact attention scale tensors in one launch; shapes: 4 per tensor;
+    index: the position of each one's MXFP8Tensor in to_bhsd's arguments (for errors)."""
+    sh = [shapes[4 * i: 4 * i + 4] for i in range(len(scales))]
+    names, shape_names = _mx._to_bhsd_names(index, rowwise)
+    return _mx._bhsd_impl("mxmla.to_bhsd", scales, sh, ["bshd" if b else "sbhd" for b in bshd], rowwise, names,
+                          shape_names)
+
+
+@to_bhsd.register_fake
+def _(scales, shapes, bshd, rowwise, index):
+    return [s.new_empty(tuple(_bhsd_shape("mxmla.to_bhsd", shapes[4 * i: 4 * i + 4], "bshd" if bshd[i] else "sbhd",
+                                          rowwise[i], f"tensors[{index[i]}].shape")), dtype=torch.uint8)
+            for i, s in enumerate(scales)]
+
+
+# ----------------------------------------------------------------------------- RoPE
+@torch.library.custom_op("mxmla::apply_rope", mutates_args=())
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str, rope_dim: int,
+               cu_seqlens: Optional[Tensor], tables_per_token: bool) -> Tensor:
+    return _rope._rope_impl(False, x, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token)
+
+
+@apply_rope.register_fake
+def _(x, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("mxmla::rope_backward", mutates_args=())
+def rope_backward(grad: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str, rope_dim: int,
+                  cu_seqlens: Optional[Tensor], tables_per_token: bool) -> Tensor:
+    return _rope._rope_impl(True, grad, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token)
+
+
+@rope_backward.register_fake
+def _(grad, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token):
+    return grad.new_empty(grad.shape)
+
+
+def _kernel_ready(g: Tensor) -> Tensor:
+    """An incoming gradient as the CUDA kernels take it: unit innermost stride, 16-byte aligned
+    strides and offset (an expanded or oddly strided grad is copied; the CPU reference takes any)."""
+    if not g.is_cuda or g.numel() == 0:
+        return g
+    es = g.element_size()
+    ok = g.stride(-1) == 1 and all((s * es) % 16 == 0 for s in g.stride()[:-1]) and \
+        (g.storage_offset() * es) % 16 == 0
+    return g if ok else g.contiguous()
+
+
+def _rope_autograd(op_def, op: str, other) -> None:
+    """The gradient of apply_rope is rope_backward and vice versa (R and R^T), same options."""
+
+    def setup_context(ctx, inputs, output):
+        x, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token = inputs
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.requires_grad:
+                raise RuntimeError(f"{op}: argument '{name}': requires grad, but {op.split('.')[-1]} has no gradient "
+                                   f"for the tables; pass {name}.detach()")
+        ctx.save_for_backward(cos, sin, cu_seqlens)
+        ctx.options = (style, layout, rope_dim, tables_per_token)
+
+    def backward(ctx, grad):
+        cos, sin, cu_seqlens = ctx.saved_tensors
+        style, layout, rope_dim, per_token = ctx.options
+        dx = other()(_kernel_ready(grad), cos, sin, style, layout, rope_dim, cu_seqlens, per_token)
+        return dx, None, None, None, None, None, None, None
+
+    op_def.register_autograd(backward, setup_context=setup_context)
+
+
+_rope_autograd(apply_rope, "mxmla.apply_rope", lambda: torch.ops.mxmla.rope_backward)
+_rope_autograd(rope_backward, "mxmla.rope_backward", lambda: torch.ops.mxmla.apply_rope)
+
+
+@torch.library.custom_op("mxmla::apply_rope_out", mutates_args=("out",))
+def apply_rope_out(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, style: str, layout: str, rope_dim: int,
+                   cu_seqlens: Optional[Tensor], tables_per_token: bool) -> None:
+    _rope._rope_impl(False, x, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token, out)
+
+
+@apply_rope_out.register_fake
+def _(x, cos, sin, out, style, layout, rope_dim, cu_seqlens, tables_per_token):
+    return None
+
+
+@torch.library.custom_op("mxmla::rope_backward_out", mutates_args=("out",))
+def rope_backward_out(grad: Tensor, cos: Tensor, sin: Tensor, out: Tensor, style: str, layout: str, rope_dim: int,
+                      cu_seqlens: Optional[Tensor], tables_per_token: bool) -> None:
+    _rope._rope_impl(True, grad, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token, out)
+
+
+@rope_backward_out.register_fake
+def _(grad, cos, sin, out, style, layout, rope_dim, cu_seqlens, tables_per_token):
+    return None
+
+
+@torch.library.custom_op("mxmla::rope_backward_quantize", mutates_args=())
+def rope_backward_quantize(dq: Tensor, cos: Tensor, sin: Tensor, rowwise: bool, columnwise: bool, fp8_format: str,
+                           swizzle: bool, dx_copy: Optional[torch.dtype], style: str, layout: str, rope_dim: int,
+                           cu_seqlens: Optional[Tensor], tables_per_token: bool) -> _T5:
+    name = None if dx_copy is None else str(dx_copy).replace("torch.", "")
+    res = _rope._rope_backward_quantize_impl(dq, cos, sin, rowwise, columnwise, fp8_format, swizzle, name, style,
+                                             layout, rope_dim, cu_seqlens, tables_per_token)
+    return (*(_placeholder(dq, o) for o in res[:4]), _placeholder(dq, res[4], dx_copy or torch.float32))
+
+
+@rope_backward_quantize.register_fake
+def _(dq, cos, sin, rowwise, columnwise, fp8_format, swizzle, dx_copy, style, layout, rope_dim, cu_seqlens,
+      tables_per_token):
+    op = "mxmla.rope_backward_quantize"
+    shape = _ints(dq.shape)
+    if len(shape) < 3:
+        raise ValueError(f"{op}: argument 'dq': must be [s,b,h,d], [b,s,h,d] or [t,h,d], got {shape}")
+    tokens, hd = math.prod(shape[:-2]), shape[-2] * shape[-1]
+    outs = _fake4(dq, _core.quantize_shapes([tokens, hd], swizzle, op, "dq"), rowwise, columnwise)
+    dx = dq.new_empty(tuple(shape) if dx_copy is not None else (0,), dtype=dx_copy or torch.float32)
+    return (*outs, dx)
+
+
+_no_gradient(rope_backward_quantize, "mxmla.rope_backward_quantize", _mx._NOT_DIFF, ["dq", "cos", "sin"])
+
+
+# ----------------------------------------------------------------------------- fused Q up-projection
+@torch.library.custom_op("mxmla::fused_q_uproj_rope_quant", mutates_args=())
+def fused_q_uproj_rope_quant(x: Tensor, w: Tensor, cos: Tensor, sin: Tensor, nope_dim: int, rope_dim: int,
+                             style: str, layout: str, batch: int, fp8_format: str, bhsd_scales: bool,
+                             weight_layout: str = "nk", rowwise: bool = True, columnwise: bool = True,
+                             return_q: bool = False) -> _T5:
+    """(rowwise codes, rowwise scales, columnwise codes, columnwise scales, q); the argument order of
+    the op register_torch_op() returned before (new arguments at the end, with defaults)."""
+    res = _qp._fused_impl(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise,
+                          columnwise, fp8_format, bhsd_scales, return_q)
+    return (*(_placeholder(x, o) for o in res[:4]), _placeholder(x, res[4], torch.bfloat16))
+
+
+@fused_q_uproj_rope_quant.register_fake
+def _(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch, fp8_format, bhsd_scales, weight_layout="nk",
+      rowwise=True, columnwise=True, return_q=False):
+    for arg, t in (("x", x), ("w", w)):
+        if t.dim() != 2:
+            raise ValueError(f"{_qp._OP}: argument '{arg}': must be 2-D, got shape {list(t.shape)}")
+    o = _qp._qproj_options(nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise, columnwise, fp8_format,
+                           bhsd_scales)
+    tokens, heads = _qp._heads(_ints(x.shape), _ints(w.shape), nope_dim, rope_dim, weight_layout)
+    qshape, data, rs, cs = _qp._qproj_shapes(tokens, heads, o)
+    q = x.new_empty(tuple(qshape) if return_q else (0,), dtype=torch.bfloat16)
+    return (*_fake4(x, (data, rs, cs), rowwise, columnwise), q)
+
+
+_no_gradient(fused_q_uproj_rope_quant, "mxmla.fused_q_uproj_rope_quant", _qp._NOT_DIFF, ["x", "w", "cos", "sin"])
