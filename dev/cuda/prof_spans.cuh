@@ -1,5 +1,5 @@
-// mxmla internal — profiling helper for the persistent kernels' profile builds
-// (MXMLA_ROPEQ_PROFILE, MXMLA_QPROJ_PROFILE): every block's start and end on the global timer, its
+// mxmla experiments — profiling helper of the recording probes
+// (experiments 01 and 03): every block's start and end on the global timer, its
 // SM and its tile count, and their spread on stderr. A persistent grid ends when its slowest block
 // does: blocks that start together but end far apart mean the SMs progress at different speeds
 // (rope_backward_quantize's static deal: ends 427–502 µs in a 0.49 ms kernel, docs/notes-rope.md).

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Same-run A/B of builds of the kernels (dev/scripts/ab-trees runs this once per build and round):
+times every kernel the library ships at its benchmark shape with the bench's timer (CUDA events,
+L2 flushed before each call, medians) and prints one JSON line per case with a checksum of the
+outputs, so that builds which must be bit-identical can be seen to be.
+
+Cases: quantize bf16 [16384, 24576] (both directions; rowwise only), apply_rope / rope_backward
+bf16 [16384, 128, 192] thd (fp32 YaRN tables, out of place), rope_backward_quantize of the same,
+the fused Q up-projection at T x NH = 16384 x 128, 4096 x 128, 16384 x 16 (K 1536).
+Usage: PYTHONPATH=<build>/python python3 dev/bench/ab_kernels.py [--iters 30] [--only quant,rope,ropeq,qproj]"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from timing import flush_buffer, timer  # noqa: E402  (bench/timing.py, the harness's timer)
+
+import mxmla  # noqa: E402
+
+
+def checksum(*ts) -> str:
+    """Position-weighted sum of the output bytes: equal across builds = same outputs (almost surely)."""
+    tot = 0
+    for t in ts:
+        b = t.contiguous().view(-1).view(torch.uint8)
+        w = torch.arange(b.numel(), device=b.device, dtype=torch.int64) % 65521 + 1
+        tot = (tot * 31 + int((b.to(torch.int64) * w).sum())) % (1 << 61)
+    return f"{tot:016x}"
+
+
+def q_bufs(q):
+    return [t for t in (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv) if t is not None]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--only", default="quant,rope,ropeq,qproj")
+    a = ap.parse_args()
+    only = set(a.only.split(","))
+    dev = torch.device("cuda")
+    flush = flush_buffer(dev)
+    out = []
+
+    def case(name, fn, outputs):
+        ms = timer(fn, a.iters, flush)
+        out.append({"case": name, "ms": ms, "sum": checksum(*outputs())})
+
+    torch.manual_seed(0)
+    if "quant" in only:
+        x = torch.randn(16384, 24576, device=dev, dtype=torch.bfloat16)
+        case("quantize both", lambda: mxmla.quantize(x), lambda: q_bufs(mxmla.quantize(x)))
+        case("quantize rowwise", lambda: mxmla.quantize(x, columnwise=False),
+             lambda: q_bufs(mxmla.quantize(x, columnwise=False)))
+        del x
+    T, H, D = 16384, 128, 192
+    if only & {"rope", "ropeq"}:
+        x = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
+        c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
+        y = torch.empty_like(x)
+        if "rope" in only:
+            case("apply_rope", lambda: mxmla.apply_rope(x, c, s, layout="thd", out=y),
+                 lambda: [mxmla.apply_rope(x, c, s, layout="thd")])
+            case("rope_backward", lambda: mxmla.rope_backward(x, c, s, layout="thd", out=y),
+                 lambda: [mxmla.rope_backward(x, c, s, layout="thd")])
+        if "ropeq" in only:
+            case("rope_backward_quantize", lambda: mxmla.rope_backward_quantize(x, c, s, layout="thd"),
+                 lambda: q_bufs(mxmla.rope_backward_quantize(x, c, s, layout="thd")))
+        del x, y
+    if "qproj" in only:
+        K = 1536
+        for T, NH in ((16384, 128), (4096, 128), (16384, 16)):
+            x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+            w = (torch.randn(NH * 192, K, device=dev) / K ** 0.5).to(torch.bfloat16)
+            c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
+            case(f"fused Q {T} x {NH}", lambda: mxmla.fused_q_uproj_rope_quant(x, w, c, s),
+                 lambda: q_bufs(mxmla.fused_q_uproj_rope_quant(x, w, c, s)))
+    for r in out:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
