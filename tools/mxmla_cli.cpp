@@ -1,95 +1,76 @@
 // mxmla — command-line tool.
-//   mxmla info                 build, GPU, architecture, which ops run where
+//   mxmla info                 build, GPUs, which ops run where
 //   mxmla run [options]        the main job: the fused Q up-projection GEMM + RoPE + MXFP8 of a
-//                              DeepSeek-V3 layer (tools/run_qproj.cpp): checked against the CPU
-//                              reference, timed against cuBLAS (GPU), or the CPU reference at a
-//                              smaller size when there is no GPU.
-//   mxmla run-quantize [opts]  MXFP8-quantize a query tensor [T, NH, 192] bf16 (rowwise +
-//                              columnwise), check it bit for bit, print time and GB/s.
-#include <algorithm>
-#include <chrono>
+//                              DeepSeek-V3 layer (run_qproj.cpp)
+//   mxmla run-quantize [opts]  MXFP8 quantize of a query tensor [T, NH, D] bf16 (run_quantize.cpp)
+//   mxmla --version | --help | <command> --help
+// Exit status: 0 success, 1 a check failed or the GPU failed, 2 bad input (the message names the
+// option and the rule).
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
-#include "common/host_util.h"
 #include "mxmla/mxfp8.h"
 #include "mxmla/qproj.h"
-#include "tools/run_qproj.h"
-#if MXMLA_WITH_CUDA
-#include "tools/gpu_timer.h"
-#endif
+#include "tools/cli_args.h"
+#include "tools/jobs.h"
 
 using namespace mxmla;
+using namespace mxmla::tool;
 
 namespace {
 
-int usage(FILE* f) {
-  std::fprintf(f,
-               "usage: mxmla info\n"
-               "       mxmla run [--tokens T] [--heads NH] [--k K] [--style halves|interleaved|rotate_half]\n"
-               "                 [--format e4m3|e5m2] [--iters N] [--check-groups N] [--seed S] [--device auto|cpu|cuda]\n"
-               "defaults: T 4096, NH 128, K 1536 (DeepSeek-V3 q up-projection); without a GPU the CPU\n"
-               "          reference runs at T 256, NH 16\n"
-               "       mxmla run-quantize [--tokens T] [--heads NH] [--head-dim D] [--device auto|cpu|cuda]\n"
-               "                 [--format e4m3|e5m2] [--swizzle] [--iters N] [--check-blocks N] [--seed S]\n"
-               "defaults: T 4096, NH 128, D 192 (DeepSeek-V3 query), device auto (GPU when present;\n"
-               "          without one the CPU reference runs at T 256), iters 50, check-blocks 2048\n");
-  return f == stderr ? 2 : 0;
+const char* kOverview =
+    "mxmla %s: MXFP8 quantization, RoPE and the fused Q up-projection for DeepSeek-V3 MLA training\n"
+    "on Hopper (sm_90a), each checked against a CPU reference.\n"
+    "\n"
+    "usage: mxmla <command> [options]      (options as '--opt value' or '--opt=value')\n"
+    "       mxmla <command> --help\n"
+    "       mxmla --version | --help\n"
+    "\n"
+    "commands:\n"
+    "  info          the build (CUDA kernels on or off), the visible GPUs, which ops run where\n"
+    "  run           the main job: the fused Q up-projection GEMM + RoPE + MXFP8 of a DeepSeek-V3\n"
+    "                layer (T 4096, NH 128, K 1536) on the GPU, checked against the CPU reference and\n"
+    "                timed against cuBLAS; without a GPU, the CPU reference at T 256, NH 16 (it says so)\n"
+    "  run-quantize  MXFP8 quantize of a query tensor [T, NH, 192] bf16, rowwise + columnwise: on the\n"
+    "                GPU checked bit for bit and timed against a copy; without a GPU, the CPU\n"
+    "                reference at T 256\n"
+    "\n"
+    "Exit status: 0 done (and the check passed), 1 a check failed or a CUDA error, 2 bad input.\n"
+    "Phases longer than 2 s report progress on stderr (MXMLA_PROGRESS_INTERVAL=seconds changes it).\n";
+
+void print_overview(FILE* f) { std::fprintf(f, kOverview, build_info().version); }
+
+std::string default_threads() { return std::to_string(cpu_threads(0)); }
+
+Fp8Format parse_format(const std::string& cmd, const std::string& v) {
+  return parse_choice(cmd, "--format", v, {"e4m3", "e5m2"}) == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
 }
 
-struct RunArgs {
-  int64_t tokens = -1, heads = 128, dim = 192, iters = 50, check_blocks = 2048;
-  uint64_t seed = 1234;
-  std::string device = "auto";
-  Fp8Format format = Fp8Format::kE4M3;
-  bool swizzle = false;
-};
-
-int64_t parse_int(const char* flag, const char* v) {
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  if (!v[0] || *end || x < 0) throw Error("mxmla run", flag, std::string("expects a non-negative integer, got '") + v + "'");
-  return x;
+std::string parse_device(const std::string& cmd, const std::string& v) {
+  return parse_choice(cmd, "--device", v, {"auto", "cpu", "cuda"});
 }
 
-// The value after flag argv[i] (advances i).
-const char* next_value(int argc, char** argv, int& i) {
-  if (i + 1 >= argc) throw Error("mxmla run", argv[i], "needs a value");
-  return argv[++i];
+// True when the job should run on the GPU; --device cuda without one is bad input.
+bool use_gpu(const std::string& cmd, const std::string& device) {
+  const bool gpu = cuda_device_count() > 0;
+  if (device == "cuda" && !gpu)
+    throw UsageError(cmd, build_info().cuda_enabled ? "option '--device' is cuda but no CUDA device is visible"
+                                                    : "option '--device' is cuda but this build has no CUDA kernels "
+                                                      "(built with MXMLA_ENABLE_CUDA=OFF or without nvcc)");
+  if (device == "auto" && !gpu)
+    std::printf("%s: no GPU found%s\n", cmd.c_str(), build_info().cuda_enabled ? "" : " (a CPU-only build)");
+  return gpu && device != "cpu";
 }
 
-RunArgs parse_run(int argc, char** argv) {
-  RunArgs a;
-  for (int i = 2; i < argc; ++i) {
-    const std::string f = argv[i];
-    auto value = [&] { return next_value(argc, argv, i); };
-    if (f == "--tokens") a.tokens = parse_int("--tokens", value());
-    else if (f == "--heads") a.heads = parse_int("--heads", value());
-    else if (f == "--head-dim") a.dim = parse_int("--head-dim", value());
-    else if (f == "--iters") a.iters = std::max<int64_t>(1, parse_int("--iters", value()));
-    else if (f == "--check-blocks") a.check_blocks = parse_int("--check-blocks", value());
-    else if (f == "--seed") a.seed = parse_int("--seed", value());
-    else if (f == "--device") {
-      a.device = value();
-      if (a.device != "auto" && a.device != "cpu" && a.device != "cuda")
-        throw Error("mxmla run", "--device", "must be auto, cpu or cuda, got '" + a.device + "'");
-    } else if (f == "--format") {
-      const std::string v = value();
-      if (v == "e4m3") a.format = Fp8Format::kE4M3;
-      else if (v == "e5m2") a.format = Fp8Format::kE5M2;
-      else throw Error("mxmla run", "--format", "must be e4m3 or e5m2, got '" + v + "'");
-    } else if (f == "--swizzle") a.swizzle = true;
-    else throw Error("mxmla run", f, "is not a known option (see mxmla --help)");
-  }
-  if (a.heads <= 0) throw Error("mxmla run", "--heads", "must be positive");
-  if (a.dim <= 0 || a.dim % 32) throw Error("mxmla run", "--head-dim", "must be a positive multiple of 32");
-  return a;
-}
-
-int cmd_info() {
+// ------------------------------------------------------------------ info
+int cmd_info(int argc, char** argv) {
+  const Command c{"mxmla info",
+                  "Prints the version, whether the CUDA kernels are built (and for which architecture), the\n"
+                  "visible GPUs, and which implementation of each op runs on the CPU and on CUDA.\n",
+                  {}};
+  if (!c.parse(argc, argv, 2)) return 0;
   const BuildInfo b = build_info();
   std::printf("mxmla %s\n", b.version);
   std::printf("build: CUDA kernels %s%s%s\n", b.cuda_enabled ? "ON (" : "OFF", b.cuda_archs, b.cuda_enabled ? ")" : "");
@@ -109,198 +90,167 @@ int cmd_info() {
   return 0;
 }
 
-
-
-// CPU reference run (no GPU): quantize, then check the round trip against the MX error bound.
-int run_cpu(const RunArgs& a) {
-  const int64_t T = a.tokens < 0 ? 256 : a.tokens;
-  std::printf("mxmla run: no GPU in use: running the CPU reference at [%lld, %lld, %lld] bf16%s\n", (long long)T,
-              (long long)a.heads, (long long)a.dim, a.tokens < 0 ? " (smaller than the GPU default T 4096)" : "");
-  const std::vector<int64_t> shape = {T, a.heads, a.dim};
-  const MXFP8Shapes s = quantize_shapes(shape, a.swizzle);
-  std::vector<uint16_t> x = util::random_bf16(T * a.heads, a.dim, a.seed);
-  std::vector<uint8_t> row(numel(s.data)), rs(numel(s.rowwise_scale)), col(numel(s.data)), cs(numel(s.columnwise_scale));
-  MXFP8Tensor q = tool::describe(shape, s, row.data(), rs.data(), col.data(), cs.data(), Device{});
-  QuantizeOptions o;
-  o.format = a.format, o.swizzle = a.swizzle;
-  const auto t0 = std::chrono::steady_clock::now();
-  quantize(TensorDesc(x.data(), DType::kBFloat16, shape), q, o);
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  // Round trip: every element within half a code step of its block (relative 2^-4 for E4M3, 2^-3 for E5M2).
-  std::vector<float> back(numel(shape));
-  TensorDesc out(back.data(), DType::kFloat32, shape);
-  double num = 0, den = 0;
-  for (int dir = 0; dir < 2; ++dir) {
-    dequantize(q, out, dir == 1);
-    for (size_t i = 0; i < back.size(); ++i) {
-      uint32_t u = static_cast<uint32_t>(x[i]) << 16;
-      float xf;
-      std::memcpy(&xf, &u, 4);
-      num += (back[i] - xf) * double(back[i] - xf);
-      den += double(xf) * xf;
-    }
-  }
-  const double rel = std::sqrt(num / den);
-  const double bound = a.format == Fp8Format::kE4M3 ? 0.0625 : 0.125;
-  std::printf("quantized rowwise + columnwise in %.3f s on the CPU reference (%.1f M elements/s)\n", secs,
-              numel(shape) / secs / 1e6);
-  std::printf("round-trip relative error %.4f (bound %.4f): %s\n", rel, bound, rel < bound ? "OK" : "FAILED");
-  return rel < bound ? 0 : 1;
-}
-
-#if MXMLA_WITH_CUDA
-int run_cuda(const RunArgs& a) {
-  const int64_t T = a.tokens < 0 ? 4096 : a.tokens;
-  const std::vector<int64_t> shape = {T, a.heads, a.dim};
-  const int64_t n = numel(shape);
-  std::printf("mxmla run: GPU %s\n", cuda_device_description(0).c_str());
-  std::printf("MXFP8 quantize (rowwise + columnwise, %s, %s scales) of q [%lld, %lld, %lld] bf16\n",
-              a.format == Fp8Format::kE4M3 ? "E4M3" : "E5M2", a.swizzle ? "swizzled" : "compact", (long long)T,
-              (long long)a.heads, (long long)a.dim);
-  const MXFP8Shapes s = quantize_shapes(shape, a.swizzle);
-  std::vector<uint16_t> x = util::random_bf16(T * a.heads, a.dim, a.seed);
-  util::DeviceBuffer dx(n * 2), drow(n), dcol(n), drs(numel(s.rowwise_scale)), dcs(numel(s.columnwise_scale));
-  util::DeviceBuffer copy_dst(n * 2);
-  dx.upload(x.data());
-  const Device dev{DeviceType::kCUDA, 0};
-  MXFP8Tensor q = tool::describe(shape, s, drow.ptr, drs.ptr, dcol.ptr, dcs.ptr, dev);
-  QuantizeOptions o;
-  o.format = a.format, o.swizzle = a.swizzle;
-  const TensorDesc in(dx.ptr, DType::kBFloat16, shape, dev);
-
-  tool::GpuTimer timer(a.iters);
-  auto time_it = [&](auto&& fn) { return timer.median_ms(fn); };
-  const float t_q = time_it([&] { quantize(in, q, o); });
-  const float t_copy = time_it([&] { MXMLA_CUDA_CHECK(cudaMemcpyAsync(copy_dst.ptr, dx.ptr, n * 2, cudaMemcpyDeviceToDevice)); });
-  MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
-
-  // Check a sample of 32-row groups (every group when check_blocks covers them) bit for bit.
-  const int64_t M = T * a.heads, K = a.dim, groups = (M + 31) / 32;
-  const auto row = drow.download<uint8_t>(), col = dcol.download<uint8_t>();
-  const auto rs = drs.download<uint8_t>(), cs = dcs.download<uint8_t>();
-  std::vector<uint8_t> full_rs(rs), full_cs(cs);
-  if (a.swizzle) {  // compare in the compact layout
-    const MXFP8Shapes c = quantize_shapes(shape, false);
-    full_rs.resize(numel(c.rowwise_scale));
-    full_cs.resize(numel(c.columnwise_scale));
-    TensorDesc rsw(const_cast<uint8_t*>(rs.data()), DType::kUInt8, s.rowwise_scale), csw(const_cast<uint8_t*>(cs.data()), DType::kUInt8, s.columnwise_scale);
-    TensorDesc rc(full_rs.data(), DType::kUInt8, c.rowwise_scale), cc(full_cs.data(), DType::kUInt8, c.columnwise_scale);
-    unswizzle_scales(rsw, rc, M, K, true);
-    unswizzle_scales(csw, cc, M, K, false);
-  }
-  util::Rng pick(a.seed + 7);
-  const int64_t nsample = std::min(groups, a.check_blocks);
-  int64_t mismatches = 0;
-  for (int64_t t = 0; t < nsample; ++t) {
-    const int64_t g = nsample == groups ? t : static_cast<int64_t>(pick.uniform() * groups);
-    const int64_t r0 = g * 32, nr = std::min<int64_t>(32, M - r0);
-    const MXFP8Shapes gs = quantize_shapes({nr, K}, false);
-    std::vector<uint8_t> rr(nr * K), rrs(numel(gs.rowwise_scale)), rc(nr * K), rcs(numel(gs.columnwise_scale));
-    MXFP8Tensor ref = tool::describe({nr, K}, gs, rr.data(), rrs.data(), rc.data(), rcs.data(), Device{});
-    QuantizeOptions ro;
-    ro.format = a.format;
-    quantize(TensorDesc(x.data() + r0 * K, DType::kBFloat16, {nr, K}), ref, ro);
-    mismatches += !std::equal(rr.begin(), rr.end(), row.begin() + r0 * K);
-    mismatches += !std::equal(rc.begin(), rc.end(), col.begin() + r0 * K);
-    mismatches += !std::equal(rrs.begin(), rrs.end(), full_rs.begin() + r0 * (K / 32));
-    mismatches += !std::equal(rcs.begin(), rcs.end(), full_cs.begin() + g * K);
-  }
-  const double bytes = n * 2.0 + 2.0 * n + (numel(quantize_shapes(shape, false).rowwise_scale) +
-                                            numel(quantize_shapes(shape, false).columnwise_scale));
-  std::printf("check: %lld of %lld 32-row groups against the CPU reference: %s\n", (long long)nsample,
-              (long long)groups, mismatches ? "MISMATCH" : "bit-exact");
-  std::printf("quantize: %.4f ms  %.0f GB/s (bytes: input read once + both outputs written once)\n", t_q,
-              bytes / t_q / 1e6);
-  std::printf("copy    : %.4f ms  %.0f GB/s (device-to-device, same run)\n", t_copy, 4.0 * n / t_copy / 1e6);
-  std::printf("ratio   : quantize reaches %.0f%% of copy bandwidth\n", 100.0 * (bytes / t_q) / (4.0 * n / t_copy));
-  return mismatches ? 1 : 0;
-}
-#endif
-
-tool::QProjRunArgs parse_qproj(int argc, char** argv, std::string& device) {
-  tool::QProjRunArgs a;
-  for (int i = 2; i < argc; ++i) {
-    const std::string f = argv[i];
-    auto value = [&] { return next_value(argc, argv, i); };
-    if (f == "--tokens") a.tokens = parse_int("--tokens", value());
-    else if (f == "--heads") a.heads = parse_int("--heads", value()), a.heads_given = true;
-    else if (f == "--k") a.k = parse_int("--k", value());
-    else if (f == "--iters") a.iters = std::max<int64_t>(1, parse_int("--iters", value()));
-    else if (f == "--check-groups") a.check_groups = parse_int("--check-groups", value());
-    else if (f == "--seed") a.seed = parse_int("--seed", value());
-    else if (f == "--device") {
-      device = value();
-      if (device != "auto" && device != "cpu" && device != "cuda")
-        throw Error("mxmla run", "--device", "must be auto, cpu or cuda, got '" + device + "'");
-    } else if (f == "--style") {
-      const std::string v = value();
-      if (v == "halves") a.style = RopeStyle::kInterleavedInHalvesOut;
-      else if (v == "interleaved") a.style = RopeStyle::kInterleaved;
-      else if (v == "rotate_half") a.style = RopeStyle::kRotateHalf;
-      else throw Error("mxmla run", "--style", "must be halves, interleaved or rotate_half, got '" + v + "'");
-    } else if (f == "--format") {
-      const std::string v = value();
-      if (v == "e4m3") a.format = Fp8Format::kE4M3;
-      else if (v == "e5m2") a.format = Fp8Format::kE5M2;
-      else throw Error("mxmla run", "--format", "must be e4m3 or e5m2, got '" + v + "'");
-    } else throw Error("mxmla run", f, "is not a known option (see mxmla --help)");
-  }
-  if (a.heads <= 0) throw Error("mxmla run", "--heads", "must be positive");
-  if (a.k <= 0) throw Error("mxmla run", "--k", "must be positive");
-  if (a.tokens == 0) throw Error("mxmla run", "--tokens", "must be positive");
-  return a;
-}
-
-bool gpu_wanted(const std::string& device) {
-  const bool gpu = cuda_device_count() > 0;
-  if (device == "cuda" && !gpu)
-    throw Error("mxmla run", "--device", build_info().cuda_enabled ? "is cuda but no CUDA device is visible"
-                                                                   : "is cuda but this build has no CUDA support");
-  if (device == "auto" && !gpu) std::printf("mxmla run: no GPU found\n");
-  return gpu && device != "cpu";
-}
-
+// ------------------------------------------------------------------ run
 int cmd_run(int argc, char** argv) {
+  const std::string cmd = "mxmla run";
+  QProjRunArgs a;
   std::string device = "auto";
-  const tool::QProjRunArgs a = parse_qproj(argc, argv, device);
+  auto count = [&](const char* opt, int64_t& field, int64_t lo = 1) {
+    return [&field, opt, lo, cmd](const std::string& v) { field = parse_int(cmd, opt, v, lo); };
+  };
+  const Command c{
+      cmd,
+      "The main job. q = x . W^T (x [T, K] bf16, W [NH*192, K] bf16, fp32 accumulation, rounded to\n"
+      "bf16), RoPE on the last 64 of each 192-wide head (fp32), MXFP8 of q rowwise (blocks along the\n"
+      "head dim) and columnwise (blocks of 32 tokens): one fused kernel on the GPU. The data is random\n"
+      "with realistic scaling: x ~ N(0, 1) like c_q after RMSNorm, W ~ N(0, 1/K), DeepSeek-V3 YaRN tables.\n"
+      "\n"
+      "On a GPU: checks sampled (32-token group, head) pairs against the CPU reference (nope codes\n"
+      "within one FP8 step and scales within one where they differ at all: fp32 summation order;\n"
+      "rope codes within 2^-7 of the block range), and times the fused kernel, cuBLAS's bf16 GEMM\n"
+      "alone and cuBLAS + mxmla's RoPE + quantize in the same run (medians of --iters calls, L2\n"
+      "flushed before each). Defaults: T 4096, NH 128, K 1536 (one DeepSeek-V3 layer).\n"
+      "Without a GPU (or with --device cpu): the CPU reference (float64 GEMM, on every core) at\n"
+      "T 256, NH 16 unless --tokens / --heads say otherwise, said on the first line; it checks the\n"
+      "round trip of the rowwise codes against q within the MX error bound. A CPU run at the GPU's\n"
+      "size (--tokens 4096 --heads 128) takes minutes; progress goes to stderr.\n",
+      {
+          {"--tokens", "T", "tokens (rows of x), >= 1; default 4096 on the GPU, 256 on the CPU", count("--tokens", a.tokens)},
+          {"--heads", "NH", "query heads of 192 (128 nope + 64 rope), >= 1;\ndefault 128 on the GPU, 16 on the CPU",
+           count("--heads", a.heads)},
+          {"--k", "K", "contraction size (q_lora_rank), >= 1 (the GPU kernel needs a\nmultiple of 8); default 1536",
+           count("--k", a.k)},
+          {"--style", "S",
+           "RoPE style: interleaved_in_halves_out (default), interleaved or\nrotate_half (as in the Python API; "
+           "'halves' is a short alias of\ninterleaved_in_halves_out)",
+           [&](const std::string& v) {
+             const std::string s = parse_choice(cmd, "--style", v,
+                                                {"interleaved_in_halves_out", "interleaved", "rotate_half", "halves"});
+             a.style = s == "interleaved"   ? RopeStyle::kInterleaved
+                       : s == "rotate_half" ? RopeStyle::kRotateHalf
+                                            : RopeStyle::kInterleavedInHalvesOut;
+           }},
+          {"--format", "F", "FP8 codes: e4m3 (default) or e5m2", [&](const std::string& v) { a.format = parse_format(cmd, v); }},
+          {"--iters", "N", "GPU: timed calls per measurement (after 3 warm-up calls), >= 1;\ndefault 10",
+           count("--iters", a.iters)},
+          {"--check-groups", "N", "GPU: (32-token group, head) pairs checked against the CPU\nreference, >= 1; default 64",
+           count("--check-groups", a.check_groups)},
+          {"--seed", "S", "random seed, >= 0; default 1234",
+           [&](const std::string& v) { a.seed = parse_int(cmd, "--seed", v, 0, INT64_MAX); }},
+          {"--device", "D",
+           "auto (default: the GPU when one is visible, else the CPU), cpu,\nor cuda (an error without a GPU)",
+           [&](const std::string& v) { device = parse_device(cmd, v); }},
+          {"--threads", "N", "CPU threads for the reference and the check, >= 1; default " + default_threads() +
+                                 "\n(every core)",
+           [&](const std::string& v) { a.threads = parse_int(cmd, "--threads", v, 1, 1024); }},
+      }};
+  if (!c.parse(argc, argv, 2)) return 0;
+  Progress progress(cmd);
 #if MXMLA_WITH_CUDA
-  if (gpu_wanted(device)) return tool::run_qproj_cuda(a);
+  if (use_gpu(cmd, device)) return run_qproj_cuda(a, progress);
 #else
-  (void)gpu_wanted(device);
+  (void)use_gpu(cmd, device);
 #endif
-  return tool::run_qproj_cpu(a);
+  return run_qproj_cpu(a, progress);
 }
 
+// ------------------------------------------------------------------ run-quantize
 int cmd_run_quantize(int argc, char** argv) {
-  const RunArgs a = parse_run(argc, argv);
-  const bool gpu = cuda_device_count() > 0;
-  if (a.device == "cuda" && !gpu)
-    throw Error("mxmla run", "--device", build_info().cuda_enabled ? "is cuda but no CUDA device is visible"
-                                                                   : "is cuda but this build has no CUDA support");
+  const std::string cmd = "mxmla run-quantize";
+  QuantizeRunArgs a;
+  std::string device = "auto";
+  auto count = [&](const char* opt, int64_t& field, int64_t lo = 1) {
+    return [&field, opt, lo, cmd](const std::string& v) { field = parse_int(cmd, opt, v, lo); };
+  };
+  const Command c{
+      cmd,
+      "MXFP8 quantize of a query-shaped tensor [T, NH, D] bf16 (random, per-row scales spread over\n"
+      "2^-8 .. 2^8), rowwise and columnwise in one pass, compact or swizzled (F8_128x4) scales.\n"
+      "On a GPU: the CUDA kernel, checked bit for bit against the CPU reference on sampled 32-row\n"
+      "groups, timed (median of --iters calls, L2 flushed) against a device-to-device copy of the\n"
+      "input in the same run. Defaults: T 4096, NH 128, D 192 (a DeepSeek-V3 query).\n"
+      "Without a GPU (or with --device cpu): the CPU reference at T 256 unless --tokens says otherwise,\n"
+      "said on the first line; it checks the round trip of both directions within the MX error bound.\n",
+      {
+          {"--tokens", "T", "tokens, >= 1; default 4096 on the GPU, 256 on the CPU", count("--tokens", a.tokens)},
+          {"--heads", "NH", "heads, >= 1; default 128", count("--heads", a.heads)},
+          {"--head-dim", "D", "head dim, a positive multiple of 32; default 192",
+           [&](const std::string& v) {
+             a.dim = parse_int(cmd, "--head-dim", v, 1);
+             if (a.dim % 32)
+               throw UsageError(cmd, "option '--head-dim' must be a positive multiple of 32 (MX blocks are 32 wide), "
+                                     "got '" + v + "'");
+           }},
+          {"--format", "F", "FP8 codes: e4m3 (default) or e5m2", [&](const std::string& v) { a.format = parse_format(cmd, v); }},
+          {"--swizzle", "", "write swizzled (F8_128x4, GEMM-ready) scales instead of compact ones",
+           [&](const std::string&) { a.swizzle = true; }},
+          {"--iters", "N", "GPU: timed calls per measurement, >= 1; default 50", count("--iters", a.iters)},
+          {"--check-blocks", "N", "GPU: 32-row groups checked bit for bit, >= 1; default 2048",
+           count("--check-blocks", a.check_blocks)},
+          {"--seed", "S", "random seed, >= 0; default 1234",
+           [&](const std::string& v) { a.seed = parse_int(cmd, "--seed", v, 0, INT64_MAX); }},
+          {"--device", "D",
+           "auto (default: the GPU when one is visible, else the CPU), cpu,\nor cuda (an error without a GPU)",
+           [&](const std::string& v) { device = parse_device(cmd, v); }},
+          {"--threads", "N", "CPU threads for the reference, >= 1; default " + default_threads() + " (every core)",
+           [&](const std::string& v) { a.threads = parse_int(cmd, "--threads", v, 1, 1024); }},
+      }};
+  if (!c.parse(argc, argv, 2)) return 0;
+  Progress progress(cmd);
 #if MXMLA_WITH_CUDA
-  if (gpu && a.device != "cpu") return run_cuda(a);
+  if (use_gpu(cmd, device)) return run_quantize_cuda(a, progress);
+#else
+  (void)use_gpu(cmd, device);
 #endif
-  if (a.device == "auto" && !gpu) std::printf("mxmla run: no GPU found\n");
-  return run_cpu(a);
+  return run_quantize_cpu(a, progress);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::string cmd = argc > 1 ? argv[1] : "";
+  char* help_argv[] = {argv[0], nullptr, const_cast<char*>("--help"), nullptr};
   try {
-    if (argc < 2) return usage(stderr);
-    const std::string cmd = argv[1];
-    if (cmd == "info") return cmd_info();
+    if (argc < 2) {
+      print_overview(stderr);
+      return 2;
+    }
+    if (cmd == "--version" || cmd == "-V") {
+      std::printf("mxmla %s\n", build_info().version);
+      return 0;
+    }
+    if (cmd == "--help" || cmd == "-h") {
+      print_overview(stdout);
+      return 0;
+    }
+    if (cmd == "help") {  // mxmla help [command]
+      if (argc < 3) {
+        print_overview(stdout);
+        return 0;
+      }
+      help_argv[1] = argv[2];
+      argv = help_argv, argc = 3, cmd = argv[1];
+    }
+    if (cmd == "info") return cmd_info(argc, argv);
     if (cmd == "run") return cmd_run(argc, argv);
     if (cmd == "run-quantize") return cmd_run_quantize(argc, argv);
-    if (cmd == "--help" || cmd == "-h" || cmd == "help") return usage(stdout);
-    std::fprintf(stderr, "mxmla: unknown command '%s'\n", cmd.c_str());
-    return usage(stderr);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "mxmla: error: %s\n", e.what());
+    std::fprintf(stderr, "mxmla: error: unknown command '%s' (commands: info, run, run-quantize; see mxmla --help)\n",
+                 cmd.c_str());
     return 2;
+  } catch (const UsageError& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "%s: error: %s (see '%s --help')\n", e.command().c_str(), e.what(), e.command().c_str());
+    return 2;
+  } catch (const Error& e) {  // the library rejected an argument (e.g. --k not a multiple of 8 on the GPU)
+    std::fflush(stdout);
+    std::fprintf(stderr, "mxmla %s: error: %s\n", cmd.c_str(), e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "mxmla %s: error: out of host memory for this size\n", cmd.c_str());
+    return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "mxmla: failure: %s\n", e.what());
+    std::fflush(stdout);
+    std::fprintf(stderr, "mxmla %s: failure: %s\n", cmd.c_str(), e.what());
     return 1;
   }
 }

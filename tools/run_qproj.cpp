@@ -2,22 +2,28 @@
 // random data with realistic scaling (x ~ N(0, 1) like c_q after RMSNorm, W ~ N(0, 1/K) so q ~ N(0, 1),
 // YaRN tables), checked against the CPU reference on sampled 32-token groups x heads, timed against
 // cuBLAS's bf16 GEMM alone and cuBLAS GEMM + mxmla's RoPE + mxmla's quantize in the same run.
-// Without a GPU it runs the CPU reference at a smaller size and says so.
+// Without a GPU it runs the CPU reference at a smaller size and says so (in chunks of 32-token
+// groups on every core: the same outputs as one call, since no block spans two groups).
+// cuBLAS is loaded when the GPU job starts (dlopen), not linked: the tool, like the Python module,
+// starts on a machine whose loader knows no CUDA library path (the CUDA runtime is linked statically).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "common/host_util.h"
 #include "cpu/reference.h"
 #include "mxmla/qproj.h"
-#include "tools/run_qproj.h"
+#include "tools/cli_args.h"
+#include "tools/jobs.h"
 
 #if MXMLA_WITH_CUDA
 #include <cublas_v2.h>
+#include <dlfcn.h>
 
 #include "tools/gpu_timer.h"
 #endif
@@ -31,6 +37,7 @@ struct Inputs {
   std::vector<float> cos, sin;
 };
 
+// a.heads is the resolved head count here.
 Inputs make_inputs(const QProjRunArgs& a, int64_t T) {
   Inputs in;
   const int64_t N = a.heads * 192;
@@ -90,13 +97,23 @@ void compare_block(const uint8_t* ref, int64_t ref_stride, const uint8_t* got, i
   }
 }
 
-CheckStats check_sample(const QProjRunArgs& a, int64_t T, const Inputs& in, const Compact& got) {
+void merge(CheckStats& into, const CheckStats& st) {
+  into.blocks += st.blocks, into.scale_diff += st.scale_diff, into.scale_far += st.scale_far;
+  into.code_diff += st.code_diff, into.code_far += st.code_far;
+}
+
+[[maybe_unused]] CheckStats check_sample(const QProjRunArgs& a, int64_t T, const Inputs& in, const Compact& got, Progress& progress) {
   const int64_t N = a.heads * 192, groups = (T + 31) / 32;
-  CheckStats st;
+  CheckStats total_st;
+  std::mutex m;
   util::Rng pick(a.seed + 11);
   const int64_t total = groups * a.heads, n = std::min(total, a.check_groups);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t gi = n == total ? i : static_cast<int64_t>(pick.uniform() * total);
+  std::vector<int64_t> picked(n);
+  for (int64_t i = 0; i < n; ++i) picked[i] = n == total ? i : static_cast<int64_t>(pick.uniform() * total);
+  progress.begin("checking against the CPU reference", n, "(group, head) pairs");
+  parallel_for(n, cpu_threads(a.threads), [&](int64_t i) {
+    CheckStats st;
+    const int64_t gi = picked[i];
     const int64_t g = gi / a.heads, h = gi % a.heads, t0 = g * 32, nt = std::min<int64_t>(32, T - t0);
     // the sub-problem: tokens [t0, t0 + nt) of head h, tables from row t0
     QProjOptions o = options(a);
@@ -115,11 +132,16 @@ CheckStats check_sample(const QProjRunArgs& a, int64_t T, const Inputs& in, cons
     for (int64_t d = 0; d < 192; ++d)
       compare_block(&col[d], 192, &got.col[t0 * N + h * 192 + d], N, cs[d], got.cs[g * N + h * 192 + d], nt, d >= 128,
                     a.format, st);
-  }
-  return st;
+    std::lock_guard<std::mutex> lk(m);
+    merge(total_st, st);
+    progress.advance();
+  });
+  progress.end();
+  return total_st;
 }
 
-bool report_check(const CheckStats& st, int64_t sampled, int64_t total) {
+[[maybe_unused]] bool report_check(const CheckStats& st, int64_t sampled, int64_t total) {
+  std::fflush(stderr);
   const bool ok = st.scale_far == 0 && st.code_far == 0 && st.scale_diff * 100 <= st.blocks;
   std::printf("check: %lld of %lld (32-token group, head) pairs against the CPU reference: %lld blocks, %lld scales "
               "differ by one, %lld codes differ (fp32 summation order), %lld beyond the bound: %s\n",
@@ -130,15 +152,29 @@ bool report_check(const CheckStats& st, int64_t sampled, int64_t total) {
 
 }  // namespace
 
-int run_qproj_cpu(const QProjRunArgs& a) {
+namespace {
+// Host bytes of a run: inputs, the float64 copy of W each reference thread decodes, outputs and the check.
+double host_bytes(int64_t T, int64_t NH, int64_t K, int threads, bool cpu) {
+  const double N = double(NH) * 192, tk = double(T) * K, nk = N * K, tn = double(T) * N;
+  return 2 * tk + 2 * nk + 8 * T * 64.0 + (cpu ? 8 * nk * threads + 12 * tn + 6 * tn / 32 : 2.1 * tn + 8 * 192.0 * K * threads);
+}
+std::string sizes(int64_t T, int64_t NH, int64_t K) {
+  return "T " + std::to_string(T) + ", NH " + std::to_string(NH) + ", K " + std::to_string(K);
+}
+}  // namespace
+
+int run_qproj_cpu(const QProjRunArgs& a, Progress& progress) {
   const int64_t T = a.tokens < 0 ? 256 : a.tokens;
   QProjRunArgs b = a;
-  if (a.heads_given == false) b.heads = 16;
+  if (a.heads < 0) b.heads = 16;
+  const int threads = cpu_threads(a.threads);
+  check_host_memory("mxmla run", host_bytes(T, b.heads, b.k, threads, true), sizes(T, b.heads, b.k));
   const int64_t N = b.heads * 192;
   std::printf("mxmla run: no GPU in use: running the CPU reference of the fused Q up-projection at T %lld, NH %lld, "
               "K %lld%s\n",
               (long long)T, (long long)b.heads, (long long)b.k,
-              a.tokens < 0 && !a.heads_given ? " (smaller than the GPU default T 4096, NH 128)" : "");
+              a.tokens < 0 && a.heads < 0 ? " (smaller than the GPU default T 4096, NH 128)" : "");
+  progress.begin("generating inputs");
   const Inputs in = make_inputs(b, T);
   const QProjOptions o = options(b);
   const MXFP8Shapes s = qproj_shapes(T, b.heads, o);
@@ -146,15 +182,29 @@ int run_qproj_cpu(const QProjRunArgs& a) {
   out.row.resize(numel(s.data)), out.rs.resize(numel(s.rowwise_scale));
   out.col.resize(numel(s.data)), out.cs.resize(numel(s.columnwise_scale));
   std::vector<uint16_t> q(T * N);
-  MXFP8Tensor t = describe(s.data, s, out.row.data(), out.rs.data(), out.col.data(), out.cs.data(), Device{});
-  TensorDesc qd(q.data(), DType::kBFloat16, qproj_q_shape(T, b.heads, o));
+  // Chunks of whole 32-token groups (columnwise blocks never span two), about 8 per thread.
+  const int64_t groups = (T + 31) / 32, per_chunk = std::max<int64_t>(1, groups / (8 * threads));
+  const int64_t chunk = per_chunk * 32, chunks = (T + chunk - 1) / chunk;
+  progress.begin("CPU reference (GEMM in float64, RoPE, MXFP8)", T, "tokens");
   const auto t0 = std::chrono::steady_clock::now();
-  fused_q_uproj_rope_quant(TensorDesc(const_cast<uint16_t*>(in.x.data()), DType::kBFloat16, {T, b.k}),
-                           TensorDesc(const_cast<uint16_t*>(in.w.data()), DType::kBFloat16, {N, b.k}),
-                           TensorDesc(const_cast<float*>(in.cos.data()), DType::kFloat32, {T, 64}),
-                           TensorDesc(const_cast<float*>(in.sin.data()), DType::kFloat32, {T, 64}), t, &qd, o);
+  parallel_for(chunks, threads, [&](int64_t i) {
+    const int64_t r0 = i * chunk, nt = std::min(chunk, T - r0);
+    const MXFP8Shapes cs = qproj_shapes(nt, b.heads, o);
+    MXFP8Tensor t = describe(cs.data, cs, out.row.data() + r0 * N, out.rs.data() + r0 * b.heads * 6,
+                             out.col.data() + r0 * N, out.cs.data() + (r0 / 32) * N, Device{});
+    TensorDesc qd(q.data() + r0 * N, DType::kBFloat16, qproj_q_shape(nt, b.heads, o));
+    fused_q_uproj_rope_quant(TensorDesc(const_cast<uint16_t*>(in.x.data() + r0 * b.k), DType::kBFloat16, {nt, b.k}),
+                             TensorDesc(const_cast<uint16_t*>(in.w.data()), DType::kBFloat16, {N, b.k}),
+                             TensorDesc(const_cast<float*>(in.cos.data() + r0 * 64), DType::kFloat32, {nt, 64}),
+                             TensorDesc(const_cast<float*>(in.sin.data() + r0 * 64), DType::kFloat32, {nt, 64}), t,
+                             &qd, o);
+    progress.advance(nt);
+  });
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // Round trip of the rowwise codes against the bf16 q: within the MX error bound.
+  progress.begin("round-trip check");
+  MXFP8Tensor t = describe(s.data, s, out.row.data(), out.rs.data(), out.col.data(), out.cs.data(), Device{});
+  t.format = b.format, t.attention = true, t.qkv_layout = QKVLayout::kSBHD;
   std::vector<float> back(T * N);
   TensorDesc bd(back.data(), DType::kFloat32, s.data);
   dequantize(t, bd, false);
@@ -165,9 +215,11 @@ int run_qproj_cpu(const QProjRunArgs& a) {
     std::memcpy(&f, &u, 4);
     num += double(back[i] - f) * (back[i] - f), den += double(f) * f;
   }
+  progress.end();
   const double rel = std::sqrt(num / den), bound = b.format == Fp8Format::kE4M3 ? 0.0625 : 0.125;
-  std::printf("fused q up-projection + RoPE + MXFP8 in %.3f s on the CPU reference (%.2f GFLOP/s, float64 GEMM)\n", secs,
-              2.0 * T * N * b.k / secs / 1e9);
+  std::printf("fused q up-projection + RoPE + MXFP8 in %.3f s on the CPU reference, %d thread%s (%.2f GFLOP/s, "
+              "float64 GEMM)\n",
+              secs, threads, threads == 1 ? "" : "s", 2.0 * T * N * b.k / secs / 1e9);
   std::printf("round-trip relative error of the rowwise codes vs q %.4f (bound %.4f): %s\n", rel, bound,
               rel < bound ? "OK" : "FAILED");
   return rel < bound ? 0 : 1;
@@ -175,18 +227,59 @@ int run_qproj_cpu(const QProjRunArgs& a) {
 
 #if MXMLA_WITH_CUDA
 namespace {
+// The three cuBLAS entry points the peer needs, from the libcublas of this toolkit's major
+// version: MXMLA_CUBLAS=path if set, else where the loader finds it, else in the library
+// directory of the toolkit the tool was built with. Loaded when the GPU job starts.
+struct Cublas {
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasDestroy_v2) destroy = nullptr;
+  // the C entry point (the header adds a C++ overload taking cudaDataType as the compute type)
+  using GemmEx = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
+                                    const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
+                                    cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
+  GemmEx gemm = nullptr;
+  std::string tried;
+
+  bool load() {
+    std::vector<std::string> names;
+    if (const char* e = std::getenv("MXMLA_CUBLAS")) names.push_back(e);
+    names.push_back("libcublas.so." + std::to_string(CUBLAS_VER_MAJOR));
+    names.push_back("libcublas.so");
+#ifdef MXMLA_CUDA_LIBRARY_DIR
+    names.push_back(MXMLA_CUDA_LIBRARY_DIR "/libcublas.so." + std::to_string(CUBLAS_VER_MAJOR));
+#endif
+    for (const std::string& n : names) {
+      void* h = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL);
+      tried += (tried.empty() ? "" : ", ") + n;
+      if (h == nullptr) continue;
+      create = reinterpret_cast<decltype(create)>(dlsym(h, "cublasCreate_v2"));
+      destroy = reinterpret_cast<decltype(destroy)>(dlsym(h, "cublasDestroy_v2"));
+      gemm = reinterpret_cast<decltype(gemm)>(dlsym(h, "cublasGemmEx"));
+      if (create && destroy && gemm) return true;
+    }
+    return false;
+  }
+};
+
 void cublas_check(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) throw CudaError(std::string("mxmla run: cuBLAS ") + what + " failed (status " + std::to_string(int(s)) + ")");
 }
 }  // namespace
 
-int run_qproj_cuda(const QProjRunArgs& a) {
+int run_qproj_cuda(const QProjRunArgs& args, Progress& progress) {
+  QProjRunArgs a = args;
+  if (a.heads < 0) a.heads = 128;
   const int64_t T = a.tokens < 0 ? 4096 : a.tokens, N = a.heads * 192, K = a.k;
+  check_host_memory("mxmla run", host_bytes(T, a.heads, K, cpu_threads(a.threads), false), sizes(T, a.heads, K));
+  if (N > INT32_MAX || T > INT32_MAX)
+    throw UsageError("mxmla run", "option '--heads' gives N = NH * 192 = " + std::to_string(N) +
+                                      ", beyond what cuBLAS takes (2^31 - 1)");
   std::printf("mxmla run: GPU %s\n", cuda_device_description(0).c_str());
   std::printf("fused Q up-projection + RoPE + MXFP8 (%s, rowwise + columnwise, compact scales): x [%lld, %lld] bf16, "
               "W [%lld, %lld] bf16 -> q [%lld, %lld, 192]\n",
               a.format == Fp8Format::kE4M3 ? "E4M3" : "E5M2", (long long)T, (long long)K, (long long)N, (long long)K,
               (long long)T, (long long)a.heads);
+  progress.begin("generating inputs");
   const Inputs in = make_inputs(a, T);
   const QProjOptions o = options(a);
   const MXFP8Shapes s = qproj_shapes(T, a.heads, o);
@@ -198,16 +291,23 @@ int run_qproj_cuda(const QProjRunArgs& a) {
   MXFP8Tensor q = describe(s.data, s, drow.ptr, drs.ptr, dcol.ptr, dcs.ptr, dev);
   const TensorDesc x(dx.ptr, DType::kBFloat16, {T, K}, dev), w(dw.ptr, DType::kBFloat16, {N, K}, dev);
   const TensorDesc c(dc.ptr, DType::kFloat32, {T, 64}, dev), sn(ds.ptr, DType::kFloat32, {T, 64}, dev);
+  auto fused = [&] { fused_q_uproj_rope_quant(x, w, c, sn, q, nullptr, o); };
+  fused();  // argument errors (K % 8, ...) before anything is timed
 
   // peers: cuBLAS bf16 GEMM q[T, N] = x W^T (fp32 accumulation) alone, and followed by mxmla's RoPE
   // (in place, bf16) and mxmla's quantize_attention (rowwise + columnwise, compact): the unfused pipeline
-  cublasHandle_t handle;
-  cublas_check(cublasCreate(&handle), "create");
+  Cublas blas;
+  const bool have_blas = blas.load();
+  if (!have_blas)
+    std::printf("cuBLAS not found (tried %s; MXMLA_CUBLAS=path names it): its peers are not timed\n",
+                blas.tried.c_str());
+  cublasHandle_t handle = nullptr;
+  if (have_blas) cublas_check(blas.create(&handle), "create");
   const float one = 1.f, zero = 0.f;
   auto gemm = [&] {
-    cublas_check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(T), int(K), &one, dw.ptr, CUDA_R_16BF,
-                              int(K), dx.ptr, CUDA_R_16BF, int(K), &zero, dq.ptr, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F,
-                              CUBLAS_GEMM_DEFAULT),
+    cublas_check(blas.gemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(T), int(K), &one, dw.ptr, CUDA_R_16BF, int(K),
+                           dx.ptr, CUDA_R_16BF, int(K), &zero, dq.ptr, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT),
                  "GemmEx");
   };
   const std::vector<int64_t> q4 = qproj_q_shape(T, a.heads, o);
@@ -222,30 +322,38 @@ int run_qproj_cuda(const QProjRunArgs& a) {
     apply_rope(qd, c, sn, qd, ro);
     quantize_attention(qd, q2, ao);
   };
-  auto fused = [&] { fused_q_uproj_rope_quant(x, w, c, sn, q, nullptr, o); };
 
   GpuTimer timer(a.iters);
-  auto time_it = [&](auto&& fn) { return timer.median_ms(fn); };
+  progress.begin("timing (fused, cuBLAS GEMM, unfused; 3 rounds)", have_blas ? 9 : 3, "measurements");
+  auto time_it = [&](auto&& fn) {
+    const float ms = timer.median_ms(fn);
+    progress.advance();
+    return ms;
+  };
   // interleave the three so that clocks and neighbours affect them alike
   std::vector<float> tf, tg, tu;
   for (int rep = 0; rep < 3; ++rep) {
-    tf.push_back(time_it(fused)), tg.push_back(time_it(gemm)), tu.push_back(time_it(unfused));
+    tf.push_back(time_it(fused));
+    if (have_blas) tg.push_back(time_it(gemm)), tu.push_back(time_it(unfused));
   }
-  const float t_f = median(tf), t_g = median(tg), t_u = median(tu);
+  const float t_f = median(tf);
   fused();  // the outputs to check
   MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
   Compact got{drow.download<uint8_t>(), drs.download<uint8_t>(), dcol.download<uint8_t>(), dcs.download<uint8_t>()};
   const int64_t total = (T + 31) / 32 * a.heads;
-  const bool ok = report_check(check_sample(a, T, in, got), std::min(total, a.check_groups), total);
+  const bool ok = report_check(check_sample(a, T, in, got, progress), std::min(total, a.check_groups), total);
   const double flop = 2.0 * T * N * K;
   std::printf("fused        : %.4f ms  %.0f TFLOP/s\n", t_f, flop / t_f / 1e9);
-  std::printf("cuBLAS GEMM  : %.4f ms  %.0f TFLOP/s (bf16 out, same run)\n", t_g, flop / t_g / 1e9);
-  std::printf("GEMM+RoPE+Q  : %.4f ms  %.0f TFLOP/s (cuBLAS + mxmla apply_rope + quantize_attention)\n", t_u,
-              flop / t_u / 1e9);
-  std::printf("ratio        : fused / cuBLAS GEMM alone = %.3f (<= 1.00: the fusion is free); unfused / fused = "
-              "%.2fx\n",
-              t_f / t_g, t_u / t_f);
-  cublasDestroy(handle);
+  if (have_blas) {
+    const float t_g = median(tg), t_u = median(tu);
+    std::printf("cuBLAS GEMM  : %.4f ms  %.0f TFLOP/s (bf16 out, same run)\n", t_g, flop / t_g / 1e9);
+    std::printf("GEMM+RoPE+Q  : %.4f ms  %.0f TFLOP/s (cuBLAS + mxmla apply_rope + quantize_attention)\n", t_u,
+                flop / t_u / 1e9);
+    std::printf("ratio        : fused / cuBLAS GEMM alone = %.3f (<= 1.00: the fusion is free); unfused / fused = "
+                "%.2fx\n",
+                t_f / t_g, t_u / t_f);
+    blas.destroy(handle);
+  }
   return ok ? 0 : 1;
 }
 #endif

@@ -1,10 +1,258 @@
-"""The developer tools that turn profiler output into the figures of docs/performance.md."""
+"""The command-line tool `mxmla` (help, version, options, errors, the CPU fallback, progress), the
+packaging facts that can be checked without a GPU (no libcudart.so needed), and the developer
+tools that turn profiler output into the figures of docs/performance.md.
+
+The tool is found as $MXMLA_CLI, else next to the interpreter (pip's scripts directory, where
+`pip install .` puts it), else on PATH, else in the build tree of the imported mxmla package
+(build/python/mxmla -> build/bin/mxmla), else in ./build/bin; the tests skip when none exists.
+"""
 import csv
+import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
+import sysconfig
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------- finding the tool
+def _find_cli():
+    cands = [os.environ.get("MXMLA_CLI"), os.path.join(sysconfig.get_path("scripts"), "mxmla"), shutil.which("mxmla")]
+    try:
+        import mxmla
+
+        pkg = pathlib.Path(mxmla.__file__).resolve().parent  # <build>/python/mxmla in a build tree
+        cands.append(str(pkg.parent.parent / "bin" / "mxmla"))
+    except ImportError:
+        pass
+    cands.append(str(ROOT / "build" / "bin" / "mxmla"))
+    for c in cands:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+CLI = _find_cli()
+needs_cli = pytest.mark.skipif(CLI is None, reason="the mxmla command-line tool is not built (set MXMLA_CLI)")
+
+
+def mxmla_cli(*args, env=None, timeout=300):
+    e = dict(os.environ)
+    e.pop("MXMLA_PROGRESS_INTERVAL", None)
+    e.update(env or {})
+    return subprocess.run([CLI, *args], capture_output=True, text=True, env=e, timeout=timeout)
+
+
+def _gpu_visible():
+    if CLI is None:
+        return False
+    return "gpu: none visible" not in mxmla_cli("info").stdout
+
+
+SMALL_RUN = ["--device", "cpu", "--tokens", "40", "--heads", "2", "--k", "64"]
+
+
+def _project_version():
+    text = (ROOT / "CMakeLists.txt").read_text()
+    return re.search(r"project\(mxmla VERSION ([0-9.]+)", text).group(1)
+
+
+# ----------------------------------------------------------------------------- help and version
+@needs_cli
+def test_cli_version():
+    r = mxmla_cli("--version")
+    assert r.returncode == 0 and r.stdout == f"mxmla {_project_version()}\n"
+
+
+@needs_cli
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["help"]])
+def test_cli_help_lists_commands(args):
+    r = mxmla_cli(*args)
+    assert r.returncode == 0 and r.stderr == ""
+    for word in ["usage: mxmla <command>", "info", "run", "run-quantize", "--version", "without a GPU", "--opt=value"]:
+        assert word in r.stdout
+
+
+@needs_cli
+def test_cli_without_command_is_usage_error():
+    r = mxmla_cli()
+    assert r.returncode == 2 and "usage: mxmla" in r.stderr and r.stdout == ""
+
+
+RUN_OPTIONS = ["--tokens", "--heads", "--k", "--style", "--format", "--iters", "--check-groups", "--seed", "--device",
+               "--threads"]
+QUANTIZE_OPTIONS = ["--tokens", "--heads", "--head-dim", "--format", "--swizzle", "--iters", "--check-blocks", "--seed",
+                    "--device", "--threads"]
+
+
+@needs_cli
+@pytest.mark.parametrize("cmd,options", [("run", RUN_OPTIONS), ("run-quantize", QUANTIZE_OPTIONS), ("info", [])])
+def test_cli_command_help(cmd, options):
+    for args in ([cmd, "--help"], [cmd, "-h"], ["help", cmd]):
+        r = mxmla_cli(*args)
+        assert r.returncode == 0 and r.stderr == "", (args, r.stderr)
+        assert r.stdout.startswith(f"usage: mxmla {cmd}")
+        for o in options:
+            assert re.search(rf"^  {o}\b", r.stdout, re.M), (cmd, o)
+    if cmd == "run":  # what it does, its defaults and what happens without a GPU
+        for words in ["T 4096, NH 128, K 1536", "Without a GPU", "T 256, NH 16", "cuBLAS", "stderr",
+                      "interleaved_in_halves_out", "interleaved", "rotate_half"]:
+            assert words in r.stdout, words
+
+
+# ----------------------------------------------------------------------------- options
+def _result_lines(out):
+    # what a run prints without its time
+    return [re.sub(r"in [0-9.]+ s.*", "", l) for l in out.splitlines()]
+
+
+@needs_cli
+def test_cli_options_take_both_spellings():
+    a = mxmla_cli("run", *SMALL_RUN, "--style", "rotate_half", "--format", "e5m2", "--seed", "7", "--threads", "1")
+    b = mxmla_cli("run", "--device=cpu", "--tokens=40", "--heads=2", "--k=64", "--style=rotate_half", "--format=e5m2",
+                  "--seed=7", "--threads=1")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert "T 40, NH 2, K 64" in a.stdout and _result_lines(a.stdout) == _result_lines(b.stdout)
+
+
+@needs_cli
+@pytest.mark.parametrize("style", ["interleaved_in_halves_out", "interleaved", "rotate_half", "halves"])
+def test_cli_rope_styles_are_the_python_names(style):
+    r = mxmla_cli("run", *SMALL_RUN, "--style", style)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+@needs_cli
+def test_cli_threads_do_not_change_the_result():
+    one = mxmla_cli("run", "--device", "cpu", "--tokens", "100", "--heads", "3", "--k", "96", "--threads", "1")
+    two = mxmla_cli("run", "--device", "cpu", "--tokens", "100", "--heads", "3", "--k", "96", "--threads", "2")
+    assert one.returncode == 0 and two.returncode == 0
+    err = [re.search(r"relative error .*", r.stdout).group(0) for r in (one, two)]
+    assert err[0] == err[1]
+
+
+BAD = [  # (command line, the option the message must name, words of the rule)
+    (["run", "--iters", "0"], "--iters", "integer from 1"),
+    (["run", "--iters=-2"], "--iters", "integer from 1"),
+    (["run", "--tokens", "0"], "--tokens", "integer from 1"),
+    (["run", "--heads=0"], "--heads", "integer from 1"),
+    (["run", "--k", "-5"], "--k", "integer from 1"),
+    (["run", "--k", "12x"], "--k", "integer"),
+    (["run", "--tokens", "99999999999999999999"], "--tokens", "integer from 1"),
+    (["run", "--check-groups", "0"], "--check-groups", "integer from 1"),
+    (["run", "--threads", "0"], "--threads", "integer from 1 to 1024"),
+    (["run", "--seed", "-1"], "--seed", "integer >= 0"),
+    (["run", "--style", "spin"], "--style", "rotate_half"),
+    (["run", "--format", "e3m4"], "--format", "e4m3 or e5m2"),
+    (["run", "--device", "tpu"], "--device", "auto, cpu or cuda"),
+    (["run", "--tokens"], "--tokens", "needs a value"),
+    (["run", "--bogus"], "--bogus", "unknown option"),
+    (["run", "--bogus=1"], "--bogus", "unknown option"),
+    (["run", "stray"], "stray", "takes only options"),
+    (["run-quantize", "--head-dim", "100"], "--head-dim", "multiple of 32"),
+    (["run-quantize", "--head-dim", "0"], "--head-dim", "integer from 1"),
+    (["run-quantize", "--iters", "0"], "--iters", "integer from 1"),
+    (["run-quantize", "--check-blocks", "0"], "--check-blocks", "integer from 1"),
+    (["run-quantize", "--swizzle=yes"], "--swizzle", "takes no value"),
+    (["info", "--verbose"], "--verbose", "unknown option"),
+    (["run", "--device", "cpu", "--tokens", "2000000000", "--heads", "100000"], "T 2000000000", "host memory"),
+]
+
+
+@needs_cli
+@pytest.mark.parametrize("args,option,rule", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_cli_rejects_bad_input(args, option, rule):
+    r = mxmla_cli(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert option in r.stderr and rule in r.stderr, r.stderr
+    assert f"see 'mxmla {args[0]} --help'" in r.stderr
+    assert "Traceback" not in r.stderr and "terminate" not in r.stderr
+
+
+@needs_cli
+def test_cli_unknown_command():
+    r = mxmla_cli("frobnicate")
+    assert r.returncode == 2 and "unknown command 'frobnicate'" in r.stderr
+
+
+@needs_cli
+def test_cli_device_cuda_without_gpu_is_an_error():
+    if _gpu_visible():
+        pytest.skip("a CUDA device is visible")
+    r = mxmla_cli("run", "--device", "cuda")
+    assert r.returncode == 2 and "--device" in r.stderr and ("no CUDA device" in r.stderr or "no CUDA kernels" in r.stderr)
+
+
+# ----------------------------------------------------------------------------- the jobs on the CPU
+@needs_cli
+def test_cli_run_falls_back_to_the_cpu_reference():
+    if _gpu_visible():
+        pytest.skip("a CUDA device is visible: `mxmla run` runs on it")
+    r = mxmla_cli("run", "--tokens", "64", "--heads", "2", "--k", "64")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("mxmla run: no GPU found")
+    assert "running the CPU reference of the fused Q up-projection at T 64, NH 2, K 64" in lines[1]
+    assert lines[-1].endswith("OK")
+
+
+@needs_cli
+def test_cli_run_default_cpu_size_says_it_is_smaller():
+    r = mxmla_cli("run", "--device", "cpu", "--k", "32")  # defaults T 256, NH 16; K small to stay quick
+    assert r.returncode == 0, r.stderr
+    assert "at T 256, NH 16, K 32 (smaller than the GPU default T 4096, NH 128)" in r.stdout
+
+
+@needs_cli
+@pytest.mark.parametrize("extra", [[], ["--swizzle"], ["--format", "e5m2"]])
+def test_cli_run_quantize_cpu(extra):
+    r = mxmla_cli("run-quantize", "--device", "cpu", "--tokens", "70", "--heads", "3", "--head-dim", "64", *extra)
+    assert r.returncode == 0, r.stderr
+    assert "CPU reference at [70, 3, 64]" in r.stdout and r.stdout.rstrip().endswith("OK")
+    if extra == ["--swizzle"]:
+        assert "swizzled scales" in r.stdout
+
+
+@needs_cli
+def test_cli_progress_goes_to_stderr():
+    r = mxmla_cli("run", "--device", "cpu", "--tokens", "256", "--heads", "8", "--k", "256", "--threads", "1",
+                  env={"MXMLA_PROGRESS_INTERVAL": "0.01"})
+    assert r.returncode == 0, r.stderr
+    prog = [l for l in r.stderr.splitlines() if l.startswith("mxmla run: CPU reference")]
+    assert prog and re.search(r"\d+ % \(\d+ of 256 tokens\)", prog[0]), r.stderr
+    assert prog[-1].endswith(" s") and "done in" in prog[-1]
+    assert "%" not in r.stdout  # results stay clean on stdout
+    quiet = mxmla_cli("run", *SMALL_RUN)  # a short run with the default interval prints no progress
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+# ----------------------------------------------------------------------------- packaging
+def _needed(path):
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) is not installed")
+    out = subprocess.run([readelf, "-d", path], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
+def test_python_module_needs_no_cuda_shared_library():
+    """The CUDA runtime is linked statically: the module loads where the loader knows no CUDA path."""
+    mxmla = pytest.importorskip("mxmla")
+    core = mxmla._mxmla_core.__file__
+    needed = _needed(core)
+    assert needed, core
+    assert not [n for n in needed if n.startswith(("libcudart", "libcublas"))], needed
+
+
+@needs_cli
+def test_cli_needs_no_cuda_shared_library():
+    needed = _needed(CLI)
+    assert not [n for n in needed if n.startswith(("libcudart", "libcublas"))], needed
 
 
 def _write_export(path):
