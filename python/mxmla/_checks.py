@@ -10,6 +10,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, Tuple
 
+import numpy as np
+
 from . import _mxmla_core as _core
 from ._backend import is_torch, torch, type_name
 
@@ -59,7 +61,7 @@ def flag(op: str, arg: str, value: Any) -> bool:
     """A bool argument: True or False (numpy.bool_ too); nothing else is silently truthy."""
     if isinstance(value, bool):
         return value
-    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+    if isinstance(value, np.bool_):
         return bool(value)
     raise ValueError(f"{op}: argument '{arg}': must be True or False, got {value!r} ({type_name(value)})")
 

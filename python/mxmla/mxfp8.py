@@ -330,7 +330,7 @@ def _bhsd_impl(op: str, scales: Sequence[Any], shapes: Sequence[Sequence[int]], 
         jobs.append((be.desc(name, src, allowed="uint8 or float8_e8m0fnu scale bytes"), be.desc("out", dst), shape,
                      lay_e, rw, name))
         outs.append(dst)
-    _core.attention_scales_to_bhsd(jobs, be.stream())
+    _core.attention_scales_to_bhsd(jobs, op, be.stream())
     return outs
 
 
@@ -437,7 +437,7 @@ def dequantize(q: MXFP8Tensor, dtype: DTypeLike = "float32", columnwise: Optiona
 
 
 def _scale_conversion(op: str, scales: Any, M: Any, K: Any, rowwise: Any, to_swizzled: bool) -> Any:
-    M, K = integer(op, "M", M), integer(op, "K", K)
+    M, K = integer(op, "M", M, minimum=0), integer(op, "K", K)
     rowwise = flag(op, "rowwise", rowwise)
     if kind_of(op, "scales", scales) == "torch":
         f = torch.ops.mxmla.swizzle_scales if to_swizzled else torch.ops.mxmla.unswizzle_scales

@@ -216,6 +216,7 @@ def _rope_args(op: str, x: Any, cos: Any, sin: Any, style: Any, layout: Any, rop
     torch_kind = kind_of(op, xn, x) == "torch"
     same_kind(op, xn, x, cos=cos, sin=sin)
     cu = _cu_arg(op, cu_seqlens, torch_kind)
+    same_kind(op, xn, x, cu_seqlens=cu)
     _check_tables(op, style, cos, sin)
     return torch_kind, style, layout, rope_dim, cu, tables_per_token
 

@@ -342,11 +342,12 @@ NB_MODULE(_mxmla_core, m) {
       nb::arg("scales"), nb::arg("out"), nb::arg("M"), nb::arg("K"), nb::arg("rowwise"), nb::arg("stream"));
 
   // Phase two for one or several scale tensors in one launch: jobs of (compact scales, BHSD output,
-  // 4-D shape, layout, rowwise, the Python name of the compact scales for errors).
+  // 4-D shape, layout, rowwise, the Python name of the compact scales for errors); `op` is the
+  // Python function that asked (attention_scales_to_bhsd or to_bhsd), named in errors.
   m.def(
       "attention_scales_to_bhsd",
       [](const std::vector<std::tuple<Desc, Desc, std::vector<int64_t>, QKVLayout, bool, std::string>>& jobs,
-         uintptr_t stream) {
+         const std::string& op, uintptr_t stream) {
         std::vector<BhsdScaleJob> js;
         for (const auto& [src, dst, shape, layout, rowwise, name] : jobs)
           js.push_back(BhsdScaleJob{to_desc(src), to_desc(dst), shape, layout, rowwise});
@@ -358,13 +359,15 @@ NB_MODULE(_mxmla_core, m) {
           for (size_t k = 0; k < jobs.size(); ++k) {
             const std::string tag = jobs.size() > 1 ? "[" + std::to_string(k) + "]" : "";
             const std::string& name = std::get<5>(jobs[k]);
-            if (e.arg() == "compact" + tag) throw Error(e.op(), name, e.rule());
-            if (e.arg() == "shape" + tag) throw Error(e.op(), name + ".shape", e.rule());
+            if (e.arg() == "compact" + tag) throw Error(op, name, e.rule());
+            if (e.arg() == "shape" + tag)  // "tensors[i].x_scale_inv" -> "tensors[i].shape"; "scales" -> "shape"
+              throw Error(op, name.find('.') == std::string::npos ? "shape" : name.substr(0, name.find('.')) + ".shape",
+                          e.rule());
           }
-          throw;
+          throw Error(op, e.arg(), e.rule());
         }
       },
-      nb::arg("jobs"), nb::arg("stream"));
+      nb::arg("jobs"), nb::arg("op"), nb::arg("stream"));
 
   // ------------------------------------------------------------------ RoPE
   m.def(

@@ -314,3 +314,31 @@ def test_partial_overlap_is_rejected():
     c, s = mxmla.rope_tables(mxmla.positions_arange(4))
     with pytest.raises(ValueError, match="overlaps the input"):
         mxmla.apply_rope(a[:4], c, s, out=a[1:])
+
+
+# ----------------------------------------------------------------------------- tables know their style
+@pytest.mark.parametrize("style", STYLES)
+def test_tables_refuse_another_style_and_plain_tables_are_taken(style):
+    x = rand(6, 2, 3, 192, seed=40)
+    c, s = mxmla.rope_tables(mxmla.positions_arange(6), style=style)
+    assert mxmla.table_style(c) == style and mxmla.table_style(s[2:]) == style  # views keep it
+    y = mxmla.apply_rope(x, c, s, style=style)
+    for other in STYLES:
+        if other != style:
+            with pytest.raises(ValueError, match=f"mxmla.apply_rope: argument 'cos': was built by rope_tables for style "
+                                                 f"'{style}', but style='{other}' was passed"):
+                mxmla.apply_rope(x, c, s, style=other)
+            # plain user tables (not from rope_tables) are the caller's business
+            mxmla.apply_rope(x, np.asarray(c), np.asarray(s), style=other)
+    np.testing.assert_array_equal(mxmla.apply_rope(x, np.array(c), np.array(s), style=style), y)
+
+
+def test_torch_tables_carry_their_style():
+    torch = pytest.importorskip("torch")
+    c, s = mxmla.rope_tables(torch.arange(6), style="interleaved", dtype=torch.bfloat16)
+    assert c.dtype == torch.bfloat16 and mxmla.table_style(c) == "interleaved"
+    x = torch.randn(6, 1, 2, 192, dtype=torch.bfloat16)
+    mxmla.apply_rope(x, c, s, style="interleaved")
+    with pytest.raises(ValueError, match="argument 'cos': was built by rope_tables for style 'interleaved'"):
+        mxmla.apply_rope(x, c, s)
+    mxmla.apply_rope(x, c.clone(), s.clone())  # a new tensor is a plain table
