@@ -2,9 +2,9 @@
 packaging facts that can be checked without a GPU (no libcudart.so needed), and the developer
 tools that turn profiler output into the figures of docs/performance.md.
 
-The tool is found as $MXMLA_CLI, else next to the interpreter (pip's scripts directory, where
-`pip install .` puts it), else on PATH, else in the build tree of the imported mxmla package
-(build/python/mxmla -> build/bin/mxmla), else in ./build/bin; the tests skip when none exists.
+The tool is found as $MXMLA_CLI, else in the build tree of the imported mxmla package
+(build/python/mxmla -> build/bin/mxmla), else next to the interpreter (pip's scripts directory,
+where `pip install .` puts it), else on PATH, else in ./build/bin; the tests skip when none exists.
 """
 import csv
 import os
@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------------------- finding the tool
 def _find_cli():
-    cands = [os.environ.get("MXMLA_CLI"), os.path.join(sysconfig.get_path("scripts"), "mxmla"), shutil.which("mxmla")]
+    cands = [os.environ.get("MXMLA_CLI")]
     try:
         import mxmla
 
@@ -30,7 +30,7 @@ def _find_cli():
         cands.append(str(pkg.parent.parent / "bin" / "mxmla"))
     except ImportError:
         pass
-    cands.append(str(ROOT / "build" / "bin" / "mxmla"))
+    cands += [os.path.join(sysconfig.get_path("scripts"), "mxmla"), shutil.which("mxmla"), str(ROOT / "build" / "bin" / "mxmla")]
     for c in cands:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
@@ -216,6 +216,22 @@ def test_cli_run_quantize_cpu(extra):
     assert "CPU reference at [70, 3, 64]" in r.stdout and r.stdout.rstrip().endswith("OK")
     if extra == ["--swizzle"]:
         assert "swizzled scales" in r.stdout
+
+
+@needs_cli
+def test_cli_run_on_the_gpu():
+    if not _gpu_visible():
+        pytest.skip("no CUDA device visible: the GPU job is not run")
+    r = mxmla_cli("run", "--tokens", "300", "--heads", "8", "--iters", "2", "--check-groups", "40")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert out.startswith("mxmla run: GPU ") and "40 of 80 (32-token group, head) pairs" in out
+    assert re.search(r"^check: .*: OK$", out, re.M) and re.search(r"^fused +: [0-9.]+ ms", out, re.M)
+    assert re.search(r"^ratio +: fused / cuBLAS GEMM alone = [0-9.]+", out, re.M), out  # cuBLAS was loaded
+    r = mxmla_cli("run-quantize", "--tokens", "100", "--heads", "4", "--iters", "2", "--swizzle")
+    assert r.returncode == 0 and "bit-exact" in r.stdout, r.stdout + r.stderr
+    r = mxmla_cli("run", "--k", "36", "--tokens", "64", "--heads", "1")  # the kernel needs K % 8 == 0
+    assert r.returncode == 2 and "8" in r.stderr, r.stdout + r.stderr
 
 
 @needs_cli
