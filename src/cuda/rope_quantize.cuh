@@ -266,16 +266,24 @@ __device__ __forceinline__ void columnwise(const RopeQuantizeParams& P, const Ti
   }
 }
 
-// Phase 5: the dx copy (contiguous, token order).
+// Phase 5: the dx copy (contiguous, token order). fp32 dq into an fp32 copy: the nope part is dq
+// itself, bit for bit (NaN payloads included, as the reference and apply_rope pass it through);
+// everything else is rounded with the output rules (canonical NaN).
 template <typename T>
 __device__ __forceinline__ void copy_dx(const RopeQuantizeParams& P, const Tile& t, const TileView<T>& tv, int tid) {
   const int64_t HD = P.rope.H * P.rope.D, col0 = static_cast<int64_t>(t.h) * tv.D;
   const int cpr = tv.D / 8;
   for (int u = tid; u < t.nrows * cpr; u += kThreads) {
     const int r = u / cpr, c8 = u % cpr;
+    const int64_t off = (t.t0 + r) * HD + col0 + 8 * c8;
+    if constexpr (sizeof(T) == 4) {
+      if (P.dx_t == DType::kFloat32 && 8 * c8 < tv.nope) {
+        store_raw8<float>(static_cast<float*>(P.dx) + off, *reinterpret_cast<const Raw8<float>*>(tv.raw + r * tv.rp + 8 * c8));
+        continue;
+      }
+    }
     float v[8];
     tv.load8(r, 8 * c8, v);
-    const int64_t off = (t.t0 + r) * HD + col0 + 8 * c8;
     if (P.dx_t == DType::kFloat32) store_raw8<float>(static_cast<float*>(P.dx) + off, pack8<float>(v));
     else store_raw8<__nv_bfloat16>(static_cast<__nv_bfloat16*>(P.dx) + off, pack8<__nv_bfloat16>(v));
   }

@@ -454,6 +454,7 @@ struct RbqCase {
   int copy = 0;  // dx copy: none, bf16, fp32
   std::vector<int64_t> cu;  // thd cu_seqlens when use_cu
   int seed = 0;
+  bool nan_payloads = false;  // fp32 input: NaNs with payloads (signalling and quiet) in nope and rope parts
 };
 
 void check_rope_quantize(const RbqCase& g) {
@@ -470,7 +471,11 @@ void check_rope_quantize(const RbqCase& g) {
   TensorDesc cud(cu.data(), DType::kInt64, {static_cast<int64_t>(cu.size())});
   o.rope.tables_per_token = l == RopeLayout::kTHD && !g.use_cu;
   const int64_t T = l == RopeLayout::kTHD ? tokens : g.S;
-  const std::vector<float> xf = test::make_data(tokens, HD, test::Data::kAdversarial, 100 + g.seed);
+  std::vector<float> xf = test::make_data(tokens, HD, test::Data::kAdversarial, 100 + g.seed);
+  if (g.nan_payloads) {
+    const uint32_t pats[] = {0x7FC00001u, 0xFFC12345u, 0x7F800001u, 0xFFA00000u};  // quiet and signalling, both signs
+    for (size_t i = 0; i < xf.size(); i += 7) std::memcpy(&xf[i], &pats[(i / 7) % 4], 4);
+  }
   util::Rng rng(g.seed);
   std::vector<float> cf(T * g.R), sf(T * g.R);
   for (auto& v : cf) v = static_cast<float>(rng.normal());
@@ -573,6 +578,19 @@ TEST(RopeGpu, BackwardQuantizeMatchesReferenceBitExact) {
           check_rope_quantize(g);
           if (HasFatalFailure()) return;
         }
+}
+
+// fp32 dq with NaN payloads into an fp32 dx copy: the nope part is dq itself, bit for bit (as the
+// reference and apply_rope pass it through); RoPE outputs and the codes follow the output rules.
+TEST(RopeGpu, BackwardQuantizeFp32CopyKeepsNopeBits) {
+  MXMLA_REQUIRE_GPU();
+  int seed = 700;
+  for (RopeLayout l : {RopeLayout::kSBHD, RopeLayout::kTHD}) {
+    RbqCase a{45, 2, 3, 192, 64};
+    a.dt = DType::kFloat32, a.layout = l, a.copy = 2, a.nan_payloads = true, a.seed = ++seed;
+    check_rope_quantize(a);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // DeepSeek-V3 heads (bf16, 192 / 64) whose tokens do not sit at one stride (a batch or sequence
