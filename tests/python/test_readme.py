@@ -5,6 +5,7 @@ Each fenced code block in README.md that is preceded by a marker comment is chec
   <!-- test: cuda -->               Python: run only where a CUDA device is visible (skips otherwise)
   <!-- test: shell -->              shell: every line that starts with `mxmla` runs and exits 0
   <!-- test: excerpt PATH -->       any language: its lines appear, in order, in the file PATH
+  <!-- test: output-cpu -->         `$ mxmla ...` and its output without a GPU: the same lines, numbers aside
   <!-- test: none -->              not run (e.g. commands that install or build); it must say why nearby
 Every Python block carries a marker, so no example goes untested; the relative links of the README
 point to files of the repository, and no text refers to files outside it.
@@ -42,6 +43,7 @@ CPU = [b for b in PY if b[0] == "cpu"]
 CUDA = [b for b in PY if b[0] == "cuda"]
 SHELL = [b for b in blocks() if b[0] == "shell"]
 EXCERPTS = [b for b in blocks() if b[0] and b[0].startswith("excerpt ")]
+OUTPUTS = [b for b in blocks() if b[0] == "output-cpu"]
 
 
 def _cuda_visible():
@@ -60,7 +62,7 @@ def _run_python(body, tmp_path, monkeypatch):
 
 
 def test_readme_has_tested_examples():
-    assert CPU and CUDA and SHELL and EXCERPTS
+    assert CPU and CUDA and SHELL and EXCERPTS and OUTPUTS
     unmarked = [b[3] for b in PY if b[0] not in ("cpu", "cuda")]
     assert not unmarked, f"Python blocks without a <!-- test: cpu|cuda --> marker at README.md lines {unmarked}"
 
@@ -95,6 +97,25 @@ def test_readme_shell_commands(block):
         args = shlex.split(c)[1:]
         r = subprocess.run([cli, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert r.returncode == 0, f"{c}: exit {r.returncode}\n{r.stderr}"
+
+
+def _shape(text):
+    # a line's words without its numbers (times and rates vary) or the CPU-only build's note
+    return [re.sub(r"[0-9][0-9.]*", "#", l.replace(" (a CPU-only build)", "")) for l in text.strip().splitlines()]
+
+
+@pytest.mark.parametrize("block", OUTPUTS, ids=_ids(OUTPUTS))
+def test_readme_cpu_output_is_what_the_tool_prints(block):
+    from test_tools import _gpu_visible
+
+    cli = _cli()
+    if _gpu_visible():
+        pytest.skip("a CUDA device is visible: the tool would run on it")
+    cmd, *expected = block[2].strip().splitlines()
+    assert cmd.startswith("$ mxmla ")
+    r = subprocess.run([cli, *shlex.split(cmd[len("$ mxmla "):])], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert _shape(r.stdout) == _shape("\n".join(expected))
 
 
 @pytest.mark.parametrize("block", EXCERPTS, ids=_ids(EXCERPTS))
