@@ -108,4 +108,9 @@ def info() -> Dict[str, Any]:
 
 
 if _torch_available():
+    import torch as _torch
+
+    if not hasattr(_torch.library, "custom_op"):
+        raise ImportError(f"mxmla: torch {_torch.__version__} is too old for mxmla's torch ops (torch.library.custom_op "
+                          "needs torch >= 2.4); upgrade torch or uninstall it to use the numpy API")
     from . import _torch_ops  # noqa: F401,E402  (registers torch.ops.mxmla.*)

@@ -180,6 +180,7 @@ class MXFP8Tensor:
         ``fp8_dtype`` is TE's DType when transformer_engine is importable, else the torch fp8 dtype;
         ``dtype`` (the nominal dtype) defaults to torch.bfloat16; ``quantizer`` is None, ``device`` the
         buffers'."""
+        attributes = flag("mxmla.MXFP8Tensor.to_te_kwargs", "attributes", attributes)
         bufs = self._buffers()
         if not bufs or not is_torch(bufs[0]):
             raise TypeError("mxmla.MXFP8Tensor.to_te_kwargs: TransformerEngine takes torch tensors; these buffers are "

@@ -207,12 +207,14 @@ def test_rope_torch_cuda():
     got = mxmla.apply_rope(xt.cuda(), c.cuda(), s.cuda(), layout="thd", cu_seqlens=cu.cuda())
     assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
     for style in STYLES:
+        c, s = mxmla.rope_tables(torch.arange(33), yarn="deepseek_v3", style=style)  # tables know their style
         q_ref, dx_ref = mxmla.rope_backward_quantize(x, c, s, style=style, dx_copy="bfloat16")
         q, dx = mxmla.rope_backward_quantize(x.cuda(), c.cuda(), s.cuda(), style=style, dx_copy="bfloat16")
         for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
             assert torch.equal(getattr(q, name).cpu(), getattr(q_ref, name)), (style, name)
         assert torch.equal(dx.cpu().view(torch.int16), dx_ref.view(torch.int16)), style
     for style in STYLES:
+        c, s = mxmla.rope_tables(torch.arange(33), yarn="deepseek_v3", style=style)
         want = mxmla.apply_rope(x, c, s, style=style)
         got = mxmla.apply_rope(x.cuda(), c.cuda(), s.cuda(), style=style)
         assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), style

@@ -157,13 +157,17 @@ def test_scaled_mm_args_have_the_form_torch_checks_for_mx():
 
 
 def test_scaled_mm_numerics_where_torch_runs_it():
-    a_q = mxmla.quantize(torch.randn(128, 64), columnwise=False)
-    w_q = mxmla.quantize(torch.randn(128, 64), columnwise=False)
+    """On the CPU torch runs per-tensor scaling only, on Hopper it raises for MX: both skip. On an
+    SM100 GPU this checks torch's MX GEMM against the dequantized operands."""
+    dev = "cuda" if torch.cuda.is_available() and mxmla.info()["cuda_enabled"] and mxmla.info()["gpus"] else "cpu"
+    a_q = mxmla.quantize(torch.randn(128, 64, device=dev), columnwise=False)
+    w_q = mxmla.quantize(torch.randn(128, 64, device=dev), columnwise=False)
     args = a_q.scaled_mm_args(w_q)
     try:
         got = torch._scaled_mm(*args, out_dtype=torch.float32)
     except (RuntimeError, NotImplementedError) as e:
-        pytest.skip(f"torch._scaled_mm does not run MX block scaling here (it needs SM100): {str(e).splitlines()[0]}")
+        pytest.skip(f"torch._scaled_mm does not run MX block scaling on {dev} here (it needs SM100): "
+                    f"{str(e).splitlines()[0]}")
     ref = a_q.dequantize(torch.float32).double() @ w_q.dequantize(torch.float32).double().T
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 

@@ -132,6 +132,16 @@ def test_compile_attention_two_phases(layout):
     assert torch.equal(one, fused.columnwise_scale_inv)
 
 
+def test_compile_with_an_mxfp8tensor_as_input():
+    q = mxmla.quantize(torch.randn(64, 96))
+    p1 = mxmla.quantize_attention(torch.randn(40, 1, 2, 64), bhsd_scales=False)
+
+    def f(q, p1):
+        return q.dequantize(torch.float32), mxmla.swizzle_scales(q.rowwise_scale_inv, 64, 96), mxmla.to_bhsd(p1)[0]
+
+    compiled_equals_eager(f, q, p1)
+
+
 def test_compile_to_bhsd_several_tensors():
     q, k = torch.randn(40, 1, 2, 192), torch.randn(40, 1, 2, 192)
 
