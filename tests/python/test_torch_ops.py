@@ -421,3 +421,27 @@ def test_cuda_ops_run_on_the_current_stream_without_sync():
     side.synchronize()
     ref = mxmla.quantize(x.cpu())
     assert torch.equal(q.rowwise_data.cpu(), ref.rowwise_data) and d.is_cuda
+
+
+@needs_gpu
+def test_cuda_hot_path_does_not_synchronize():
+    """torch's sync debug mode raises on any synchronizing call the Python layer makes (e.g. .cpu(),
+    .item()): the ops only allocate, describe and launch on the current stream."""
+    x = torch.randn(1024, 2, 4, 192, device="cuda", dtype=torch.bfloat16)
+    c, s = mxmla.rope_tables(torch.arange(1024, device="cuda"), yarn="deepseek_v3")
+    xx = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4 * 192, 256, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        q = mxmla.quantize(x, swizzle=True)
+        q.dequantize(torch.bfloat16)
+        mxmla.unswizzle_scales(q.rowwise_scale_inv, 2048 * 4, 192)
+        (b,) = mxmla.to_bhsd(mxmla.quantize_attention(x, bhsd_scales=False))
+        y = mxmla.apply_rope(x, c, s)
+        mxmla.rope_backward(y, c, s, out=y)
+        mxmla.rope_backward_quantize(y, c, s, dx_copy="bfloat16")
+        mxmla.fused_q_uproj_rope_quant(xx, w, c, s, return_q=True, bhsd_scales=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
