@@ -91,9 +91,8 @@ struct Command {
 // the option and the rule.
 inline int64_t parse_int(const std::string& command, const std::string& opt, const std::string& v, int64_t lo,
                          int64_t hi = std::numeric_limits<int32_t>::max()) {
-  const std::string rule = hi == std::numeric_limits<int64_t>::max()
-                               ? "must be an integer >= " + std::to_string(lo)
-                               : "must be an integer from " + std::to_string(lo) + " to " + std::to_string(hi);
+  const std::string rule = "must be an integer from " + std::to_string(lo) + " to " +
+                           (hi == std::numeric_limits<int64_t>::max() ? std::string("2^63 - 1") : std::to_string(hi));
   errno = 0;
   char* end = nullptr;
   const long long x = std::strtoll(v.c_str(), &end, 10);

@@ -185,6 +185,7 @@ int run_qproj_cpu(const QProjRunArgs& a, Progress& progress) {
   // Chunks of whole 32-token groups (columnwise blocks never span two), about 8 per thread.
   const int64_t groups = (T + 31) / 32, per_chunk = std::max<int64_t>(1, groups / (8 * threads));
   const int64_t chunk = per_chunk * 32, chunks = (T + chunk - 1) / chunk;
+  const int used = static_cast<int>(std::min<int64_t>(threads, chunks));  // threads that get work
   progress.begin("CPU reference (GEMM in float64, RoPE, MXFP8)", T, "tokens");
   const auto t0 = std::chrono::steady_clock::now();
   parallel_for(chunks, threads, [&](int64_t i) {
@@ -219,7 +220,7 @@ int run_qproj_cpu(const QProjRunArgs& a, Progress& progress) {
   const double rel = std::sqrt(num / den), bound = b.format == Fp8Format::kE4M3 ? 0.0625 : 0.125;
   std::printf("fused q up-projection + RoPE + MXFP8 in %.3f s on the CPU reference, %d thread%s (%.2f GFLOP/s, "
               "float64 GEMM)\n",
-              secs, threads, threads == 1 ? "" : "s", 2.0 * T * N * b.k / secs / 1e9);
+              secs, used, used == 1 ? "" : "s", 2.0 * T * N * b.k / secs / 1e9);
   std::printf("round-trip relative error of the rowwise codes vs q %.4f (bound %.4f): %s\n", rel, bound,
               rel < bound ? "OK" : "FAILED");
   return rel < bound ? 0 : 1;

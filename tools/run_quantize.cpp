@@ -48,6 +48,7 @@ int run_quantize_cpu(const QuantizeRunArgs& a, Progress& progress) {
   o.format = a.format;
   const int64_t groups = (M + 31) / 32, per_chunk = std::max<int64_t>(1, std::min<int64_t>(64, groups / (8 * threads)));
   const int64_t chunks = (groups + per_chunk - 1) / per_chunk;
+  const int used = static_cast<int>(std::min<int64_t>(threads, chunks));  // threads that get work
   progress.begin("quantizing on the CPU reference", M, "rows");
   const auto t0 = std::chrono::steady_clock::now();
   parallel_for(chunks, threads, [&](int64_t i) {
@@ -91,7 +92,7 @@ int run_quantize_cpu(const QuantizeRunArgs& a, Progress& progress) {
   const double bound = a.format == Fp8Format::kE4M3 ? 0.0625 : 0.125;
   std::printf("quantized rowwise + columnwise (%s, %s scales) in %.3f s on the CPU reference, %d thread%s "
               "(%.1f M elements/s)\n",
-              format_name(a.format), a.swizzle ? "swizzled" : "compact", secs, threads, threads == 1 ? "" : "s",
+              format_name(a.format), a.swizzle ? "swizzled" : "compact", secs, used, used == 1 ? "" : "s",
               n_d / secs / 1e6);
   std::printf("round-trip relative error %.4f (bound %.4f): %s\n", rel, bound, rel < bound ? "OK" : "FAILED");
   return rel < bound ? 0 : 1;

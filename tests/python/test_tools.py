@@ -146,7 +146,7 @@ BAD = [  # (command line, the option the message must name, words of the rule)
     (["run", "--tokens", "99999999999999999999"], "--tokens", "integer from 1"),
     (["run", "--check-groups", "0"], "--check-groups", "integer from 1"),
     (["run", "--threads", "0"], "--threads", "integer from 1 to 1024"),
-    (["run", "--seed", "-1"], "--seed", "integer >= 0"),
+    (["run", "--seed", "-1"], "--seed", "integer from 0 to 2^63 - 1"),
     (["run", "--style", "spin"], "--style", "rotate_half"),
     (["run", "--format", "e3m4"], "--format", "e4m3 or e5m2"),
     (["run", "--device", "tpu"], "--device", "auto, cpu or cuda"),
