@@ -12,22 +12,6 @@ include(CMakePackageConfigHelpers)
 
 add_library(mxmla::mxmla ALIAS mxmla)  # the same name for add_subdirectory() users
 
-# The public include directory: the source tree while building, <prefix>/include once installed.
-# Plain paths set by the library section are wrapped in BUILD_INTERFACE here.
-get_target_property(_mxmla_inc mxmla INTERFACE_INCLUDE_DIRECTORIES)
-if(NOT "${_mxmla_inc}" MATCHES "INSTALL_INTERFACE")
-  set(_mxmla_wrapped "")
-  foreach(_d IN LISTS _mxmla_inc)
-    if(_d MATCHES "^\\$<")
-      list(APPEND _mxmla_wrapped "${_d}")
-    else()
-      list(APPEND _mxmla_wrapped "$<BUILD_INTERFACE:${_d}>")
-    endif()
-  endforeach()
-  list(APPEND _mxmla_wrapped "$<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>")
-  set_target_properties(mxmla PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${_mxmla_wrapped}")
-endif()
-
 set(MXMLA_INSTALL_CMAKEDIR "${CMAKE_INSTALL_LIBDIR}/cmake/mxmla" CACHE STRING "Where mxmlaConfig.cmake is installed")
 
 install(TARGETS mxmla EXPORT mxmlaTargets

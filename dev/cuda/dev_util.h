@@ -15,36 +15,15 @@
 #include "common/ops.h"
 #include "common/qproj_ops.h"
 #include "mxmla/qproj.h"
+#include "tools/gpu_timer.h"
 
 namespace mxmla::dev {
 
-inline float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // Median milliseconds of `iters` calls of fn() after 3 warm-ups, each after a 256 MiB memset
-// (the L2 holds none of the inputs).
+// (the L2 holds none of the inputs): the command-line tool's timer.
 template <typename Fn>
 float time_ms(Fn&& fn, int iters = 30) {
-  static util::DeviceBuffer flush(256ull << 20);
-  cudaEvent_t e0, e1;
-  MXMLA_CUDA_CHECK(cudaEventCreate(&e0));
-  MXMLA_CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int it = 0; it < iters + 3; ++it) {
-    MXMLA_CUDA_CHECK(cudaMemsetAsync(flush.ptr, it & 0xFF, flush.bytes));
-    MXMLA_CUDA_CHECK(cudaEventRecord(e0));
-    fn();
-    MXMLA_CUDA_CHECK(cudaEventRecord(e1));
-    MXMLA_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t;
-    MXMLA_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (it >= 3) ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return median(ms);
+  return tool::GpuTimer(iters).median_ms(fn);
 }
 
 // The fused Q up-projection of T tokens x NH heads (K = 1536, D = 192, one sequence, compact
