@@ -1,0 +1,303 @@
+"""Runs one config on one device through the public Python API and returns every output as raw
+bytes. The same code runs CUDA tensors (the kernels) and CPU tensors (the reference): only the
+device differs, so a CPU run is also a dry run of the CUDA path's calls.
+
+Buffers are read as raw bytes (`.view(torch.uint8)`), so a change of the code / scale buffers'
+dtype (uint8 -> torch float8 types) does not affect the comparison; the dtype is recorded too.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import fp
+from .gen import Arr
+
+_INT = {"bfloat16": np.int16, "float16": np.int16, "float32": np.int32, "uint8": np.uint8, "int32": np.int32,
+        "int64": np.int64}
+MX_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+@dataclass
+class Out:
+    """One output: its bytes (flat uint8, C order), logical shape, dtype name and item size."""
+    raw: np.ndarray
+    shape: tuple
+    dtype: str
+    itemsize: int
+
+    def elements(self) -> np.ndarray:
+        """Elements as unsigned integers of the item size (flat)."""
+        return self.raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[self.itemsize])
+
+
+class OpError(Exception):
+    """The op raised: the message is the output."""
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def torch_dtype(name: str):
+    t = _torch()
+    return {"bfloat16": t.bfloat16, "float16": t.float16, "float32": t.float32, "uint8": t.uint8, "int32": t.int32,
+            "int64": t.int64}[name]
+
+
+def to_tensor(a: Arr, device: str):
+    """(the view as a torch tensor on `device`, its base tensor)."""
+    torch = _torch()
+    base = torch.from_numpy(np.ascontiguousarray(a.base).view(_INT[a.dtype]).copy())
+    if a.dtype in ("bfloat16", "float16", "float32"):
+        base = base.view(torch_dtype(a.dtype))
+    base = base.to(device)
+    return torch.as_strided(base, a.view.shape, a.view.strides, a.view.offset), base
+
+
+def from_numpy(a: np.ndarray, device: str):
+    """uint8 / int32 / int64 numpy data as a contiguous torch tensor on `device`."""
+    return _torch().from_numpy(np.ascontiguousarray(a).copy()).to(device)
+
+
+def out_of(t) -> Out:
+    torch = _torch()
+    t = t.detach()
+    shape = tuple(int(s) for s in t.shape)
+    dtype = str(t.dtype).replace("torch.", "")
+    c = t.contiguous().cpu().reshape(-1)
+    raw = c.view(torch.uint8).numpy().copy() if c.numel() else np.zeros(0, np.uint8)
+    return Out(raw, shape, dtype, int(t.element_size()))
+
+
+def _overwrite(t, a: np.ndarray):
+    """Overwrite a buffer's bytes in place (any dtype of one byte per element)."""
+    torch = _torch()
+    flat = t.view(torch.uint8).reshape(-1)
+    src = torch.from_numpy(np.ascontiguousarray(a).reshape(-1).copy()).to(t.device)
+    if flat.numel() != src.numel():
+        raise OpError(f"buffer of shape {tuple(t.shape)} holds {flat.numel()} bytes, the fuzzer expected {src.numel()}")
+    flat.copy_(src)
+
+
+def _mx_outs(q, prefix: str = "") -> dict:
+    out = {}
+    for f in MX_FIELDS:
+        v = getattr(q, f, None)
+        if v is not None:
+            out[prefix + f] = out_of(v)
+    return out
+
+
+def poison_allocator(device: str) -> None:
+    """Fill memory that the CUDA caching allocator will hand out next with 0xA5, so that an output
+    byte a kernel forgets to write (padding!) shows instead of reading as a lucky zero."""
+    if not device.startswith("cuda") or os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
+        return  # (no cache to poison: every tensor is its own cudaMalloc, e.g. under compute-sanitizer)
+    torch = _torch()
+    for n in (1 << 20, 1 << 19, 1 << 19, 32 << 20):
+        torch.empty(n, dtype=torch.uint8, device=device).fill_(0xA5)
+
+
+_SIDE = {}
+
+
+def _side_stream(device: str):
+    if device not in _SIDE:
+        _SIDE[device] = _torch().cuda.Stream(device=device)
+    return _SIDE[device]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        _torch().cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- per op
+def _quantize(cfg, ins, dev, mx):
+    x, _ = to_tensor(ins["x"], dev)
+    q = mx.quantize(x, rowwise=cfg["rowwise"], columnwise=cfg["columnwise"], fp8_format=cfg["fmt"],
+                    swizzle=cfg["swizzle"])
+    return _mx_outs(q)
+
+
+def _quantize_attention(cfg, ins, dev, mx):
+    x, _ = to_tensor(ins["x"], dev)
+    q = mx.quantize_attention(x, layout=cfg["layout"], rowwise=cfg["rowwise"], columnwise=cfg["columnwise"],
+                              fp8_format=cfg["fmt"], bhsd_scales=cfg["bhsd_scales"])
+    return _mx_outs(q)
+
+
+def _dequantize(cfg, ins, dev, mx):
+    torch = _torch()
+    x, _ = to_tensor(ins["x"], dev)
+    if cfg["source"] == "plain":
+        q = mx.quantize(x, rowwise=cfg["rowwise"], columnwise=cfg["columnwise"], fp8_format=cfg["fmt"],
+                        swizzle=cfg["scale_layout"] == "swizzled")
+    else:
+        q = mx.quantize_attention(x, layout=cfg["layout"], rowwise=cfg["rowwise"], columnwise=cfg["columnwise"],
+                                  fp8_format=cfg["fmt"], bhsd_scales=cfg["scale_layout"] == "bhsd")
+    if cfg["bytes"] != "quantized":
+        for d, key in (("rowwise", "random_rs"), ("columnwise", "random_cs")):
+            if getattr(q, f"{d}_data", None) is None:
+                continue
+            if cfg["bytes"] == "random":
+                _overwrite(getattr(q, f"{d}_data"), ins["random_codes"])
+            _overwrite(getattr(q, f"{d}_scale_inv"), ins[key])
+    out = _mx_outs(q, "q.")
+    od = torch_dtype(cfg["out_dtype"])
+    for d in ("rowwise", "columnwise"):
+        if getattr(q, f"{d}_data", None) is not None:
+            out[f"deq_{d}"] = out_of(mx.dequantize(q, dtype=od, columnwise=d == "columnwise"))
+    return out
+
+
+def _swizzle(cfg, ins, dev, mx):
+    s = from_numpy(ins["scales"].logical(), dev)
+    M, K, rw = cfg["M"], cfg["K"], cfg["rowwise"]
+    fwd, inv = (mx.swizzle_scales, mx.unswizzle_scales) if cfg["op"] == "swizzle_scales" else (mx.unswizzle_scales, mx.swizzle_scales)
+    y = fwd(s, M, K, rowwise=rw)
+    return {"out": out_of(y), "roundtrip": out_of(inv(y, M, K, rowwise=rw))}
+
+
+def _attention_scales_to_bhsd(cfg, ins, dev, mx):
+    s = from_numpy(ins["scales"].logical(), dev)
+    y = mx.attention_scales_to_bhsd(s, list(cfg["shape"]), cfg["layout"], cfg["rowwise"])
+    return {"out": out_of(y)}
+
+
+def _to_bhsd(cfg, ins, dev, mx):
+    qs, out = [], {}
+    for i, t in enumerate(cfg["tensors"]):
+        x, _ = to_tensor(ins[f"x{i}"], dev)
+        q = mx.quantize_attention(x, layout=t["layout"], rowwise=t["rowwise"], columnwise=t["columnwise"],
+                                  fp8_format=t["fmt"], bhsd_scales=False)
+        if t["random_scales"]:
+            if q.rowwise_scale_inv is not None:
+                _overwrite(q.rowwise_scale_inv, ins[f"rs{i}"])
+            if q.columnwise_scale_inv is not None:
+                _overwrite(q.columnwise_scale_inv, ins[f"cs{i}"])
+        out.update(_mx_outs(q, f"t{i}.p1."))
+        qs.append(q)
+    res = mx.to_bhsd(*qs)
+    if len(res) != len(qs):
+        raise OpError(f"to_bhsd returned {len(res)} tensors for {len(qs)}")
+    for i, q in enumerate(res):
+        out.update(_mx_outs(q, f"t{i}."))
+    return out
+
+
+def _rope_tables_and_kw(cfg, ins, dev):
+    cos, _ = to_tensor(ins["cos"], dev)
+    sin, _ = to_tensor(ins["sin"], dev)
+    cu = None
+    if cfg["cu_seqlens"] is not None:
+        cu = from_numpy(ins["cu_seqlens"], dev if cfg["cu_seqlens"]["device"] == "same" else "cpu")
+    kw = dict(style=cfg["style"], layout=cfg["layout"], rope_dim=cfg["rope_dim"], cu_seqlens=cu,
+              tables_per_token=cfg["tables_per_token"])
+    return cos, sin, kw
+
+
+def _rope(cfg, ins, dev, mx):
+    x, xbase = to_tensor(ins["x"], dev)
+    cos, sin, kw = _rope_tables_and_kw(cfg, ins, dev)
+    fn = mx.apply_rope if cfg["op"] == "apply_rope" else mx.rope_backward
+    out = {}
+    if cfg["out"] == "alloc":
+        y = fn(x, cos, sin, **kw)
+    elif cfg["out"] == "inplace":
+        y = fn(x, cos, sin, out=x, **kw)
+        if y is not x and (y.data_ptr() != x.data_ptr() or tuple(y.stride()) != tuple(x.stride())):
+            raise OpError("with out=x the op did not return x")
+    else:
+        o, obase = to_tensor(ins["out"], dev)
+        y = fn(x, cos, sin, out=o, **kw)
+        if y.data_ptr() != o.data_ptr():
+            raise OpError("with out=view the op did not return the view")
+        out["out_base"] = out_of(obase)
+    out["out"] = out_of(y)
+    out["x_base"] = out_of(xbase)  # in place: the whole buffer (outside the view untouched); else: unchanged
+    return out
+
+
+def _rope_backward_quantize(cfg, ins, dev, mx):
+    x, xbase = to_tensor(ins["x"], dev)
+    cos, sin, kw = _rope_tables_and_kw(cfg, ins, dev)
+    r = mx.rope_backward_quantize(x, cos, sin, rowwise=cfg["rowwise"], columnwise=cfg["columnwise"],
+                                  fp8_format=cfg["fmt"], swizzle=cfg["swizzle"], dx_copy=cfg["dx_copy"], **kw)
+    out = {}
+    if cfg["dx_copy"]:
+        q, dx = r
+        out["dx"] = out_of(dx)
+    else:
+        q = r
+    out.update(_mx_outs(q))
+    out["x_base"] = out_of(xbase)
+    return out
+
+
+def _fused(cfg, ins, dev, mx):
+    x, _ = to_tensor(ins["x"], dev)
+    w, _ = to_tensor(ins["w"], dev)
+    cos, _ = to_tensor(ins["cos"], dev)
+    sin, _ = to_tensor(ins["sin"], dev)
+    r = mx.fused_q_uproj_rope_quant(x, w, cos, sin, nope_dim=cfg["nope"], rope_dim=cfg["rope"], style=cfg["style"],
+                                    layout=cfg["layout"], batch=cfg["batch"], weight_layout=cfg["weight_layout"],
+                                    rowwise=cfg["rowwise"], columnwise=cfg["columnwise"], fp8_format=cfg["fmt"],
+                                    bhsd_scales=cfg["bhsd_scales"], return_q=cfg["return_q"])
+    out = {}
+    if cfg["return_q"]:
+        q, qb = r
+        out["q"] = out_of(qb)
+    else:
+        q = r
+    out.update(_mx_outs(q))
+    return out
+
+
+RUNNERS = {
+    "quantize": _quantize,
+    "dequantize": _dequantize,
+    "swizzle_scales": _swizzle,
+    "unswizzle_scales": _swizzle,
+    "quantize_attention": _quantize_attention,
+    "attention_scales_to_bhsd": _attention_scales_to_bhsd,
+    "to_bhsd": _to_bhsd,
+    "apply_rope": _rope,
+    "rope_backward": _rope,
+    "rope_backward_quantize": _rope_backward_quantize,
+    "fused_q_uproj_rope_quant": _fused,
+}
+
+
+def run(cfg: dict, ins: dict, device: str) -> dict:
+    """Outputs of `cfg` on `device` ("cpu" or "cuda[:i]") as {name: Out}; an exception raised by
+    the library becomes OpError with its type and message."""
+    import mxmla
+
+    poison_allocator(device)
+    try:
+        if device.startswith("cuda") and cfg.get("stream") == "side":
+            torch = _torch()
+            side = _side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                out = RUNNERS[cfg["op"]](cfg, ins, device, mxmla)
+        else:
+            out = RUNNERS[cfg["op"]](cfg, ins, device, mxmla)
+        _sync(device)
+    except OpError:
+        raise
+    except Exception as e:  # noqa: BLE001 — any failure of the library is a result to report
+        raise OpError(f"{type(e).__name__}: {e}") from e
+    return out
+
+
+def out_from_bits(bits: np.ndarray, dtype: str) -> Out:
+    """An expected output (bits of `dtype`, logical shape) as an Out."""
+    bits = np.ascontiguousarray(bits).astype(fp.BITS[dtype], copy=False)
+    return Out(bits.reshape(-1).view(np.uint8).copy(), tuple(bits.shape), dtype, fp.ITEMSIZE[dtype])

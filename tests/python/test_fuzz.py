@@ -1,0 +1,460 @@
+"""The property tests (fuzzers, tests/fuzz) in CI: their arithmetic primitives against exact
+rational arithmetic, the checker's sensitivity, the generators' determinism and CUDA-rule
+compliance, a bounded seeded subset per op on the CPU (the reference against the independent
+oracle, in both config profiles), a dry run of the GPU check's code path with the CPU standing in
+for the GPU, the command line, and — where a CUDA device is visible — a GPU subset.
+
+The >= 1000-configs-per-op GPU run is a separate command (docs/testing.md):
+    python3 -m tests.fuzz --device cuda --count 1000 --all --sanitize-sample 20
+"""
+import math
+import os
+import pathlib
+import subprocess
+import sys
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+pytest.importorskip("ml_dtypes")
+torch = pytest.importorskip("torch")
+import mxmla  # noqa: E402
+
+from tests.fuzz import check, data, driver, fp, gen, oracle, runner  # noqa: E402
+
+HAVE_GPU = torch.cuda.is_available() and mxmla.info()["cuda_enabled"] and bool(mxmla.info()["gpus"])
+
+CI_COUNTS = {  # configs per op in CI, half from each profile (seeds 0 .. n/2 - 1)
+    "quantize": 120,
+    "dequantize": 200,
+    "swizzle_scales": 400,
+    "unswizzle_scales": 400,
+    "quantize_attention": 160,
+    "attention_scales_to_bhsd": 400,
+    "to_bhsd": 120,
+    "apply_rope": 200,
+    "rope_backward": 200,
+    "rope_backward_quantize": 100,
+    "fused_q_uproj_rope_quant": 200,
+}
+GPU_COUNT = 40  # per op, when a GPU is visible (the full run is the separate command above)
+
+
+# ----------------------------------------------------------------------------- exact references
+def round_exact(v: Fraction, mant: int, emin: int, max_finite: float) -> float:
+    """Round-to-nearest-even of an exact rational to a binary format (overflow -> inf)."""
+    if v == 0:
+        return 0.0
+    a = abs(v)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    while Fraction(2) ** e > a:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= a:
+        e += 1
+    q = Fraction(2) ** (max(e, emin) - mant)
+    r = round(a / q) * q  # Fraction.__round__ is half to even
+    f = math.inf if math.isfinite(max_finite) and r > Fraction(max_finite) else float(r)
+    return f if v > 0 else -f
+
+
+F32 = dict(mant=23, emin=-126, max_finite=float(np.finfo(np.float32).max))
+
+
+def f32_bits(x):
+    return np.array([x], np.float32).view(np.uint32)[0]
+
+
+def test_fmaf_is_exactly_rounded():
+    rng = np.random.default_rng(0)
+    n = 3000
+    a = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
+    b = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
+    c = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(n) * 2.0 ** -rng.integers(1, 30, n))).astype(np.float32)
+    c[::3] = (rng.standard_normal(n) * np.exp2(rng.integers(-140, 100, n))).astype(np.float32)[::3]  # any exponents
+    # double-rounding traps: p + c within 2^-40 of an fp32 midpoint, on both sides, odd and even neighbours
+    traps = []
+    for R in (1.0 + 2 ** -23, 1.0 + 2 ** -22, 3.0 + 2 ** -22, 1.5, 2.0 ** 100 * (1 + 2 ** -23), 2.0 ** -120 * (1 + 2 ** -23)):
+        h = R * 0 + 2.0 ** (math.frexp(R)[1] - 1 - 24)  # half an fp32 ulp of R
+        Rn = float(np.nextafter(np.float32(R), np.float32(np.inf)))
+        traps.append((h * (1 + 2 ** -20), 1 - 2 ** -20, R))      # just below the midpoint above R
+        traps.append((-h * (1 + 2 ** -20), 1 - 2 ** -20, Rn))    # just above the midpoint below Rn
+        traps.append((h, 1.0, R))                                 # exactly the midpoint (ties to even)
+    for s in (1, -1):  # the overflow tie 2^128 - 2^103
+        traps.append((s * 2.0 ** 103 * (1 + 2 ** -20), 1 - 2 ** -20, s * float(np.finfo(np.float32).max)))
+        traps.append((s * 2.0 ** 103, 1.0, s * float(np.finfo(np.float32).max)))
+    ta, tb, tc = (np.array(v, np.float32) for v in zip(*traps))
+    a, b, c = np.concatenate([a, ta]), np.concatenate([b, tb]), np.concatenate([c, tc])
+    got = fp.fmaf(a, b, c)
+    for i in range(a.size):
+        want = round_exact(Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i])), **F32)
+        assert f32_bits(got[i]) == f32_bits(np.float32(want)), (i, a[i], b[i], c[i], got[i], want)
+    # and the traps do catch an unfused (double-rounded) fma
+    with np.errstate(all="ignore"):
+        naive = (ta.astype(np.float64) * tb + tc).astype(np.float32)
+    assert (naive.view(np.uint32) != fp.fmaf(ta, tb, tc).view(np.uint32)).sum() >= 4
+
+
+def test_fmaf_special_values():
+    inf, nan = np.float32(np.inf), np.float32(np.nan)
+    a = np.array([inf, 0, inf, 1, nan, 2], np.float32)
+    b = np.array([0, inf, 1, 1, 1, 3], np.float32)
+    c = np.array([1, 1, -inf, inf, 0, -6], np.float32)
+    r = fp.fmaf(a, b, c)
+    assert np.isnan(r[:3]).all() and r[3] == np.inf and np.isnan(r[4]) and r[5] == 0 and not np.signbit(r[5])
+
+
+@pytest.mark.parametrize("dtype,mant,emin,maxf", [("bfloat16", 7, -126, 3.3895313892515355e38),
+                                                  ("float16", 10, -14, 65504.0)])
+def test_float_conversions_round_once_to_nearest_even(dtype, mant, emin, maxf):
+    rng = np.random.default_rng(1)
+    u = rng.integers(0, 2 ** 32, 4000, dtype=np.uint64).astype(np.uint32)
+    if dtype == "float16":  # concentrate on fp16's range (subnormals, ties, overflow)
+        u = (u & 0x807FFFFF) | ((rng.integers(127 - 27, 127 + 17, u.size).astype(np.uint32)) << 23)
+    u = np.concatenate([u, np.array([0x7F7FFFFF, 0x477FF000, 0x477FEFFF, 0x33000000, 0x33000001, 0x3F808000,
+                                     0x3F818000, 0x80000000], np.uint32)])
+    f = u.view(np.float32)
+    f = f[np.isfinite(f)]
+    got = fp.from_f32(f, dtype)
+    for v, g in zip(f, got):
+        want = math.copysign(round_exact(Fraction(float(v)), mant, emin, maxf), float(v))
+        assert g == fp.from_f64(np.array([want]), dtype)[0], (dtype, hex(f32_bits(v)), g, want)
+        assert math.isinf(want) or fp.to_f64(np.array([g]), dtype)[0] == want
+    assert fp.from_f32(np.array([np.nan], np.float32), dtype)[0] == fp.CANON_NAN[dtype]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_codes_are_rne_with_saturation(fmt):
+    """fp.quantize_blocks' element rule against exact rounding (ml_dtypes' RNE), on every code, every
+    midpoint and the fp32 neighbours of each midpoint. (Past max only Inf ever arrives: the scale
+    is rounded up, so a finite block's scaled values stay <= max; Inf saturates, tested below.)"""
+    f8, maxn, maxcode, _, mant, emin = fp.FMT[fmt]
+    vals = np.arange(0, maxcode + 1, dtype=np.uint8).view(f8).astype(np.float64)
+    mids = (vals[:-1] + vals[1:]) / 2
+    m32 = mids.astype(np.float32)
+    y = np.concatenate([vals.astype(np.float32), m32, np.nextafter(m32, np.float32(0)), np.nextafter(m32, np.float32(np.inf))])
+    y = np.concatenate([y, -y]).astype(np.float32)
+    # one block per value with amax 448·2^0 (scale 127, multiplier 1)
+    blocks = np.zeros((y.size, 32), np.float32)
+    blocks[:, 0] = y
+    blocks[:, 1] = maxn
+    codes, scales = fp.quantize_blocks(blocks, fmt)
+    assert (scales == 127).all()
+    for v, cde in zip(y, codes[:, 0]):
+        r = round_exact(Fraction(float(v)), mant, emin, math.inf)
+        r = math.copysign(min(abs(r), maxn), r) if r != 0 else math.copysign(0.0, float(v))
+        got = float(np.array([cde], np.uint8).view(f8).astype(np.float64)[0])
+        assert got == r and math.copysign(1, got) == math.copysign(1, r), (fmt, v, hex(cde), r)
+
+
+def test_scale_rule_and_special_blocks():
+    # README "Semantics": 448 -> 127, 449 -> 128; zero -> 0; NaN block 0xFF / 0x7F; Inf block 0xFE, ±max
+    assert list(fp.e8m0_from_amax(np.array([448.0, 449.0, 0.0, 57344.0], np.float32), "e4m3")) == [127, 128, 0, 134]
+    assert fp.e8m0_from_amax(np.array([57344.0], np.float32), "e5m2")[0] == 127
+    x = np.ones((3, 32), np.float32)
+    x[0, 5] = np.nan
+    x[1, 7] = -np.inf
+    x[2] = 0
+    codes, sc = fp.quantize_blocks(x, "e4m3")
+    assert list(sc) == [0xFF, 0xFE, 0] and (codes[0] == 0x7F).all() and codes[1, 7] == 0xFE
+    assert codes[1, 0] == 0x00 and (codes[2] == 0).all()  # finite values of an Inf block flush to ±0
+
+
+def test_swizzle_view_equals_the_index_formula():
+    rng = np.random.default_rng(2)
+    for M, K in [(1, 32), (129, 96), (300, 544), (33, 4096)]:
+        for rw in (True, False):
+            shape = (M, K // 32) if rw else (fp.cdiv(M, 32), K)
+            c = rng.integers(0, 256, shape, dtype=np.uint8)
+            s = fp.swizzle(c, M, K, rw)
+            assert s.shape == fp.swizzled_shape(M, K, rw)
+            np.testing.assert_array_equal(fp.unswizzle(s, M, K, rw), c)
+            assert (s[fp.swizzle_padding(M, K, rw)] == 0).all()
+    # BHSD: per (b, h) matrix, inverse exact
+    for shape, layout in [((45, 2, 3, 192), "sbhd"), ((2, 130, 3, 64), "bshd")]:
+        for rw in (True, False):
+            rs, cs = fp.attention_compact_shapes(shape, layout)
+            c = rng.integers(0, 256, rs if rw else cs, dtype=np.uint8)
+            b = fp.to_bhsd(c, shape, layout, rw)
+            assert b.shape == fp.bhsd_shapes(shape, layout)[0 if rw else 1]
+            np.testing.assert_array_equal(fp.from_bhsd(b, shape, layout, rw), c)
+
+
+def test_rope_oracle_matches_float64_formula():
+    """rope_f32 is RoPE (SPEC §3) to within fp32 rounding, and backward is its transpose."""
+    rng = np.random.default_rng(3)
+    for style in gen.STYLES:
+        x = rng.standard_normal((5, 64)).astype(np.float32)
+        c = rng.standard_normal((5, 64)).astype(np.float32)
+        s = rng.standard_normal((5, 64)).astype(np.float32)
+        a, b, sign = oracle.rope_terms(style, 64)
+        want = c.astype(np.float64) * x[:, a] + sign * s.astype(np.float64) * x[:, b]
+        np.testing.assert_allclose(oracle.rope_f32(x, c, s, style, False), want, rtol=1e-6, atol=1e-6)
+        g = rng.standard_normal((5, 64)).astype(np.float32)
+        lhs = (oracle.rope_f32(x, c, s, style, False).astype(np.float64) * g).sum()
+        rhs = (x.astype(np.float64) * oracle.rope_f32(g, c, s, style, True)).sum()
+        assert abs(lhs - rhs) < 1e-4 * (abs(lhs) + 1)
+
+
+# ----------------------------------------------------------------------------- checker
+def test_checker_sees_one_flipped_byte_and_shape_errors():
+    cfg = gen.generate("quantize", 7, "any")
+    ins = gen.materialize(cfg)
+    outs = runner.run(cfg, ins, "cpu")
+    exp = check.expected_outs(oracle.expected(cfg, ins))
+    assert check.compare_sets("quantize", "t", outs, exp) == []
+    name = next(iter(outs))
+    o = outs[name]
+    bad = runner.Out(o.raw.copy(), o.shape, o.dtype, o.itemsize)
+    bad.raw[o.raw.size // 2] ^= 0x10
+    mm = check.compare("quantize", "t", name, bad, exp[name])
+    assert len(mm) == 1 and mm[0].index == o.raw.size // 2 and mm[0].count == 1
+    assert "got 0x" in mm[0].line() and "expected 0x" in mm[0].line()
+    wrong = runner.Out(o.raw, (o.raw.size,), o.dtype, o.itemsize)
+    assert "shape" in check.compare("quantize", "t", name, wrong, exp[name])[0].note
+    assert check.compare_sets("quantize", "t", {}, exp)[0].note == "missing output"
+
+
+def _first_seed(op, pred, profile="any", limit=400):
+    for s in range(limit):
+        cfg = gen.generate(op, s, profile)
+        if pred(cfg):
+            return cfg
+    raise AssertionError(f"no {op} config matches in {limit} seeds")
+
+
+def test_invariants_see_padding_roundtrip_and_bound_violations():
+    cfg = _first_seed("quantize", lambda c: c["swizzle"] and c["rowwise"] and 1 < np.prod(c["x_view"]["shape"][:-1]) < 100)
+    ins = gen.materialize(cfg)
+    outs = runner.run(cfg, ins, "cpu")
+    assert check.invariants(cfg, ins, outs) == []
+    s = outs["rowwise_scale_inv"]
+    pad = np.nonzero(fp.swizzle_padding(int(np.prod(cfg["x_view"]["shape"][:-1])), cfg["x_view"]["shape"][-1], True).reshape(-1))[0]
+    poisoned = dict(outs, rowwise_scale_inv=runner.Out(s.raw.copy(), s.shape, s.dtype, 1))
+    poisoned["rowwise_scale_inv"].raw[pad[0]] = 0xA5
+    assert any("padding" in m.note for m in check.invariants(cfg, ins, poisoned))
+    # a code off by a lot breaks the MX bound (pick an element of a finite, non-zero block)
+    x = fp.to_f32(ins["x"].logical(), cfg["dtype"]).reshape(-1)
+    i = int(np.nonzero(np.isfinite(x) & (np.abs(x) > 0))[0][0])
+    c = outs["rowwise_data"]
+    broken = dict(outs, rowwise_data=runner.Out(c.raw.copy(), c.shape, c.dtype, 1))
+    broken["rowwise_data"].raw[i] ^= 0x40
+    assert any("MX bound" in m.note for m in check.invariants(cfg, ins, broken))
+    # swizzle round trip
+    cfg = gen.generate("swizzle_scales", 3, "any")
+    ins = gen.materialize(cfg)
+    outs = runner.run(cfg, ins, "cpu")
+    rt = outs["roundtrip"]
+    outs["roundtrip"] = runner.Out(rt.raw.copy(), rt.shape, rt.dtype, 1)
+    outs["roundtrip"].raw[0] ^= 1
+    assert any("roundtrip" in m.output for m in check.invariants(cfg, ins, outs))
+
+
+def test_rope_invariants_see_writes_outside_the_view():
+    cfg = _first_seed("apply_rope", lambda c: c["out"] == "inplace" and c["x_view"]["base_numel"] > np.prod(c["shape"]))
+    ins = gen.materialize(cfg)
+    outs = runner.run(cfg, ins, "cpu")
+    assert check.invariants(cfg, ins, outs) == []
+    xb = outs["x_base"]
+    outside = np.nonzero(~np.repeat(ins["x"].view.covered(), xb.itemsize))[0]
+    outs["x_base"] = runner.Out(xb.raw.copy(), xb.shape, xb.dtype, xb.itemsize)
+    outs["x_base"].raw[outside[0]] ^= 1
+    assert any("outside" in m.note for m in check.invariants(cfg, ins, outs))
+
+
+# ----------------------------------------------------------------------------- generators
+@pytest.mark.parametrize("op", gen.OPS)
+def test_configs_and_inputs_are_determined_by_op_seed_profile(op):
+    for seed in (0, 17):
+        for profile in gen.PROFILES:
+            a, b = gen.generate(op, seed, profile), gen.generate(op, seed, profile)
+            assert gen.config_json(a) == gen.config_json(b)
+            ia, ib = gen.materialize(a), gen.materialize(b)
+            assert ia.keys() == ib.keys()
+            for k in ia:
+                x, y = ia[k], ib[k]
+                if isinstance(x, gen.Arr):
+                    assert np.array_equal(x.base, y.base) and x.view == y.view
+                elif isinstance(x, np.ndarray):
+                    assert np.array_equal(x, y)
+    assert gen.config_json(gen.generate(op, 1, "any")) != gen.config_json(gen.generate(op, 2, "any"))
+
+
+def _views(cfg):
+    for k in ("x_view", "out_view"):
+        if k in cfg:
+            yield cfg[k], cfg.get("out_dtype" if k == "out_view" else "dtype", "bfloat16")
+    for t in cfg.get("tensors", []):
+        yield t["x_view"], t["dtype"]
+
+
+def test_cuda_profile_obeys_the_cuda_rules():
+    """Every config of the cuda profile is one the CUDA path accepts (README's CUDA-path rules)."""
+    for op in gen.OPS:
+        fast = 0
+        heads8 = set()
+        for seed in range(150):
+            cfg = gen.generate(op, seed, "cuda")
+            for vj, dt in _views(cfg):
+                es = fp.ITEMSIZE[dt]
+                v = data.View.from_json(vj)
+                assert (v.offset * es) % 16 == 0, (op, seed)
+                assert all((s * es) % 16 == 0 for s in v.strides[:-1]) and v.strides[-1] == 1, (op, seed, v)
+            if op in ("apply_rope", "rope_backward", "rope_backward_quantize"):
+                Dh, R = cfg["shape"][-1], cfg["rope_dim"]
+                assert R % 16 == 0 and (Dh - R) % 8 == 0 and cfg.get("out_dtype", cfg["dtype"]) == cfg["dtype"]
+                assert (cfg["tab_offset"] * fp.ITEMSIZE[cfg["tab_dtype"]]) % 16 == 0
+                assert cfg["tab_align"] * fp.ITEMSIZE[cfg["tab_dtype"]] % 16 == 0
+                if op == "rope_backward_quantize":
+                    assert Dh % 32 == 0 and Dh <= 256
+                    fast += cfg["fast_path"]
+                    if cfg["fast_path"]:
+                        heads8.add(cfg["shape"][-2] % 8 == 0)
+            if op == "fused_q_uproj_rope_quant":
+                assert (cfg["nope"], cfg["rope"]) == (128, 64) and cfg["K"] % 8 == 0
+                assert cfg["x_pad"] % 8 == 0 and cfg["w_pad"] % 8 == 0 and cfg["x_offset"] % 8 == 0
+        if op == "rope_backward_quantize":
+            assert fast >= 40, f"only {fast} of 150 configs take the fast path"
+            assert heads8 == {True, False}
+
+
+def test_generators_cover_the_axes():
+    def tags(op, n=200, profile="any"):
+        out = set()
+        for s in range(n):
+            out.update(gen.generate(op, s, profile)["tags"])
+        return out
+
+    t = tags("quantize")
+    for want in ("dtype=bfloat16", "dtype=float16", "dtype=float32", "fmt=e4m3", "fmt=e5m2", "dir=row", "dir=col",
+                 "dir=both", "swizzle", "one_row", "huge_leading", "strided", "offset", "specials", "exp=wide"):
+        assert want in t, want
+    t = tags("dequantize")
+    for want in ("source=attention", "scale_layout=bhsd", "scale_layout=swizzled", "bytes=random", "out_dtype=bfloat16"):
+        assert want in t, want
+    for op in ("apply_rope", "rope_backward"):
+        t = tags(op)
+        for want in ("layout=thd", "cu_seqlens_multi", "tables_per_token", "out=inplace", "out=view", "broadcast",
+                     "deepseek_head", "heads%8==0", "heads%8!=0", "tab_dtype=bfloat16", "style=rotate_half", "strided"):
+            assert want in t, (op, want)
+    t = tags("fused_q_uproj_rope_quant", profile="cuda")
+    for want in ("batch>1", "K_tail", "T_tail", "weight_layout=kn", "bhsd_scales", "return_q", "fmt=e5m2", "layout=bshd"):
+        assert want in t, want
+
+
+# ----------------------------------------------------------------------------- the CI subset
+@pytest.mark.parametrize("profile", gen.PROFILES)
+@pytest.mark.parametrize("op", gen.OPS)
+def test_fuzz_cpu_reference_against_oracle(op, profile):
+    """Seeds 0 .. CI_COUNTS[op] - 1: the CPU reference bit for bit against the oracle, plus the
+    invariants. Known library issues (tests/fuzz/check.py KNOWN_ISSUES) are reported, not failed."""
+    res = driver.run_seeds(op, list(range(CI_COUNTS[op] // 2)), "cpu", profile)
+    failed = [r for r in res if r.status == "fail"]
+    msg = "\n".join(f"{r.mismatches[0].line()}\n  replay: {driver.replay_command(op, r.seed, 'cpu', profile)}"
+                    for r in failed[:5])
+    assert not failed, f"{len(failed)} of {len(res)} configs failed:\n{msg}"
+
+
+def test_dry_run_of_the_gpu_check_path():
+    """The GPU check's code path (device run vs reference run from a spawned worker pool, compared
+    byte for byte, invariants on the device outputs) with the CPU standing in for the GPU."""
+    pool = driver._pool(2)
+    try:
+        for op in ("quantize", "to_bhsd", "rope_backward_quantize", "fused_q_uproj_rope_quant"):
+            res = driver.run_seeds(op, list(range(3)), "cpu", "cuda", pool, pair=True)
+            assert len(res) == 3 and all(r.status in ("pass", "known") for r in res), \
+                [m.line() for r in res for m in r.mismatches]
+    finally:
+        pool.shutdown()
+    # the pair comparison does see a difference between the two runs
+    cfg = gen.generate("apply_rope", 2, "cuda")
+    ins = gen.materialize(cfg)
+    a, b = runner.run(cfg, ins, "cpu"), runner.run(cfg, ins, "cpu")
+    b["out"].raw[0] ^= 1
+    assert check.compare_sets("apply_rope", "cuda vs cpu", a, b)
+
+
+def test_a_lost_cuda_context_stops_the_run(monkeypatch):
+    """After an error that breaks the CUDA context (an illegal address ...), every later call would
+    fail: the run stops at that seed and says so, the results so far kept."""
+    real = driver.device_side
+
+    def fake(op, seed, profile, device):
+        if seed == 2:
+            return None, "RuntimeError: CUDA error: an illegal memory access was encountered"
+        return real(op, seed, profile, device)
+
+    monkeypatch.setattr(driver, "device_side", fake)
+    with pytest.raises(driver.ContextLost) as e:
+        driver.run_seeds("swizzle_scales", list(range(5)), "cpu", "cuda", None, pair=True)
+    assert [r.seed for r in e.value.results] == [0, 1, 2] and e.value.results[-1].status == "fail"
+    assert "illegal memory access" in e.value.results[-1].mismatches[0].note
+
+
+def _cli(*args, env_extra=None, cwd=ROOT):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.path.dirname(os.path.dirname(mxmla.__file__))]))
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "tests.fuzz", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
+
+
+def test_command_line_replay_count_and_known_issues(tmp_path):
+    r = _cli("--op", "quantize", "--seed", "3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert '"op":"quantize","seed":3' in r.stdout and "PASS" in r.stdout
+    r = _cli("--op", "swizzle_scales", "unswizzle_scales", "--count", "5", "--start", "10", "--jobs", "0",
+             "--json", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "swizzle_scales: 5 configs run, 5 passed, 0 failed" in r.stdout and "fuzz summary" in r.stdout
+    assert (tmp_path / "r.json").exists()
+    # a known library issue (KI-1): reported with its replay command, fails only with --strict
+    cfg = _first_seed("rope_backward_quantize", lambda c: c["dtype"] == "float32" and c["dx_copy"] == "float32"
+                      and c["data"]["special_rate"] >= 0.1, limit=300)
+    seed = cfg["seed"]
+    for s in range(seed, seed + 300):
+        if driver.check_cpu("rope_backward_quantize", s, "any").known:
+            seed = s
+            break
+    else:
+        pytest.skip("no KI-1 seed found")
+    r = _cli("--op", "rope_backward_quantize", "--seed", str(seed))
+    assert r.returncode == 0 and "KNOWN KI-1" in r.stdout and f"--seed {seed} --device cpu" in r.stdout, r.stdout
+    r = _cli("--op", "rope_backward_quantize", "--seed", str(seed), "--strict")
+    assert r.returncode == 1
+    r = _cli("--op", "nope", "--seed", "1")
+    assert r.returncode == 2
+
+
+def test_sanitizer_sample_command(tmp_path):
+    """--sanitize-sample re-runs a sample under compute-sanitizer: a stand-in that runs the command
+    it is given checks the plumbing (arguments, environment, log, summary line)."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text("#!/bin/sh\n# drop the sanitizer's own options, run the program\nwhile [ \"${1#-}\" != \"$1\" ]; "
+                    "do case $1 in --tool|--error-exitcode|--print-limit) shift 2;; *) shift;; esac; done\n"
+                    "echo \"PYTORCH_NO_CUDA_MEMORY_CACHING=$PYTORCH_NO_CUDA_MEMORY_CACHING\"\n\"$@\"; rc=$?\n"
+                    "echo '========= ERROR SUMMARY: 0 errors'\nexit $rc\n")
+    fake.chmod(0o755)
+    log = tmp_path / "san.log"
+    r = _cli("--op", "quantize", "attention_scales_to_bhsd", "--count", "4", "--jobs", "0", "--pair",
+             "--sanitize-sample", "2", "--sanitizer-log", str(log),
+             env_extra={"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = log.read_text()
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in text and "--seeds 0,2" in r.stdout
+    assert "attention_scales_to_bhsd: 2 configs run, 2 passed" in text
+    assert "sanitizer (memcheck): ok, 2 seeds per op; ========= ERROR SUMMARY: 0 errors" in r.stdout
+
+
+# ----------------------------------------------------------------------------- GPU subset
+@pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible (or a CPU-only build): GPU fuzz subset skipped")
+@pytest.mark.parametrize("op", gen.OPS)
+def test_fuzz_cuda_against_cpu_reference(op):
+    res = driver.run_seeds(op, list(range(GPU_COUNT)), "cuda", "cuda", None)
+    failed = [r for r in res if r.status == "fail"]
+    msg = "\n".join(f"{r.mismatches[0].line()}\n  replay: {driver.replay_command(op, r.seed, 'cuda', 'cuda')}"
+                    for r in failed[:5])
+    assert not failed, f"{len(failed)} of {len(res)} configs failed:\n{msg}"
