@@ -363,11 +363,10 @@ def _outside_view(op: str, cfg: dict, ins: dict, outs: dict) -> list:
 # "known", the issue id in the failure line) but does not fail the run unless --strict. A result
 # counts as known only when *every* one of its mismatches matches an issue.
 KNOWN_ISSUES = {
-    "KI-1": ("rope_backward_quantize with float32 dq and dx_copy='float32': the CPU reference copies the NaN bit "
-             "patterns of dq's nope elements into the dx copy (payloads kept), the CUDA kernels (pack8) and the "
-             "bf16 copy write the canonical NaN 0x7FC00000",
-             lambda cfg, m: (cfg["op"] == "rope_backward_quantize" and cfg.get("dtype") == "float32"
-                             and cfg.get("dx_copy") == "float32" and m.output == "dx" and m.nan_only)),
+    # id: (description, predicate(cfg, mismatch)). Fixed issues are removed (docs/testing.md lists
+    # them). Example of the shape an entry takes:
+    # "KI-1": ("rope_backward_quantize, fp32 dq, dx_copy='float32': NaN bits of the nope part differ",
+    #          lambda cfg, m: cfg["op"] == "rope_backward_quantize" and m.output == "dx" and m.nan_only),
 }
 
 

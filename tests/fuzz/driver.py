@@ -171,7 +171,8 @@ def replay_command(op: str, seed: int, device: str, profile: str, pair: bool = F
     return cmd + (f" --profile {profile}" if profile != dflt else "") + (" --pair" if pair else "")
 
 
-def report_failure(res: Result, out=sys.stdout) -> None:
+def report_failure(res: Result, out=None) -> None:
+    out = out or sys.stdout
     first = res.mismatches[0]
     head = f"KNOWN {res.known}:" if res.known else "FAIL"
     print(f"{head} {first.line()}", file=out)

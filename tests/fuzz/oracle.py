@@ -263,9 +263,15 @@ def _rope_backward_quantize(cfg, ins):
                                                       cfg["rowwise"], cfg["columnwise"], cfg["swizzle"]).items()}
     if cfg["dx_copy"]:
         od = cfg["dx_copy"]
-        # the fp32 dx (nope elements: dq's values) rounded once to the copy's dtype; one NaN
-        # pattern (README: the library writes canonical NaNs; the kernels' dx copy does)
-        res["dx"] = (fp.from_f32(dxl, od), od)
+        # dx in fp32: the nope part is dq's value (fp32 dq: its bits, NaN payloads included, as
+        # apply_rope passes the nope part through; bf16 / fp16 dq: the exact value, NaN canonical),
+        # the rope part the fp32 result (NaN canonical). An fp32 copy is dx itself; a bf16 copy
+        # dx rounded once (NaN canonical).
+        d32 = np.empty(xb.shape, np.uint32)
+        d32[..., : Dh - R] = fp.convert_bits(xb[..., : Dh - R], dt, "float32")
+        d32[..., Dh - R:] = fp.from_f32(y, "float32")
+        d32 = _from_sbhd4(d32, cfg["layout"])
+        res["dx"] = (d32, od) if od == "float32" else (fp.from_f32(d32.view(np.float32), od), od)
     res["x_base"] = (ins["x"].base.copy(), dt)
     return res
 

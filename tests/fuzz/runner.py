@@ -294,7 +294,25 @@ def run(cfg: dict, ins: dict, device: str) -> dict:
         raise
     except Exception as e:  # noqa: BLE001 — any failure of the library is a result to report
         raise OpError(f"{type(e).__name__}: {e}") from e
+    _inject(cfg, device, out)
     return out
+
+
+def _inject(cfg: dict, device: str, out: dict) -> None:
+    """Fault injection, to see the fuzzers fail (tests, or a check of the reporting on a new
+    machine): MXMLA_FUZZ_INJECT=op:output[:device] flips the low bit of the middle byte of that
+    output of that op's runs (on that device only, when given: cpu / cuda)."""
+    spec = os.environ.get("MXMLA_FUZZ_INJECT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] != cfg["op"] or len(parts) < 2 or parts[1] not in out:
+        return
+    if len(parts) > 2 and not device.startswith(parts[2]):
+        return
+    o = out[parts[1]]
+    if o.raw.size:
+        o.raw[o.raw.size // 2] ^= 1
 
 
 def out_from_bits(bits: np.ndarray, dtype: str) -> Out:

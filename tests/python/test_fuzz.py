@@ -402,31 +402,39 @@ def _cli(*args, env_extra=None, cwd=ROOT):
                           cwd=cwd, timeout=300)
 
 
-def test_command_line_replay_count_and_known_issues(tmp_path):
+def test_command_line_replay_count_and_failures(tmp_path, monkeypatch, capsys):
+    # the command itself (a subprocess): replay a passing seed, a failing one, a usage error
     r = _cli("--op", "quantize", "--seed", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     assert '"op":"quantize","seed":3' in r.stdout and "PASS" in r.stdout
-    r = _cli("--op", "swizzle_scales", "unswizzle_scales", "--count", "5", "--start", "10", "--jobs", "0",
-             "--json", str(tmp_path / "r.json"))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "swizzle_scales: 5 configs run, 5 passed, 0 failed" in r.stdout and "fuzz summary" in r.stdout
-    assert (tmp_path / "r.json").exists()
-    # a known library issue (KI-1): reported with its replay command, fails only with --strict
-    cfg = _first_seed("rope_backward_quantize", lambda c: c["dtype"] == "float32" and c["dx_copy"] == "float32"
-                      and c["data"]["special_rate"] >= 0.1, limit=300)
-    seed = cfg["seed"]
-    for s in range(seed, seed + 300):
-        if driver.check_cpu("rope_backward_quantize", s, "any").known:
-            seed = s
-            break
-    else:
-        pytest.skip("no KI-1 seed found")
-    r = _cli("--op", "rope_backward_quantize", "--seed", str(seed))
-    assert r.returncode == 0 and "KNOWN KI-1" in r.stdout and f"--seed {seed} --device cpu" in r.stdout, r.stdout
-    r = _cli("--op", "rope_backward_quantize", "--seed", str(seed), "--strict")
-    assert r.returncode == 1
-    r = _cli("--op", "nope", "--seed", "1")
-    assert r.returncode == 2
+    # a failure (an injected fault): the first mismatch with op, output, index and bytes, the replay
+    # command, exit status 1
+    r = _cli("--op", "apply_rope", "--seed", "4", env_extra={"MXMLA_FUZZ_INJECT": "apply_rope:out:cpu"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "apply_rope [cpu vs oracle] out[" in r.stdout and "got 0x" in r.stdout and "expected 0x" in r.stdout
+    assert "replay: PYTHONPATH=" in r.stdout and "--op apply_rope --seed 4 --device cpu" in r.stdout
+    assert _cli("--op", "nope", "--seed", "1").returncode == 2
+    # ranges (in process): the per-op summary line, the table, the JSON; the first failing seed
+    assert driver.main(["--op", "swizzle_scales", "unswizzle_scales", "--count", "5", "--start", "10", "--jobs", "0",
+                        "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "swizzle_scales: 5 configs run, 5 passed, 0 failed" in out and "fuzz summary" in out
+    assert '"configs": 5' in (tmp_path / "r.json").read_text()
+    monkeypatch.setenv("MXMLA_FUZZ_INJECT", "apply_rope:out:cpu")
+    assert driver.main(["--op", "apply_rope", "--count", "3", "--start", "7", "--jobs", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "first failing seed 7" in out and "--op apply_rope --seed 7 --device cpu" in out
+
+
+def test_known_issues_are_reported_not_failed(monkeypatch, capsys):
+    monkeypatch.setenv("MXMLA_FUZZ_INJECT", "swizzle_scales:out")
+    monkeypatch.setitem(check.KNOWN_ISSUES, "KI-T", ("an injected fault", lambda cfg, m: m.output == "out"))
+    assert driver.main(["--op", "swizzle_scales", "--count", "3", "--jobs", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "KNOWN KI-T:" in out and "3 known issue(s) (KI-T)" in out and "known issue KI-T: an injected fault" in out
+    assert driver.main(["--op", "swizzle_scales", "--count", "3", "--jobs", "0", "--strict"]) == 1
+    assert driver.main(["--op", "swizzle_scales", "--seed", "1"]) == 0
+    assert driver.main(["--op", "swizzle_scales", "--seed", "1", "--strict"]) == 1
 
 
 def test_sanitizer_sample_command(tmp_path):
