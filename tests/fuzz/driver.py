@@ -395,7 +395,7 @@ def sanitize(a, seeds: list) -> tuple:
     lines = open(a.sanitizer_log).read().splitlines()
     for line in lines[-6:]:
         print("   | " + line)
-    summary = [l for l in lines if "ERROR SUMMARY" in l]
+    summary = [l for l in lines if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l]
     status = "ok" if rc == 0 else "FAILED (sanitizer errors)" if rc == 9 else f"FAILED (rc {rc})"
     extra = f"; {summary[-1].strip()}" if summary else ""
     return f"{status}, {len(sample)} seeds per op{extra}", time.perf_counter() - t0
