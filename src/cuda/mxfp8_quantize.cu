@@ -110,7 +110,7 @@ __device__ __forceinline__ uint32_t mag_elem(uint32_t m, int j) {
 
 // Store VEC bytes held in the low bytes of `v`. Codes and scales are stored with the default
 // cache policy: streaming (evict-first) stores measured 1.5 % slower for both directions
-// (docs/performance.md, eleventh session).
+// (measured on the H200: git history of docs/performance.md).
 template <int VEC>
 __device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t v) {
   if constexpr (VEC == 8)
@@ -459,7 +459,7 @@ void launch(const QuantizeProblem& p, cudaStream_t stream) {
 // BHSD scales (the attention hand-off) in two passes: the quantize kernel writes compact scales
 // to scratch, then the staged remap kernel (mxfp8_scales.cu) writes whole 512-byte BHSD
 // swizzle tiles, padding included. Faster than the quantize kernel scattering BHSD scale bytes
-// itself (0.1248 vs 0.1342 ms for Q, K, V at b 2, h 16, s 4096: docs/performance.md).
+// itself (0.1248 vs 0.1342 ms for Q, K, V at b 2, h 16, s 4096: git history of docs/performance.md).
 void quantize_bhsd_two_pass(const QuantizeProblem& p, Stream s) {
   QuantizeProblem q = p;
   const bool row = p.row_codes && p.row_map.mode == MapMode::kBHSD, col = p.col_codes && p.col_map.mode == MapMode::kBHSD;

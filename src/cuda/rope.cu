@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<T>) rope_kernel(const Rop
   // H % 8 == 0): the warp copies its heads' nope parts two whole heads (512 contiguous bytes) per
   // instruction instead of 64 bytes of each of 8 heads — load i of lane l is chunk l % 16 of the
   // warp's head 2i + l / 16, which is 2i + hd heads from lane l's own head (l / 4). Fewer cache
-  // lines per instruction: +4 % forward and backward (docs/performance.md, eleventh session).
+  // lines per instruction: +4 % forward and backward (measured on the H200: git history of docs/performance.md).
   // 32-bit head offsets: the strides are checked to fit.
   const int lane = static_cast<int>(threadIdx.x & 31);
   const bool wide = nchunks == 16 && lanes == 4 && H % 8 == 0 && p.in_st[2] >= 0 && p.in_st[2] < (1 << 27) &&

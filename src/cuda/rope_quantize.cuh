@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kThreads) rope_quantize_kernel(const RopeQuant
 // together (cuda/tile_scheduler.h): co-running blocks share DRAM pages, a block's contiguous range
 // of tiles was 1.6 % slower (same-run A/B), runs of 8 throughout pay more in table reloads than
 // they gain (runs of 16 equal runs of 32; runs of 64 / 128 were 0.4 / 0.6 % slower), and the
-// queue took 2.8 % off the static round-robin deal of runs of 32 (twenty-first session). Head
+// queue took 2.8 % off the static round-robin deal of runs of 32 (measured on the H200: docs/notes-rope.md). Head
 // counts that are not a multiple of 8 take contiguous ranges (short runs would hand the tables
 // off every few tiles).
 // Loads: three TMA copies per tile (a 3-D map {D, H, tokens}, boxes {64, 1, 32} with the 128-byte
@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(kThreads) rope_quantize_kernel(const RopeQuant
 // are outside the tensor and land as zeros), on the stage's mbarrier; 3 stages. The TMA unit reads
 // exactly the head's 384 bytes per row this way: one box {D + 8, 1, 32} into 400-byte rows (the
 // padding made the reads conflict-free) took 2.3 times the L2 read requests, 10 % more DRAM reads
-// and 5.5 % more time (docs/performance.md, seventeenth session). The rope tile and the group
+// and 5.5 % more time (measured on the H200: git history of docs/performance.md). The rope tile and the group
 // sink are double-buffered, so one barrier per tile orders everything: W0-W2 work on tile k
 // while W3 finishes tile k - 1 (and writes the group tile k - 1 closed). Rows past the last token
 // are zero with zero tables, so every amax runs over all 32 rows unpredicated; only stores are
@@ -599,7 +599,7 @@ __device__ __forceinline__ void nope_col_codes(const uint2* const (&src)[8], uin
 // swizzled 128-byte row of a column third: conflict-free. The lane's 8 shared-memory addresses of
 // a group of 8 rows are computed once (the swizzle repeats every 8 rows), and full tiles store
 // without a row predicate (fewer address instructions than chunk_at per row: level alone, -0.3 %
-// together with W1's row permutation, docs/performance.md, twentieth session).
+// together with W1's row permutation, git history of docs/performance.md).
 template <bool kE4M3>
 __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const Tile& t,
                                          int64_t HD, int lane) {
