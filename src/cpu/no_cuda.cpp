@@ -3,6 +3,7 @@
 #include <string>
 
 #include "common/device.h"
+#include "common/attention_ops.h"
 #include "common/ops.h"
 
 namespace mxmla {
@@ -17,6 +18,8 @@ CudaDeviceGuard::~CudaDeviceGuard() = default;
 void quantize_cuda(const QuantizeProblem&, Stream) { no_cuda("mxmla.quantize", "input"); }
 void dequantize_cuda(const DequantizeProblem&, Stream) { no_cuda("mxmla.dequantize", "input"); }
 void remap_scales_cuda(const std::vector<RemapProblem>&, Stream) { no_cuda("mxmla.remap_scales", "input"); }
+void attention_fwd_cuda(const AttentionProblem&, Stream) { no_cuda("mxmla.attention", "q"); }
+bool attention_cuda_supports(int64_t, int64_t) { return false; }
 
 }  // namespace detail
 

@@ -1,0 +1,66 @@
+// mxmla internal — the attention forward problem that src/attention.cpp (validation, layouts)
+// hands to a backend: the CPU reference (src/cpu/attention_reference.cpp) or the SM90 kernel
+// (src/cuda/sm90_attention_fwd.cu).
+//
+// Every operand is addressed by (b, h, s, d): b the sequence, h the head, s the token inside its
+// sequence, d the head-dim index (contiguous). For thd the sequence b starts at packed token
+// cu[b], and the b-stride is 0.
+#pragma once
+
+#include <cstdint>
+
+#include "common/mxfp8_common.h"
+#include "mxmla/attention.h"
+
+namespace mxmla::detail {
+
+// Element (b, h, s, d) at data + b*st_b + (cu[b] + s)*st_s + h*st_h + d (elements; codes: bytes).
+struct AttnTensorView {
+  const void* data = nullptr;
+  int64_t st_b = 0, st_s = 0, st_h = 0;
+};
+
+// The scale byte of element (b, h, s, d) of an MXFP8 operand, through the ScaleMap geometry of
+// the buffer that holds it (common/mxfp8_common.h):
+//   bi  = b*bi_b
+//   row = (cu[b] + s)*row_s + b*row_b + h*row_h + row0
+//   col = d + b*col_b + h*col_h
+//   rowwise (Q, K): row_scale_offset(map, bi, row, col / 32)
+//   columnwise (V): col_scale_offset(map, bi, row / 32, col)
+// The CUDA kernel requires row_s == 1 for V (its blocks run along the keys).
+struct AttnScaleView {
+  const uint8_t* ptr = nullptr;
+  ScaleMap map;
+  int64_t bi_b = 0;
+  int64_t row_s = 1, row_b = 0, row_h = 0, row0 = 0;
+  int64_t col_b = 0, col_h = 0;
+};
+
+struct AttentionProblem {
+  int64_t B = 1, Sq = 0, Skv = 0;  // thd: Sq / Skv are the max sequence lengths
+  int64_t H = 1, Hkv = 1, Dqk = 0, Dv = 0;
+  bool thd = false;
+  const int32_t* cu_q = nullptr;   // thd: [B + 1] (device memory for CUDA problems)
+  const int32_t* cu_kv = nullptr;
+  int64_t total_q = 0;             // thd: cu_q[B] (the lse row length)
+
+  bool fp8 = false;                // q, k, v MXFP8 (codes + scales); else bf16
+  Fp8Format fmt = Fp8Format::kE4M3;
+  AttnTensorView q, k, v;
+  AttnScaleView q_sc, k_sc, v_sc;  // fp8 only
+
+  bool causal = false, bottom_right = false;
+  float softmax_scale = 1.0f;
+  PFormat p_format = PFormat::kBF16;
+
+  uint16_t* o = nullptr;           // bf16, element (b, h, s, d) at o + b*o_st_b + (cu_q[b] + s)*o_st_s + h*o_st_h + d
+  int64_t o_st_b = 0, o_st_s = 0, o_st_h = 0;
+  float* lse = nullptr;            // optional: [B, H, Sq] (thd: [H, total_q]) contiguous
+};
+
+void attention_fwd_cpu(const AttentionProblem& p);
+void attention_fwd_cuda(const AttentionProblem& p, Stream stream);
+// Whether the SM90 kernel has an instantiation for these head dims.
+bool attention_cuda_supports(int64_t Dqk, int64_t Dv);
+
+}  // namespace mxmla::detail
