@@ -43,6 +43,7 @@ struct AttentionProblem {
   const int32_t* cu_q = nullptr;   // thd: [B + 1] (device memory for CUDA problems)
   const int32_t* cu_kv = nullptr;
   int64_t total_q = 0;             // thd: cu_q[B] (the lse row length)
+  int64_t total_kv = 0;            // thd: packed key tokens of k and v (their leading extent)
 
   bool fp8 = false;                // q, k, v MXFP8 (codes + scales); else bf16
   Fp8Format fmt = Fp8Format::kE4M3;
