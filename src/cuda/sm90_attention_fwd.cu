@@ -1,11 +1,103 @@
-// mxmla — attention forward for SM90 (placeholder while the kernel is written).
+// mxmla — the attention forward for SM90 (sm_90a): the launcher of the warp-specialized kernel in
+// sm90_attention_fwd.cuh (MXFP8 or bf16 Q, K, V; dequantization to bf16 inside the kernel, bf16
+// wgmma with fp32 accumulation, online softmax). Instantiations: (d_qk, d_v) in {(192, 128),
+// (128, 128)} x codes {E4M3, E5M2}; bf16 inputs run the E4M3 one with the dequantizer idle.
+#include <cuda.h>  // CUtensorMap (types only)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
 #include "common/attention_ops.h"
+#include "cuda/cuda_check.h"
+#include "cuda/heuristics.h"
+#include "cuda/launch.h"
+#include "cuda/sm90_attention_fwd.cuh"
+#include "cuda/tma_desc.h"
 
 namespace mxmla::detail {
+namespace {
+
+constexpr const char* kOp = "mxmla.attention";
+
+// A 4-D map over an operand: dims {d, heads, tokens, batch}, box {64, 1, 128, 1}; FP8 codes with the
+// 64-byte swizzle (the dequantizer's staging), bf16 with the 128-byte swizzle (the wgmma layout).
+CUtensorMap operand_map(const char* arg, const AttnTensorView& v, bool fp8, int64_t d, int64_t heads, int64_t tokens,
+                        int64_t batch) {
+  const int64_t esz = fp8 ? 1 : 2;
+  const auto aligned = [](int64_t bytes) { return bytes % 16 == 0; };
+  if (reinterpret_cast<uintptr_t>(v.data) % 16 != 0 || !aligned(v.st_h * esz) || !aligned(v.st_s * esz) ||
+      (batch > 1 && !aligned(v.st_b * esz)))
+    throw Error(kOp, arg,
+                "the CUDA kernel reads it with TMA: its data pointer and its head, token and batch strides must be "
+                "multiples of 16 bytes");
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(std::max<int64_t>(tokens, 1)),
+                              static_cast<cuuint64_t>(batch)};
+  const int64_t st_b = batch > 1 ? v.st_b : std::max<int64_t>(tokens, 1) * v.st_s;
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(v.st_h * esz), static_cast<cuuint64_t>(v.st_s * esz),
+                                 static_cast<cuuint64_t>(std::max<int64_t>(st_b, 1) * esz)};
+  const cuuint32_t box[4] = {64, 1, 128, 1};
+  return make_tma_desc(v.data, fp8 ? DType::kUInt8 : DType::kBFloat16, 4, dims, strides, box,
+                       fp8 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+template <int kDqk, int kDv, bool kE4M3>
+void launch(const AttentionProblem& pr, cudaStream_t stream) {
+  using K = attn::Kernel<kDqk, kDv, kE4M3>;
+  attn::Params p{};
+  p.B = static_cast<int>(pr.B), p.H = static_cast<int>(pr.H), p.Hkv = static_cast<int>(pr.Hkv);
+  p.Sq = static_cast<int>(pr.Sq), p.Skv = static_cast<int>(pr.Skv);
+  p.thd = pr.thd, p.causal = pr.causal, p.bottom_right = pr.bottom_right, p.fp8 = pr.fp8;
+  p.e4m3_p = pr.p_format == PFormat::kE4M3;
+  p.cu_q = pr.cu_q, p.cu_kv = pr.cu_kv, p.total_q = pr.total_q;
+  p.scale_log2 = static_cast<float>(static_cast<double>(pr.softmax_scale) * 1.4426950408889634);
+  p.q = {pr.q, pr.q_sc}, p.k = {pr.k, pr.k_sc}, p.v = {pr.v, pr.v_sc};
+  p.o = pr.o, p.o_st_b = pr.o_st_b, p.o_st_s = pr.o_st_s, p.o_st_h = pr.o_st_h;
+  p.lse = pr.lse;
+  p.num_mblocks = static_cast<int>((pr.Sq + 127) / 128);
+  const int64_t BH = pr.B * pr.H;
+  // heads whose K and V stay in L2 together (a third of the H200's 60 MB), whole query blocks of them
+  const int64_t kv_bytes = std::max<int64_t>(1, pr.Skv * (kDqk + kDv) * (pr.fp8 ? 1 : 2));
+  p.heads_per_group = static_cast<int>(std::clamp<int64_t>((20ll << 20) / kv_bytes, 1, BH));
+  const int64_t tiles = BH * p.num_mblocks;
+  if (tiles == 0) return;
+  if (tiles > (int64_t{1} << 31) - 1) throw Error(kOp, "q", "has too many (sequence, head, 128-row) tiles");
+  p.num_tiles = static_cast<int>(tiles);
+
+  const int64_t q_tokens = pr.thd ? pr.total_q : pr.Sq, kv_tokens = pr.thd ? pr.total_kv : pr.Skv;
+  const int64_t batch = pr.thd ? 1 : pr.B;
+  const CUtensorMap tq = operand_map("q", pr.q, pr.fp8, pr.Dqk, pr.H, q_tokens, batch);
+  const CUtensorMap tk = operand_map("k", pr.k, pr.fp8, pr.Dqk, pr.Hkv, kv_tokens, batch);
+  const CUtensorMap tv = operand_map("v", pr.v, pr.fp8, pr.Dv, pr.Hkv, kv_tokens, batch);
+
+  const void* kernel = reinterpret_cast<const void*>(&attn::sm90_attention_fwd_kernel<K>);
+  const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
+  const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), tiles));
+  attn::sm90_attention_fwd_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, stream>>>(tq, tk, tv, p);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
 
 bool attention_cuda_supports(int64_t Dqk, int64_t Dv) { return (Dqk == 192 || Dqk == 128) && Dv == 128; }
-void attention_fwd_cuda(const AttentionProblem&, Stream) {
-  throw Error("mxmla.attention", "q", "the SM90 attention kernel is not built yet");
+
+void attention_fwd_cuda(const AttentionProblem& p, Stream stream) {
+  if (!attention_cuda_supports(p.Dqk, p.Dv))
+    throw Error(kOp, "q", "the CUDA kernel supports head dims (d_qk, d_v) = (192, 128) and (128, 128), got (" +
+                              std::to_string(p.Dqk) + ", " + std::to_string(p.Dv) + ")");
+  if (p.fp8 && p.v_sc.row_s != 1)
+    throw Error(kOp, "v", "the CUDA kernel needs V's columnwise scale blocks to run along the keys of a sequence");
+  const bool e4m3 = !p.fp8 || p.fmt == Fp8Format::kE4M3;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (p.Dqk == 192) {
+    if (e4m3) launch<192, 128, true>(p, s);
+    else launch<192, 128, false>(p, s);
+  } else {
+    if (e4m3) launch<128, 128, true>(p, s);
+    else launch<128, 128, false>(p, s);
+  }
 }
 
 }  // namespace mxmla::detail

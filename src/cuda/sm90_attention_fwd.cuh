@@ -1,0 +1,506 @@
+// mxmla internal — the SM90 attention forward kernel (include/mxmla/attention.h, SPEC §5): traits,
+// parameters and the body. Launcher: sm90_attention_fwd.cu.
+//
+// One CTA per SM, persistent; a work tile is (sequence b, head h, 128 query rows). Four warpgroups:
+//   WG0 warp 0  producer: TMA loads of the codes (FP8) or of the bf16 operands;
+//   WG1         dequantizer (FP8 inputs): FP8 codes + E8M0 scales -> bf16 tiles in the wgmma layout,
+//               one thread per tile row (cuda/sm90/dequant_mxfp8_bf16.cuh), scales read from global
+//               memory through the operand's scale geometry while the codes are in flight;
+//   WG2, WG3    consumers: 64 query rows each; S = Q·Kᵀ (wgmma bf16, Q and K from shared memory),
+//               online softmax in fp32, O += P·V (P from registers, V from shared memory N-major).
+// Shared memory (d_qk 192, d_v 128): Q bf16 48 KB, K bf16 2 x 48 KB, V bf16 32 KB, one FP8 stage
+// (K codes 24 KB, also Q's, + V codes 16 KB), the V scale factors. bf16 tiles are 64-column blocks of
+// [128 rows][128 B] with the 128-byte swizzle; FP8 staging tiles 64-byte blocks with the 64-byte
+// swizzle (conflict-free row-per-thread reads).
+// Work order: heads in groups whose K/V fit in L2 together; inside a group the query blocks with
+// the most keys first (causal), all heads of the group per query block.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (types only)
+
+#include <cstdint>
+
+#include "common/attention_ops.h"
+#include "cuda/numerics.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm90/dequant_mxfp8_bf16.cuh"
+#include "cuda/sm90/pipeline.cuh"
+
+namespace mxmla::detail::attn {
+
+// ---------------------------------------------------------------- configuration
+template <int kDqk_, int kDv_>
+struct Cfg {
+  static constexpr int kDqk = kDqk_, kDv = kDv_;
+  static constexpr int kBM = 128;  // query rows per tile (two consumer warpgroups of 64)
+  static constexpr int kBN = 128;  // keys per K/V tile (a BHSD scale tile, SPEC §2.2)
+  static constexpr int kQkBlocks = kDqk / 64, kVBlocks = kDv / 64;  // 64-column bf16 blocks
+  static constexpr int kThreads = 512;
+  static constexpr int kRegsProducer = 24, kRegsDequant = 56, kRegsConsumer = 216;
+  static constexpr int kMaxVScaleRows = kBN / 32 + 1;  // 32-key scale rows a tile can touch (thd)
+  static_assert(kDqk % 64 == 0 && kDv % 64 == 0 && kDqk <= 192 && kDv <= 128, "head dims");
+  static_assert(kRegsProducer * 128 + kRegsDequant * 128 + 2 * kRegsConsumer * 128 <= 65536, "register file");
+};
+
+struct OperandParams {
+  AttnTensorView view;
+  AttnScaleView sc;
+};
+
+struct Params {
+  int B, H, Hkv, Sq, Skv;  // thd: Sq / Skv are max lengths
+  int num_mblocks, heads_per_group, num_tiles;
+  bool thd, causal, bottom_right, fp8, e4m3_p;
+  const int32_t* cu_q;
+  const int32_t* cu_kv;
+  int64_t total_q;
+  float scale_log2;  // softmax_scale * log2(e)
+  OperandParams q, k, v;
+  uint16_t* o;
+  int64_t o_st_b, o_st_s, o_st_h;
+  float* lse;
+};
+
+template <int kDqk, int kDv, bool kE4M3Codes>
+struct Kernel {
+  using C = Cfg<kDqk, kDv>;
+  static constexpr bool kE4M3 = kE4M3Codes;
+  struct alignas(1024) Smem {
+    uint8_t q[C::kQkBlocks][C::kBM * 128];     // bf16 Q, 128-byte swizzle
+    uint8_t k[2][C::kQkBlocks][C::kBN * 128];  // bf16 K ring
+    uint8_t v[C::kVBlocks][C::kBN * 128];      // bf16 V (read N-major by the P·V wgmma)
+    uint8_t kc[C::kQkBlocks][C::kBN * 64];     // FP8 codes of K (or Q), 64-byte blocks, 64-byte swizzle
+    uint8_t vc[C::kVBlocks][C::kBN * 64];      // FP8 codes of V
+    uint16_t vf[C::kMaxVScaleRows][128];       // V fast factors (bf16 bits) per 32-key scale row and column
+    uint8_t vf_raw[C::kMaxVScaleRows][128];    // the scale bytes (exact path)
+    sm90::Handoff fp8_stage, q_tile, v_tile, k_tile[2];
+  };
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+  static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
+};
+
+// ---------------------------------------------------------------- work tiles
+struct Tile {
+  int b, h, hk, m;        // sequence, head, kv head, query block
+  int q0, len_q;          // first packed query row of the sequence (thd), rows of the sequence
+  int kv0, len_kv;
+  int n_blocks;           // key tiles to visit (0: rows without keys)
+  int key_off;            // causal: key j visible to query i iff j <= i + key_off
+  bool valid;             // the query block holds rows of the sequence
+};
+
+__device__ __forceinline__ Tile tile_at(const Params& p, int t) {
+  Tile w;
+  const int BH = p.B * p.H, G = p.heads_per_group, per_group = G * p.num_mblocks;
+  const int g = t / per_group, r = t % per_group;
+  const int g_heads = min(G, BH - g * G);
+  const int mi = r / g_heads, bh = g * G + r % g_heads;
+  w.m = p.causal ? p.num_mblocks - 1 - mi : mi;
+  w.b = bh / p.H, w.h = bh % p.H;
+  w.hk = w.h / (p.H / p.Hkv);
+  if (p.thd) {
+    w.q0 = p.cu_q[w.b], w.len_q = p.cu_q[w.b + 1] - w.q0;
+    w.kv0 = p.cu_kv[w.b], w.len_kv = p.cu_kv[w.b + 1] - w.kv0;
+  } else {
+    w.q0 = 0, w.len_q = p.Sq, w.kv0 = 0, w.len_kv = p.Skv;
+  }
+  w.valid = w.m * 128 < w.len_q;
+  w.key_off = p.bottom_right ? w.len_kv - w.len_q : 0;
+  int n_end = w.len_kv;
+  if (p.causal) n_end = min(n_end, min(w.len_q, (w.m + 1) * 128) - 1 + w.key_off + 1);
+  w.n_blocks = n_end > 0 ? (n_end + 127) / 128 : 0;
+  return w;
+}
+
+// ---------------------------------------------------------------- scales (global -> registers)
+// Rowwise scale byte of (b, h, s, column block j) (s inside the sequence).
+__device__ __forceinline__ int64_t row_scale_at(const AttnScaleView& v, int b, int h, int64_t s_packed, int j) {
+  const int64_t row = s_packed * v.row_s + b * v.row_b + h * v.row_h + v.row0;
+  const int64_t col = b * v.col_b + h * v.col_h;
+  return row_scale_offset(v.map, b * v.bi_b, row, col / 32 + j);
+}
+// Columnwise scale byte of (b, h, column d) in 32-row block rb of the operand's row axis (row_s == 1,
+// checked on the host: row = packed key + b*row_b + h*row_h + row0).
+__device__ __forceinline__ int64_t col_scale_at(const AttnScaleView& v, int b, int h, int64_t rb, int d) {
+  return col_scale_offset(v.map, b * v.bi_b, rb, b * v.col_b + h * v.col_h + d);
+}
+__device__ __forceinline__ int64_t col_row0(const AttnScaleView& v, int b, int h) {
+  return b * v.row_b + h * v.row_h + v.row0;
+}
+
+// ---------------------------------------------------------------- small pieces
+__device__ __forceinline__ uint4 lds128(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(ptx::smem_u32(p)));
+  return v;
+}
+__device__ __forceinline__ void sts128(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(ptx::smem_u32(p)), "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
+__device__ __forceinline__ uint8_t ldg_u8(const uint8_t* p) {
+  uint16_t v;
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
+  return static_cast<uint8_t>(v);
+}
+
+// One row of FP8 codes (kBlocks 64-code blocks, 64-byte swizzle) -> bf16 (kBlocks 64-column blocks,
+// 128-byte swizzle). Factor / scale byte of column c: fac(c / 16) / e(c / 16) (one per 16 codes;
+// `fac` gives the bf16x2 factors of the 8 pairs, `ebytes` the 16 scale bytes for the exact path).
+// `valid` false writes zeros (rows outside the sequence).
+template <bool kE4M3, int kBlocks, class Fac, class Ebytes>
+__device__ __forceinline__ void dequant_row(const uint8_t* codes, uint8_t* dst, int row, bool valid, bool exact,
+                                            Fac&& fac, Ebytes&& ebytes) {
+#pragma unroll
+  for (int cb = 0; cb < kBlocks; ++cb) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      uint32_t out[8];
+      if (valid) {
+        const uint4 x = lds128(codes + cb * 128 * 64 + row * 64 + ((c ^ ((row >> 1) & 3)) * 16));
+        bool slow = exact;
+        if (!slow) {
+          uint32_t f[8];
+          fac(cb * 4 + c, f);
+          slow = sm90::dequant16_fast<kE4M3>(x, f, out) != 0;
+        }
+        if (slow) {
+          uint8_t e[16];
+          ebytes(cb * 4 + c, e);
+          sm90::dequant16_exact<kE4M3>(x, e, out);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = 0;
+      }
+      uint8_t* d = dst + cb * 128 * 128 + row * 128;
+      sts128(d + (((2 * c) ^ (row & 7)) * 16), out[0], out[1], out[2], out[3]);
+      sts128(d + (((2 * c + 1) ^ (row & 7)) * 16), out[4], out[5], out[6], out[7]);
+    }
+  }
+}
+
+// The rowwise scales of one row (kDqk / 32 blocks): bytes and bf16x2 fast factors.
+template <bool kE4M3, int kNB>
+struct RowScales {
+  uint8_t e[kNB];
+  bool exact = false;
+  __device__ __forceinline__ void load(const AttnScaleView& v, int b, int h, int64_t s_packed, bool valid) {
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) e[j] = valid ? ldg_u8(v.ptr + row_scale_at(v, b, h, s_packed, j)) : uint8_t{127};
+  }
+  __device__ __forceinline__ void finish() {
+    exact = false;
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) exact |= e[j] > sm90::Fp8Bf16<kE4M3>::kMaxFastE;
+  }
+  // chunk q = 16 columns: block q / 2
+  __device__ __forceinline__ void fac(int q, uint32_t (&f)[8]) const {
+    const uint32_t b = sm90::fast_factor_bits<kE4M3>(e[q / 2]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = b | (b << 16);
+  }
+  __device__ __forceinline__ void bytes(int q, uint8_t (&o)[16]) const {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) o[i] = e[q / 2];
+  }
+};
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// e4m3 P (the reference system's): p * 2^8 -> E4M3 (nearest even, saturating) -> / 2^8, as bf16.
+__device__ __forceinline__ uint32_t p_e4m3_bf16x2(float lo, float hi) {
+  const uint16_t c = ptx::cvt_fp8x2<true>(lo * 256.0f, hi * 256.0f);
+  const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<true>(c);
+  const __half2 hv = *reinterpret_cast<const __half2*>(&h2);
+  return bf16x2_rn(__low2float(hv) * (1.0f / 256.0f), __high2float(hv) * (1.0f / 256.0f));
+}
+
+// ---------------------------------------------------------------- the kernel
+template <class K>
+__global__ void __launch_bounds__(512, 1)
+    sm90_attention_fwd_kernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
+                              const __grid_constant__ CUtensorMap tmap_v, const Params p) {
+  using C = typename K::C;
+  constexpr int kDqk = C::kDqk, kDv = C::kDv;
+  extern __shared__ uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    const uint32_t filled_by = p.fp8 ? 4 : 1;  // dequantizer warps, or the producer's expect_tx
+    sm.fp8_stage.init(1, 4);
+    sm.q_tile.init(filled_by, 8);
+    sm.v_tile.init(filled_by, 8);
+    sm.k_tile[0].init(filled_by, 8);
+    sm.k_tile[1].init(filled_by, 8);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---------------------------------------------------------------- producer
+    ptx::setmaxnreg_dec<C::kRegsProducer>();
+    if (threadIdx.x != 0) return;
+    ptx::prefetch_tmap(&tmap_q);
+    ptx::prefetch_tmap(&tmap_k);
+    ptx::prefetch_tmap(&tmap_v);
+    uint32_t n_fp8 = 0, n_q = 0, n_k = 0, n_v = 0;
+    for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+      const Tile w = tile_at(p, t);
+      if (!w.valid || w.n_blocks == 0) continue;
+      const int qs = w.q0 + w.m * 128;
+      if (p.fp8) {
+        sm.fp8_stage.producer_wait(n_fp8++);
+        ptx::mbar_arrive_expect_tx(&sm.fp8_stage.full, 128 * kDqk);
+        for (int cb = 0; cb < C::kQkBlocks; ++cb) ptx::tma_load_4d(sm.kc[cb], &tmap_q, &sm.fp8_stage.full, cb * 64, w.h, qs, w.b);
+        for (int j = 0; j < w.n_blocks; ++j) {
+          const int ks = w.kv0 + j * 128;
+          sm.fp8_stage.producer_wait(n_fp8++);
+          ptx::mbar_arrive_expect_tx(&sm.fp8_stage.full, 128 * (kDqk + kDv));
+          for (int cb = 0; cb < C::kQkBlocks; ++cb)
+            ptx::tma_load_4d(sm.kc[cb], &tmap_k, &sm.fp8_stage.full, cb * 64, w.hk, ks, w.b);
+          for (int cb = 0; cb < C::kVBlocks; ++cb)
+            ptx::tma_load_4d(sm.vc[cb], &tmap_v, &sm.fp8_stage.full, cb * 64, w.hk, ks, w.b);
+        }
+      } else {
+        sm.q_tile.producer_wait(n_q++);
+        ptx::mbar_arrive_expect_tx(&sm.q_tile.full, 128 * kDqk * 2);
+        for (int cb = 0; cb < C::kQkBlocks; ++cb) ptx::tma_load_4d(sm.q[cb], &tmap_q, &sm.q_tile.full, cb * 64, w.h, qs, w.b);
+        for (int j = 0; j < w.n_blocks; ++j) {
+          const int ks = w.kv0 + j * 128, slot = n_k % 2;
+          sm.k_tile[slot].producer_wait(n_k++ / 2);
+          ptx::mbar_arrive_expect_tx(&sm.k_tile[slot].full, 128 * kDqk * 2);
+          for (int cb = 0; cb < C::kQkBlocks; ++cb)
+            ptx::tma_load_4d(sm.k[slot][cb], &tmap_k, &sm.k_tile[slot].full, cb * 64, w.hk, ks, w.b);
+          sm.v_tile.producer_wait(n_v++);
+          ptx::mbar_arrive_expect_tx(&sm.v_tile.full, 128 * kDv * 2);
+          for (int cb = 0; cb < C::kVBlocks; ++cb)
+            ptx::tma_load_4d(sm.v[cb], &tmap_v, &sm.v_tile.full, cb * 64, w.hk, ks, w.b);
+        }
+      }
+    }
+    return;
+  }
+
+  if (wg == 1) {  // ---------------------------------------------------------------- dequantizer
+    ptx::setmaxnreg_dec<C::kRegsDequant>();
+    if (!p.fp8) return;
+    constexpr bool kE4 = K::kE4M3;
+    const int row = threadIdx.x - 128, lane = threadIdx.x % 32;
+    uint32_t n_fp8 = 0, n_q = 0, n_k = 0, n_v = 0;
+    for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+      const Tile w = tile_at(p, t);
+      if (!w.valid || w.n_blocks == 0) continue;
+      {  // Q
+        const int s = w.m * 128 + row;
+        const bool valid = s < w.len_q;
+        RowScales<kE4, kDqk / 32> sc;
+        sc.load(p.q.sc, w.b, w.h, w.q0 + s, valid);
+        sm.fp8_stage.consumer_wait(n_fp8++);
+        sc.finish();
+        sm.q_tile.producer_wait(n_q++);
+        dequant_row<kE4, C::kQkBlocks>(sm.kc[0], sm.q[0], row, valid, sc.exact,
+                                       [&](int q, uint32_t(&f)[8]) { sc.fac(q, f); },
+                                       [&](int q, uint8_t(&e)[16]) { sc.bytes(q, e); });
+        ptx::fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) sm.q_tile.producer_commit(), sm.fp8_stage.consumer_release();
+      }
+      const int64_t vr0 = col_row0(p.v.sc, w.b, w.hk);
+      for (int j = 0; j < w.n_blocks; ++j) {
+        const int key = j * 128 + row;
+        const bool valid = key < w.len_kv;
+        RowScales<kE4, kDqk / 32> ks;
+        ks.load(p.k.sc, w.b, w.hk, w.kv0 + key, valid);
+        // V: this thread's column (row < kDv) in each 32-key scale row the tile touches
+        const int64_t first = vr0 + w.kv0 + j * 128;
+        const int64_t last_valid = vr0 + w.kv0 + min(j * 128 + 127, w.len_kv - 1);
+        const int64_t rb0 = first / 32, nrb = last_valid / 32 - rb0 + 1;
+        uint8_t ve[C::kMaxVScaleRows];
+#pragma unroll
+        for (int r = 0; r < C::kMaxVScaleRows; ++r)
+          ve[r] = (row < kDv && r < nrb) ? ldg_u8(p.v.sc.ptr + col_scale_at(p.v.sc, w.b, w.hk, rb0 + r, row)) : uint8_t{127};
+        sm.fp8_stage.consumer_wait(n_fp8++);
+        ks.finish();
+        const int slot = n_k % 2;
+        sm.k_tile[slot].producer_wait(n_k++ / 2);
+        dequant_row<kE4, C::kQkBlocks>(sm.kc[0], sm.k[slot][0], row, valid, ks.exact,
+                                       [&](int q, uint32_t(&f)[8]) { ks.fac(q, f); },
+                                       [&](int q, uint8_t(&e)[16]) { ks.bytes(q, e); });
+        ptx::fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) sm.k_tile[slot].producer_commit();
+        // V factors to shared memory (after every dequantizer thread is done with the last tile's)
+        ptx::named_barrier(1, 128);
+        bool slow = false;
+        if (row < kDv) {
+          uint16_t* vf = reinterpret_cast<uint16_t*>(sm.vf);
+          uint8_t* vb = reinterpret_cast<uint8_t*>(sm.vf_raw);
+#pragma unroll
+          for (int r = 0; r < C::kMaxVScaleRows; ++r) {
+            slow |= ve[r] > sm90::Fp8Bf16<kE4>::kMaxFastE;
+            vf[r * 128 + row] = static_cast<uint16_t>(sm90::fast_factor_bits<kE4>(ve[r]));
+            vb[r * 128 + row] = ve[r];
+          }
+        }
+        slow = ptx::named_barrier_or(1, 128, slow);
+        const int vrow = static_cast<int>((first + row) / 32 - rb0);
+        const uint16_t* vf = reinterpret_cast<const uint16_t*>(sm.vf) + vrow * 128;
+        const uint8_t* vb = reinterpret_cast<const uint8_t*>(sm.vf_raw) + vrow * 128;
+        sm.v_tile.producer_wait(n_v++);
+        dequant_row<kE4, C::kVBlocks>(
+            sm.vc[0], sm.v[0], row, valid, slow,
+            [&](int q, uint32_t(&f)[8]) {
+              const uint4 a = lds128(vf + q * 16), b = lds128(vf + q * 16 + 8);
+              f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+            },
+            [&](int q, uint8_t(&e)[16]) {
+              const uint4 a = lds128(vb + q * 16);
+              const uint32_t wv[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+              for (int i = 0; i < 16; ++i) e[i] = static_cast<uint8_t>(wv[i / 4] >> (8 * (i % 4)));
+            });
+        ptx::fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) sm.v_tile.producer_commit(), sm.fp8_stage.consumer_release();
+      }
+    }
+    return;
+  }
+
+  // ---------------------------------------------------------------- consumers: 64 query rows each
+  ptx::setmaxnreg_inc<C::kRegsConsumer>();
+  const int cw = wg - 2, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int r_in = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: +8)
+  uint32_t n_q = 0, n_k = 0, n_v = 0;
+  const uint64_t dq0 = ptx::wgmma_desc_k_sw128(sm.q[0] + 64 * cw * 128);
+  const uint64_t dk0 = ptx::wgmma_desc_k_sw128(sm.k[0][0]);
+  // V as the N-major B operand: 64-column blocks LBO apart, 8-key groups SBO = 1024 bytes apart
+  const uint64_t dv0 = ptx::wgmma_desc(sm.v[0], ptx::SmemSwizzle::k128B, sizeof(sm.v[0]), 1024);
+  constexpr uint32_t kQBlk = sizeof(sm.q[0]) / 16, kKBlk = sizeof(sm.k[0][0]) / 16, kKSlot = sizeof(sm.k[0]) / 16;
+  for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+    const Tile w = tile_at(p, t);
+    if (!w.valid) continue;
+    float o[kDv / 2];
+    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < kDv / 2; ++i) o[i] = 0.f;
+    if (w.n_blocks > 0) {
+      sm.q_tile.consumer_wait(n_q++);
+      for (int j = 0; j < w.n_blocks; ++j) {
+        const int slot = n_k % 2;
+        sm.k_tile[slot].consumer_wait(n_k++ / 2);
+        float s[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kDqk / 16; ++kk)
+          ptx::WgmmaOp<128, ptx::MmaDtype::kBF16, ptx::MmaDtype::kBF16, false>::mma(
+              s, dq0 + (kk / 4) * kQBlk + 2 * (kk % 4), dk0 + slot * kKSlot + (kk / 4) * kKBlk + 2 * (kk % 4), kk > 0);
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
+        if (lane == 0) {
+          sm.k_tile[slot].consumer_release();
+          if (j == w.n_blocks - 1) sm.q_tile.consumer_release();
+        }
+        // masks: keys past the sequence, causal
+        const int kb = j * 128, row0 = w.m * 128 + r_in;
+        const bool tail = kb + 128 > w.len_kv;
+        const bool diag = p.causal && kb + 127 > w.m * 128 + 64 * cw + w.key_off;
+        if (tail || diag) {
+#pragma unroll
+          for (int i = 0; i < 64; ++i) {
+            const int key = kb + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+            const int qrow = row0 + 8 * ((i / 2) % 2);
+            if (key >= w.len_kv || (p.causal && key > qrow + w.key_off)) s[i] = -INFINITY;
+          }
+        }
+        // online softmax (log2 domain)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int jj = 0; jj < 16; ++jj) {
+            s[4 * jj + 2 * h] *= p.scale_log2, s[4 * jj + 2 * h + 1] *= p.scale_log2;
+            mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * h], s[4 * jj + 2 * h + 1]));
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(mrow[h], mx);
+          const float base = m_new == -INFINITY ? 0.f : m_new;
+          const float alpha = exp2_approx(mrow[h] - base);
+          mrow[h] = m_new;
+          float sum = 0.f;
+#pragma unroll
+          for (int jj = 0; jj < 16; ++jj) {
+            s[4 * jj + 2 * h] = exp2_approx(s[4 * jj + 2 * h] - base);
+            s[4 * jj + 2 * h + 1] = exp2_approx(s[4 * jj + 2 * h + 1] - base);
+            sum += s[4 * jj + 2 * h] + s[4 * jj + 2 * h + 1];
+          }
+          lrow[h] = lrow[h] * alpha + sum;
+#pragma unroll
+          for (int jj = 0; jj < kDv / 8; ++jj) o[4 * jj + 2 * h] *= alpha, o[4 * jj + 2 * h + 1] *= alpha;
+        }
+        // P as the A operand: k-step kk holds accumulator columns 16kk .. 16kk+15
+        uint32_t pa[8][4];
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            pa[kk][r] = p.e4m3_p ? p_e4m3_bf16x2(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1])
+                                 : bf16x2_rn(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+        sm.v_tile.consumer_wait(n_v++);
+#pragma unroll
+        for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {  // 16 keys = 16 rows of 128 bytes per step
+          if constexpr (kDv == 128)
+            ptx::wgmma_m64n128k16_f32_bf16_bf16_rs<1>(o, pa[kk], dv0 + kk * (16 * 128 / 16), true);
+          else
+            ptx::wgmma_m64n64k16_f32_bf16_bf16_rs<1>(o, pa[kk], dv0 + kk * (16 * 128 / 16), true);
+        }
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
+        if (lane == 0) sm.v_tile.consumer_release();
+      }
+    }
+    // epilogue: O / l -> bf16, LSE
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = lrow[h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int row = w.m * 128 + r_in + 8 * h;
+      if (row >= w.len_q) continue;
+      const float inv = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : l);  // l NaN stays NaN
+      uint16_t* orow = p.o + w.b * p.o_st_b + (w.q0 + row) * p.o_st_s + w.h * p.o_st_h;
+#pragma unroll
+      for (int jj = 0; jj < kDv / 8; ++jj) {
+        const int col = 8 * jj + 2 * (lane % 4);
+        const uint32_t v = bf16_out(o[4 * jj + 2 * h] * inv) | (uint32_t{bf16_out(o[4 * jj + 2 * h + 1] * inv)} << 16);
+        *reinterpret_cast<uint32_t*>(orow + col) = v;
+      }
+      if (p.lse != nullptr && lane % 4 == 0) {
+        const float lse = l == 0.f ? -INFINITY : (mrow[h] + log2f(l)) * 0.69314718055994531f;
+        const int64_t idx = p.thd ? int64_t{w.h} * p.total_q + w.q0 + row : (int64_t{w.b} * p.H + w.h) * p.Sq + row;
+        p.lse[idx] = lse;
+      }
+    }
+  }
+}
+
+}  // namespace mxmla::detail::attn
