@@ -115,17 +115,35 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int t) {
 }
 
 // ---------------------------------------------------------------- scales (global -> registers)
-// Rowwise scale byte of (b, h, s, column block j) (s inside the sequence).
-__device__ __forceinline__ int64_t row_scale_at(const AttnScaleView& v, int b, int h, int64_t s_packed, int j) {
-  const int64_t row = s_packed * v.row_s + b * v.row_b + h * v.row_h + v.row0;
-  const int64_t col = b * v.col_b + h * v.col_h;
-  return row_scale_offset(v.map, b * v.bi_b, row, col / 32 + j);
-}
-// Columnwise scale byte of (b, h, column d) in 32-row block rb of the operand's row axis (row_s == 1,
-// checked on the host: row = packed key + b*row_b + h*row_h + row0).
-__device__ __forceinline__ int64_t col_scale_at(const AttnScaleView& v, int b, int h, int64_t rb, int d) {
-  return col_scale_offset(v.map, b * v.bi_b, rb, b * v.col_b + h * v.col_h + d);
-}
+// The scale geometry of one (b, h) of an operand, resolved once per work tile (the runtime
+// divisions of the ScaleMap) so that a row's offsets are shifts and adds.
+// Rowwise: byte of (packed row s, column block j) = cursor_offset(cur, row(s)) + step(j).
+struct RowScaleCursor {
+  ScaleCursor cur;
+  int64_t row_base, row_s;
+  __device__ __forceinline__ RowScaleCursor(const AttnScaleView& v, int b, int h) {
+    row_base = b * v.row_b + h * v.row_h + v.row0, row_s = v.row_s;
+    cur = row_cursor(v.map, b * v.bi_b, (b * v.col_b + h * v.col_h) / 32);
+  }
+  __device__ __forceinline__ int64_t at(int64_t s_packed, int j) const {
+    const int64_t off = cursor_offset(cur, row_base + s_packed * row_s);
+    if (cur.compact) return off + j;
+    const int64_t j1 = cur.j + j;  // F8_128x4: column j's tile (j / 4) and slot (j % 4)
+    return off + (j1 / 4 - cur.j / 4) * 512 + (j1 % 4 - cur.j % 4);
+  }
+};
+// Columnwise: byte of (32-row block rb, column d) = at(rb) for this thread's column.
+struct ColScaleCursor {
+  int64_t off0, rb0, step;  // offset of block rb0; compact: bytes per block row (0: swizzled)
+  __device__ __forceinline__ ColScaleCursor(const AttnScaleView& v, int b, int h, int64_t rb, int d) {
+    const ScaleCursor c = col_cursor(v.map, b * v.bi_b, rb, b * v.col_b + h * v.col_h + d);
+    off0 = cursor_offset(c, 0), rb0 = rb, step = c.compact ? v.map.cols : 0;
+  }
+  __device__ __forceinline__ int64_t at(int64_t rb) const {
+    if (step != 0) return off0 + (rb - rb0) * step;
+    return off0 + (rb / 4 - rb0 / 4) * 512 + (rb % 4 - rb0 % 4);
+  }
+};
 __device__ __forceinline__ int64_t col_row0(const AttnScaleView& v, int b, int h) {
   return b * v.row_b + h * v.row_h + v.row0;
 }
@@ -189,9 +207,9 @@ template <bool kE4M3, int kNB>
 struct RowScales {
   uint8_t e[kNB];
   bool exact = false;
-  __device__ __forceinline__ void load(const AttnScaleView& v, int b, int h, int64_t s_packed, bool valid) {
+  __device__ __forceinline__ void load(const uint8_t* ptr, const RowScaleCursor& c, int64_t s_packed, bool valid) {
 #pragma unroll
-    for (int j = 0; j < kNB; ++j) e[j] = valid ? ldg_u8(v.ptr + row_scale_at(v, b, h, s_packed, j)) : uint8_t{127};
+    for (int j = 0; j < kNB; ++j) e[j] = valid ? ldg_u8(ptr + c.at(s_packed, j)) : uint8_t{127};
   }
   __device__ __forceinline__ void finish() {
     exact = false;
@@ -303,7 +321,7 @@ __global__ void __launch_bounds__(512, 1)
         const int s = w.m * 128 + row;
         const bool valid = s < w.len_q;
         RowScales<kE4, kDqk / 32> sc;
-        sc.load(p.q.sc, w.b, w.h, w.q0 + s, valid);
+        sc.load(p.q.sc.ptr, RowScaleCursor(p.q.sc, w.b, w.h), w.q0 + s, valid);
         sm.fp8_stage.consumer_wait(n_fp8++);
         sc.finish();
         sm.q_tile.producer_wait(n_q++);
@@ -315,11 +333,13 @@ __global__ void __launch_bounds__(512, 1)
         if (lane == 0) sm.q_tile.producer_commit(), sm.fp8_stage.consumer_release();
       }
       const int64_t vr0 = col_row0(p.v.sc, w.b, w.hk);
+      const RowScaleCursor kcur(p.k.sc, w.b, w.hk);
+      const ColScaleCursor vcur(p.v.sc, w.b, w.hk, (vr0 + w.kv0) / 32, row < kDv ? row : 0);
       for (int j = 0; j < w.n_blocks; ++j) {
         const int key = j * 128 + row;
         const bool valid = key < w.len_kv;
         RowScales<kE4, kDqk / 32> ks;
-        ks.load(p.k.sc, w.b, w.hk, w.kv0 + key, valid);
+        ks.load(p.k.sc.ptr, kcur, w.kv0 + key, valid);
         // V: this thread's column (row < kDv) in each 32-key scale row the tile touches
         const int64_t first = vr0 + w.kv0 + j * 128;
         const int64_t last_valid = vr0 + w.kv0 + min(j * 128 + 127, w.len_kv - 1);
@@ -327,7 +347,7 @@ __global__ void __launch_bounds__(512, 1)
         uint8_t ve[C::kMaxVScaleRows];
 #pragma unroll
         for (int r = 0; r < C::kMaxVScaleRows; ++r)
-          ve[r] = (row < kDv && r < nrb) ? ldg_u8(p.v.sc.ptr + col_scale_at(p.v.sc, w.b, w.hk, rb0 + r, row)) : uint8_t{127};
+          ve[r] = (row < kDv && r < nrb) ? ldg_u8(p.v.sc.ptr + vcur.at(rb0 + r)) : uint8_t{127};
         sm.fp8_stage.consumer_wait(n_fp8++);
         ks.finish();
         const int slot = n_k % 2;
