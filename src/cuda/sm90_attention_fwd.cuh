@@ -38,7 +38,7 @@ struct Cfg {
   static constexpr int kBN = 128;  // keys per K/V tile (a BHSD scale tile, SPEC §2.2)
   static constexpr int kQkBlocks = kDqk / 64, kVBlocks = kDv / 64;  // 64-column bf16 blocks
   static constexpr int kThreads = 512;
-  static constexpr int kRegsProducer = 24, kRegsDequant = 56, kRegsConsumer = 216;
+  static constexpr int kRegsProducer = 24, kRegsDequant = 72, kRegsConsumer = 208;
   static constexpr int kMaxVScaleRows = kBN / 32 + 1;  // 32-key scale rows a tile can touch (thd)
   static_assert(kDqk % 64 == 0 && kDv % 64 == 0 && kDqk <= 192 && kDv <= 128, "head dims");
   static_assert(kRegsProducer * 128 + kRegsDequant * 128 + 2 * kRegsConsumer * 128 <= 65536, "register file");
@@ -68,15 +68,28 @@ struct Kernel {
   using C = Cfg<kDqk, kDv>;
   static constexpr bool kE4M3 = kE4M3Codes;
   struct alignas(1024) Smem {
-    uint8_t q[C::kQkBlocks][C::kBM * 128];     // bf16 Q, 128-byte swizzle
-    uint8_t k[2][C::kQkBlocks][C::kBN * 128];  // bf16 K ring
-    uint8_t v[C::kVBlocks][C::kBN * 128];      // bf16 V (read N-major by the P·V wgmma)
-    uint8_t kc[C::kQkBlocks][C::kBN * 64];     // FP8 codes of K (or Q), 64-byte blocks, 64-byte swizzle
-    uint8_t vc[C::kVBlocks][C::kBN * 64];      // FP8 codes of V
-    uint16_t vf[C::kMaxVScaleRows][128];       // V fast factors (bf16 bits) per 32-key scale row and column
-    uint8_t vf_raw[C::kMaxVScaleRows][128];    // the scale bytes (exact path)
-    sm90::Handoff fp8_stage, q_tile, v_tile, k_tile[2];
+    uint8_t q[C::kQkBlocks][C::kBM * 128];   // bf16 Q, 128-byte swizzle
+    uint8_t k0[C::kQkBlocks][C::kBN * 128];  // bf16 K, slot 0
+    uint8_t v0[C::kVBlocks][C::kBN * 128];   // bf16 V, slot 0 (read N-major by the P·V wgmma)
+    union {
+      // FP8 inputs: two stages of codes (K's also carry Q's), 64-byte blocks with the 64-byte swizzle
+      struct {
+        uint8_t kc[C::kQkBlocks][C::kBN * 64];
+        uint8_t vc[C::kVBlocks][C::kBN * 64];
+      } fp8[2];
+      // bf16 inputs: the second K and V slots
+      struct {
+        uint8_t k[C::kQkBlocks][C::kBN * 128];
+        uint8_t v[C::kVBlocks][C::kBN * 128];
+      } bf16;
+    } x;
+    uint16_t vf[C::kMaxVScaleRows][128];     // V fast factors (bf16 bits) per 32-key scale row and column
+    uint8_t vf_raw[C::kMaxVScaleRows][128];  // the scale bytes (exact path)
+    sm90::Handoff fp8_stage[2], q_tile, k_tile[2], v_tile[2];
   };
+  // K / V slot s (FP8 inputs use slot 0 only: the FP8 stages take the second slots' memory)
+  __device__ __forceinline__ static uint8_t* k_slot(Smem& sm, int s) { return s ? sm.x.bf16.k[0] : sm.k0[0]; }
+  __device__ __forceinline__ static uint8_t* v_slot(Smem& sm, int s) { return s ? sm.x.bf16.v[0] : sm.v0[0]; }
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
 };
@@ -252,14 +265,16 @@ __global__ void __launch_bounds__(512, 1)
   extern __shared__ uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
   const int wg = threadIdx.x / 128;
+  const uint32_t kv_mask = p.fp8 ? 0u : 1u, kv_shift = p.fp8 ? 0u : 1u;  // K / V slots: 1 (FP8) or 2
 
   if (threadIdx.x == 0) {
     const uint32_t filled_by = p.fp8 ? 4 : 1;  // dequantizer warps, or the producer's expect_tx
-    sm.fp8_stage.init(1, 4);
+    for (int i = 0; i < 2; ++i) {
+      sm.fp8_stage[i].init(1, 4);
+      sm.k_tile[i].init(filled_by, 8);
+      sm.v_tile[i].init(filled_by, 8);
+    }
     sm.q_tile.init(filled_by, 8);
-    sm.v_tile.init(filled_by, 8);
-    sm.k_tile[0].init(filled_by, 8);
-    sm.k_tile[1].init(filled_by, 8);
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -276,32 +291,37 @@ __global__ void __launch_bounds__(512, 1)
       if (!w.valid || w.n_blocks == 0) continue;
       const int qs = w.q0 + w.m * 128;
       if (p.fp8) {
-        sm.fp8_stage.producer_wait(n_fp8++);
-        ptx::mbar_arrive_expect_tx(&sm.fp8_stage.full, 128 * kDqk);
-        for (int cb = 0; cb < C::kQkBlocks; ++cb) ptx::tma_load_4d(sm.kc[cb], &tmap_q, &sm.fp8_stage.full, cb * 64, w.h, qs, w.b);
-        for (int j = 0; j < w.n_blocks; ++j) {
-          const int ks = w.kv0 + j * 128;
-          sm.fp8_stage.producer_wait(n_fp8++);
-          ptx::mbar_arrive_expect_tx(&sm.fp8_stage.full, 128 * (kDqk + kDv));
+        {
+          auto& st = sm.fp8_stage[n_fp8 & 1];
+          st.producer_wait(n_fp8 >> 1);
+          ptx::mbar_arrive_expect_tx(&st.full, 128 * kDqk);
           for (int cb = 0; cb < C::kQkBlocks; ++cb)
-            ptx::tma_load_4d(sm.kc[cb], &tmap_k, &sm.fp8_stage.full, cb * 64, w.hk, ks, w.b);
-          for (int cb = 0; cb < C::kVBlocks; ++cb)
-            ptx::tma_load_4d(sm.vc[cb], &tmap_v, &sm.fp8_stage.full, cb * 64, w.hk, ks, w.b);
+            ptx::tma_load_4d(sm.x.fp8[n_fp8 & 1].kc[cb], &tmap_q, &st.full, cb * 64, w.h, qs, w.b);
+          ++n_fp8;
+        }
+        for (int j = 0; j < w.n_blocks; ++j, ++n_fp8) {
+          const int ks = w.kv0 + j * 128;
+          auto& st = sm.fp8_stage[n_fp8 & 1];
+          auto& buf = sm.x.fp8[n_fp8 & 1];
+          st.producer_wait(n_fp8 >> 1);
+          ptx::mbar_arrive_expect_tx(&st.full, 128 * (kDqk + kDv));
+          for (int cb = 0; cb < C::kQkBlocks; ++cb) ptx::tma_load_4d(buf.kc[cb], &tmap_k, &st.full, cb * 64, w.hk, ks, w.b);
+          for (int cb = 0; cb < C::kVBlocks; ++cb) ptx::tma_load_4d(buf.vc[cb], &tmap_v, &st.full, cb * 64, w.hk, ks, w.b);
         }
       } else {
         sm.q_tile.producer_wait(n_q++);
         ptx::mbar_arrive_expect_tx(&sm.q_tile.full, 128 * kDqk * 2);
         for (int cb = 0; cb < C::kQkBlocks; ++cb) ptx::tma_load_4d(sm.q[cb], &tmap_q, &sm.q_tile.full, cb * 64, w.h, qs, w.b);
         for (int j = 0; j < w.n_blocks; ++j) {
-          const int ks = w.kv0 + j * 128, slot = n_k % 2;
-          sm.k_tile[slot].producer_wait(n_k++ / 2);
-          ptx::mbar_arrive_expect_tx(&sm.k_tile[slot].full, 128 * kDqk * 2);
+          const int ks = w.kv0 + j * 128, kslot = n_k & 1, vslot = n_v & 1;
+          sm.k_tile[kslot].producer_wait(n_k++ >> 1);
+          ptx::mbar_arrive_expect_tx(&sm.k_tile[kslot].full, 128 * kDqk * 2);
           for (int cb = 0; cb < C::kQkBlocks; ++cb)
-            ptx::tma_load_4d(sm.k[slot][cb], &tmap_k, &sm.k_tile[slot].full, cb * 64, w.hk, ks, w.b);
-          sm.v_tile.producer_wait(n_v++);
-          ptx::mbar_arrive_expect_tx(&sm.v_tile.full, 128 * kDv * 2);
+            ptx::tma_load_4d(K::k_slot(sm, kslot) + cb * C::kBN * 128, &tmap_k, &sm.k_tile[kslot].full, cb * 64, w.hk, ks, w.b);
+          sm.v_tile[vslot].producer_wait(n_v++ >> 1);
+          ptx::mbar_arrive_expect_tx(&sm.v_tile[vslot].full, 128 * kDv * 2);
           for (int cb = 0; cb < C::kVBlocks; ++cb)
-            ptx::tma_load_4d(sm.v[cb], &tmap_v, &sm.v_tile.full, cb * 64, w.hk, ks, w.b);
+            ptx::tma_load_4d(K::v_slot(sm, vslot) + cb * C::kBN * 128, &tmap_v, &sm.v_tile[vslot].full, cb * 64, w.hk, ks, w.b);
         }
       }
     }
@@ -322,15 +342,16 @@ __global__ void __launch_bounds__(512, 1)
         const bool valid = s < w.len_q;
         RowScales<kE4, kDqk / 32> sc;
         sc.load(p.q.sc.ptr, RowScaleCursor(p.q.sc, w.b, w.h), w.q0 + s, valid);
-        sm.fp8_stage.consumer_wait(n_fp8++);
+        const int stage = n_fp8 & 1;
+        sm.fp8_stage[stage].consumer_wait(n_fp8++ >> 1);
         sc.finish();
         sm.q_tile.producer_wait(n_q++);
-        dequant_row<kE4, C::kQkBlocks>(sm.kc[0], sm.q[0], row, valid, sc.exact,
+        dequant_row<kE4, C::kQkBlocks>(sm.x.fp8[stage].kc[0], sm.q[0], row, valid, sc.exact,
                                        [&](int q, uint32_t(&f)[8]) { sc.fac(q, f); },
                                        [&](int q, uint8_t(&e)[16]) { sc.bytes(q, e); });
         ptx::fence_proxy_async();
         __syncwarp();
-        if (lane == 0) sm.q_tile.producer_commit(), sm.fp8_stage.consumer_release();
+        if (lane == 0) sm.q_tile.producer_commit(), sm.fp8_stage[stage].consumer_release();
       }
       const int64_t vr0 = col_row0(p.v.sc, w.b, w.hk);
       const RowScaleCursor kcur(p.k.sc, w.b, w.hk);
@@ -348,16 +369,16 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
         for (int r = 0; r < C::kMaxVScaleRows; ++r)
           ve[r] = (row < kDv && r < nrb) ? ldg_u8(p.v.sc.ptr + vcur.at(rb0 + r)) : uint8_t{127};
-        sm.fp8_stage.consumer_wait(n_fp8++);
+        const int stage = n_fp8 & 1;
+        sm.fp8_stage[stage].consumer_wait(n_fp8++ >> 1);
         ks.finish();
-        const int slot = n_k % 2;
-        sm.k_tile[slot].producer_wait(n_k++ / 2);
-        dequant_row<kE4, C::kQkBlocks>(sm.kc[0], sm.k[slot][0], row, valid, ks.exact,
+        sm.k_tile[0].producer_wait(n_k++);
+        dequant_row<kE4, C::kQkBlocks>(sm.x.fp8[stage].kc[0], sm.k0[0], row, valid, ks.exact,
                                        [&](int q, uint32_t(&f)[8]) { ks.fac(q, f); },
                                        [&](int q, uint8_t(&e)[16]) { ks.bytes(q, e); });
         ptx::fence_proxy_async();
         __syncwarp();
-        if (lane == 0) sm.k_tile[slot].producer_commit();
+        if (lane == 0) sm.k_tile[0].producer_commit();
         // V factors to shared memory (after every dequantizer thread is done with the last tile's)
         ptx::named_barrier(1, 128);
         bool slow = false;
@@ -375,9 +396,9 @@ __global__ void __launch_bounds__(512, 1)
         const int vrow = static_cast<int>((first + row) / 32 - rb0);
         const uint16_t* vf = reinterpret_cast<const uint16_t*>(sm.vf) + vrow * 128;
         const uint8_t* vb = reinterpret_cast<const uint8_t*>(sm.vf_raw) + vrow * 128;
-        sm.v_tile.producer_wait(n_v++);
+        sm.v_tile[0].producer_wait(n_v++);
         dequant_row<kE4, C::kVBlocks>(
-            sm.vc[0], sm.v[0], row, valid, slow,
+            sm.x.fp8[stage].vc[0], sm.v0[0], row, valid, slow,
             [&](int q, uint32_t(&f)[8]) {
               const uint4 a = lds128(vf + q * 16), b = lds128(vf + q * 16 + 8);
               f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
@@ -390,7 +411,7 @@ __global__ void __launch_bounds__(512, 1)
             });
         ptx::fence_proxy_async();
         __syncwarp();
-        if (lane == 0) sm.v_tile.producer_commit(), sm.fp8_stage.consumer_release();
+        if (lane == 0) sm.v_tile[0].producer_commit(), sm.fp8_stage[stage].consumer_release();
       }
     }
     return;
@@ -402,10 +423,11 @@ __global__ void __launch_bounds__(512, 1)
   const int r_in = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: +8)
   uint32_t n_q = 0, n_k = 0, n_v = 0;
   const uint64_t dq0 = ptx::wgmma_desc_k_sw128(sm.q[0] + 64 * cw * 128);
-  const uint64_t dk0 = ptx::wgmma_desc_k_sw128(sm.k[0][0]);
+  const uint64_t dk0 = ptx::wgmma_desc_k_sw128(K::k_slot(sm, 0)), dk1 = ptx::wgmma_desc_k_sw128(K::k_slot(sm, 1));
   // V as the N-major B operand: 64-column blocks LBO apart, 8-key groups SBO = 1024 bytes apart
-  const uint64_t dv0 = ptx::wgmma_desc(sm.v[0], ptx::SmemSwizzle::k128B, sizeof(sm.v[0]), 1024);
-  constexpr uint32_t kQBlk = sizeof(sm.q[0]) / 16, kKBlk = sizeof(sm.k[0][0]) / 16, kKSlot = sizeof(sm.k[0]) / 16;
+  const uint64_t dv0 = ptx::wgmma_desc(K::v_slot(sm, 0), ptx::SmemSwizzle::k128B, C::kBN * 128, 1024),
+                 dv1 = ptx::wgmma_desc(K::v_slot(sm, 1), ptx::SmemSwizzle::k128B, C::kBN * 128, 1024);
+  constexpr uint32_t kQBlk = sizeof(sm.q[0]) / 16, kKBlk = C::kBN * 128 / 16;
   for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
     const Tile w = tile_at(p, t);
     if (!w.valid) continue;
@@ -416,8 +438,9 @@ __global__ void __launch_bounds__(512, 1)
     if (w.n_blocks > 0) {
       sm.q_tile.consumer_wait(n_q++);
       for (int j = 0; j < w.n_blocks; ++j) {
-        const int slot = n_k % 2;
-        sm.k_tile[slot].consumer_wait(n_k++ / 2);
+        const int slot = n_k & kv_mask;
+        sm.k_tile[slot].consumer_wait(n_k++ >> kv_shift);
+        const uint64_t dks = slot ? dk1 : dk0;
         float s[64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
@@ -425,7 +448,7 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
         for (int kk = 0; kk < kDqk / 16; ++kk)
           ptx::WgmmaOp<128, ptx::MmaDtype::kBF16, ptx::MmaDtype::kBF16, false>::mma(
-              s, dq0 + (kk / 4) * kQBlk + 2 * (kk % 4), dk0 + slot * kKSlot + (kk / 4) * kKBlk + 2 * (kk % 4), kk > 0);
+              s, dq0 + (kk / 4) * kQBlk + 2 * (kk % 4), dks + (kk / 4) * kKBlk + 2 * (kk % 4), kk > 0);
         ptx::wgmma_commit();
         ptx::wgmma_wait<0>();
 #pragma unroll
@@ -480,22 +503,24 @@ __global__ void __launch_bounds__(512, 1)
           for (int r = 0; r < 4; ++r)
             pa[kk][r] = p.e4m3_p ? p_e4m3_bf16x2(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1])
                                  : bf16x2_rn(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-        sm.v_tile.consumer_wait(n_v++);
+        const int vslot = n_v & kv_mask;
+        sm.v_tile[vslot].consumer_wait(n_v++ >> kv_shift);
+        const uint64_t dvs = vslot ? dv1 : dv0;
 #pragma unroll
         for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
         ptx::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {  // 16 keys = 16 rows of 128 bytes per step
           if constexpr (kDv == 128)
-            ptx::wgmma_m64n128k16_f32_bf16_bf16_rs<1>(o, pa[kk], dv0 + kk * (16 * 128 / 16), true);
+            ptx::wgmma_m64n128k16_f32_bf16_bf16_rs<1>(o, pa[kk], dvs + kk * (16 * 128 / 16), true);
           else
-            ptx::wgmma_m64n64k16_f32_bf16_bf16_rs<1>(o, pa[kk], dv0 + kk * (16 * 128 / 16), true);
+            ptx::wgmma_m64n64k16_f32_bf16_bf16_rs<1>(o, pa[kk], dvs + kk * (16 * 128 / 16), true);
         }
         ptx::wgmma_commit();
         ptx::wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
-        if (lane == 0) sm.v_tile.consumer_release();
+        if (lane == 0) sm.v_tile[vslot].consumer_release();
       }
     }
     // epilogue: O / l -> bf16, LSE
