@@ -13,9 +13,12 @@ Cases (issue 2):
   rope         RoPE forward / backward, [16384, 128, 192] bf16; rope_backward_quantize
   qproj        fused Q up-projection (GEMM + RoPE + MXFP8, K 1536) at T x NH = 16384 x 128,
                4096 x 128, 16384 x 16
+  attn_fwd     attention forward on MXFP8 Q, K, V (DeepSeek-V3: b 1, h 128, d 192/128, causal,
+               s 2048 / 4096 / 8192), TFLOP/s = 2*b*h*(s^2/2)*(d_qk + d_v) / time; bench/attn_fwd.py
 Peers: device-to-device copy (torch), torch.compile'd MXFP8 quantizers (rowwise, rowwise+columnwise),
 torch.compile'd RoPE, cuBLAS bf16 GEMM (torch.matmul) alone / + mxmla RoPE + quantize / + a
-torch.compile'd RoPE + quantize epilogue.
+torch.compile'd RoPE + quantize epilogue; attention: the same op on bf16 inputs, cuDNN SDPA (bf16),
+FlashAttention-4's SM90 path (when installed), mxmla.dequantize + the faster of those two.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import sys
 
 import torch
 
+import attn_fwd  # bench/attn_fwd.py
 import mxmla
 from timing import flush_buffer, timer  # bench/timing.py (the script's folder is on sys.path)
 
@@ -199,7 +203,20 @@ def main() -> int:
     ap.add_argument("--rope-only", action="store_true", help="only the copy ceiling and the RoPE cases")
     ap.add_argument("--qproj-only", action="store_true", help="only the fused Q up-projection cases")
     ap.add_argument("--attn-only", action="store_true", help="only the copy ceiling and the attention hand-off cases")
+    ap.add_argument("--attn-fwd-only", action="store_true",
+                    help="only the copy ceiling and the attention forward (mxmla.attention vs cuDNN, FA4, dequantize + peer)")
+    ap.add_argument("--no-attn-fwd", action="store_true", help="leave the attention forward out of the full run")
+    ap.add_argument("--attn-seqs", default=",".join(map(str, attn_fwd.SEQS)),
+                    help="attention forward: sequence lengths, comma-separated (default %(default)s)")
+    ap.add_argument("--check", action="store_true",
+                    help="attention forward: compare ours with cuDNN at s 2048 before ours is timed (max abs diff); a failure flags "
+                         "ours' figures and makes the exit status 1")
     a = ap.parse_args()
+    try:
+        a.attn_seqs = [int(v) for v in a.attn_seqs.split(",") if v.strip()]
+        assert a.attn_seqs and min(a.attn_seqs) > 0
+    except (ValueError, AssertionError):
+        ap.error(f"argument --attn-seqs: positive integers separated by commas, got {a.attn_seqs!r}")
     if not torch.cuda.is_available():
         print("bench: no CUDA device: nothing to measure")
         return 0
@@ -246,6 +263,9 @@ def main() -> int:
         del x, y
         bench_rope(a.iters, flush, dev, add, not a.no_compile)
         return report(a, res, rows, agree)
+    if a.attn_fwd_only:
+        del x, y
+        return bench_attn_fwd(a, flush, dev, add, res, rows, agree)
     t_both = timer(lambda: mxmla.quantize(x), a.iters, flush)
     add("quant_both", "mxmla", t_both, bytes_both, f"{100 * bytes_both / t_both / 1e6 / copy_bw:.0f}% of copy")
     t_swz = timer(lambda: mxmla.quantize(x, swizzle=True), a.iters, flush)
@@ -268,16 +288,28 @@ def main() -> int:
         bench_attention(a.iters, flush, dev, add)
         bench_rope(a.iters, flush, dev, add, not a.no_compile)
         bench_qproj(a.iters, flush, dev, add, not a.no_compile)
+        if not a.no_attn_fwd:
+            return bench_attn_fwd(a, flush, dev, add, res, rows, agree)
     return report(a, res, rows, agree)
 
 
-def report(a, res, rows, agree) -> int:
+def bench_attn_fwd(a, flush, dev, add, res, rows, agree) -> int:
+    """The attention-forward section (bench/attn_fwd.py), then the report with its table last."""
+    torch.cuda.empty_cache()
+    section = attn_fwd.run(a.iters, flush, dev, add, seqs=a.attn_seqs, check=a.check)
+    res["attn_fwd"] = section.results()
+    return max(report(a, res, rows, agree, section.table()), section.status())
+
+
+def report(a, res, rows, agree, extra=()) -> int:
     M, K = res["M"], res["K"]
     print(f"\nGPU: {res['gpu']}  torch {res['torch']}  shape [{M}, {K}] bf16 -> E4M3; medians of {a.iters}, L2 flushed")
     print(f"torch formula and mxmla bit-exact on this input: {agree}")
     print(f"{'case':<17} {'what':<29} {'ms':>9} {'GB/s':>8}  note")
     for case, what, ms, gbps, note in rows:
         print(f"{case:<17} {what:<29} {ms:9.4f} {gbps if gbps else float('nan'):8.0f}  {note}")
+    for line in extra:
+        print(line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -2,6 +2,8 @@
 //   mxmla info                 build, GPUs, which ops run where
 //   mxmla run [options]        the main job: the fused Q up-projection GEMM + RoPE + MXFP8 of a
 //                              DeepSeek-V3 layer (run_qproj.cpp)
+//   mxmla run --op attention   the attention forward of a DeepSeek-V3 layer on MXFP8 Q, K, V
+//                              (run_attention.cpp); --op quantize is run-quantize
 //   mxmla run-quantize [opts]  MXFP8 quantize of a query tensor [T, NH, D] bf16 (run_quantize.cpp)
 //   mxmla --version | --help | <command> --help
 // Exit status: 0 success, 1 a check failed or the GPU failed, 2 bad input (the message names the
@@ -14,6 +16,7 @@
 #include "mxmla/qproj.h"
 #include "tools/cli_args.h"
 #include "tools/jobs.h"
+#include "tools/run_attention.h"
 
 using namespace mxmla;
 using namespace mxmla::tool;
@@ -33,6 +36,10 @@ const char* kOverview =
     "  run           the main job: the fused Q up-projection GEMM + RoPE + MXFP8 of a DeepSeek-V3\n"
     "                layer (T 4096, NH 128, K 1536) on the GPU, checked against the CPU reference and\n"
     "                timed against cuBLAS; without a GPU, the CPU reference at T 256, NH 16 (it says so)\n"
+    "  run --op attention\n"
+    "                the attention forward of a DeepSeek-V3 layer (h 128, d 192/128, causal, s 4096) on\n"
+    "                MXFP8 Q, K, V, checked against a float64 attention and timed; without a GPU, the\n"
+    "                CPU reference at s 256, h 2\n"
     "  run-quantize  MXFP8 quantize of a query tensor [T, NH, 192] bf16, rowwise + columnwise: on the\n"
     "                GPU checked bit for bit and timed against a copy; without a GPU, the CPU\n"
     "                reference at T 256\n"
@@ -50,6 +57,45 @@ Fp8Format parse_format(const std::string& cmd, const std::string& v) {
 
 std::string parse_device(const std::string& cmd, const std::string& v) {
   return parse_choice(cmd, "--device", v, {"auto", "cpu", "cuda"});
+}
+
+// The options every job takes alike.
+OptionSpec seed_option(const std::string& cmd, uint64_t& seed) {
+  return {"--seed", "S", "random seed, >= 0; default 1234",
+          [&seed, cmd](const std::string& v) { seed = parse_int(cmd, "--seed", v, 0, INT64_MAX); }};
+}
+OptionSpec device_option(const std::string& cmd, std::string& device) {
+  return {"--device", "D", "auto (default: the GPU when one is visible, else the CPU), cpu,\nor cuda (an error without a GPU)",
+          [&device, cmd](const std::string& v) { device = parse_device(cmd, v); }};
+}
+
+// `mxmla run --op OP`: which job `run` runs. The option is taken out of argv before the job parses
+// its own options (a job's help lists it too, as `--op`).
+const std::vector<std::string> kOps = {"qproj", "attention", "quantize"};
+OptionSpec op_option(const std::string& job) {
+  return {"--op", "OP",
+          "the job: qproj (the default: the fused Q up-projection), attention\n(the attention forward) or quantize "
+          "(as mxmla run-quantize);\nthis text is " + job + "'s",
+          [](const std::string&) {}};
+}
+std::string take_op(int& argc, char** argv) {
+  std::string op = "qproj";
+  for (int i = 2; i < argc; ++i) {
+    const std::string arg = argv[i];
+    int n = 0;
+    if (arg == "--op") {
+      if (i + 1 >= argc) throw UsageError("mxmla run", "option '--op' needs a value (OP)");
+      op = argv[i + 1], n = 2;
+    } else if (arg.rfind("--op=", 0) == 0) {
+      op = arg.substr(5), n = 1;
+    } else {
+      continue;
+    }
+    parse_choice("mxmla run", "--op", op, kOps);
+    std::copy(argv + i + n, argv + argc, argv + i);
+    argc -= n, --i;
+  }
+  return op;
 }
 
 // True when the job should run on the GPU; --device cuda without one is bad input.
@@ -87,11 +133,18 @@ int cmd_info(int argc, char** argv) {
   std::printf("%-28s %-22s %s\n", "rope_tables (plain, YaRN)", "host (float64)", "-");
   std::printf("%-28s %-22s %s\n", "fused_q_uproj_rope_quant", "reference (float64)",
               b.cuda_enabled ? (n ? "CUDA sm_90a wgmma kernel" : "CUDA kernel (no GPU here)") : "not built");
+  std::printf("%-28s %-22s %s\n", "attention_forward", "reference", gpu);
   return 0;
 }
 
 // ------------------------------------------------------------------ run
+int cmd_run_quantize(int argc, char** argv);
+int cmd_run_attention(int argc, char** argv);
+
 int cmd_run(int argc, char** argv) {
+  const std::string op = take_op(argc, argv);
+  if (op == "attention") return cmd_run_attention(argc, argv);
+  if (op == "quantize") return cmd_run_quantize(argc, argv);
   const std::string cmd = "mxmla run";
   QProjRunArgs a;
   std::string device = "auto";
@@ -115,6 +168,7 @@ int cmd_run(int argc, char** argv) {
       "round trip of the rowwise codes against q within the MX error bound. A CPU run at the GPU's\n"
       "size (--tokens 4096 --heads 128) takes minutes; progress goes to stderr.\n",
       {
+          op_option("the fused Q up-projection"),
           {"--tokens", "T", "tokens (rows of x), >= 1; default 4096 on the GPU, 256 on the CPU", count("--tokens", a.tokens)},
           {"--heads", "NH", "query heads of 192 (128 nope + 64 rope), >= 1;\ndefault 128 on the GPU, 16 on the CPU",
            count("--heads", a.heads)},
@@ -135,11 +189,8 @@ int cmd_run(int argc, char** argv) {
            count("--iters", a.iters)},
           {"--check-groups", "N", "GPU: (32-token group, head) pairs checked against the CPU\nreference, >= 1; default 64",
            count("--check-groups", a.check_groups)},
-          {"--seed", "S", "random seed, >= 0; default 1234",
-           [&](const std::string& v) { a.seed = parse_int(cmd, "--seed", v, 0, INT64_MAX); }},
-          {"--device", "D",
-           "auto (default: the GPU when one is visible, else the CPU), cpu,\nor cuda (an error without a GPU)",
-           [&](const std::string& v) { device = parse_device(cmd, v); }},
+          seed_option(cmd, a.seed),
+          device_option(cmd, device),
           {"--threads", "N", "CPU threads for the reference and the check, >= 1; default " + default_threads() +
                                  "\n(every core)",
            [&](const std::string& v) { a.threads = parse_int(cmd, "--threads", v, 1, 1024); }},
@@ -187,11 +238,8 @@ int cmd_run_quantize(int argc, char** argv) {
           {"--iters", "N", "GPU: timed calls per measurement, >= 1; default 50", count("--iters", a.iters)},
           {"--check-blocks", "N", "GPU: 32-row groups checked bit for bit, >= 1; default 2048",
            count("--check-blocks", a.check_blocks)},
-          {"--seed", "S", "random seed, >= 0; default 1234",
-           [&](const std::string& v) { a.seed = parse_int(cmd, "--seed", v, 0, INT64_MAX); }},
-          {"--device", "D",
-           "auto (default: the GPU when one is visible, else the CPU), cpu,\nor cuda (an error without a GPU)",
-           [&](const std::string& v) { device = parse_device(cmd, v); }},
+          seed_option(cmd, a.seed),
+          device_option(cmd, device),
           {"--threads", "N", "CPU threads for the reference, >= 1; default " + default_threads() + " (every core)",
            [&](const std::string& v) { a.threads = parse_int(cmd, "--threads", v, 1, 1024); }},
       }};
@@ -203,6 +251,66 @@ int cmd_run_quantize(int argc, char** argv) {
   (void)use_gpu(cmd, device);
 #endif
   return run_quantize_cpu(a, progress);
+}
+
+// ------------------------------------------------------------------ run --op attention
+int cmd_run_attention(int argc, char** argv) {
+  const std::string cmd = "mxmla run --op attention";
+  AttentionRunArgs a;
+  std::string device = "auto";
+  auto count = [&](const char* opt, int64_t& field, int64_t lo = 1) {
+    return [&field, opt, lo, cmd](const std::string& v) { field = parse_int(cmd, opt, v, lo); };
+  };
+  const Command c{
+      cmd,
+      "The attention forward of a DeepSeek-V3 layer on MXFP8 Q, K, V (b 1, h = h_kv, d_qk 192, d_v 128,\n"
+      "s_q = s_kv): q from the fused Q up-projection of x ~ N(0, 1) [s, 1536] (rowwise, BHSD scales,\n"
+      "one kernel), k and v ~ N(0, 1) bf16 quantized by quantize_attention (k rowwise, v columnwise,\n"
+      "BHSD scales), sbhd; softmax scale 192^-0.5; O bf16 and LSE fp32.\n"
+      "\n"
+      "On a GPU: checks sampled (b, h, row) triples of O and LSE against a float64 attention on the\n"
+      "dequantized inputs (P bf16: |err| <= 2^-8 (max|v| + |O|); P E4M3: the reference system's\n"
+      "atol 0.12, rtol 0.2), and times the op (median of --iters calls, L2 flushed, 3 rounds) with the\n"
+      "same op on the bf16 q, k, v in the same run; TFLOP/s = 2*b*h*(s^2/2)*(d_qk + d_v) / time when\n"
+      "causal. Defaults: s 4096, h 128, causal (one DeepSeek-V3 layer).\n"
+      "Without a GPU (or with --device cpu): the CPU reference at s 256, h 2 unless --seq / --heads\n"
+      "say otherwise, said on the first line, checked the same way.\n",
+      {
+          op_option("the attention forward"),
+          {"--seq", "S", "sequence length (queries = keys), >= 1; default 4096 on the\nGPU, 256 on the CPU",
+           count("--seq", a.seq)},
+          {"--heads", "H", "heads (query = key/value heads), >= 1; default 128 on the GPU,\n2 on the CPU",
+           count("--heads", a.heads)},
+          {"--causal", "", "causal mask, top-left aligned (the default)", [&](const std::string&) { a.causal = true; }},
+          {"--no-causal", "", "no mask", [&](const std::string&) { a.causal = false; }},
+          {"--p-format", "P",
+           "P in the P.V GEMM: bfloat16 (default; 'bf16' is a short alias) or\ne4m3 (the reference system's "
+           "p*2^8 -> E4M3 -> /2^8)",
+           [&](const std::string& v) {
+             a.p_format = parse_choice(cmd, "--p-format", v, {"bfloat16", "bf16", "e4m3"}) == "e4m3" ? PFormat::kE4M3
+                                                                                                      : PFormat::kBF16;
+           }},
+          {"--format", "F", "FP8 codes of q, k, v: e4m3 (default) or e5m2",
+           [&](const std::string& v) { a.format = parse_format(cmd, v); }},
+          {"--iters", "N", "GPU: timed calls per measurement (after 3 warm-up calls), >= 1;\ndefault 10",
+           count("--iters", a.iters)},
+          {"--check-rows", "N",
+           "(b, h, row) triples checked against the float64 attention, >= 1;\ndefault 256 on the GPU, 1024 on the "
+           "CPU (every row at s 256, h 2)",
+           count("--check-rows", a.check_rows)},
+          seed_option(cmd, a.seed),
+          device_option(cmd, device),
+          {"--threads", "N", "CPU threads for the check, >= 1; default " + default_threads() + " (every core)",
+           [&](const std::string& v) { a.threads = parse_int(cmd, "--threads", v, 1, 1024); }},
+      }};
+  if (!c.parse(argc, argv, 2)) return 0;
+  Progress progress(cmd);
+#if MXMLA_WITH_CUDA
+  if (use_gpu(cmd, device)) return run_attention_cuda(a, progress);
+#else
+  (void)use_gpu(cmd, device);
+#endif
+  return run_attention_cpu(a, progress);
 }
 
 }  // namespace

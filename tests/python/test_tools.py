@@ -84,7 +84,7 @@ def test_cli_without_command_is_usage_error():
     assert r.returncode == 2 and "usage: mxmla" in r.stderr and r.stdout == ""
 
 
-RUN_OPTIONS = ["--tokens", "--heads", "--k", "--style", "--format", "--iters", "--check-groups", "--seed", "--device",
+RUN_OPTIONS = ["--op", "--tokens", "--heads", "--k", "--style", "--format", "--iters", "--check-groups", "--seed", "--device",
                "--threads"]
 QUANTIZE_OPTIONS = ["--tokens", "--heads", "--head-dim", "--format", "--swizzle", "--iters", "--check-blocks", "--seed",
                     "--device", "--threads"]
@@ -154,6 +154,8 @@ BAD = [  # (command line, the option the message must name, words of the rule)
     (["run", "--bogus"], "--bogus", "unknown option"),
     (["run", "--bogus=1"], "--bogus", "unknown option"),
     (["run", "stray"], "stray", "takes only options"),
+    (["run", "--op", "softmax"], "--op", "qproj, attention or quantize"),
+    (["run", "--op"], "--op", "needs a value"),
     (["run-quantize", "--head-dim", "100"], "--head-dim", "multiple of 32"),
     (["run-quantize", "--head-dim", "0"], "--head-dim", "integer from 1"),
     (["run-quantize", "--iters", "0"], "--iters", "integer from 1"),
@@ -216,6 +218,88 @@ def test_cli_run_quantize_cpu(extra):
     assert "CPU reference at [70, 3, 64]" in r.stdout and r.stdout.rstrip().endswith("OK")
     if extra == ["--swizzle"]:
         assert "swizzled scales" in r.stdout
+
+
+ATTN_OPTIONS = ["--op", "--seq", "--heads", "--causal", "--no-causal", "--p-format", "--format", "--iters", "--check-rows",
+                "--seed", "--device", "--threads"]
+
+
+@needs_cli
+def test_cli_run_attention_help():
+    for args in (["run", "--op", "attention", "--help"], ["run", "-h", "--op=attention"]):
+        r = mxmla_cli(*args)
+        assert r.returncode == 0 and r.stderr == "", (args, r.stderr)
+        assert r.stdout.startswith("usage: mxmla run --op attention")
+        for o in ATTN_OPTIONS:
+            assert re.search(rf"^  {o}\b", r.stdout, re.M), o
+        for words in ["s 4096, h 128", "Without a GPU", "s 256, h 2", "float64", "2*b*h*(s^2/2)*(d_qk + d_v)"]:
+            assert words in r.stdout, words
+    assert "run --op attention" in mxmla_cli("--help").stdout
+
+
+@needs_cli
+@pytest.mark.parametrize("extra", [[], ["--no-causal"], ["--p-format", "e4m3"], ["--format=e5m2", "--p-format=bf16"]])
+def test_cli_run_attention_cpu(extra):
+    """`mxmla run --op attention` on the CPU: the library's CPU reference, checked by the tool on every row."""
+    r = mxmla_cli("run", "--op", "attention", "--device", "cpu", "--seq", "64", "--heads", "2", *extra)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert out.startswith("mxmla run --op attention: no GPU in use: running the CPU reference of the attention "
+                          "forward at s 64, h 2\n"), out
+    assert ("not causal" in out) == ("--no-causal" in extra)
+    assert ("P E4M3" in out) == ("e4m3" in extra)
+    assert re.search(r"^attention forward in [0-9.]+ s on the CPU reference", out, re.M), out
+    assert re.search(r"^check: 128 of 128 \(b, h, row\) triples .*: OK$", out, re.M) and out.rstrip().endswith("OK")
+
+
+@needs_cli
+def test_cli_run_attention_default_cpu_size():
+    if _gpu_visible():
+        pytest.skip("a CUDA device is visible: `mxmla run --op attention` runs on it")
+    r = mxmla_cli("run", "--op", "attention")  # falls back to the CPU at s 256, h 2
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("mxmla run --op attention: no GPU found")
+    assert "at s 256, h 2 (smaller than the GPU default s 4096, h 128)" in lines[1]
+    assert "check: 512 of 512 " in r.stdout and lines[-1].endswith("OK")
+
+
+ATTN_BAD = [
+    (["--p-format", "fp16"], "--p-format", "bfloat16, bf16 or e4m3"),
+    (["--seq", "0"], "--seq", "integer from 1"),
+    (["--heads=-1"], "--heads", "integer from 1"),
+    (["--check-rows", "0"], "--check-rows", "integer from 1"),
+    (["--causal=yes"], "--causal", "takes no value"),
+    (["--tokens", "64"], "--tokens", "unknown option"),
+    (["--device", "cpu", "--seq", "2000000000", "--heads", "100000"], "s 2000000000", "host memory"),
+]
+
+
+@needs_cli
+@pytest.mark.parametrize("args,option,rule", ATTN_BAD, ids=[" ".join(b[0]) for b in ATTN_BAD])
+def test_cli_run_attention_rejects_bad_input(args, option, rule):
+    r = mxmla_cli("run", "--op", "attention", *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert option in r.stderr and rule in r.stderr and "see 'mxmla run --op attention --help'" in r.stderr, r.stderr
+
+
+@needs_cli
+def test_cli_run_op_quantize_is_run_quantize():
+    args = ["--device", "cpu", "--tokens", "70", "--heads", "3", "--head-dim", "64", "--threads", "1"]
+    a, b = mxmla_cli("run", "--op", "quantize", *args), mxmla_cli("run-quantize", *args)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert _result_lines(a.stdout) == _result_lines(b.stdout)
+
+
+@needs_cli
+def test_cli_run_attention_on_the_gpu():
+    if not _gpu_visible():
+        pytest.skip("no CUDA device visible: the GPU job is not run")
+    r = mxmla_cli("run", "--op", "attention", "--seq", "512", "--heads", "4", "--iters", "2", "--check-rows", "100")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert out.startswith("mxmla run --op attention: GPU ") and "check: 100 of 2048 (b, h, row) triples" in out, out
+    assert re.search(r"^check: .*: OK$", out, re.M) and re.search(r"^MXFP8 attention : [0-9.]+ ms +[0-9]+ TFLOP/s", out, re.M)
 
 
 @needs_cli
