@@ -15,6 +15,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
@@ -23,8 +24,10 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <variant>
 #include <vector>
 
+#include "mxmla/attention.h"
 #include "mxmla/mxfp8.h"
 #include "mxmla/qproj.h"
 #include "mxmla/rope.h"
@@ -125,6 +128,12 @@ template <>
 const char* enum_name(RopeLayout v) { return v == RopeLayout::kSBHD ? "sbhd" : v == RopeLayout::kBSHD ? "bshd" : "thd"; }
 template <>
 const char* enum_name(WeightLayout v) { return v == WeightLayout::kNK ? "nk" : "kn"; }
+template <>
+const char* enum_name(AttnFormat v) {
+  return v == AttnFormat::kSBHD ? "sbhd" : v == AttnFormat::kBSHD ? "bshd" : v == AttnFormat::kBHSD ? "bhsd" : "thd";
+}
+template <>
+const char* enum_name(PFormat v) { return v == PFormat::kBF16 ? "bf16" : "e4m3"; }
 
 std::string b(bool v) { return v ? "True" : "False"; }
 std::string q(const char* s) { return std::string("'") + s + "'"; }
@@ -137,6 +146,36 @@ std::string repr(const RopeOptions& o) {
   return "RopeOptions(style=" + q(enum_name(o.style)) + ", layout=" + q(enum_name(o.layout)) +
          ", rope_dim=" + std::to_string(o.rope_dim) + ", tables_per_token=" + b(o.tables_per_token) + ")";
 }
+
+// An attention operand: a bf16 tensor descriptor, or an MXFP8 tensor as (rowwise_data,
+// rowwise_scale_inv, columnwise_data, columnwise_scale_inv, shape, fp8_format, scale_layout, layout,
+// attention) -- the fields of the Python MXFP8Tensor, the direction attention does not read may be
+// None. The codes of the direction read (q, k: rowwise; v: columnwise) are described as the operand
+// in its format (a view); `shape` is the shape the tensor was quantized as.
+using MxOperand = std::tuple<OptDesc, OptDesc, OptDesc, OptDesc, std::vector<int64_t>, Fp8Format, ScaleLayout, QKVLayout,
+                             bool>;
+using AttnOperand = std::variant<Desc, MxOperand>;
+
+// The C++ operand of a Python one (owns the descriptors AttnInput points to; not copied).
+struct HeldOperand {
+  TensorDesc bf16;
+  MXFP8Tensor mx;
+  AttnInput in;
+  explicit HeldOperand(const AttnOperand& a) {
+    if (const Desc* d = std::get_if<Desc>(&a)) {
+      bf16 = to_desc(*d);
+      in.bf16 = &bf16;
+      return;
+    }
+    const auto& [rd, rs, cd, cs, shape, format, scale_layout, layout, attention] = std::get<MxOperand>(a);
+    mx = make_tensor(rd, rs, cd, cs);
+    mx.shape = shape, mx.format = format, mx.scale_layout = scale_layout, mx.qkv_layout = layout;
+    mx.attention = attention;
+    in.mx = &mx;
+  }
+  HeldOperand(const HeldOperand&) = delete;
+  HeldOperand& operator=(const HeldOperand&) = delete;
+};
 
 }  // namespace
 
@@ -160,6 +199,12 @@ NB_MODULE(_mxmla_core, m) {
       .value("bshd", RopeLayout::kBSHD)
       .value("thd", RopeLayout::kTHD);
   nb::enum_<WeightLayout>(m, "WeightLayout").value("nk", WeightLayout::kNK).value("kn", WeightLayout::kKN);
+  nb::enum_<AttnFormat>(m, "AttnFormat")
+      .value("sbhd", AttnFormat::kSBHD)
+      .value("bshd", AttnFormat::kBSHD)
+      .value("bhsd", AttnFormat::kBHSD)
+      .value("thd", AttnFormat::kTHD);
+  nb::enum_<PFormat>(m, "PFormat").value("bf16", PFormat::kBF16).value("e4m3", PFormat::kE4M3);
 
   // ------------------------------------------------------------------ option structs (fields read/write)
   nb::class_<QuantizeOptions>(m, "QuantizeOptions")
@@ -218,6 +263,23 @@ NB_MODULE(_mxmla_core, m) {
                ", batch=" + std::to_string(o.batch) + ", weight_layout=" + q(enum_name(o.weight_layout)) +
                ", rowwise=" + b(o.rowwise) + ", columnwise=" + b(o.columnwise) + ", format=" +
                q(enum_name(o.format)) + ", bhsd_scales=" + b(o.bhsd_scales) + ")";
+      });
+  nb::class_<AttentionOptions>(m, "AttentionOptions")
+      .def(nb::init<>())
+      .def_rw("q_format", &AttentionOptions::q_format)
+      .def_rw("kv_format", &AttentionOptions::kv_format)
+      .def_rw("causal", &AttentionOptions::causal)
+      .def_rw("bottom_right", &AttentionOptions::bottom_right)
+      .def_rw("softmax_scale", &AttentionOptions::softmax_scale)
+      .def_rw("p_format", &AttentionOptions::p_format)
+      .def_rw("max_seqlen_q", &AttentionOptions::max_seqlen_q)
+      .def_rw("max_seqlen_kv", &AttentionOptions::max_seqlen_kv)
+      .def("__repr__", [](const AttentionOptions& o) {
+        return "AttentionOptions(q_format=" + q(enum_name(o.q_format)) + ", kv_format=" + q(enum_name(o.kv_format)) +
+               ", causal=" + b(o.causal) + ", bottom_right=" + b(o.bottom_right) +
+               ", softmax_scale=" + std::to_string(o.softmax_scale) + ", p_format=" + q(enum_name(o.p_format)) +
+               ", max_seqlen_q=" + std::to_string(o.max_seqlen_q) + ", max_seqlen_kv=" + std::to_string(o.max_seqlen_kv) +
+               ")";
       });
   nb::class_<YarnParams>(m, "YarnParams")
       .def(nb::init<>())
@@ -447,6 +509,25 @@ NB_MODULE(_mxmla_core, m) {
       nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"), nb::arg("rowwise_data").none(),
       nb::arg("rowwise_scale_inv").none(), nb::arg("columnwise_data").none(), nb::arg("columnwise_scale_inv").none(),
       nb::arg("q").none(), nb::arg("options"), nb::arg("stream"));
+
+  // ------------------------------------------------------------------ attention
+  // q, k, v: each a bf16 descriptor or an MXFP8 operand tuple (see MxOperand); o: bf16 in q's format
+  // with d_v columns; lse: float32 [b, h, s_q] (thd: [h, t]) or None; cu_seqlens_*: int32 [b + 1]
+  // on the data's device (thd) or None. Errors name the C++ arguments ('q', 'q.rowwise_data',
+  // 'v.columnwise_scale_inv', 'o', 'lse', 'cu_seqlens_q', option fields ...).
+  m.def(
+      "attention_forward",
+      [](const AttnOperand& q, const AttnOperand& k, const AttnOperand& v, const Desc& o, const OptDesc& lse,
+         const AttentionOptions& opts, const OptDesc& cu_q, const OptDesc& cu_kv, uintptr_t stream) {
+        const HeldOperand hq(q), hk(k), hv(v);
+        TensorDesc od = to_desc(o), ld = opt_desc(lse);
+        const TensorDesc cqd = opt_desc(cu_q), ckd = opt_desc(cu_kv);
+        nb::gil_scoped_release release;
+        attention_forward(hq.in, hk.in, hv.in, od, lse ? &ld : nullptr, opts, cu_q ? &cqd : nullptr,
+                          cu_kv ? &ckd : nullptr, to_stream(stream));
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("lse").none(), nb::arg("options"),
+      nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_kv").none(), nb::arg("stream"));
 
   m.def("build_info", [] {
     const BuildInfo bi = build_info();

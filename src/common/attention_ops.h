@@ -42,7 +42,7 @@ struct AttentionProblem {
   bool thd = false;
   const int32_t* cu_q = nullptr;   // thd: [B + 1] (device memory for CUDA problems)
   const int32_t* cu_kv = nullptr;
-  int64_t total_q = 0;             // thd: cu_q[B] (the lse row length)
+  int64_t total_q = 0;             // thd: packed query tokens of q (its leading extent, >= cu_q[B]; the lse row length)
   int64_t total_kv = 0;            // thd: packed key tokens of k and v (their leading extent)
 
   bool fp8 = false;                // q, k, v MXFP8 (codes + scales); else bf16
