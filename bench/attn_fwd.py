@@ -174,7 +174,7 @@ class Section:
         qd, kd, vd = dequant()
         attn, fa4 = self.attn, self.fa4
         ours = lambda: attn(q_mx, k_mx, v_mx, causal=True)  # noqa: E731
-        ours_bf16 = lambda: attn(q, k, v, causal=True, layout="bshd_bshd_bshd")  # noqa: E731  (TE's name)
+        ours_bf16 = lambda: attn(q, k, v, causal=True, layout="bshd")  # noqa: E731  (bf16 4-D: sbhd unless told)
         peers = {"cuDNN": lambda qd, kd, vd: cudnn_sdpa(qd, kd, vd)}
         if fa4 is not None:
             peers["FA4"] = lambda qd, kd, vd: _out(fa4(qd, kd, vd, causal=True))
@@ -265,9 +265,11 @@ class Section:
                    "(> 1: ours faster)")
         if self.fa4 is None:
             out.append(f"FA4: skipped: {self.fa4_error}")
-        for name, err in self.ours_errors.items():
-            if err:
-                out.append(f"{name}: {err}")
+        errs = self.ours_errors
+        if errs["ours"] and errs["ours"] == errs["ours-bf16"]:
+            out.append(f"ours, ours-bf16: {errs['ours']}")
+        else:
+            out += [f"{name}: {err}" for name, err in errs.items() if err]
         if self.context_lost:
             out.append("the CUDA context was lost: the cases after the error are not measured")
         out += self.checks
