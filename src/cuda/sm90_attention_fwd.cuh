@@ -180,9 +180,9 @@ __device__ __forceinline__ uint8_t ldg_u8(const uint8_t* p) {
 }
 
 // One row of FP8 codes (kBlocks 64-code blocks, 64-byte swizzle) -> bf16 (kBlocks 64-column blocks,
-// 128-byte swizzle). Factor / scale byte of column c: fac(c / 16) / e(c / 16) (one per 16 codes;
-// `fac` gives the bf16x2 factors of the 8 pairs, `ebytes` the 16 scale bytes for the exact path).
-// `valid` false writes zeros (rows outside the sequence).
+// 128-byte swizzle). For 16-code chunk q: fac(q, f) gives the bf16x2 fast factors of its 8 pairs,
+// ebytes(q) its 16 scale bytes (uint4) for the exact path. `valid` false writes zeros (rows outside
+// the sequence).
 template <bool kE4M3, int kBlocks, class Fac, class Ebytes>
 __device__ __forceinline__ void dequant_row(const uint8_t* codes, uint8_t* dst, int row, bool valid, bool exact,
                                             Fac&& fac, Ebytes&& ebytes) {
@@ -190,27 +190,27 @@ __device__ __forceinline__ void dequant_row(const uint8_t* codes, uint8_t* dst, 
   for (int cb = 0; cb < kBlocks; ++cb) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      uint32_t out[8];
-      if (valid) {
-        const uint4 x = lds128(codes + cb * 128 * 64 + row * 64 + ((c ^ ((row >> 1) & 3)) * 16));
-        bool slow = exact;
-        if (!slow) {
-          uint32_t f[8];
-          fac(cb * 4 + c, f);
-          slow = sm90::dequant16_fast<kE4M3>(x, f, out) != 0;
-        }
-        if (slow) {
-          uint8_t e[16];
-          ebytes(cb * 4 + c, e);
-          sm90::dequant16_exact<kE4M3>(x, e, out);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) out[i] = 0;
-      }
       uint8_t* d = dst + cb * 128 * 128 + row * 128;
-      sts128(d + (((2 * c) ^ (row & 7)) * 16), out[0], out[1], out[2], out[3]);
-      sts128(d + (((2 * c + 1) ^ (row & 7)) * 16), out[4], out[5], out[6], out[7]);
+      uint8_t* d_lo = d + (((2 * c) ^ (row & 7)) * 16);
+      uint8_t* d_hi = d + (((2 * c + 1) ^ (row & 7)) * 16);
+      if (!valid) {
+        sts128(d_lo, 0, 0, 0, 0), sts128(d_hi, 0, 0, 0, 0);
+        continue;
+      }
+      const uint4 x = lds128(codes + cb * 128 * 64 + row * 64 + ((c ^ ((row >> 1) & 3)) * 16));
+      uint32_t out[8];
+      bool slow = exact;
+      if (!slow) {
+        uint32_t f[8];
+        fac(cb * 4 + c, f);
+        slow = sm90::dequant16_fast<kE4M3>(x, f, out) != 0;
+      }
+      if (slow) {
+        sm90::dequant16_exact_store<kE4M3>(x, ebytes(cb * 4 + c), ptx::smem_u32(d_lo), ptx::smem_u32(d_hi));
+      } else {
+        sts128(d_lo, out[0], out[1], out[2], out[3]);
+        sts128(d_hi, out[4], out[5], out[6], out[7]);
+      }
     }
   }
 }
@@ -235,9 +235,9 @@ struct RowScales {
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = b | (b << 16);
   }
-  __device__ __forceinline__ void bytes(int q, uint8_t (&o)[16]) const {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) o[i] = e[q / 2];
+  __device__ __forceinline__ uint4 bytes(int q) const {
+    const uint32_t b = e[q / 2] * 0x01010101u;
+    return make_uint4(b, b, b, b);
   }
 };
 
@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(512, 1)
         sm.q_tile.producer_wait(n_q++);
         dequant_row<kE4, C::kQkBlocks>(sm.x.fp8[stage].kc[0], sm.q[0], row, valid, sc.exact,
                                        [&](int q, uint32_t(&f)[8]) { sc.fac(q, f); },
-                                       [&](int q, uint8_t(&e)[16]) { sc.bytes(q, e); });
+                                       [&](int q) { return sc.bytes(q); });
         ptx::fence_proxy_async();
         __syncwarp();
         if (lane == 0) sm.q_tile.producer_commit(), sm.fp8_stage[stage].consumer_release();
@@ -356,26 +356,41 @@ __global__ void __launch_bounds__(512, 1)
       const int64_t vr0 = col_row0(p.v.sc, w.b, w.hk);
       const RowScaleCursor kcur(p.k.sc, w.b, w.hk);
       const ColScaleCursor vcur(p.v.sc, w.b, w.hk, (vr0 + w.kv0) / 32, row < kDv ? row : 0);
+      // this thread's scale bytes of key tile j: its K row; its V column in each 32-key scale row
+      // the tile touches (issued one tile ahead of their use)
+      struct KvScales {
+        RowScales<kE4, kDqk / 32> k;
+        uint8_t v[C::kMaxVScaleRows];
+        int64_t rb0;
+      };
+      const auto load_scales = [&](int j, KvScales& sc) {
+        const int key = j * 128 + row;
+        sc.k.load(p.k.sc.ptr, kcur, w.kv0 + key, key < w.len_kv);
+        const int64_t first = vr0 + w.kv0 + j * 128;
+        const int64_t last_valid = vr0 + w.kv0 + min(j * 128 + 127, w.len_kv - 1);
+        sc.rb0 = first / 32;
+        const int64_t nrb = last_valid / 32 - sc.rb0 + 1;
+#pragma unroll
+        for (int r = 0; r < C::kMaxVScaleRows; ++r)
+          sc.v[r] = (row < kDv && r < nrb) ? ldg_u8(p.v.sc.ptr + vcur.at(sc.rb0 + r)) : uint8_t{127};
+      };
+      KvScales cur;
+      load_scales(0, cur);
       for (int j = 0; j < w.n_blocks; ++j) {
         const int key = j * 128 + row;
         const bool valid = key < w.len_kv;
-        RowScales<kE4, kDqk / 32> ks;
-        ks.load(p.k.sc.ptr, kcur, w.kv0 + key, valid);
-        // V: this thread's column (row < kDv) in each 32-key scale row the tile touches
-        const int64_t first = vr0 + w.kv0 + j * 128;
-        const int64_t last_valid = vr0 + w.kv0 + min(j * 128 + 127, w.len_kv - 1);
-        const int64_t rb0 = first / 32, nrb = last_valid / 32 - rb0 + 1;
-        uint8_t ve[C::kMaxVScaleRows];
-#pragma unroll
-        for (int r = 0; r < C::kMaxVScaleRows; ++r)
-          ve[r] = (row < kDv && r < nrb) ? ldg_u8(p.v.sc.ptr + vcur.at(rb0 + r)) : uint8_t{127};
+        KvScales next;
+        if (j + 1 < w.n_blocks) load_scales(j + 1, next);
+        RowScales<kE4, kDqk / 32>& ks = cur.k;
+        const uint8_t(&ve)[C::kMaxVScaleRows] = cur.v;
+        const int64_t rb0 = cur.rb0, first = vr0 + w.kv0 + j * 128;
         const int stage = n_fp8 & 1;
         sm.fp8_stage[stage].consumer_wait(n_fp8++ >> 1);
         ks.finish();
         sm.k_tile[0].producer_wait(n_k++);
         dequant_row<kE4, C::kQkBlocks>(sm.x.fp8[stage].kc[0], sm.k0[0], row, valid, ks.exact,
                                        [&](int q, uint32_t(&f)[8]) { ks.fac(q, f); },
-                                       [&](int q, uint8_t(&e)[16]) { ks.bytes(q, e); });
+                                       [&](int q) { return ks.bytes(q); });
         ptx::fence_proxy_async();
         __syncwarp();
         if (lane == 0) sm.k_tile[0].producer_commit();
@@ -403,15 +418,11 @@ __global__ void __launch_bounds__(512, 1)
               const uint4 a = lds128(vf + q * 16), b = lds128(vf + q * 16 + 8);
               f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
             },
-            [&](int q, uint8_t(&e)[16]) {
-              const uint4 a = lds128(vb + q * 16);
-              const uint32_t wv[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-              for (int i = 0; i < 16; ++i) e[i] = static_cast<uint8_t>(wv[i / 4] >> (8 * (i % 4)));
-            });
+            [&](int q) { return lds128(vb + q * 16); });
         ptx::fence_proxy_async();
         __syncwarp();
         if (lane == 0) sm.v_tile[0].producer_commit(), sm.fp8_stage[stage].consumer_release();
+        cur = next;
       }
     }
     return;

@@ -8,7 +8,7 @@
 // dequantized value is a normal bf16, and rounds to nearest even otherwise — the value a bf16
 // tensor core can hold. Rare inputs leave the fast path (the caller checks `fast_ok`): NaN codes
 // (E4M3 S.1111.111; E5M2 exponent 11111: Inf / NaN), scale 255 (NaN) and scales above the limit
-// take the exact fp32 path `dequant16_exact`.
+// take the exact fp32 path `dequant16_exact_store`.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -82,10 +82,14 @@ __device__ __forceinline__ uint32_t dequant16_fast(const uint4& c, const uint32_
 }
 
 // The exact path: code -> fp32 (exact) * 2^(e-127) (fp32, exact or correctly rounded) -> bf16
-// round-to-nearest-even; e = 255 -> NaN. e[i]: the scale byte of element i.
+// round-to-nearest-even; e = 255 -> NaN. e: the scale bytes of the 16 elements (byte i of the
+// 16 = element i). Stores the 32 result bytes as two 16-byte halves at the shared-memory
+// addresses dst_lo (elements 0..7) and dst_hi (8..15). Out of line and without arrays in memory: one
+// copy of the rare path, so that the unrolled fast path stays compact in the instruction cache.
 template <bool kE4M3>
-__device__ __forceinline__ void dequant16_exact(const uint4& c, const uint8_t (&e)[16], uint32_t (&out)[8]) {
-  const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+__device__ __noinline__ void dequant16_exact_store(uint4 c, uint4 e, uint32_t dst_lo, uint32_t dst_hi) {
+  const uint32_t w[4] = {c.x, c.y, c.z, c.w}, ew[4] = {e.x, e.y, e.z, e.w};
+  uint32_t out[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
@@ -93,15 +97,22 @@ __device__ __forceinline__ void dequant16_exact(const uint4& c, const uint8_t (&
     float v[2] = {__low2float(hv), __high2float(hv)};
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      const uint32_t s = e[2 * i + k];
-      // 2^(s-127) as fp32: normal for s >= 1, 2^-127 (subnormal) for s = 0
-      const float m = s == 255 ? __uint_as_float(0x7FC00000u)
-                               : (s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23));
+      const int el = 2 * i + k;
+      const uint32_t sb = (ew[el / 4] >> (8 * (el % 4))) & 0xFFu;
+      // 2^(sb-127) as fp32: normal for sb >= 1, 2^-127 (subnormal) for sb = 0
+      const float m = sb == 255 ? __uint_as_float(0x7FC00000u)
+                                : (sb == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(sb << 23));
       v[k] *= m;
     }
     const __nv_bfloat162 b = __floats2bfloat162_rn(v[0], v[1]);
     out[i] = *reinterpret_cast<const uint32_t*>(&b);
   }
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_lo), "r"(out[0]), "r"(out[1]), "r"(out[2]),
+               "r"(out[3])
+               : "memory");
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_hi), "r"(out[4]), "r"(out[5]), "r"(out[6]),
+               "r"(out[7])
+               : "memory");
 }
 
 }  // namespace mxmla::sm90
