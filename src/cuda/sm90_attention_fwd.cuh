@@ -186,32 +186,42 @@ __device__ __forceinline__ uint8_t ldg_u8(const uint8_t* p) {
 template <bool kE4M3, int kBlocks, class Fac, class Ebytes>
 __device__ __forceinline__ void dequant_row(const uint8_t* codes, uint8_t* dst, int row, bool valid, bool exact,
                                             Fac&& fac, Ebytes&& ebytes) {
+  // plain C++ shared-memory accesses (not volatile asm): the compiler may run the loads of later
+  // chunks ahead of the arithmetic of earlier ones
+  const auto src_at = [&](int cb, int c) {
+    return reinterpret_cast<const uint4*>(codes + cb * 128 * 64 + row * 64 + ((c ^ ((row >> 1) & 3)) * 16));
+  };
+  const auto dst_at = [&](int cb, int half) {  // half = 16-byte chunk 0..7 of the 128-byte row
+    return reinterpret_cast<uint4*>(dst + cb * 128 * 128 + row * 128 + ((half ^ (row & 7)) * 16));
+  };
+  if (!valid) {
 #pragma unroll
-  for (int cb = 0; cb < kBlocks; ++cb) {
+    for (int cb = 0; cb < kBlocks; ++cb)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      uint8_t* d = dst + cb * 128 * 128 + row * 128;
-      uint8_t* d_lo = d + (((2 * c) ^ (row & 7)) * 16);
-      uint8_t* d_hi = d + (((2 * c + 1) ^ (row & 7)) * 16);
-      if (!valid) {
-        sts128(d_lo, 0, 0, 0, 0), sts128(d_hi, 0, 0, 0, 0);
-        continue;
-      }
-      const uint4 x = lds128(codes + cb * 128 * 64 + row * 64 + ((c ^ ((row >> 1) & 3)) * 16));
-      uint32_t out[8];
-      bool slow = exact;
-      if (!slow) {
-        uint32_t f[8];
+      for (int h = 0; h < 8; ++h) *dst_at(cb, h) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  uint32_t special = 0;
+  if (!exact) {
+#pragma unroll
+    for (int cb = 0; cb < kBlocks; ++cb) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t f[8], out[8];
         fac(cb * 4 + c, f);
-        slow = sm90::dequant16_fast<kE4M3>(x, f, out) != 0;
-      }
-      if (slow) {
-        sm90::dequant16_exact_store<kE4M3>(x, ebytes(cb * 4 + c), ptx::smem_u32(d_lo), ptx::smem_u32(d_hi));
-      } else {
-        sts128(d_lo, out[0], out[1], out[2], out[3]);
-        sts128(d_hi, out[4], out[5], out[6], out[7]);
+        special |= sm90::dequant16_fast<kE4M3>(*src_at(cb, c), f, out);
+        *dst_at(cb, 2 * c) = make_uint4(out[0], out[1], out[2], out[3]);
+        *dst_at(cb, 2 * c + 1) = make_uint4(out[4], out[5], out[6], out[7]);
       }
     }
+  }
+  if (exact || special != 0) {  // rare: NaN / Inf codes, NaN or very large scales
+#pragma unroll 1
+    for (int cb = 0; cb < kBlocks; ++cb)
+#pragma unroll 1
+      for (int c = 0; c < 4; ++c)
+        sm90::dequant16_exact_store<kE4M3>(*src_at(cb, c), ebytes(cb * 4 + c), ptx::smem_u32(dst_at(cb, 2 * c)),
+                                           ptx::smem_u32(dst_at(cb, 2 * c + 1)));
   }
 }
 
@@ -415,10 +425,11 @@ __global__ void __launch_bounds__(512, 1)
         dequant_row<kE4, C::kVBlocks>(
             sm.x.fp8[stage].vc[0], sm.v0[0], row, valid, slow,
             [&](int q, uint32_t(&f)[8]) {
-              const uint4 a = lds128(vf + q * 16), b = lds128(vf + q * 16 + 8);
+              const uint4 a = *reinterpret_cast<const uint4*>(vf + q * 16);
+              const uint4 b = *reinterpret_cast<const uint4*>(vf + q * 16 + 8);
               f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
             },
-            [&](int q) { return lds128(vb + q * 16); });
+            [&](int q) { return *reinterpret_cast<const uint4*>(vb + q * 16); });
         ptx::fence_proxy_async();
         __syncwarp();
         if (lane == 0) sm.v_tile[0].producer_commit(), sm.fp8_stage[stage].consumer_release();
