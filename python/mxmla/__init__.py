@@ -1,4 +1,4 @@
-"""mxmla: MXFP8 quantization for MLA training (TransformerEngine-compatible semantics).
+"""mxmla: MXFP8 quantization and attention for MLA training (TransformerEngine-compatible semantics).
 
 Every op accepts torch tensors (CPU or CUDA; CUDA work runs on torch's current stream) and numpy
 arrays (float32, float16, and bfloat16 as ``ml_dtypes.bfloat16`` or as uint16 bit patterns where
@@ -17,6 +17,7 @@ from typing import Any, Dict
 
 from . import _mxmla_core as _core
 from ._backend import torch_available as _torch_available
+from .attention import attention, qkv_layout
 from .mxfp8 import (
     MXFP8Tensor,
     attention_scales_to_bhsd,
@@ -52,6 +53,8 @@ QKVLayout = _core.QKVLayout
 RopeStyle = _core.RopeStyle
 RopeLayout = _core.RopeLayout
 WeightLayout = _core.WeightLayout
+AttnFormat = _core.AttnFormat
+PFormat = _core.PFormat
 YarnParams = _core.YarnParams
 
 __all__ = [
@@ -63,6 +66,8 @@ __all__ = [
     "quantize_attention",
     "attention_scales_to_bhsd",
     "to_bhsd",
+    "attention",
+    "qkv_layout",
     "info",
     "apply_rope",
     "rope_backward",
@@ -87,6 +92,8 @@ __all__ = [
     "RopeStyle",
     "RopeLayout",
     "WeightLayout",
+    "AttnFormat",
+    "PFormat",
     "YarnParams",
 ]
 

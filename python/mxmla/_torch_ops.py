@@ -11,7 +11,8 @@ columnwise codes, columnwise scales); a direction that is off comes back as an e
 (shape [0]); the Python functions turn them into MXFP8Tensor (None for an absent direction).
 
 Autograd: apply_rope and rope_backward are each other's gradient (register_autograd); the ``*_out``
-forms (mutating ``out``) and the ops without a gradient raise when an input needs one.
+forms (mutating ``out``) and the ops without a gradient (attention's backward comes later) raise
+when an input needs one.
 (No ``from __future__ import annotations`` here: torch infers the op schemas from the annotations.)
 """
 import math
@@ -23,6 +24,8 @@ from . import _mxmla_core as _core
 from . import mxfp8 as _mx
 from . import qproj as _qp
 from . import rope as _rope
+from .attention import _NOT_DIFF as _ATT_NOT_DIFF
+from .attention import _attention_impl, _out_shapes
 
 Tensor = torch.Tensor
 _T4 = Tuple[Tensor, Tensor, Tensor, Tensor]
@@ -295,3 +298,31 @@ def _(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch, fp8_format, bhsd
 
 
 _no_gradient(fused_q_uproj_rope_quant, "mxmla.fused_q_uproj_rope_quant", _qp._NOT_DIFF, ["x", "w", "cos", "sin"])
+
+
+# ----------------------------------------------------------------------------- attention
+@torch.library.custom_op("mxmla::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, q_scale: Optional[Tensor], k_scale: Optional[Tensor],
+              v_scale: Optional[Tensor], q_mx: str, k_mx: str, v_mx: str, q_format: str, kv_format: str, causal: bool,
+              bottom_right: bool, softmax_scale: float, p_format: str, cu_seqlens_q: Optional[Tensor],
+              cu_seqlens_kv: Optional[Tensor], max_seqlen_q: int, max_seqlen_kv: int,
+              return_lse: bool) -> Tuple[Tensor, Tensor]:
+    """(O, LSE; an empty placeholder without return_lse). q, k, v: bf16 tensors, or MXFP8 operands as
+    the codes attention reads (q, k rowwise, v columnwise) with their scales (q_scale, ...) and a
+    description "<fp8 format>:<scale layout>:<attention layout or ->:<quantized shape>" in q_mx, ...
+    ("" for bf16)."""
+    o, lse = _attention_impl(q, k, v, q_scale, k_scale, v_scale, (q_mx, k_mx, v_mx), q_format, kv_format, causal,
+                             bottom_right, softmax_scale, p_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                             max_seqlen_kv, return_lse)
+    return o, _placeholder(q, lse, torch.float32)
+
+
+@attention.register_fake
+def _(q, k, v, q_scale, k_scale, v_scale, q_mx, k_mx, v_mx, q_format, kv_format, causal, bottom_right, softmax_scale,
+      p_format, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, return_lse):
+    o_shape, lse_shape = _out_shapes(_ints(q.shape), q_format, int(v.shape[-1]))
+    return (q.new_empty(tuple(o_shape), dtype=torch.bfloat16),
+            q.new_empty(tuple(lse_shape) if return_lse else (0,), dtype=torch.float32))
+
+
+_no_gradient(attention, "mxmla.attention", _ATT_NOT_DIFF, ["q", "k", "v"])
