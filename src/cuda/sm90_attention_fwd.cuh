@@ -184,8 +184,8 @@ __device__ __forceinline__ uint8_t ldg_u8(const uint8_t* p) {
 // ebytes(q) its 16 scale bytes (uint4) for the exact path. `valid` false writes zeros (rows outside
 // the sequence).
 template <bool kE4M3, int kBlocks, class Fac, class Ebytes>
-__device__ __forceinline__ void dequant_row(const uint8_t* codes, uint8_t* dst, int row, bool valid, bool exact,
-                                            Fac&& fac, Ebytes&& ebytes) {
+__device__ __forceinline__ void dequant_row(const uint8_t* __restrict__ codes, uint8_t* __restrict__ dst, int row,
+                                            bool valid, bool exact, Fac&& fac, Ebytes&& ebytes) {
   // plain C++ shared-memory accesses (not volatile asm): the compiler may run the loads of later
   // chunks ahead of the arithmetic of earlier ones
   const auto src_at = [&](int cb, int c) {
@@ -205,11 +205,14 @@ __device__ __forceinline__ void dequant_row(const uint8_t* codes, uint8_t* dst, 
   if (!exact) {
 #pragma unroll
     for (int cb = 0; cb < kBlocks; ++cb) {
+      uint4 x[4];  // a 64-code block's loads first: four in flight, not one
+#pragma unroll
+      for (int c = 0; c < 4; ++c) x[c] = *src_at(cb, c);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         uint32_t f[8], out[8];
         fac(cb * 4 + c, f);
-        special |= sm90::dequant16_fast<kE4M3>(*src_at(cb, c), f, out);
+        special |= sm90::dequant16_fast<kE4M3>(x[c], f, out);
         *dst_at(cb, 2 * c) = make_uint4(out[0], out[1], out[2], out[3]);
         *dst_at(cb, 2 * c + 1) = make_uint4(out[4], out[5], out[6], out[7]);
       }
