@@ -303,13 +303,14 @@ __global__ void __launch_bounds__(512, 1)
       const Tile w = tile_at(p, t);
       if (!w.valid || w.n_blocks == 0) continue;
       const int qs = w.q0 + w.m * 128;
+      const int bc = p.thd ? 0 : w.b;  // thd: one packed batch in the tensor maps
       if (p.fp8) {
         {
           auto& st = sm.fp8_stage[n_fp8 & 1];
           st.producer_wait(n_fp8 >> 1);
           ptx::mbar_arrive_expect_tx(&st.full, 128 * kDqk);
           for (int cb = 0; cb < C::kQkBlocks; ++cb)
-            ptx::tma_load_4d(sm.x.fp8[n_fp8 & 1].kc[cb], &tmap_q, &st.full, cb * 64, w.h, qs, w.b);
+            ptx::tma_load_4d(sm.x.fp8[n_fp8 & 1].kc[cb], &tmap_q, &st.full, cb * 64, w.h, qs, bc);
           ++n_fp8;
         }
         for (int j = 0; j < w.n_blocks; ++j, ++n_fp8) {
@@ -318,23 +319,23 @@ __global__ void __launch_bounds__(512, 1)
           auto& buf = sm.x.fp8[n_fp8 & 1];
           st.producer_wait(n_fp8 >> 1);
           ptx::mbar_arrive_expect_tx(&st.full, 128 * (kDqk + kDv));
-          for (int cb = 0; cb < C::kQkBlocks; ++cb) ptx::tma_load_4d(buf.kc[cb], &tmap_k, &st.full, cb * 64, w.hk, ks, w.b);
-          for (int cb = 0; cb < C::kVBlocks; ++cb) ptx::tma_load_4d(buf.vc[cb], &tmap_v, &st.full, cb * 64, w.hk, ks, w.b);
+          for (int cb = 0; cb < C::kQkBlocks; ++cb) ptx::tma_load_4d(buf.kc[cb], &tmap_k, &st.full, cb * 64, w.hk, ks, bc);
+          for (int cb = 0; cb < C::kVBlocks; ++cb) ptx::tma_load_4d(buf.vc[cb], &tmap_v, &st.full, cb * 64, w.hk, ks, bc);
         }
       } else {
         sm.q_tile.producer_wait(n_q++);
         ptx::mbar_arrive_expect_tx(&sm.q_tile.full, 128 * kDqk * 2);
-        for (int cb = 0; cb < C::kQkBlocks; ++cb) ptx::tma_load_4d(sm.q[cb], &tmap_q, &sm.q_tile.full, cb * 64, w.h, qs, w.b);
+        for (int cb = 0; cb < C::kQkBlocks; ++cb) ptx::tma_load_4d(sm.q[cb], &tmap_q, &sm.q_tile.full, cb * 64, w.h, qs, bc);
         for (int j = 0; j < w.n_blocks; ++j) {
           const int ks = w.kv0 + j * 128, kslot = n_k & 1, vslot = n_v & 1;
           sm.k_tile[kslot].producer_wait(n_k++ >> 1);
           ptx::mbar_arrive_expect_tx(&sm.k_tile[kslot].full, 128 * kDqk * 2);
           for (int cb = 0; cb < C::kQkBlocks; ++cb)
-            ptx::tma_load_4d(K::k_slot(sm, kslot) + cb * C::kBN * 128, &tmap_k, &sm.k_tile[kslot].full, cb * 64, w.hk, ks, w.b);
+            ptx::tma_load_4d(K::k_slot(sm, kslot) + cb * C::kBN * 128, &tmap_k, &sm.k_tile[kslot].full, cb * 64, w.hk, ks, bc);
           sm.v_tile[vslot].producer_wait(n_v++ >> 1);
           ptx::mbar_arrive_expect_tx(&sm.v_tile[vslot].full, 128 * kDv * 2);
           for (int cb = 0; cb < C::kVBlocks; ++cb)
-            ptx::tma_load_4d(K::v_slot(sm, vslot) + cb * C::kBN * 128, &tmap_v, &sm.v_tile[vslot].full, cb * 64, w.hk, ks, w.b);
+            ptx::tma_load_4d(K::v_slot(sm, vslot) + cb * C::kBN * 128, &tmap_v, &sm.v_tile[vslot].full, cb * 64, w.hk, ks, bc);
         }
       }
     }
