@@ -37,17 +37,11 @@ struct Cfg {
   static constexpr int kBM = 128;  // query rows per tile (two consumer warpgroups of 64)
   static constexpr int kBN = 128;  // keys per K/V tile (a BHSD scale tile, SPEC §2.2)
   static constexpr int kQkBlocks = kDqk / 64, kVBlocks = kDv / 64;  // 64-column bf16 blocks
-  static constexpr int kDequantWGs = 2;  // each takes half of every row's 16-code chunks
-  static constexpr int kThreads = 128 * (1 + kDequantWGs + 2);
-  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // what __launch_bounds__ leaves per thread
-  static constexpr int kRegsProducer = 24, kRegsDequant = 64, kRegsConsumer = 160;
+  static constexpr int kThreads = 512;
+  static constexpr int kRegsProducer = 24, kRegsDequant = 72, kRegsConsumer = 208;
   static constexpr int kMaxVScaleRows = kBN / 32 + 1;  // 32-key scale rows a tile can touch (thd)
   static_assert(kDqk % 64 == 0 && kDv % 64 == 0 && kDqk <= 192 && kDv <= 128, "head dims");
-  static_assert(kRegsProducer * 128 + kRegsDequant * 128 * kDequantWGs + 2 * kRegsConsumer * 128 <=
-                    kLaunchRegs * kThreads,
-                "setmaxnreg moves registers inside the CTA's launch allocation");
-  static constexpr int kQkChunks = kDqk / 16 / kDequantWGs, kVChunks = kDv / 16 / kDequantWGs;  // per thread
-  static_assert(kQkChunks % 2 == 0, "a thread's chunks cover whole 32-column scale blocks");
+  static_assert(kRegsProducer * 128 + kRegsDequant * 128 + 2 * kRegsConsumer * 128 <= 65536, "register file");
 };
 
 struct OperandParams {
@@ -185,76 +179,77 @@ __device__ __forceinline__ uint8_t ldg_u8(const uint8_t* p) {
   return static_cast<uint8_t>(v);
 }
 
-// Chunks q0 .. q0 + kN - 1 (16 codes each) of one row of FP8 codes (64-code blocks, 64-byte swizzle)
-// -> bf16 (64-column blocks of 128-byte rows, 128-byte swizzle). For the thread's i-th chunk:
-// fac(i, f) gives the bf16x2 fast factors of its 8 pairs, ebytes(i) its 16 scale bytes (uint4) for
-// the exact path. `valid` false writes zeros (rows outside the sequence).
-template <bool kE4M3, int kN, class Fac, class Ebytes>
+// One row of FP8 codes (kBlocks 64-code blocks, 64-byte swizzle) -> bf16 (kBlocks 64-column blocks,
+// 128-byte swizzle). For 16-code chunk q: fac(q, f) gives the bf16x2 fast factors of its 8 pairs,
+// ebytes(q) its 16 scale bytes (uint4) for the exact path. `valid` false writes zeros (rows outside
+// the sequence).
+template <bool kE4M3, int kBlocks, class Fac, class Ebytes>
 __device__ __forceinline__ void dequant_row(const uint8_t* __restrict__ codes, uint8_t* __restrict__ dst, int row,
-                                            int q0, bool valid, bool exact, Fac&& fac, Ebytes&& ebytes) {
+                                            bool valid, bool exact, Fac&& fac, Ebytes&& ebytes) {
   // plain C++ shared-memory accesses (not volatile asm): the compiler may run the loads of later
   // chunks ahead of the arithmetic of earlier ones
-  const auto src_at = [&](int q) {
-    return reinterpret_cast<const uint4*>(codes + (q >> 2) * 128 * 64 + row * 64 + (((q & 3) ^ ((row >> 1) & 3)) * 16));
+  const auto src_at = [&](int cb, int c) {
+    return reinterpret_cast<const uint4*>(codes + cb * 128 * 64 + row * 64 + ((c ^ ((row >> 1) & 3)) * 16));
   };
-  const auto dst_at = [&](int q, int h) {  // h: first / second 16-byte half of the chunk's 32 bf16 bytes
-    return reinterpret_cast<uint4*>(dst + (q >> 2) * 128 * 128 + row * 128 + (((2 * (q & 3) + h) ^ (row & 7)) * 16));
+  const auto dst_at = [&](int cb, int half) {  // half = 16-byte chunk 0..7 of the 128-byte row
+    return reinterpret_cast<uint4*>(dst + cb * 128 * 128 + row * 128 + ((half ^ (row & 7)) * 16));
   };
   if (!valid) {
 #pragma unroll
-    for (int i = 0; i < kN; ++i) *dst_at(q0 + i, 0) = make_uint4(0, 0, 0, 0), *dst_at(q0 + i, 1) = make_uint4(0, 0, 0, 0);
+    for (int cb = 0; cb < kBlocks; ++cb)
+#pragma unroll
+      for (int h = 0; h < 8; ++h) *dst_at(cb, h) = make_uint4(0, 0, 0, 0);
     return;
   }
   uint32_t special = 0;
   if (!exact) {
 #pragma unroll
-    for (int i0 = 0; i0 < kN; i0 += 4) {
-      uint4 x[4];  // up to four chunks' loads first: in flight together, not one at a time
+    for (int cb = 0; cb < kBlocks; ++cb) {
+      uint4 x[4];  // a 64-code block's loads first: four in flight, not one
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        if (i0 + c < kN) x[c] = *src_at(q0 + i0 + c);
+      for (int c = 0; c < 4; ++c) x[c] = *src_at(cb, c);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        if (i0 + c >= kN) break;
         uint32_t f[8], out[8];
-        fac(i0 + c, f);
+        fac(cb * 4 + c, f);
         special |= sm90::dequant16_fast<kE4M3>(x[c], f, out);
-        *dst_at(q0 + i0 + c, 0) = make_uint4(out[0], out[1], out[2], out[3]);
-        *dst_at(q0 + i0 + c, 1) = make_uint4(out[4], out[5], out[6], out[7]);
+        *dst_at(cb, 2 * c) = make_uint4(out[0], out[1], out[2], out[3]);
+        *dst_at(cb, 2 * c + 1) = make_uint4(out[4], out[5], out[6], out[7]);
       }
     }
   }
   if (exact || special != 0) {  // rare: NaN / Inf codes, NaN or very large scales
 #pragma unroll 1
-    for (int i = 0; i < kN; ++i)
-      sm90::dequant16_exact_store<kE4M3>(*src_at(q0 + i), ebytes(i), ptx::smem_u32(dst_at(q0 + i, 0)),
-                                         ptx::smem_u32(dst_at(q0 + i, 1)));
+    for (int cb = 0; cb < kBlocks; ++cb)
+#pragma unroll 1
+      for (int c = 0; c < 4; ++c)
+        sm90::dequant16_exact_store<kE4M3>(*src_at(cb, c), ebytes(cb * 4 + c), ptx::smem_u32(dst_at(cb, 2 * c)),
+                                           ptx::smem_u32(dst_at(cb, 2 * c + 1)));
   }
 }
 
-// The rowwise scales of a thread's part of one row (kNB 32-column blocks from block j0): bytes and
-// bf16x2 fast factors; the thread's chunk i lies in block i / 2.
+// The rowwise scales of one row (kDqk / 32 blocks): bytes and bf16x2 fast factors.
 template <bool kE4M3, int kNB>
 struct RowScales {
   uint8_t e[kNB];
   bool exact = false;
-  __device__ __forceinline__ void load(const uint8_t* ptr, const RowScaleCursor& c, int64_t s_packed, int j0,
-                                       bool valid) {
+  __device__ __forceinline__ void load(const uint8_t* ptr, const RowScaleCursor& c, int64_t s_packed, bool valid) {
 #pragma unroll
-    for (int j = 0; j < kNB; ++j) e[j] = valid ? ldg_u8(ptr + c.at(s_packed, j0 + j)) : uint8_t{127};
+    for (int j = 0; j < kNB; ++j) e[j] = valid ? ldg_u8(ptr + c.at(s_packed, j)) : uint8_t{127};
   }
   __device__ __forceinline__ void finish() {
     exact = false;
 #pragma unroll
     for (int j = 0; j < kNB; ++j) exact |= e[j] > sm90::Fp8Bf16<kE4M3>::kMaxFastE;
   }
-  __device__ __forceinline__ void fac(int i, uint32_t (&f)[8]) const {
-    const uint32_t b = sm90::fast_factor_bits<kE4M3>(e[i / 2]);
+  // chunk q = 16 columns: block q / 2
+  __device__ __forceinline__ void fac(int q, uint32_t (&f)[8]) const {
+    const uint32_t b = sm90::fast_factor_bits<kE4M3>(e[q / 2]);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) f[k] = b | (b << 16);
+    for (int i = 0; i < 8; ++i) f[i] = b | (b << 16);
   }
-  __device__ __forceinline__ uint4 bytes(int i) const {
-    const uint32_t b = e[i / 2] * 0x01010101u;
+  __device__ __forceinline__ uint4 bytes(int q) const {
+    const uint32_t b = e[q / 2] * 0x01010101u;
     return make_uint4(b, b, b, b);
   }
 };
@@ -275,7 +270,7 @@ __device__ __forceinline__ uint32_t p_e4m3_bf16x2(float lo, float hi) {
 
 // ---------------------------------------------------------------- the kernel
 template <class K>
-__global__ void __launch_bounds__(K::C::kThreads, 1)
+__global__ void __launch_bounds__(512, 1)
     sm90_attention_fwd_kernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
                               const __grid_constant__ CUtensorMap tmap_v, const Params p) {
   using C = typename K::C;
@@ -286,10 +281,9 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   const uint32_t kv_mask = p.fp8 ? 0u : 1u, kv_shift = p.fp8 ? 0u : 1u;  // K / V slots: 1 (FP8) or 2
 
   if (threadIdx.x == 0) {
-    constexpr uint32_t kDqWarps = 4 * C::kDequantWGs;
-    const uint32_t filled_by = p.fp8 ? kDqWarps : 1;  // dequantizer warps, or the producer's expect_tx
+    const uint32_t filled_by = p.fp8 ? 4 : 1;  // dequantizer warps, or the producer's expect_tx
     for (int i = 0; i < 2; ++i) {
-      sm.fp8_stage[i].init(1, kDqWarps);
+      sm.fp8_stage[i].init(1, 4);
       sm.k_tile[i].init(filled_by, 8);
       sm.v_tile[i].init(filled_by, 8);
     }
@@ -348,14 +342,11 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
     return;
   }
 
-  if (wg <= C::kDequantWGs) {  // ------------------------------------------------------- dequantizers
+  if (wg == 1) {  // ---------------------------------------------------------------- dequantizer
     ptx::setmaxnreg_dec<C::kRegsDequant>();
     if (!p.fp8) return;
     constexpr bool kE4 = K::kE4M3;
-    constexpr int kNQ = C::kQkChunks, kNV = C::kVChunks, kNT = 128 * C::kDequantWGs;
-    // warpgroup `part` takes chunks [part * kNQ, (part + 1) * kNQ) of row `row` (and of V's rows)
-    const int row = threadIdx.x % 128, part = wg - 1, lane = threadIdx.x % 32;
-    const int q0 = part * kNQ, v0c = part * kNV;
+    const int row = threadIdx.x - 128, lane = threadIdx.x % 32;
     uint32_t n_fp8 = 0, n_q = 0, n_k = 0, n_v = 0;
     for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
       const Tile w = tile_at(p, t);
@@ -363,13 +354,13 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       {  // Q
         const int s = w.m * 128 + row;
         const bool valid = s < w.len_q;
-        RowScales<kE4, kNQ / 2> sc;
-        sc.load(p.q.sc.ptr, RowScaleCursor(p.q.sc, w.b, w.h), w.q0 + s, q0 / 2, valid);
+        RowScales<kE4, kDqk / 32> sc;
+        sc.load(p.q.sc.ptr, RowScaleCursor(p.q.sc, w.b, w.h), w.q0 + s, valid);
         const int stage = n_fp8 & 1;
         sm.fp8_stage[stage].consumer_wait(n_fp8++ >> 1);
         sc.finish();
         sm.q_tile.producer_wait(n_q++);
-        dequant_row<kE4, kNQ>(sm.x.fp8[stage].kc[0], sm.q[0], row, q0, valid, sc.exact,
+        dequant_row<kE4, C::kQkBlocks>(sm.x.fp8[stage].kc[0], sm.q[0], row, valid, sc.exact,
                                        [&](int q, uint32_t(&f)[8]) { sc.fac(q, f); },
                                        [&](int q) { return sc.bytes(q); });
         ptx::fence_proxy_async();
@@ -378,25 +369,24 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       }
       const int64_t vr0 = col_row0(p.v.sc, w.b, w.hk);
       const RowScaleCursor kcur(p.k.sc, w.b, w.hk);
-      const bool v_loader = part == 0 && row < kDv;  // loads V's scales of column `row`
-      const ColScaleCursor vcur(p.v.sc, w.b, w.hk, (vr0 + w.kv0) / 32, v_loader ? row : 0);
+      const ColScaleCursor vcur(p.v.sc, w.b, w.hk, (vr0 + w.kv0) / 32, row < kDv ? row : 0);
       // this thread's scale bytes of key tile j: its K row; its V column in each 32-key scale row
       // the tile touches (issued one tile ahead of their use)
       struct KvScales {
-        RowScales<kE4, kNQ / 2> k;
+        RowScales<kE4, kDqk / 32> k;
         uint8_t v[C::kMaxVScaleRows];
         int64_t rb0;
       };
       const auto load_scales = [&](int j, KvScales& sc) {
         const int key = j * 128 + row;
-        sc.k.load(p.k.sc.ptr, kcur, w.kv0 + key, q0 / 2, key < w.len_kv);
+        sc.k.load(p.k.sc.ptr, kcur, w.kv0 + key, key < w.len_kv);
         const int64_t first = vr0 + w.kv0 + j * 128;
         const int64_t last_valid = vr0 + w.kv0 + min(j * 128 + 127, w.len_kv - 1);
         sc.rb0 = first / 32;
         const int64_t nrb = last_valid / 32 - sc.rb0 + 1;
 #pragma unroll
         for (int r = 0; r < C::kMaxVScaleRows; ++r)
-          sc.v[r] = (v_loader && r < nrb) ? ldg_u8(p.v.sc.ptr + vcur.at(sc.rb0 + r)) : uint8_t{127};
+          sc.v[r] = (row < kDv && r < nrb) ? ldg_u8(p.v.sc.ptr + vcur.at(sc.rb0 + r)) : uint8_t{127};
       };
       KvScales cur;
       load_scales(0, cur);
@@ -405,23 +395,23 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
         const bool valid = key < w.len_kv;
         KvScales next;
         if (j + 1 < w.n_blocks) load_scales(j + 1, next);
-        RowScales<kE4, kNQ / 2>& ks = cur.k;
+        RowScales<kE4, kDqk / 32>& ks = cur.k;
         const uint8_t(&ve)[C::kMaxVScaleRows] = cur.v;
         const int64_t rb0 = cur.rb0, first = vr0 + w.kv0 + j * 128;
         const int stage = n_fp8 & 1;
         sm.fp8_stage[stage].consumer_wait(n_fp8++ >> 1);
         ks.finish();
         sm.k_tile[0].producer_wait(n_k++);
-        dequant_row<kE4, kNQ>(sm.x.fp8[stage].kc[0], sm.k0[0], row, q0, valid, ks.exact,
+        dequant_row<kE4, C::kQkBlocks>(sm.x.fp8[stage].kc[0], sm.k0[0], row, valid, ks.exact,
                                        [&](int q, uint32_t(&f)[8]) { ks.fac(q, f); },
                                        [&](int q) { return ks.bytes(q); });
         ptx::fence_proxy_async();
         __syncwarp();
         if (lane == 0) sm.k_tile[0].producer_commit();
         // V factors to shared memory (after every dequantizer thread is done with the last tile's)
-        ptx::named_barrier(1, kNT);
+        ptx::named_barrier(1, 128);
         bool slow = false;
-        if (v_loader) {
+        if (row < kDv) {
           uint16_t* vf = reinterpret_cast<uint16_t*>(sm.vf);
           uint8_t* vb = reinterpret_cast<uint8_t*>(sm.vf_raw);
 #pragma unroll
@@ -431,19 +421,19 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
             vb[r * 128 + row] = ve[r];
           }
         }
-        slow = ptx::named_barrier_or(1, kNT, slow);
+        slow = ptx::named_barrier_or(1, 128, slow);
         const int vrow = static_cast<int>((first + row) / 32 - rb0);
         const uint16_t* vf = reinterpret_cast<const uint16_t*>(sm.vf) + vrow * 128;
         const uint8_t* vb = reinterpret_cast<const uint8_t*>(sm.vf_raw) + vrow * 128;
         sm.v_tile[0].producer_wait(n_v++);
-        dequant_row<kE4, kNV>(
-            sm.x.fp8[stage].vc[0], sm.v0[0], row, v0c, valid, slow,
-            [&](int i, uint32_t(&f)[8]) {
-              const uint4 a = *reinterpret_cast<const uint4*>(vf + (v0c + i) * 16);
-              const uint4 b = *reinterpret_cast<const uint4*>(vf + (v0c + i) * 16 + 8);
+        dequant_row<kE4, C::kVBlocks>(
+            sm.x.fp8[stage].vc[0], sm.v0[0], row, valid, slow,
+            [&](int q, uint32_t(&f)[8]) {
+              const uint4 a = *reinterpret_cast<const uint4*>(vf + q * 16);
+              const uint4 b = *reinterpret_cast<const uint4*>(vf + q * 16 + 8);
               f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
             },
-            [&](int i) { return *reinterpret_cast<const uint4*>(vb + (v0c + i) * 16); });
+            [&](int q) { return *reinterpret_cast<const uint4*>(vb + q * 16); });
         ptx::fence_proxy_async();
         __syncwarp();
         if (lane == 0) sm.v_tile[0].producer_commit(), sm.fp8_stage[stage].consumer_release();
@@ -455,7 +445,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
 
   // ---------------------------------------------------------------- consumers: 64 query rows each
   ptx::setmaxnreg_inc<C::kRegsConsumer>();
-  const int cw = wg - 1 - C::kDequantWGs, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int cw = wg - 2, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   const int r_in = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: +8)
   uint32_t n_q = 0, n_k = 0, n_v = 0;
   const uint64_t dq0 = ptx::wgmma_desc_k_sw128(sm.q[0] + 64 * cw * 128);
