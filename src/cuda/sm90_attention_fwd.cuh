@@ -8,11 +8,8 @@
 //               memory through the operand's scale geometry while the codes are in flight;
 //   WG2, WG3    consumers: 64 query rows each; S = Q·Kᵀ (wgmma bf16, Q and K from shared memory),
 //               online softmax in fp32, O += P·V (P from registers, V from shared memory N-major).
-// Consumers overlap the softmax of S_j with the tensor cores' O += P_{j-1}·V_{j-1} (FlashAttention-3's
-// intra-warpgroup pipeline).
-// Shared memory (d_qk 192, d_v 128): Q bf16 48 KB, K and V bf16 (48 + 32 KB), and either two FP8
-// stages (K codes 24 KB, also Q's, + V codes 16 KB; FP8 inputs) or second K / V slots (bf16 inputs),
-// the V scale factors. bf16 tiles are 64-column blocks of
+// Shared memory (d_qk 192, d_v 128): Q bf16 48 KB, K bf16 2 x 48 KB, V bf16 32 KB, one FP8 stage
+// (K codes 24 KB, also Q's, + V codes 16 KB), the V scale factors. bf16 tiles are 64-column blocks of
 // [128 rows][128 B] with the 128-byte swizzle; FP8 staging tiles 64-byte blocks with the 64-byte
 // swizzle (conflict-free row-per-thread reads).
 // Work order: heads in groups whose K/V fit in L2 together; inside a group the query blocks with
@@ -465,8 +462,12 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
     for (int i = 0; i < kDv / 2; ++i) o[i] = 0.f;
     if (w.n_blocks > 0) {
-      // S = Q·K_jᵀ, one wgmma group
-      const auto issue_s = [&](float(&s)[64], uint64_t dks) {
+      sm.q_tile.consumer_wait(n_q++);
+      for (int j = 0; j < w.n_blocks; ++j) {
+        const int slot = n_k & kv_mask;
+        sm.k_tile[slot].consumer_wait(n_k++ >> kv_shift);
+        const uint64_t dks = slot ? dk1 : dk0;
+        float s[64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
         ptx::wgmma_fence();
@@ -475,24 +476,14 @@ __global__ void __launch_bounds__(512, 1)
           ptx::WgmmaOp<128, ptx::MmaDtype::kBF16, ptx::MmaDtype::kBF16, false>::mma(
               s, dq0 + (kk / 4) * kQBlk + 2 * (kk % 4), dks + (kk / 4) * kKBlk + 2 * (kk % 4), kk > 0);
         ptx::wgmma_commit();
-      };
-      // O += P·V_j, one wgmma group (P from registers: k-step kk holds key columns 16kk .. 16kk+15)
-      const auto issue_pv = [&](const uint32_t(&pa)[8][4], uint64_t dvs) {
+        ptx::wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {  // 16 keys = 16 rows of 128 bytes per step
-          if constexpr (kDv == 128)
-            ptx::wgmma_m64n128k16_f32_bf16_bf16_rs<1>(o, pa[kk], dvs + kk * (16 * 128 / 16), true);
-          else
-            ptx::wgmma_m64n64k16_f32_bf16_bf16_rs<1>(o, pa[kk], dvs + kk * (16 * 128 / 16), true);
+        for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
+        if (lane == 0) {
+          sm.k_tile[slot].consumer_release();
+          if (j == w.n_blocks - 1) sm.q_tile.consumer_release();
         }
-        ptx::wgmma_commit();
-      };
-      // masks (keys past the sequence, causal), then the online softmax in place (log2 domain):
-      // s becomes p, the row statistics move on, alpha is the factor O still has to take
-      const auto softmax = [&](float(&s)[64], int j, float(&alpha)[2]) {
+        // masks: keys past the sequence, causal
         const int kb = j * 128, row0 = w.m * 128 + r_in;
         const bool tail = kb + 128 > w.len_kv;
         const bool diag = p.causal && kb + 127 > w.m * 128 + 64 * cw + w.key_off;
@@ -504,6 +495,7 @@ __global__ void __launch_bounds__(512, 1)
             if (key >= w.len_kv || (p.causal && key > qrow + w.key_off)) s[i] = -INFINITY;
           }
         }
+        // online softmax (log2 domain)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float mx = -INFINITY;
@@ -516,7 +508,7 @@ __global__ void __launch_bounds__(512, 1)
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(mrow[h], mx);
           const float base = m_new == -INFINITY ? 0.f : m_new;
-          alpha[h] = exp2_approx(mrow[h] - base);
+          const float alpha = exp2_approx(mrow[h] - base);
           mrow[h] = m_new;
           float sum = 0.f;
 #pragma unroll
@@ -525,74 +517,37 @@ __global__ void __launch_bounds__(512, 1)
             s[4 * jj + 2 * h + 1] = exp2_approx(s[4 * jj + 2 * h + 1] - base);
             sum += s[4 * jj + 2 * h] + s[4 * jj + 2 * h + 1];
           }
-          lrow[h] = lrow[h] * alpha[h] + sum;
+          lrow[h] = lrow[h] * alpha + sum;
+#pragma unroll
+          for (int jj = 0; jj < kDv / 8; ++jj) o[4 * jj + 2 * h] *= alpha, o[4 * jj + 2 * h + 1] *= alpha;
         }
-      };
-      const auto to_p = [&](const float(&s)[64], uint32_t(&pa)[8][4]) {
+        // P as the A operand: k-step kk holds accumulator columns 16kk .. 16kk+15
+        uint32_t pa[8][4];
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
           for (int r = 0; r < 4; ++r)
             pa[kk][r] = p.e4m3_p ? p_e4m3_bf16x2(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1])
                                  : bf16x2_rn(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-      };
-      const auto wait_k = [&]() {  // the next K tile's slot and descriptor
-        const int slot = n_k & kv_mask;
-        sm.k_tile[slot].consumer_wait(n_k++ >> kv_shift);
-        return slot;
-      };
-      const auto wait_v = [&]() {
-        const int slot = n_v & kv_mask;
-        sm.v_tile[slot].consumer_wait(n_v++ >> kv_shift);
-        return slot;
-      };
-
-      // Software pipeline (FlashAttention-3's intra-warpgroup overlap): while O += P_{j-1}·V_{j-1}
-      // runs on the tensor cores, this warpgroup runs the softmax of S_j; O takes S_j's rescale
-      // once that product has landed.
-      float s[64], alpha[2];
-      uint32_t pa[8][4];
-      sm.q_tile.consumer_wait(n_q++);
-      int kslot = wait_k();
-      issue_s(s, kslot ? dk1 : dk0);
-      ptx::wgmma_wait<0>();
+        const int vslot = n_v & kv_mask;
+        sm.v_tile[vslot].consumer_wait(n_v++ >> kv_shift);
+        const uint64_t dvs = vslot ? dv1 : dv0;
 #pragma unroll
-      for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
-      if (lane == 0) {
-        sm.k_tile[kslot].consumer_release();
-        if (w.n_blocks == 1) sm.q_tile.consumer_release();
-      }
-      softmax(s, 0, alpha);  // O is zero: nothing to rescale
-      to_p(s, pa);
-      for (int j = 1; j < w.n_blocks; ++j) {
-        kslot = wait_k();
-        issue_s(s, kslot ? dk1 : dk0);
-        const int vslot = wait_v();
-        issue_pv(pa, vslot ? dv1 : dv0);
-        ptx::wgmma_wait<1>();  // S_j has landed; P_{j-1}·V_{j-1} may still run
+        for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
+        ptx::wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
-        if (lane == 0) {
-          sm.k_tile[kslot].consumer_release();
-          if (j == w.n_blocks - 1) sm.q_tile.consumer_release();
+        for (int kk = 0; kk < 8; ++kk) {  // 16 keys = 16 rows of 128 bytes per step
+          if constexpr (kDv == 128)
+            ptx::wgmma_m64n128k16_f32_bf16_bf16_rs<1>(o, pa[kk], dvs + kk * (16 * 128 / 16), true);
+          else
+            ptx::wgmma_m64n64k16_f32_bf16_bf16_rs<1>(o, pa[kk], dvs + kk * (16 * 128 / 16), true);
         }
-        softmax(s, j, alpha);
+        ptx::wgmma_commit();
         ptx::wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
         if (lane == 0) sm.v_tile[vslot].consumer_release();
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int jj = 0; jj < kDv / 8; ++jj) o[4 * jj + 2 * h] *= alpha[h], o[4 * jj + 2 * h + 1] *= alpha[h];
-        to_p(s, pa);
       }
-      const int vslot = wait_v();
-      issue_pv(pa, vslot ? dv1 : dv0);
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
-      if (lane == 0) sm.v_tile[vslot].consumer_release();
     }
     // epilogue: O / l -> bf16, LSE
 #pragma unroll
