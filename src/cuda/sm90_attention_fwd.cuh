@@ -8,8 +8,9 @@
 //               memory through the operand's scale geometry while the codes are in flight;
 //   WG2, WG3    consumers: 64 query rows each; S = Q·Kᵀ (wgmma bf16, Q and K from shared memory),
 //               online softmax in fp32, O += P·V (P from registers, V from shared memory N-major).
-// Shared memory (d_qk 192, d_v 128): Q bf16 48 KB, K bf16 2 x 48 KB, V bf16 32 KB, one FP8 stage
-// (K codes 24 KB, also Q's, + V codes 16 KB), the V scale factors. bf16 tiles are 64-column blocks of
+// Shared memory (d_qk 192, d_v 128): Q bf16 48 KB, K and V bf16 (48 + 32 KB), and either two FP8
+// stages (K codes 24 KB, also Q's, + V codes 16 KB; FP8 inputs) or second K / V slots (bf16 inputs),
+// the V scale factors. bf16 tiles are 64-column blocks of
 // [128 rows][128 B] with the 128-byte swizzle; FP8 staging tiles 64-byte blocks with the 64-byte
 // swizzle (conflict-free row-per-thread reads).
 // Work order: heads in groups whose K/V fit in L2 together; inside a group the query blocks with
