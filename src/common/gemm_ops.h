@@ -34,5 +34,7 @@ struct GemmProblem {
 };
 
 void gemm_cpu(const GemmProblem& p);
+// The SM90 kernel (MXFP8 operands; src/cuda/sm90_mxfp8_gemm.cu).
+void mxfp8_gemm_cuda(const GemmProblem& p, Stream stream);
 
 }  // namespace mxmla::detail

@@ -53,6 +53,14 @@ __device__ __forceinline__ void tma_store_3d(const void* tmap, const void* smem,
                "r"(smem_u32(smem)), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
 }
+// Bulk (non-tensor) copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global
+// to shared memory, completing `bar`'s transaction count.
+__device__ __forceinline__ void bulk_load_g2s(void* sdst, const void* gsrc, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(sdst)),
+               "l"(gsrc), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
 // Bulk (non-tensor) copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared
 // to global memory by the TMA unit; commit / wait until the shared source has been read.
 __device__ __forceinline__ void bulk_store_s2g(void* gdst, const void* ssrc, uint32_t bytes) {

@@ -1,0 +1,216 @@
+// mxmla internal — the SM90 MXFP8 GEMM (include/mxmla/gemm.h, SPEC §6, §7 design B): traits,
+// parameters and the body. Launcher: sm90_mxfp8_gemm.cu.
+//
+//   D[M, N] = alpha · Σ_kb (A_kb · B_kbᵀ) ⊙ (sa_kb ⊗ sb_kb)   (+ D)
+//
+// A [M, K] and B [N, K], both K-major FP8 (E4M3 or E5M2), with F8_128x4-swizzled E8M0 scales (one
+// per row and 32 of K). The FP8 tensor cores take K = 32 per instruction: exactly one MX block. So
+// every 32 of K runs one wgmma into a temporary accumulator, and the consumer folds it into the fp32
+// accumulator with the product of the two block scales: acc += tmp · (fa_row · fb_col), two fp32
+// operations per output element and 32 of K (DeepGEMM's `sm90_mxfp8_fp8_gemm_1d2d` idea, with
+// per-column B scales). The factors 2^(e − 127) are exact fp32 numbers (e = 0: 2^−127, e = 255:
+// NaN); their product is exact unless it leaves fp32's range.
+//
+// Roles: warp 0 of warpgroup 0 issues the TMA loads (A and B tiles of 128 x 128 bytes with the
+// 128-byte swizzle, and each tile's two 512-byte scale tiles by bulk copy) into a kStages ring;
+// warp 1 turns each stage's scale bytes into fp32 factor tables (fa[block][row], fb[block][col])
+// and marks the stage ready; warpgroups 1 and 2 each own 64 rows of the 128 x 128 output tile. The tensor cores alternate
+// between the two consumers: while one folds its temporary accumulator, the other's wgmma runs.
+// Persistent CTAs over output tiles, grouped rasterisation (kGroupM M tiles share their A rows).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (types only)
+
+#include <cstdint>
+
+#include "cuda/numerics.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm90/pipeline.cuh"
+#include "cuda/tile_scheduler.h"
+
+namespace mxmla::detail::mxgemm {
+
+struct Cfg {
+  static constexpr int kBM = 128, kBN = 128;
+  static constexpr int kBK = 128;               // bytes = FP8 values of K per stage: one 128-byte swizzle row
+  static constexpr int kChunks = kBK / 32;      // MX blocks (wgmmas) per stage
+  static constexpr int kStages = 5;
+  static constexpr int kGroupM = 8;
+  static constexpr int kThreads = 384;          // producer warpgroup + two consumer warpgroups
+  static constexpr int kRegsProducer = 40, kRegsConsumer = 232;
+  static constexpr uint32_t kTileBytes = kBM * kBK;  // A (and B) bytes per stage
+  static constexpr uint32_t kScaleBytes = 512;       // one F8_128x4 tile: 128 rows x 4 blocks
+  static_assert(kBM == 128 && kBN == 128, "one scale tile per 128 rows");
+  static_assert(kChunks == 4, "a scale tile holds 4 blocks of K");
+  static_assert(kRegsProducer * 128 + 2 * kRegsConsumer * 128 <= (65536 / kThreads / 8 * 8) * kThreads,
+                "setmaxnreg moves registers inside the CTA's launch allocation");
+};
+
+struct Params {
+  int M, N, K, kblocks, m_tiles, n_tiles, num_tiles;
+  const uint8_t* sa;  // swizzled scales of A, [round_up(M, 128), round_up(K / 32, 4)]
+  const uint8_t* sb;  // swizzled scales of B, [round_up(N, 128), round_up(K / 32, 4)]
+  int64_t tiles_x;    // 512-byte scale tiles per 128 rows: ceil(K / 128)
+  void* out;          // [M, N], row stride ld_out elements
+  int64_t ld_out;
+  bool out_f32, accumulate;
+  float alpha;
+};
+
+struct Kernel {
+  using C = Cfg;
+  using Barriers = sm90::StageBarriers<C::kStages>;
+  struct alignas(1024) Smem {
+    uint8_t a[C::kStages][C::kTileBytes];  // [128 rows][128 K bytes], 128-byte swizzle
+    uint8_t b[C::kStages][C::kTileBytes];
+    uint8_t sa[C::kStages][C::kScaleBytes];   // swizzled scale bytes as loaded
+    uint8_t sb[C::kStages][C::kScaleBytes];
+    float fa[C::kStages][C::kChunks][C::kBM];  // 2^(e - 127) per block and row of A
+    float fb[C::kStages][C::kChunks][C::kBN];  // ... and per block and column of B
+    Barriers bars;
+    uint64_t ready[C::kStages];                // the factor tables of a stage are written
+  };
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+  static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
+};
+
+// 2^(e - 127) as fp32: exact for every scale byte (e = 0: the subnormal 2^-127), NaN for e = 255.
+__device__ __forceinline__ float scale_factor(uint32_t e) {
+  return e == 255 ? __uint_as_float(0x7FC00000u) : (e == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
+}
+
+template <class K, ptx::MmaDtype kFmt>
+__global__ void __launch_bounds__(K::C::kThreads, 1)
+    sm90_mxfp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                           const Params p) {
+  using C = typename K::C;
+  extern __shared__ uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    sm.bars.init(8);  // lane 0 of every consumer warp releases a stage
+    for (int i = 0; i < C::kStages; ++i) ptx::mbar_init(&sm.ready[i], 1);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  const StaticPersistent sched{p.num_tiles};
+
+  if (wg == 0) {  // ------------------------------------------------------- producer, scale converter
+    ptx::setmaxnreg_dec<C::kRegsProducer>();
+    if (threadIdx.x >= 32 && threadIdx.x < 64) {  // warp 1: scale bytes -> factor tables
+      const int lane = threadIdx.x - 32;
+      sm90::PipelineState<C::kStages> st;
+      for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
+        for (int kb = 0; kb < p.kblocks; ++kb) {
+          sm.bars.consumer_wait(st);  // the stage's bytes have landed
+          // lane L: bytes [16L, 16L + 16) of the A tile and of the B tile; byte o of a tile is
+          // (row (o / 16) + 32 ((o % 16) / 4), block o % 4)
+#pragma unroll
+          for (int side = 0; side < 2; ++side) {
+            const uint4 w = *reinterpret_cast<const uint4*>((side ? sm.sb[st.index] : sm.sa[st.index]) + 16 * lane);
+            float(&tab)[C::kChunks][128] = side ? sm.fb[st.index] : sm.fa[st.index];
+            const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) tab[j][lane + 32 * q] = scale_factor((words[q] >> (8 * j)) & 0xFFu);
+          }
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(&sm.ready[st.index]);
+          st.advance();
+        }
+      }
+      return;
+    }
+    if (threadIdx.x != 0) return;
+    ptx::prefetch_tmap(&tmap_a);
+    ptx::prefetch_tmap(&tmap_b);
+    sm90::PipelineState<C::kStages> st;
+    for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
+      int mt, nt;
+      grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
+      for (int kb = 0; kb < p.kblocks; ++kb) {
+        sm.bars.producer_acquire(st);
+        uint64_t* full = sm.bars.producer_expect(st, 2 * C::kTileBytes + 2 * C::kScaleBytes);
+        ptx::tma_load_2d(sm.a[st.index], &tmap_a, full, kb * C::kBK, mt * C::kBM);
+        ptx::tma_load_2d(sm.b[st.index], &tmap_b, full, kb * C::kBK, nt * C::kBN);
+        ptx::bulk_load_g2s(sm.sa[st.index], p.sa + (mt * p.tiles_x + kb) * C::kScaleBytes, C::kScaleBytes, full);
+        ptx::bulk_load_g2s(sm.sb[st.index], p.sb + (nt * p.tiles_x + kb) * C::kScaleBytes, C::kScaleBytes, full);
+        st.advance();
+      }
+    }
+    return;
+  }
+
+  // ---------------------------------------------------------------- consumers: 64 rows each
+  ptx::setmaxnreg_inc<C::kRegsConsumer>();
+  const int cw = wg - 1, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int r0 = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: + 8)
+  using Op = ptx::WgmmaOp<128, kFmt, kFmt, false>;
+  static_assert(Op::kK == 32, "one FP8 wgmma covers one MX block");
+  const uint64_t da0 = ptx::wgmma_desc_k_sw128(sm.a[0] + 64 * cw * C::kBK), db0 = ptx::wgmma_desc_k_sw128(sm.b[0]);
+  constexpr uint32_t kStep = C::kTileBytes / 16;  // descriptor units per stage
+  sm90::PipelineState<C::kStages> st;
+  for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
+    int mt, nt;
+    grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
+    float acc[64], tmp[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < p.kblocks; ++kb) {
+      sm.bars.consumer_wait(st);                      // the tiles have landed
+      ptx::mbar_wait(&sm.ready[st.index], st.phase);  // and their factor tables are written
+      const uint64_t da = da0 + st.index * kStep, db = db0 + st.index * kStep;
+#pragma unroll
+      for (int c = 0; c < C::kChunks; ++c) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) ptx::fence_reg(tmp[i]);
+        ptx::wgmma_fence();
+        Op::mma(tmp, da + 2 * c, db + 2 * c, false);  // one MX block: 32 of K
+        ptx::wgmma_commit();
+        // this thread's factors of block c: its two rows, its 32 columns 8jj + 2 (lane % 4) + e
+        const float fa0 = sm.fa[st.index][c][r0], fa1 = sm.fa[st.index][c][r0 + 8];
+        float2 fb[16];
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj) fb[jj] = *reinterpret_cast<const float2*>(&sm.fb[st.index][c][8 * jj + 2 * (lane % 4)]);
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 64; ++i) ptx::fence_reg(tmp[i]);
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj) {
+          acc[4 * jj + 0] = fmaf(tmp[4 * jj + 0], fa0 * fb[jj].x, acc[4 * jj + 0]);
+          acc[4 * jj + 1] = fmaf(tmp[4 * jj + 1], fa0 * fb[jj].y, acc[4 * jj + 1]);
+          acc[4 * jj + 2] = fmaf(tmp[4 * jj + 2], fa1 * fb[jj].x, acc[4 * jj + 2]);
+          acc[4 * jj + 3] = fmaf(tmp[4 * jj + 3], fa1 * fb[jj].y, acc[4 * jj + 3]);
+        }
+      }
+      if (lane == 0) sm.bars.consumer_release(st.index);
+      st.advance();
+    }
+    // epilogue: alpha, (+ D), bf16 or fp32 straight from the registers
+    const int m0 = mt * C::kBM, n0 = nt * C::kBN;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + r0 + 8 * h;
+      if (row >= p.M) continue;
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        const int col = n0 + 8 * jj + 2 * (lane % 4);
+        const float v0 = p.alpha * acc[4 * jj + 2 * h], v1 = p.alpha * acc[4 * jj + 2 * h + 1];
+        if (p.out_f32) {
+          float* o = static_cast<float*>(p.out) + row * p.ld_out + col;
+          if (col < p.N) o[0] = p.accumulate ? o[0] + v0 : v0;
+          if (col + 1 < p.N) o[1] = p.accumulate ? o[1] + v1 : v1;
+        } else {
+          uint16_t* o = static_cast<uint16_t*>(p.out) + row * p.ld_out + col;
+          if (col < p.N) o[0] = bf16_out(v0);
+          if (col + 1 < p.N) o[1] = bf16_out(v1);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace mxmla::detail::mxgemm
