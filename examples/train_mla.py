@@ -143,7 +143,7 @@ def pick_device(requested: Optional[str]) -> Tuple[str, Optional[str]]:
             if not kernels:
                 raise SystemExit(f"train_mla.py: --device {requested}: this mxmla build has no CUDA kernels "
                                  f"(install it where nvcc is found: pip install .)")
-        return requested, None
+        return requested, ("--device cpu" if requested == "cpu" else None)
     if torch.cuda.is_available() and kernels:
         return "cuda", None
     return "cpu", ("no CUDA device visible" if not torch.cuda.is_available() else

@@ -54,7 +54,8 @@ class Decoder(nn.Module):
     Args:
         hidden, layers, heads: the model's size.
         q_lora_rank (default hidden/2), kv_lora_rank (hidden/4), nope_dim (hidden/heads),
-        rope_dim (nope_dim/2, even), v_dim (nope_dim), inter_dim (SwiGLU width, 8/3·hidden rounded
+        rope_dim (nope_dim/2 rounded down to a multiple of 16, at least 16: the granularity of
+            mxmla's CUDA RoPE kernel), v_dim (nope_dim), inter_dim (SwiGLU width, 8/3·hidden rounded
             up to 64): MLA's and the MLP's dimensions, in DeepSeek-V3's proportions by default.
         vocab_size: 256 (bytes). max_seq_len: the longest sequence (RoPE tables).
         recipe: "bf16" (the baseline) or "mxfp8" (raises NotImplementedError until mxmla has the
@@ -84,7 +85,7 @@ class Decoder(nn.Module):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what}: {k} must be a positive int, got {v!r}")
         nope_dim = nope_dim or max(2, hidden // heads)
-        rope_dim = rope_dim or max(2, nope_dim // 4 * 2)
+        rope_dim = rope_dim or max(16, nope_dim // 2 // 16 * 16)
         cfg = dict(hidden=hidden, layers=layers, heads=heads, q_lora_rank=q_lora_rank if q_lora_rank is not None
                    else max(1, hidden // 2), kv_lora_rank=kv_lora_rank or max(1, hidden // 4), nope_dim=nope_dim,
                    rope_dim=rope_dim, v_dim=v_dim or nope_dim, inter_dim=inter_dim or default_inter_dim(hidden),

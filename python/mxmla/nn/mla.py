@@ -89,6 +89,8 @@ class MLA(nn.Module):
         yarn: None (plain RoPE), "deepseek_v3" or a dict of YaRN parameters (mxmla.rope_tables);
             it also sets the softmax scale's mscale² (DeepSeek-V3 trains with YaRN only past 4K).
         rope_base: RoPE's base (10000). max_seq_len: the longest sequence (the tables' length).
+            On CUDA, mxmla's RoPE kernel wants rope_dim a multiple of 16 and nope_dim + rope_dim
+            a multiple of 8 (16-byte rows); it says so otherwise.
         softmax_scale: overrides the default (nope_dim + rope_dim)^-0.5 · mscale².
         layout: the default layout of forward's x: "bshd" [b, s, hidden], "sbhd" [s, b, hidden] or
             "thd" [t, hidden] (packed sequences, cu_seqlens).
@@ -207,7 +209,7 @@ class MLA(nn.Module):
         q = self._rope(q.unflatten(-1, (self.heads, self.qk_dim)), layout, cu)
         # key / value: the compressed latent (kv) and the shared rope key (one head)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_pe = self._rope(k_pe.unsqueeze(-2), layout, cu)
+        k_pe = self._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu)
         kv = self.wkv_b(self.kv_norm(kv)).unflatten(-1, (self.heads, self.nope_dim + self.v_dim))
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
