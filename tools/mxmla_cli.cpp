@@ -134,6 +134,7 @@ int cmd_info(int argc, char** argv) {
   std::printf("%-28s %-22s %s\n", "fused_q_uproj_rope_quant", "reference (float64)",
               b.cuda_enabled ? (n ? "CUDA sm_90a wgmma kernel" : "CUDA kernel (no GPU here)") : "not built");
   std::printf("%-28s %-22s %s\n", "attention_forward", "reference", gpu);
+  std::printf("%-28s %-22s %s\n", "gemm (MXFP8 / bf16)", "reference (float64)", "no kernel yet (raises)");
   return 0;
 }
 

@@ -1,4 +1,4 @@
-// mxmla command-line tool — progress of long phases and a small parallel loop.
+// mxmla command-line tool — progress of long phases (and the library's parallel loop).
 //
 // Progress: a phase that runs longer than 2 s gets a line on stderr then and every 5 s after —
 // percent, elapsed time and an estimate of what is left where the phase counts its work — and a
@@ -18,6 +18,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "common/parallel.h"
 
 namespace mxmla::tool {
 
@@ -103,35 +105,8 @@ class Progress {
   Clock::time_point start_, last_;
 };
 
-// The threads for CPU work: `requested` when > 0, else every core.
-inline int cpu_threads(int64_t requested) {
-  if (requested > 0) return static_cast<int>(requested);
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
-// fn(i) for i in [0, n) on up to `threads` threads (the calling one included); the first
-// exception is rethrown after every thread has stopped.
-template <typename Fn>
-void parallel_for(int64_t n, int threads, Fn&& fn) {
-  std::atomic<int64_t> next{0};
-  std::exception_ptr error;
-  std::mutex em;
-  auto work = [&] {
-    for (int64_t i; (i = next.fetch_add(1)) < n;) {
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> g(em);
-        if (!error) error = std::current_exception();
-        next.store(n);
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < std::min<int64_t>(threads, n); ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
-}
+// The parallel loop of the CPU references (src/common/parallel.h), under the tool's names.
+using detail::cpu_threads;
+using detail::parallel_for;
 
 }  // namespace mxmla::tool

@@ -1,4 +1,4 @@
-"""mxmla: MXFP8 quantization and attention for MLA training (TransformerEngine-compatible semantics).
+"""mxmla: MXFP8 quantization, attention and GEMMs for MLA training (TransformerEngine-compatible semantics).
 
 Every op accepts torch tensors (CPU or CUDA; CUDA work runs on torch's current stream) and numpy
 arrays (float32, float16, and bfloat16 as ``ml_dtypes.bfloat16`` or as uint16 bit patterns where
@@ -18,6 +18,7 @@ from typing import Any, Dict
 from . import _mxmla_core as _core
 from ._backend import torch_available as _torch_available
 from .attention import attention, qkv_layout
+from .gemm import gemm
 from .mxfp8 import (
     MXFP8Tensor,
     attention_scales_to_bhsd,
@@ -68,6 +69,7 @@ __all__ = [
     "to_bhsd",
     "attention",
     "qkv_layout",
+    "gemm",
     "info",
     "apply_rope",
     "rope_backward",

@@ -11,8 +11,8 @@ columnwise codes, columnwise scales); a direction that is off comes back as an e
 (shape [0]); the Python functions turn them into MXFP8Tensor (None for an absent direction).
 
 Autograd: apply_rope and rope_backward are each other's gradient (register_autograd); the ``*_out``
-forms (mutating ``out``) and the ops without a gradient (attention's backward comes later) raise
-when an input needs one.
+forms (mutating ``out``) and the ops without a gradient (attention's backward comes later, gemm is
+itself the backward's GEMMs) raise when an input needs one.
 (No ``from __future__ import annotations`` here: torch infers the op schemas from the annotations.)
 """
 import math
@@ -26,6 +26,9 @@ from . import qproj as _qp
 from . import rope as _rope
 from .attention import _NOT_DIFF as _ATT_NOT_DIFF
 from .attention import _attention_impl, _out_shapes
+from .gemm import _NOT_DIFF as _GEMM_NOT_DIFF
+from .gemm import _gemm_impl, _shape_of
+from .gemm import _out_shape as _gemm_out_shape
 
 Tensor = torch.Tensor
 _T4 = Tuple[Tensor, Tensor, Tensor, Tensor]
@@ -326,3 +329,37 @@ def _(q, k, v, q_scale, k_scale, v_scale, q_mx, k_mx, v_mx, q_format, kv_format,
 
 
 _no_gradient(attention, "mxmla.attention", _ATT_NOT_DIFF, ["q", "k", "v"])
+
+
+# ----------------------------------------------------------------------------- GEMM
+@torch.library.custom_op("mxmla::gemm", mutates_args=())
+def gemm(a: Tensor, b: Tensor, a_scale: Optional[Tensor], b_scale: Optional[Tensor], a_mx: str, b_mx: str,
+         trans_a: bool, trans_b: bool, alpha: float, out_dtype: torch.dtype) -> Tensor:
+    """D = alpha · op(A) · op(B) as a new [M, N] tensor of out_dtype. a, b: bf16 tensors, or MXFP8 operands as
+    the codes the GEMM reads (a: rowwise, or columnwise with trans_a; b: rowwise with trans_b, else
+    columnwise) with their scales (a_scale, b_scale) and a description in a_mx, b_mx (as attention's;
+    "" for bf16)."""
+    name = str(out_dtype).replace("torch.", "")
+    return _gemm_impl(a, b, a_scale, b_scale, (a_mx, b_mx), trans_a, trans_b, alpha, False, None, name)
+
+
+@gemm.register_fake
+def _(a, b, a_scale, b_scale, a_mx, b_mx, trans_a, trans_b, alpha, out_dtype):
+    shape = _gemm_out_shape(_shape_of(a, a_mx), _shape_of(b, b_mx), trans_a, trans_b)
+    return a.new_empty(tuple(shape), dtype=out_dtype)
+
+
+_no_gradient(gemm, "mxmla.gemm", _GEMM_NOT_DIFF, ["a", "b"])
+
+
+@torch.library.custom_op("mxmla::gemm_out", mutates_args=("out",))
+def gemm_out(a: Tensor, b: Tensor, a_scale: Optional[Tensor], b_scale: Optional[Tensor], a_mx: str, b_mx: str,
+             out: Tensor, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float) -> None:
+    """D = alpha · op(A) · op(B) written into out (bfloat16 or float32 [M, N]), or added to it with
+    accumulate (float32)."""
+    _gemm_impl(a, b, a_scale, b_scale, (a_mx, b_mx), trans_a, trans_b, alpha, accumulate, out, "float32")
+
+
+@gemm_out.register_fake
+def _(a, b, a_scale, b_scale, a_mx, b_mx, out, trans_a, trans_b, accumulate, alpha):
+    return None

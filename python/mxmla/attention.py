@@ -358,6 +358,24 @@ def _parse_spec(spec: str) -> Tuple[str, str, Optional[str], List[int]]:
     return fmt, sl, None if lay == "-" else lay, [int(d) for d in shape.split("x")] if shape else []
 
 
+def _core_operand(be: Backend, op: str, name: str, data: Any, scale: Any, spec: str, rowwise: bool) -> Any:
+    """An operand as the core's attention and GEMM bindings take it: a bf16 descriptor (spec ""), or
+    (rowwise codes, rowwise scales, columnwise codes, columnwise scales, quantized shape, fp8 format,
+    scale layout, layout, attention) with `data` / `scale` as the direction read (None when absent: the
+    core names the missing copy)."""
+    if not spec:
+        return be.desc(name, data, bf16=True)
+    fmt, sl, lay, shape = _parse_spec(spec)
+    direction = "rowwise" if rowwise else "columnwise"
+    codes = None if data is None else be.desc(f"{name}.{direction}_data", data)
+    scales = None if scale is None else be.desc(f"{name}.{direction}_scale_inv", scale,
+                                                allowed="uint8 or float8_e8m0fnu scale bytes")
+    pair = (codes, scales, None, None) if rowwise else (None, None, codes, scales)
+    return (*pair, shape, FP8_FORMAT.parse(op, f"{name}.fp8_format", fmt),
+            SCALE_LAYOUT.parse(op, f"{name}.scale_layout", sl),
+            QKV_LAYOUT.parse(op, f"{name}.layout", lay or "sbhd"), lay is not None)
+
+
 def _out_shapes(q_shape: Sequence[int], q_fmt: str, d_v: int) -> Tuple[List[int], List[int]]:
     """(O's shape, LSE's shape): O is q's shape with d_v columns; LSE [b, h, s_q] (thd: [h, t])."""
     o = [int(d) for d in q_shape[:-1]] + [int(d_v)]
@@ -381,20 +399,10 @@ def _attention_impl(q: Any, k: Any, v: Any, q_scale: Any, k_scale: Any, v_scale:
         o[...] = 0
         if lse is not None:
             lse[...] = -math.inf
-    operands = []
-    for name, data, scale, spec, rowwise in (("q", q, q_scale, specs[0], True), ("k", k, k_scale, specs[1], True),
-                                            ("v", v, v_scale, specs[2], False)):
-        if not spec:
-            operands.append(be.desc(name, data, bf16=True))
-            continue
-        fmt, sl, lay, shape = _parse_spec(spec)
-        direction = "rowwise" if rowwise else "columnwise"
-        codes = be.desc(f"{name}.{direction}_data", data)
-        scales = be.desc(f"{name}.{direction}_scale_inv", scale, allowed="uint8 or float8_e8m0fnu scale bytes")
-        pair = (codes, scales, None, None) if rowwise else (None, None, codes, scales)
-        operands.append((*pair, shape, FP8_FORMAT.parse(op, f"{name}.fp8_format", fmt),
-                         SCALE_LAYOUT.parse(op, f"{name}.scale_layout", sl),
-                         QKV_LAYOUT.parse(op, f"{name}.layout", lay or "sbhd"), lay is not None))
+    operands = [_core_operand(be, op, name, data, scale, spec, rowwise)
+                for name, data, scale, spec, rowwise in (("q", q, q_scale, specs[0], True),
+                                                         ("k", k, k_scale, specs[1], True),
+                                                         ("v", v, v_scale, specs[2], False))]
     opts = _options(_core.AttentionOptions, q_format=ATTN_FORMAT.parse(op, "layout", q_fmt),
                     kv_format=ATTN_FORMAT.parse(op, "layout", kv_fmt), causal=causal, bottom_right=bottom_right,
                     softmax_scale=float(softmax_scale), p_format=_core.PFormat.__members__[_P_ENUM_NAME[p_format]],

@@ -384,9 +384,9 @@ def quantize_attention(x: Array, layout: str = "sbhd", rowwise: bool = True, col
     return MXFP8Tensor(tuple(x.shape), fmt, "bhsd" if bhsd_scales else "compact", *outs, layout=lay, attention=True)
 
 
-def _dtype_name(op: str, dtype: Any) -> Tuple[str, bool]:
+def _dtype_name(op: str, dtype: Any, arg: str = "dtype") -> Tuple[str, bool]:
     """('float32' | 'bfloat16', numpy result as ml_dtypes.bfloat16?) of a dtype given as a string,
-    torch dtype, numpy dtype or ml_dtypes.bfloat16."""
+    torch dtype, numpy dtype or ml_dtypes.bfloat16 (errors name argument `arg`)."""
     if isinstance(dtype, str):
         name = dtype
     elif torch is not None and isinstance(dtype, torch.dtype):
@@ -400,7 +400,7 @@ def _dtype_name(op: str, dtype: Any) -> Tuple[str, bool]:
         if name == "bfloat16":
             return "bfloat16", True
     if name not in ("float32", "bfloat16"):
-        raise ValueError(f"{op}: argument 'dtype': must be float32 or bfloat16 (a string, torch dtype, numpy dtype "
+        raise ValueError(f"{op}: argument '{arg}': must be float32 or bfloat16 (a string, torch dtype, numpy dtype "
                          f"or ml_dtypes.bfloat16), got {dtype!r}")
     return name, False
 

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "mxmla/attention.h"
+#include "mxmla/gemm.h"
 #include "mxmla/mxfp8.h"
 #include "mxmla/qproj.h"
 #include "mxmla/rope.h"
@@ -147,7 +148,7 @@ std::string repr(const RopeOptions& o) {
          ", rope_dim=" + std::to_string(o.rope_dim) + ", tables_per_token=" + b(o.tables_per_token) + ")";
 }
 
-// An attention operand: a bf16 tensor descriptor, or an MXFP8 tensor as (rowwise_data,
+// An attention or GEMM operand: a bf16 tensor descriptor, or an MXFP8 tensor as (rowwise_data,
 // rowwise_scale_inv, columnwise_data, columnwise_scale_inv, shape, fp8_format, scale_layout, layout,
 // attention) -- the fields of the Python MXFP8Tensor, the direction attention does not read may be
 // None. The codes of the direction read (q, k: rowwise; v: columnwise) are described as the operand
@@ -175,6 +176,7 @@ struct HeldOperand {
   }
   HeldOperand(const HeldOperand&) = delete;
   HeldOperand& operator=(const HeldOperand&) = delete;
+  GemmInput gemm_input() const { return {in.bf16, in.mx}; }
 };
 
 }  // namespace
@@ -280,6 +282,16 @@ NB_MODULE(_mxmla_core, m) {
                ", softmax_scale=" + std::to_string(o.softmax_scale) + ", p_format=" + q(enum_name(o.p_format)) +
                ", max_seqlen_q=" + std::to_string(o.max_seqlen_q) + ", max_seqlen_kv=" + std::to_string(o.max_seqlen_kv) +
                ")";
+      });
+  nb::class_<GemmOptions>(m, "GemmOptions")
+      .def(nb::init<>())
+      .def_rw("trans_a", &GemmOptions::trans_a)
+      .def_rw("trans_b", &GemmOptions::trans_b)
+      .def_rw("accumulate", &GemmOptions::accumulate)
+      .def_rw("alpha", &GemmOptions::alpha)
+      .def("__repr__", [](const GemmOptions& o) {
+        return "GemmOptions(trans_a=" + b(o.trans_a) + ", trans_b=" + b(o.trans_b) + ", accumulate=" + b(o.accumulate) +
+               ", alpha=" + std::to_string(o.alpha) + ")";
       });
   nb::class_<YarnParams>(m, "YarnParams")
       .def(nb::init<>())
@@ -528,6 +540,20 @@ NB_MODULE(_mxmla_core, m) {
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("lse").none(), nb::arg("options"),
       nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_kv").none(), nb::arg("stream"));
+
+  // ------------------------------------------------------------------ GEMM
+  // a, b: each a bf16 descriptor or an MXFP8 operand tuple (see MxOperand: the direction the GEMM
+  // reads present, the other may be None); out: [M, N] bfloat16 or float32. Errors name the C++
+  // arguments ('a', 'b.columnwise_data', 'out', 'alpha', ...).
+  m.def(
+      "gemm",
+      [](const AttnOperand& a, const AttnOperand& b, const Desc& out, const GemmOptions& opts, uintptr_t stream) {
+        const HeldOperand ha(a), hb(b);
+        TensorDesc od = to_desc(out);
+        nb::gil_scoped_release release;
+        gemm(ha.gemm_input(), hb.gemm_input(), od, opts, to_stream(stream));
+      },
+      nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("options"), nb::arg("stream"));
 
   m.def("build_info", [] {
     const BuildInfo bi = build_info();

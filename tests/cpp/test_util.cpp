@@ -145,4 +145,16 @@ std::string first_mismatch(const std::vector<uint8_t>& a, const std::vector<uint
   return o.str();
 }
 
+void expect_error(const std::string& op, const std::function<void()>& fn, const std::string& arg,
+                  const std::string& rule) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error (expected argument '" << arg << "': " << rule << ")";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.op(), op) << e.what();
+    EXPECT_EQ(e.arg(), arg) << e.what();
+    EXPECT_NE(e.rule().find(rule), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace mxmla::test

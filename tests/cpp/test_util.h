@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,10 @@ HostQ alloc_host(const MXFP8Shapes& s, bool rowwise, bool columnwise);
 HostQ quantize_on_gpu(const std::vector<uint8_t>& input, const TensorDesc& in_host, const MXFP8Shapes& s,
                       bool rowwise, bool columnwise, bool attention, const QuantizeOptions& qo,
                       const AttentionQuantizeOptions& ao);
+
+// Runs `fn`, which must throw mxmla::Error from `op` naming argument `arg`, its rule containing `rule`.
+void expect_error(const std::string& op, const std::function<void()>& fn, const std::string& arg,
+                  const std::string& rule);
 
 std::string first_mismatch(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b);
 

@@ -41,6 +41,10 @@ def test_option_structs_have_read_write_fields():
     assert r.rope.style == core.RopeStyle.rotate_half and r.rope.rope_dim == 32
     q = core.QProjOptions()
     assert (q.nope_dim, q.rope_dim, q.batch, q.weight_layout) == (128, 64, 1, core.WeightLayout.nk)
+    g = core.GemmOptions()
+    assert (g.trans_a, g.trans_b, g.accumulate, g.alpha) == (False, True, False, 1.0)
+    g.trans_b, g.alpha = False, 0.5
+    assert "trans_b=False" in repr(g) and g.alpha == 0.5
     y = core.YarnParams.deepseek_v3()
     assert y.enabled and y.factor == 40.0 and y.original_max_position == 4096
     with pytest.raises(TypeError):
@@ -62,7 +66,7 @@ def test_ops_take_enum_members_and_yarn_params():
 
 
 def test_op_modules_do_not_import_from_the_package_init():
-    for name in ("rope.py", "qproj.py", "mxfp8.py", "_torch_ops.py", "_backend.py", "_checks.py"):
+    for name in ("rope.py", "qproj.py", "mxfp8.py", "gemm.py", "_torch_ops.py", "_backend.py", "_checks.py"):
         tree = ast.parse(open(os.path.join(PKG, name)).read())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
@@ -75,7 +79,7 @@ def test_no_long_positional_string_lists_in_the_bindings():
     for fn, opts in ((core.quantize, "QuantizeOptions"), (core.quantize_attention, "AttentionQuantizeOptions"),
                      (core.dequantize, "DequantizeOptions"), (core.apply_rope, "RopeOptions"),
                      (core.rope_backward, "RopeOptions"), (core.rope_backward_quantize, "RopeBackwardQuantizeOptions"),
-                     (core.fused_q_uproj_rope_quant, "QProjOptions")):
+                     (core.fused_q_uproj_rope_quant, "QProjOptions"), (core.gemm, "GemmOptions")):
         desc = "tuple[int, str, collections.abc.Sequence[int], collections.abc.Sequence[int], int, int]"
         sig = fn.__doc__.split("->")[0].replace(desc, "Desc")
         assert f"options: mxmla._mxmla_core.{opts}" in sig, fn.__name__
@@ -87,7 +91,7 @@ def test_no_long_positional_string_lists_in_the_bindings():
 PUBLIC = ["quantize", "dequantize", "swizzle_scales", "unswizzle_scales", "quantize_attention",
           "attention_scales_to_bhsd", "to_bhsd", "apply_rope", "rope_backward", "rope_backward_quantize", "rope_tables",
           "rope_inv_freq", "yarn_softmax_scale", "positions_arange", "positions_from_cu_seqlens",
-          "positions_context_parallel", "fused_q_uproj_rope_quant", "info"]
+          "positions_context_parallel", "fused_q_uproj_rope_quant", "gemm", "info"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)

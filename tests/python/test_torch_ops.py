@@ -17,7 +17,7 @@ needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible (or 
 
 OPS = ["quantize", "quantize_attention", "dequantize", "swizzle_scales", "unswizzle_scales", "attention_scales_to_bhsd",
        "to_bhsd", "apply_rope", "apply_rope_out", "rope_backward", "rope_backward_out", "rope_backward_quantize",
-       "fused_q_uproj_rope_quant", "attention"]
+       "fused_q_uproj_rope_quant", "attention", "gemm", "gemm_out"]
 FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 STYLES = ["interleaved_in_halves_out", "interleaved", "rotate_half"]
 

@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""Train a small DeepSeek-V3-shaped decoder (MLA blocks + SwiGLU MLP, byte tokens) on real text, once
+per recipe, from the same initial weights and in the same data order; write the loss curves.
+
+    python examples/train_mla.py                      # GPU: 4 layers, hidden 512, 2000 steps
+    python examples/train_mla.py --steps 300 --out runs/a
+    python examples/train_mla.py --text-file notes.txt
+
+The corpus is the Python documentation that Debian's package python3-doc installs: its
+reStructuredText sources, /usr/share/doc/python3.X/html/_sources/**/*.rst.txt (about 12 MB of
+plain text for Python 3.11), read in sorted order; nothing is downloaded. --text-file trains on
+any other file instead. The last 1% of the bytes is held out for the final evaluation.
+
+Recipes (--recipe, comma-separated): "bf16" is the baseline (every Linear and the attention in
+bf16, fp32 master weights, AdamW). "mxfp8" needs mxmla's MXFP8 GEMM and the MXFP8 attention
+backward; until they exist, asking for it stops with the error that says so. With two or more
+recipes the script prints the final loss gap of each against the first.
+
+Outputs in --out (default train_mla_out): loss_<recipe>.csv (step,loss: the training loss of every
+step) and loss.png (the curves; needs matplotlib, else the plot is skipped with a note).
+
+Without a CUDA device (or with a CPU-only mxmla build) it runs a tiny configuration on the CPU,
+where mxmla's ops run their CPU reference, and says so; options given explicitly still apply.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+CORPUS_PACKAGE = "python3-doc"
+CORPUS_ROOT = Path("/usr/share/doc")
+CORPUS_DIR_RE = re.compile(r"^python3\.(\d+)$")  # /usr/share/doc/python3.X/html/_sources
+CORPUS_PATTERN = "*.rst.txt"
+
+# Defaults on a GPU, and the tiny configuration on the CPU (well under a minute on 2 cores).
+GPU_CONFIG = dict(layers=4, hidden=512, heads=8, seq=512, batch=32, steps=2000, lr=2e-3)
+CPU_CONFIG = dict(layers=2, hidden=64, heads=2, seq=128, batch=16, steps=200, lr=3e-3)
+SIZE_KEYS = tuple(GPU_CONFIG)
+
+
+# ---------------------------------------------------------------------------- corpus
+def corpus_dir(root: Path = CORPUS_ROOT) -> Optional[Path]:
+    """The newest /usr/share/doc/python3.X/html/_sources that python3-doc installed, or None."""
+    found = []
+    if root.is_dir():
+        for d in root.iterdir():
+            m = CORPUS_DIR_RE.match(d.name)
+            src = d / "html" / "_sources"
+            if m and src.is_dir():
+                found.append((int(m.group(1)), src))
+    return max(found)[1] if found else None
+
+
+def load_corpus(text_file: Optional[str] = None, root: Path = CORPUS_ROOT) -> Tuple[bytes, str, str]:
+    """(the corpus bytes, a line that names where they came from, a short name)."""
+    if text_file:
+        data = Path(text_file).read_bytes()
+        return data, f"{text_file} ({len(data) / 1e6:.2f} MB)", Path(text_file).name
+    src = corpus_dir(root)
+    files = sorted(src.rglob(CORPUS_PATTERN)) if src else []
+    if not files:
+        raise SystemExit(f"train_mla.py: the corpus is the Python documentation of Debian's package {CORPUS_PACKAGE} "
+                         f"(the text files {root}/python3.X/html/_sources/**/{CORPUS_PATTERN}), which is not installed.\n"
+                         f"Install it with:  sudo apt-get install {CORPUS_PACKAGE}\n"
+                         f"or train on another text with --text-file FILE.")
+    data = b"\n".join(f.read_bytes() for f in files)
+    return data, (f"Debian package {CORPUS_PACKAGE}: {len(files)} files {src}/**/{CORPUS_PATTERN} "
+                  f"({len(data) / 1e6:.2f} MB)"), f"{CORPUS_PACKAGE} ({src.parent.parent.name} documentation)"
+
+
+def split_corpus(data: bytes, seq: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(training bytes, held-out bytes: the last 1%, at least one window of seq + 1)."""
+    arr = np.frombuffer(data, dtype=np.uint8)
+    held = max(len(arr) // 100, seq + 1)
+    if len(arr) - held < seq + 2:
+        raise SystemExit(f"train_mla.py: the corpus has {len(arr)} bytes, too few for --seq {seq} "
+                         f"(it needs at least {held + seq + 2})")
+    return arr[:-held], arr[-held:]
+
+
+def batch_offsets(n: int, seq: int, batch: int, steps: int, seed: int) -> np.ndarray:
+    """[steps, batch] window starts, drawn from `seed`: every recipe sees the same data order."""
+    return np.random.default_rng(seed).integers(0, n - seq - 1, size=(steps, batch))
+
+
+def windows(arr: np.ndarray, starts: Sequence[int], seq: int):
+    import torch
+
+    w = np.stack([arr[s:s + seq + 1] for s in starts]).astype(np.int64)
+    w = torch.from_numpy(w)
+    return w[:, :-1], w[:, 1:]
+
+
+# ---------------------------------------------------------------------------- the run
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="bf16",
+                   help="comma-separated recipes, each trained from the same weights and data order (bf16; mxfp8 "
+                        "needs the MXFP8 GEMM and attention backward). Default: bf16")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (GPU {GPU_CONFIG['steps']}, CPU {CPU_CONFIG['steps']})")
+    p.add_argument("--layers", type=int, help=f"blocks (GPU {GPU_CONFIG['layers']}, CPU {CPU_CONFIG['layers']})")
+    p.add_argument("--hidden", type=int, help=f"model width (GPU {GPU_CONFIG['hidden']}, CPU {CPU_CONFIG['hidden']})")
+    p.add_argument("--heads", type=int, help=f"attention heads (GPU {GPU_CONFIG['heads']}, CPU {CPU_CONFIG['heads']})")
+    p.add_argument("--seq", type=int, help=f"tokens (bytes) per sequence (GPU {GPU_CONFIG['seq']}, CPU {CPU_CONFIG['seq']})")
+    p.add_argument("--batch", type=int, help=f"sequences per step (GPU {GPU_CONFIG['batch']}, CPU {CPU_CONFIG['batch']})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (GPU {GPU_CONFIG['lr']}, CPU {CPU_CONFIG['lr']})")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when usable, else cpu)")
+    p.add_argument("--out", default="train_mla_out", help="output folder (default train_mla_out)")
+    p.add_argument("--text-file", default=None, help=f"train on this file instead of {CORPUS_PACKAGE}'s documentation")
+    p.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default steps/15)")
+    args = p.parse_args(argv)
+    args.recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
+    if not args.recipes or len(set(args.recipes)) != len(args.recipes):
+        p.error(f"--recipe: give one or more distinct recipes, got {args.recipe!r}")
+    for k in ("steps", "layers", "hidden", "heads", "seq", "batch", "log_every"):
+        v = getattr(args, k)
+        if v is not None and v < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    return args
+
+
+def pick_device(requested: Optional[str]) -> Tuple[str, Optional[str]]:
+    """(device, why the CPU when it was not asked for)."""
+    import torch
+
+    import mxmla
+
+    kernels = mxmla.info()["cuda_enabled"]
+    if requested is not None:
+        if requested.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise SystemExit(f"train_mla.py: --device {requested}: torch sees no CUDA device")
+            if not kernels:
+                raise SystemExit(f"train_mla.py: --device {requested}: this mxmla build has no CUDA kernels "
+                                 f"(install it where nvcc is found: pip install .)")
+        return requested, ("--device cpu" if requested == "cpu" else None)
+    if torch.cuda.is_available() and kernels:
+        return "cuda", None
+    return "cpu", ("no CUDA device visible" if not torch.cuda.is_available() else
+                   "this mxmla build has no CUDA kernels (built without nvcc)")
+
+
+def lr_at(step: int, steps: int, peak: float) -> float:
+    """Linear warmup over the first 5% of the steps, then cosine decay to 10% of the peak."""
+    warm = max(1, steps // 20)
+    if step < warm:
+        return peak * (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def build_model(recipe: str, cfg: Dict, seed: int, device: str):
+    from mxmla.nn import Decoder
+
+    return Decoder(cfg["hidden"], cfg["layers"], cfg["heads"], max_seq_len=cfg["seq"], recipe=recipe, seed=seed,
+                   device=device)
+
+
+def held_out_loss(model, val: np.ndarray, cfg: Dict, device: str, max_windows: int = 64) -> float:
+    import torch
+
+    seq = cfg["seq"]
+    starts = list(range(0, len(val) - seq - 1 + 1, seq))[:max_windows]
+    total, n = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(starts), cfg["batch"]):
+            x, y = windows(val, starts[i:i + cfg["batch"]], seq)
+            total += float(model.loss(x.to(device), y.to(device))) * len(x)
+            n += len(x)
+    model.train()
+    return total / n
+
+
+def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Dict, seed: int, device: str,
+                 log_every: int) -> Dict:
+    import torch
+
+    torch.manual_seed(seed)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
+                            lr=cfg["lr"], betas=(0.9, 0.95), eps=1e-8)
+    offsets = batch_offsets(len(train), cfg["seq"], cfg["batch"], cfg["steps"], seed)
+    losses: List[float] = []
+    pending = []  # this interval's losses, still on the device (one synchronization per progress line)
+    t0 = time.perf_counter()
+    tokens = cfg["batch"] * cfg["seq"]
+    for step in range(cfg["steps"]):
+        x, y = windows(train, offsets[step], cfg["seq"])
+        lr = lr_at(step, cfg["steps"], cfg["lr"])
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = model.loss(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        pending.append(loss.detach())
+        if (step + 1) % log_every == 0 or step + 1 == cfg["steps"]:
+            losses += torch.stack(pending).float().tolist()
+            pending = []
+            bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
+            if bad:
+                raise SystemExit(f"train_mla.py: [{recipe}] the loss is {losses[bad[0]]} at step {bad[0] + 1}")
+            dt = time.perf_counter() - t0
+            print(f"[{recipe}] step {step + 1:>{len(str(cfg['steps']))}}/{cfg['steps']}  loss {losses[-1]:.4f}  "
+                  f"lr {lr:.2e}  {dt:6.1f} s  {tokens * (step + 1) / dt / 1e3:7.1f}k tok/s", flush=True)
+    seconds = time.perf_counter() - t0
+    return dict(losses=losses, seconds=seconds, held_out=held_out_loss(model, val, cfg, device))
+
+
+def final_loss(losses: Sequence[float]) -> float:
+    """The mean training loss of the last 10% of the steps (one step's loss is noisy)."""
+    k = max(1, len(losses) // 10)
+    return float(np.mean(losses[-k:]))
+
+
+def write_csv(path: Path, losses: Sequence[float]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss"])
+        for i, v in enumerate(losses, 1):
+            w.writerow([i, f"{v:.6f}"])
+
+
+def plot(path: Path, results: Dict[str, Dict], title: str) -> Optional[str]:
+    """Writes the PNG; returns None, or why the plot was skipped."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): no plot"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for recipe, r in results.items():
+        y = np.asarray(r["losses"])
+        x = np.arange(1, len(y) + 1)
+        line, = ax.plot(x, y, alpha=0.25, linewidth=0.8)
+        k = max(1, len(y) // 50)  # a moving average over 2% of the steps
+        smooth = np.convolve(y, np.ones(k) / k, mode="valid")
+        ax.plot(x[k - 1:], smooth, color=line.get_color(), linewidth=1.6,
+                label=f"{recipe} (final {final_loss(y):.3f}, held-out {r['held_out']:.3f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats per byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("train_mla.py: needs torch (pip install torch)", file=sys.stderr)
+        return 2
+    device, why_cpu = pick_device(args.device)
+    base = GPU_CONFIG if device.startswith("cuda") else CPU_CONFIG
+    cfg = {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in SIZE_KEYS}
+    if why_cpu:
+        print(f"train_mla.py: {why_cpu}: running a tiny configuration on the CPU (mxmla's ops run their CPU "
+              f"reference); options given explicitly still apply", flush=True)
+    data, source, corpus_name = load_corpus(args.text_file)
+    train, val = split_corpus(data, cfg["seq"])
+    log_every = args.log_every or max(1, cfg["steps"] // 15)
+
+    # every recipe's model first: a recipe that cannot run stops the script before any training
+    models = {}
+    for recipe in args.recipes:
+        try:
+            models[recipe] = build_model(recipe, cfg, args.seed, device)
+        except (NotImplementedError, ValueError) as e:
+            print(f"train_mla.py: --recipe {recipe}: {e}", file=sys.stderr)
+            return 2
+    n_params = sum(p.numel() for p in next(iter(models.values())).parameters())
+    model_cfg = next(iter(models.values())).config
+    print(f"corpus: {source}; {len(train):,} bytes for training, {len(val):,} held out", flush=True)
+    print(f"model: {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads (q_lora_rank "
+          f"{model_cfg['q_lora_rank']}, kv_lora_rank {model_cfg['kv_lora_rank']}, nope/rope/v "
+          f"{model_cfg['nope_dim']}/{model_cfg['rope_dim']}/{model_cfg['v_dim']}, SwiGLU {model_cfg['inter_dim']}), "
+          f"{n_params / 1e6:.2f} M parameters; device {device}", flush=True)
+    print(f"training: {cfg['steps']} steps x {cfg['batch']} sequences x {cfg['seq']} bytes, peak lr {cfg['lr']}, "
+          f"seed {args.seed}; recipes {', '.join(args.recipes)}", flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Dict] = {}
+    for recipe, model in models.items():
+        results[recipe] = r = train_recipe(recipe, model, train, val, cfg, args.seed, device, log_every)
+        write_csv(out / f"loss_{recipe}.csv", r["losses"])
+        print(f"[{recipe}] done in {r['seconds']:.1f} s: final loss {final_loss(r['losses']):.4f} (mean of the last "
+              f"{max(1, len(r['losses']) // 10)} steps), held-out loss {r['held_out']:.4f}; "
+              f"wrote {out / f'loss_{recipe}.csv'}", flush=True)
+        models[recipe] = None  # free it before the next recipe
+    title = (f"MLA decoder: {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads; "
+             f"{cfg['batch']} x {cfg['seq']} bytes per step; {device}\ncorpus: {corpus_name}")
+    skipped = plot(out / "loss.png", results, title)
+    print(f"plot: {skipped}" if skipped else f"plot: wrote {out / 'loss.png'}", flush=True)
+
+    first = args.recipes[0]
+    if len(results) < 2:
+        print(f"final loss gap: only one recipe ran ({first}); give --recipe {first},OTHER to compare", flush=True)
+    for recipe in args.recipes[1:]:
+        a, b = results[first], results[recipe]
+        print(f"final loss gap {recipe} - {first}: {final_loss(b['losses']) - final_loss(a['losses']):+.4f} "
+              f"(training), {b['held_out'] - a['held_out']:+.4f} (held-out)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""mxmla.nn: DeepSeek-V3's attention block (MLA) and a small decoder around it, as torch modules.
+
+- ``MLA``: Multi-head Latent Attention with DeepSeek-V3's structure (q_a projection, RMSNorm, Q
+  up-projection; kv_a projection with the shared k_pe and its RoPE, RMSNorm, kv_b projection to
+  k_nope and v; causal attention; output projection), on sbhd / bshd hidden states or thd packed
+  sequences with cu_seqlens. RoPE is mxmla.apply_rope (DeepSeek's "interleaved" style, plain or
+  YaRN tables from mxmla.rope_tables).
+- ``RMSNorm``, ``SwiGLU`` (DeepSeek-V3's dense MLP), ``Linear`` (the one place a recipe's GEMM runs),
+  ``Block`` and ``Decoder`` (256 byte tokens, N blocks, final norm, LM head).
+
+Recipes: ``"bf16"`` (the baseline: every Linear and the attention in bf16 with fp32 accumulation,
+parameters in fp32) works today. ``"mxfp8"`` (every Linear on mxmla's MXFP8 GEMM, attention on
+MXFP8 Q, K, V) is a documented placeholder: it raises NotImplementedError naming what is missing
+(an MXFP8 Linear: the MXFP8 GEMM with its kernel and gradients; and the MXFP8 attention backward).
+
+Needs torch (``import mxmla`` does not import this subpackage, and works without torch).
+"""
+from __future__ import annotations
+
+try:
+    import torch  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised only without torch
+    raise ImportError("mxmla.nn needs torch (pip install torch); the rest of mxmla works without it") from e
+
+from .decoder import Block, Decoder, byte_tokens
+from .layers import RECIPES, Linear, RMSNorm, SwiGLU, check_recipe
+from .mla import MLA
+
+__all__ = ["MLA", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens"]

@@ -1,0 +1,127 @@
+"""A small DeepSeek-V3-shaped decoder on byte tokens: embedding of 256 byte values, N blocks of
+[RMSNorm -> MLA -> residual, RMSNorm -> SwiGLU -> residual], final RMSNorm, LM head.
+
+The residual stream is kept in the parameters' dtype (fp32; float64 for a float64 model); the
+blocks compute in the recipe's dtype. Dense SwiGLU blocks only (DeepSeek-V3's first layers; no MoE).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import Linear, RMSNorm, SwiGLU, check_recipe, child_seed, default_inter_dim, generator, init_normal_, \
+    resolve_dtypes
+from .mla import MLA, CuSeqlens
+
+
+def byte_tokens(text: Union[str, bytes, bytearray], device: Any = None) -> torch.Tensor:
+    """The UTF-8 bytes of `text` (or the bytes themselves) as int64 token ids 0..255."""
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device=device, dtype=torch.int64)
+
+
+class Block(nn.Module):
+    """x + MLA(attn_norm(x)), then + SwiGLU(ffn_norm(x)) (DeepSeek-V3's Block, dense MLP)."""
+
+    def __init__(self, hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, nope_dim: int, rope_dim: int,
+                 v_dim: int, inter_dim: int, recipe: str = "bf16", yarn: Any = None, *, max_seq_len: int = 4096,
+                 rope_base: float = 10000.0, norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
+                 params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
+                 out_init_std: Optional[float] = None, seed: int = 0):
+        super().__init__()
+        check_recipe(recipe, "mxmla.nn.Block")
+        dtype, params_dtype = resolve_dtypes("mxmla.nn.Block", dtype, params_dtype)
+        g = generator(seed)
+        self.attn_norm = RMSNorm(hidden, norm_eps, params_dtype)
+        self.attn = MLA(hidden, heads, q_lora_rank, kv_lora_rank, nope_dim, rope_dim, v_dim, recipe, yarn,
+                        rope_base=rope_base, max_seq_len=max_seq_len, norm_eps=norm_eps, dtype=dtype,
+                        params_dtype=params_dtype, init_std=init_std, out_init_std=out_init_std, seed=child_seed(g))
+        self.ffn_norm = RMSNorm(hidden, norm_eps, params_dtype)
+        self.ffn = SwiGLU(hidden, inter_dim, recipe, dtype, params_dtype, init_std, out_init_std, seed=child_seed(g))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: CuSeqlens = None, layout: str = "bshd") -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cu_seqlens, layout).to(x.dtype)
+        return x + self.ffn(self.ffn_norm(x)).to(x.dtype)
+
+
+class Decoder(nn.Module):
+    """A causal language model on byte tokens built from MLA blocks.
+
+    Args:
+        hidden, layers, heads: the model's size.
+        q_lora_rank (default hidden/2), kv_lora_rank (hidden/4), nope_dim (hidden/heads),
+        rope_dim (nope_dim/2 rounded down to a multiple of 16, at least 16: the granularity of
+            mxmla's CUDA RoPE kernel), v_dim (nope_dim), inter_dim (SwiGLU width, 8/3·hidden rounded
+            up to 64): MLA's and the MLP's dimensions, in DeepSeek-V3's proportions by default.
+        vocab_size: 256 (bytes). max_seq_len: the longest sequence (RoPE tables).
+        recipe: "bf16" (the baseline) or "mxfp8" (raises NotImplementedError until mxmla has the
+            MXFP8 GEMM and the MXFP8 attention backward; see mxmla.nn.MLA).
+        yarn, rope_base, norm_eps, dtype, params_dtype: as for MLA.
+        init_std: N(0, init_std) for the embedding and every projection; the projections into the
+            residual stream (wo, w2) use init_std / sqrt(2·layers).
+        seed: every weight is drawn from this seed (the same weights on any device and dtype).
+        device: where the model lives.
+
+    forward(tokens, cu_seqlens=None) -> logits (fp32; float64 for a float64 model):
+    tokens [b, s] (bshd) -> [b, s, vocab]; tokens [t] (packed, with cu_seqlens) -> [t, vocab].
+    loss(tokens, targets, cu_seqlens=None): mean next-token cross entropy (nats per token).
+    """
+
+    def __init__(self, hidden: int = 256, layers: int = 4, heads: int = 4, q_lora_rank: Optional[int] = None,
+                 kv_lora_rank: Optional[int] = None, nope_dim: Optional[int] = None, rope_dim: Optional[int] = None,
+                 v_dim: Optional[int] = None, inter_dim: Optional[int] = None, vocab_size: int = 256,
+                 max_seq_len: int = 1024, recipe: str = "bf16", yarn: Any = None, *, rope_base: float = 10000.0,
+                 norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16, params_dtype: Optional[torch.dtype] = None,
+                 init_std: float = 0.02, seed: int = 0, device: Any = None):
+        super().__init__()
+        what = "mxmla.nn.Decoder"
+        self.recipe = check_recipe(recipe, what)
+        self.dtype, params_dtype = resolve_dtypes(what, dtype, params_dtype)
+        for k, v in dict(hidden=hidden, layers=layers, heads=heads, vocab_size=vocab_size).items():
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{what}: {k} must be a positive int, got {v!r}")
+        nope_dim = nope_dim or max(2, hidden // heads)
+        rope_dim = rope_dim or max(16, nope_dim // 2 // 16 * 16)
+        cfg = dict(hidden=hidden, layers=layers, heads=heads, q_lora_rank=q_lora_rank if q_lora_rank is not None
+                   else max(1, hidden // 2), kv_lora_rank=kv_lora_rank or max(1, hidden // 4), nope_dim=nope_dim,
+                   rope_dim=rope_dim, v_dim=v_dim or nope_dim, inter_dim=inter_dim or default_inter_dim(hidden),
+                   vocab_size=vocab_size, max_seq_len=max_seq_len)
+        self.config = dict(cfg, recipe=recipe, yarn=yarn)
+        g = generator(seed)
+        out_std = init_std / math.sqrt(2 * layers)
+        self.embed = nn.Parameter(torch.empty(vocab_size, hidden, dtype=params_dtype))
+        init_normal_(self.embed, init_std, g)
+        self.layers = nn.ModuleList(
+            Block(hidden, heads, cfg["q_lora_rank"], cfg["kv_lora_rank"], nope_dim, rope_dim, cfg["v_dim"],
+                  cfg["inter_dim"], recipe, yarn, max_seq_len=max_seq_len, rope_base=rope_base, norm_eps=norm_eps,
+                  dtype=dtype, params_dtype=params_dtype, init_std=init_std, out_init_std=out_std,
+                  seed=child_seed(g))
+            for _ in range(layers))
+        self.norm = RMSNorm(hidden, norm_eps, params_dtype)
+        self.head = Linear(hidden, vocab_size, recipe, dtype, params_dtype, init_std, seed=child_seed(g))
+        if device is not None:
+            self.to(device)
+
+    def forward(self, tokens: torch.Tensor, cu_seqlens: CuSeqlens = None) -> torch.Tensor:
+        if tokens.dim() == 2:
+            layout = "bshd"
+        elif tokens.dim() == 1:
+            layout = "thd"
+        else:
+            raise ValueError(f"mxmla.nn.Decoder: tokens must be [b, s] or packed [t], got {tuple(tokens.shape)}")
+        h = F.embedding(tokens, self.embed)
+        for layer in self.layers:
+            h = layer(h, cu_seqlens, layout)
+        logits = self.head(self.norm(h))
+        return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, cu_seqlens: CuSeqlens = None) -> torch.Tensor:
+        logits = self(tokens, cu_seqlens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())

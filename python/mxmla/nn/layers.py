@@ -1,0 +1,136 @@
+"""Recipes, Linear, RMSNorm and SwiGLU (DeepSeek-V3's dense MLP) for mxmla.nn.
+
+Precision (recipe "bf16"): parameters are kept in fp32 (the optimizer's master copy); every Linear
+casts its input and weight to the compute dtype (bf16) and runs one GEMM with fp32 accumulation;
+RMSNorm computes in fp32 and returns its input's dtype. ``dtype=torch.float32`` / ``torch.float64``
+run the same graph at that precision (reference checks; float64 also keeps its parameters in
+float64).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RECIPES = ("bf16", "mxfp8")
+
+_COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_recipe(recipe: str, what: str) -> str:
+    """The recipe's name, or the error a caller gets: ValueError for an unknown one,
+    NotImplementedError for "mxfp8" (a documented placeholder until its pieces exist)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"{what}: recipe must be one of {', '.join(map(repr, RECIPES))}, got {recipe!r}")
+    if recipe == "mxfp8":
+        raise NotImplementedError(
+            f"{what}: recipe 'mxfp8' is not available yet: it needs an MXFP8 Linear (the MXFP8 GEMM in forward, "
+            f"dgrad and wgrad, with its SM90 kernel and gradients) and the MXFP8 attention backward, which mxmla "
+            f"does not have yet. Use recipe='bf16', the baseline.")
+    return recipe
+
+
+def resolve_dtypes(what: str, dtype: torch.dtype, params_dtype: Optional[torch.dtype]) -> Tuple[torch.dtype, torch.dtype]:
+    """(compute dtype, parameter dtype): parameters in fp32 unless the compute dtype is float64."""
+    if dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"{what}: dtype must be torch.bfloat16, float16, float32 or float64, got {dtype}")
+    if params_dtype is None:
+        params_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    if params_dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        raise ValueError(f"{what}: params_dtype must be torch.float32, float64 or bfloat16, got {params_dtype}")
+    return dtype, params_dtype
+
+
+def init_normal_(p: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """N(0, std) drawn in float32 on the CPU from `generator`, then copied: the same seed gives the
+    same weights whatever the parameter's dtype or device."""
+    w = torch.empty(p.shape, dtype=torch.float32)
+    nn.init.normal_(w, 0.0, std, generator=generator)
+    with torch.no_grad():
+        p.copy_(w)
+
+
+def generator(seed: int) -> torch.Generator:
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"mxmla.nn: seed must be an int, got {type(seed).__name__}")
+    return torch.Generator().manual_seed(seed)
+
+
+def child_seed(g: torch.Generator) -> int:
+    """A seed for a submodule, drawn from its parent's generator."""
+    return int(torch.randint(0, 2**62, (1,), generator=g))
+
+
+class Linear(nn.Module):
+    """y = x · Wᵀ, W [out_features, in_features], no bias (DeepSeek-V3's linears have none).
+
+    recipe "bf16": input and weight cast to `dtype`, one GEMM with fp32 accumulation, output in
+    `dtype`. recipe "mxfp8" (every Linear on mxmla's MXFP8 GEMM) raises NotImplementedError until
+    that GEMM exists."""
+
+    def __init__(self, in_features: int, out_features: int, recipe: str = "bf16", dtype: torch.dtype = torch.bfloat16,
+                 params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02, seed: int = 0):
+        super().__init__()
+        self.recipe = check_recipe(recipe, "mxmla.nn.Linear")
+        self.dtype, params_dtype = resolve_dtypes("mxmla.nn.Linear", dtype, params_dtype)
+        self.in_features, self.out_features, self.init_std = int(in_features), int(out_features), float(init_std)
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=params_dtype))
+        self.reset_parameters(generator(seed))
+
+    def reset_parameters(self, g: torch.Generator) -> None:
+        init_normal_(self.weight, self.init_std, g)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.dtype), self.weight.to(self.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe!r}, dtype={self.dtype}"
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight over the last dim (DeepSeek-V3: eps 1e-6, weight ones).
+
+    Computed in fp32 (float64 for float64 inputs); the result has the input's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.dim, self.eps = int(dim), float(eps)
+        self.weight = nn.Parameter(torch.ones(self.dim, dtype=params_dtype))
+
+    def reset_parameters(self, g: Optional[torch.Generator] = None) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return F.rms_norm(x.to(ct), (self.dim,), self.weight.to(ct), self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class SwiGLU(nn.Module):
+    """DeepSeek-V3's dense MLP: w2(silu(w1·x) ⊙ w3·x), each projection a Linear of the recipe."""
+
+    def __init__(self, dim: int, inter_dim: int, recipe: str = "bf16", dtype: torch.dtype = torch.bfloat16,
+                 params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
+                 out_init_std: Optional[float] = None, seed: int = 0):
+        super().__init__()
+        check_recipe(recipe, "mxmla.nn.SwiGLU")
+        g = generator(seed)
+        kw = dict(recipe=recipe, dtype=dtype, params_dtype=params_dtype)
+        self.w1 = Linear(dim, inter_dim, init_std=init_std, seed=child_seed(g), **kw)
+        self.w2 = Linear(inter_dim, dim, init_std=init_std if out_init_std is None else out_init_std,
+                         seed=child_seed(g), **kw)
+        self.w3 = Linear(dim, inter_dim, init_std=init_std, seed=child_seed(g), **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def default_inter_dim(hidden: int) -> int:
+    """8/3 · hidden rounded up to a multiple of 64 (a SwiGLU of about a 4·hidden MLP's cost)."""
+    return max(64, int(math.ceil(8 * hidden / 3 / 64)) * 64)

@@ -1,0 +1,223 @@
+"""DeepSeek-V3's Multi-head Latent Attention (MLA) as a torch module, for training.
+
+The structure is DeepSeek-V3's (inference/model.py, class MLA, the "naive" attention that
+materializes K and V; the parameter names are its names):
+
+    q      = wq_b(q_norm(wq_a(x)))                  [.., heads, nope_dim + rope_dim]   (q_lora_rank > 0)
+           = wq(x)                                                                      (q_lora_rank == 0)
+    q      = RoPE on the trailing rope_dim of each head (q_pe); q_nope passes through
+    kv, k_pe = split(wkv_a(x), [kv_lora_rank, rope_dim])   k_pe: one head, shared by all heads
+    k_pe   = RoPE(k_pe)
+    k_nope, v = split(wkv_b(kv_norm(kv)) as [.., heads, nope_dim + v_dim], [nope_dim, v_dim])
+    k      = [k_nope | k_pe broadcast to every head]
+    o      = causal softmax(q·kᵀ · softmax_scale) · v        per sequence
+    out    = wo(o flattened over heads)
+
+softmax_scale = (nope_dim + rope_dim)^-0.5, times YaRN's mscale² when `yarn` is given
+(mxmla.yarn_softmax_scale). RoPE is mxmla.apply_rope with DeepSeek's "interleaved" style (pairs
+(x[2i], x[2i+1]) rotated as complex numbers) on tables from mxmla.rope_tables (plain, or YaRN with
+yarn="deepseek_v3" or a dict). apply_rope takes fp32 / bf16 / fp16; a float64 module (reference
+checks) runs the same rotation in plain torch.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import rope as _rope
+from .layers import Linear, RMSNorm, check_recipe, child_seed, generator, resolve_dtypes
+
+LAYOUTS = ("bshd", "sbhd", "thd")
+ROPE_STYLE = "interleaved"  # DeepSeek-V3's apply_rotary_emb (complex pairs, output interleaved)
+
+CuSeqlens = Union[None, Sequence[int], torch.Tensor]
+
+
+def cu_seqlens_list(what: str, cu_seqlens: CuSeqlens, tokens: int) -> List[int]:
+    """cu_seqlens as a host list of ints (0 = c_0 <= c_1 <= ... <= c_n = tokens); None: one sequence."""
+    if cu_seqlens is None:
+        return [0, tokens]
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+            raise ValueError(f"{what}: cu_seqlens must be a 1-D int32 / int64 tensor, got {cu_seqlens.dtype} "
+                             f"of shape {tuple(cu_seqlens.shape)}")
+        cu = [int(v) for v in cu_seqlens.tolist()]
+    elif isinstance(cu_seqlens, (list, tuple)):
+        cu = [int(v) for v in cu_seqlens]
+    else:
+        raise TypeError(f"{what}: cu_seqlens must be a list / tuple of ints or an int tensor, "
+                        f"got {type(cu_seqlens).__name__}")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != tokens or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{what}: cu_seqlens must start at 0, never decrease and end at the token count {tokens}, "
+                         f"got {cu}")
+    return cu
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, rope_dim: int,
+               cu: Optional[List[int]]) -> torch.Tensor:
+    """The "interleaved" rotation of the trailing rope_dim of x in plain torch (any float dtype);
+    cos / sin: interleaved tables (each angle twice), rows by position as apply_rope reads them."""
+    if layout == "thd":
+        pos = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])]).to(cos.device)
+        c, s = cos[pos][:, None, 0::2], sin[pos][:, None, 0::2]
+    else:
+        n = x.shape[1] if layout == "bshd" else x.shape[0]
+        c, s = cos[:n, 0::2], sin[:n, 0::2]
+        shape = (1, n, 1, -1) if layout == "bshd" else (n, 1, 1, -1)
+        c, s = c.reshape(shape), s.reshape(shape)
+    c, s = c.to(x.dtype), s.to(x.dtype)
+    xr = x[..., x.shape[-1] - rope_dim:]
+    a, b = xr[..., 0::2], xr[..., 1::2]
+    rot = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+    return torch.cat([x[..., :x.shape[-1] - rope_dim], rot], dim=-1)
+
+
+class MLA(nn.Module):
+    """DeepSeek-V3 Multi-head Latent Attention (see the module docstring for the computation).
+
+    Args:
+        hidden, heads, q_lora_rank (0: a single wq projection, as DeepSeek's model.py does),
+        kv_lora_rank, nope_dim, rope_dim, v_dim: the dimensions (DeepSeek-V3: 7168, 128, 1536, 512,
+            128, 64, 128).
+        recipe: "bf16" (the baseline: every Linear and the attention in bf16, fp32 accumulation,
+            fp32 parameters). "mxfp8" is a documented placeholder that raises NotImplementedError:
+            it needs mxmla's MXFP8 GEMM for every Linear and the MXFP8 attention backward, which
+            do not exist yet.
+        yarn: None (plain RoPE), "deepseek_v3" or a dict of YaRN parameters (mxmla.rope_tables);
+            it also sets the softmax scale's mscale² (DeepSeek-V3 trains with YaRN only past 4K).
+        rope_base: RoPE's base (10000). max_seq_len: the longest sequence (the tables' length).
+            On CUDA, mxmla's RoPE kernel wants rope_dim a multiple of 16 and nope_dim + rope_dim
+            a multiple of 8 (16-byte rows); it says so otherwise.
+        softmax_scale: overrides the default (nope_dim + rope_dim)^-0.5 · mscale².
+        layout: the default layout of forward's x: "bshd" [b, s, hidden], "sbhd" [s, b, hidden] or
+            "thd" [t, hidden] (packed sequences, cu_seqlens).
+        dtype: compute dtype (bf16 for the recipe; float32 / float64 for reference checks).
+        params_dtype: parameters' dtype (default fp32; float64 when dtype is float64).
+        init_std, out_init_std: N(0, std) initialization of the projections (wo: out_init_std).
+        seed: the weights are drawn from this seed (CPU generator): the same seed gives the same
+            weights on any device and at any dtype.
+        device: where the module lives (built on the CPU, then moved).
+
+    forward(x, cu_seqlens=None, layout=None) -> [.., hidden] in the compute dtype, same layout as x.
+    Attention is causal (top-left) within each sequence; with thd, each sequence of cu_seqlens
+    attends only to itself and its RoPE positions restart at 0.
+    """
+
+    def __init__(self, hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, nope_dim: int = 128,
+                 rope_dim: int = 64, v_dim: int = 128, recipe: str = "bf16", yarn: Any = None, *,
+                 rope_base: float = 10000.0, max_seq_len: int = 4096, softmax_scale: Optional[float] = None,
+                 layout: str = "bshd", norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
+                 params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
+                 out_init_std: Optional[float] = None, seed: int = 0, device: Any = None):
+        super().__init__()
+        what = "mxmla.nn.MLA"
+        self.recipe = check_recipe(recipe, what)
+        self.dtype, params_dtype = resolve_dtypes(what, dtype, params_dtype)
+        dims = dict(hidden=hidden, heads=heads, kv_lora_rank=kv_lora_rank, nope_dim=nope_dim, rope_dim=rope_dim,
+                    v_dim=v_dim, max_seq_len=max_seq_len)
+        for k, v in dims.items():
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{what}: {k} must be a positive int, got {v!r}")
+        if not isinstance(q_lora_rank, int) or q_lora_rank < 0:
+            raise ValueError(f"{what}: q_lora_rank must be an int >= 0 (0: no q_a projection), got {q_lora_rank!r}")
+        if rope_dim % 2:
+            raise ValueError(f"{what}: rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"{what}: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.hidden, self.heads = hidden, heads
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = nope_dim, rope_dim, v_dim
+        self.qk_dim = nope_dim + rope_dim
+        self.max_seq_len, self.layout = max_seq_len, layout
+        self.yarn = yarn
+        self.softmax_scale = float(softmax_scale) if softmax_scale is not None else \
+            float(_rope.yarn_softmax_scale(self.qk_dim, yarn))
+
+        g = generator(seed)
+        out_std = init_std if out_init_std is None else out_init_std
+        lin = dict(recipe=recipe, dtype=self.dtype, params_dtype=params_dtype)
+        if q_lora_rank == 0:
+            self.wq = Linear(hidden, heads * self.qk_dim, init_std=init_std, seed=child_seed(g), **lin)
+        else:
+            self.wq_a = Linear(hidden, q_lora_rank, init_std=init_std, seed=child_seed(g), **lin)
+            self.q_norm = RMSNorm(q_lora_rank, norm_eps, params_dtype)
+            self.wq_b = Linear(q_lora_rank, heads * self.qk_dim, init_std=init_std, seed=child_seed(g), **lin)
+        self.wkv_a = Linear(hidden, kv_lora_rank + rope_dim, init_std=init_std, seed=child_seed(g), **lin)
+        self.kv_norm = RMSNorm(kv_lora_rank, norm_eps, params_dtype)
+        self.wkv_b = Linear(kv_lora_rank, heads * (nope_dim + v_dim), init_std=init_std, seed=child_seed(g), **lin)
+        self.wo = Linear(heads * v_dim, hidden, init_std=out_std, seed=child_seed(g), **lin)
+
+        # RoPE tables for positions 0 .. max_seq_len-1 (fp32, not part of the state dict)
+        cos, sin = _rope.rope_tables(torch.arange(max_seq_len), rope_dim, base=rope_base, yarn=yarn, style=ROPE_STYLE)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if device is not None:
+            self.to(device)
+
+    # ------------------------------------------------------------------ pieces
+    def _rope(self, x: torch.Tensor, layout: str, cu: Optional[List[int]]) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            return rope_torch(x, self.rope_cos, self.rope_sin, layout, self.rope_dim, cu)
+        return _rope.apply_rope(x, self.rope_cos, self.rope_sin, style=ROPE_STYLE, layout=layout,
+                                rope_dim=self.rope_dim, cu_seqlens=cu)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[.., h, s, d] -> [.., h, s, v_dim]: causal (top-left), one sequence per leading index."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
+                   cu: Optional[List[int]]) -> torch.Tensor:
+        if layout == "bshd":  # [b, s, h, d] -> [b, h, s, d]
+            return self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        if layout == "sbhd":  # [s, b, h, d] -> [b, h, s, d]
+            p = (1, 2, 0, 3)
+            return self._sdpa(q.permute(p), k.permute(p), v.permute(p)).permute(2, 0, 1, 3)
+        outs = []  # thd: each sequence on its own (its own causal mask, no attention across sequences)
+        for a, b in zip(cu, cu[1:]):
+            if b > a:
+                o = self._sdpa(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
+                outs.append(o.transpose(0, 1))
+        return torch.cat(outs, dim=0) if outs else q.new_zeros(0, self.heads, self.v_dim)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, cu_seqlens: CuSeqlens = None, layout: Optional[str] = None) -> torch.Tensor:
+        what = "mxmla.nn.MLA"
+        layout = self.layout if layout is None else layout
+        if layout not in LAYOUTS:
+            raise ValueError(f"{what}: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        want = 2 if layout == "thd" else 3
+        if x.dim() != want or x.shape[-1] != self.hidden:
+            shape = {"bshd": "[b, s, hidden]", "sbhd": "[s, b, hidden]", "thd": "[t, hidden]"}[layout]
+            raise ValueError(f"{what}: x must be {shape} with hidden={self.hidden} for layout '{layout}', "
+                             f"got {tuple(x.shape)}")
+        cu = None
+        if layout == "thd":
+            cu = cu_seqlens_list(what, cu_seqlens, x.shape[0])
+            longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        else:
+            if cu_seqlens is not None:
+                raise ValueError(f"{what}: cu_seqlens is for layout 'thd' (packed sequences), not '{layout}'")
+            longest = x.shape[1] if layout == "bshd" else x.shape[0]
+        if longest > self.max_seq_len:
+            raise ValueError(f"{what}: a sequence of {longest} tokens is longer than max_seq_len={self.max_seq_len}")
+
+        # query: low-rank projection, RMSNorm, up-projection; RoPE on the trailing rope_dim of each head
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = self._rope(q.unflatten(-1, (self.heads, self.qk_dim)), layout, cu)
+        # key / value: the compressed latent (kv) and the shared rope key (one head)
+        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_pe = self._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu)
+        kv = self.wkv_b(self.kv_norm(kv)).unflatten(-1, (self.heads, self.nope_dim + self.v_dim))
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
+        o = self._attention(q, k, v, layout, cu)
+        return self.wo(o.flatten(-2))
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, heads={self.heads}, q_lora_rank={self.q_lora_rank}, "
+                f"kv_lora_rank={self.kv_lora_rank}, nope_dim={self.nope_dim}, rope_dim={self.rope_dim}, "
+                f"v_dim={self.v_dim}, recipe={self.recipe!r}, dtype={self.dtype}, layout={self.layout!r}, "
+                f"softmax_scale={self.softmax_scale:.6g}, yarn={self.yarn!r}")

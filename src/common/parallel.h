@@ -1,0 +1,46 @@
+// mxmla internal — a small parallel loop, shared by the CPU references (src/cpu/) and the
+// command-line tool (tools/): plain std::thread workers pulling indices from one counter.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mxmla::detail {
+
+// The threads for CPU work: `requested` when > 0, else every core.
+inline int cpu_threads(int64_t requested) {
+  if (requested > 0) return static_cast<int>(requested);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// fn(i) for i in [0, n) on up to `threads` threads (the calling one included); the first
+// exception is rethrown after every thread has stopped.
+template <typename Fn>
+void parallel_for(int64_t n, int threads, Fn&& fn) {
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex em;
+  auto work = [&] {
+    for (int64_t i; (i = next.fetch_add(1)) < n;) {
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> g(em);
+        if (!error) error = std::current_exception();
+        next.store(n);
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < std::min<int64_t>(threads, n); ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace mxmla::detail

@@ -1,0 +1,425 @@
+"""The MXFP8 GEMM through Python (SPEC §6): the numpy path (CPU reference) against an independent float64
+GEMM written here on operands decoded here (ml_dtypes codes, 2^(e-127) scales, compact and F8_128x4
+indexing from SPEC §2.1) for the three GEMMs of a Linear (fprop, dgrad, wgrad) with token counts that
+leave tail blocks; integer-valued data bit for bit against an fp32 accumulation; bf16 operands; out,
+out_dtype, accumulate and alpha; the torch CPU path bit for bit against numpy; errors; the CUDA path
+(no kernel yet: a clear error, checked on the CPU through the core and on a GPU with torch); the custom
+ops, their fakes and torch.compile."""
+import math
+
+import numpy as np
+import pytest
+
+import mxmla
+from mxmla import _mxmla_core as core
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+try:
+    import torch
+except ImportError:  # torch is optional: its tests skip
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+HAVE_GPU = torch is not None and torch.cuda.is_available() and bool(mxmla.info()["gpus"]) and \
+    mxmla.info()["cuda_enabled"]
+needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible (or a CPU-only build): GPU test skipped")
+
+BF16 = ml_dtypes.bfloat16
+NOT_AVAILABLE = r"the CUDA MXFP8 GEMM kernel is not available in this build yet"
+
+
+# ----------------------------------------------------------------------------- the test's own oracle
+def np_(a):
+    """numpy view of a buffer (torch CPU tensors: the same bits)."""
+    if torch is not None and isinstance(a, torch.Tensor):
+        a = a.detach().cpu()
+        if a.dtype == torch.bfloat16:
+            return a.view(torch.int16).numpy().view(np.uint16).view(BF16)
+        return a.numpy()
+    return np.asarray(a)
+
+
+def f64(a):
+    """float64 values (uint16 arrays are bf16 bits)."""
+    a = np_(a)
+    return (a.view(BF16) if a.dtype == np.uint16 else a).astype(np.float64)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _swz(i, j, tiles_x):
+    return ((i // 128) * tiles_x + j // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + (j % 4)
+
+
+def decode(t, rowwise):
+    """The float64 values of one copy of a 2-D MXFP8Tensor (codes · 2^(e-127), e = 255 -> NaN)."""
+    d = "rowwise" if rowwise else "columnwise"
+    rows, cols = t.shape
+    fp8 = ml_dtypes.float8_e4m3fn if t.fp8_format == "e4m3" else ml_dtypes.float8_e5m2
+    codes = np_(getattr(t, f"{d}_data")).view(np.uint8).view(fp8).astype(np.float64)
+    s = np_(getattr(t, f"{d}_scale_inv")).view(np.uint8).reshape(-1).astype(np.int64)
+    r, c = np.arange(rows)[:, None], np.arange(cols)[None, :]
+    if rowwise:  # scale (r, c // 32) of [rows, cols / 32]; swizzled: i = row, j = block column
+        compact, i, j, tiles = r * (cols // 32) + c // 32, r, c // 32, _cdiv(cols // 32, 4)
+    else:  # scale (r // 32, c) of [ceil(rows / 32), cols]; swizzled: i = column, j = row block
+        compact, i, j, tiles = (r // 32) * cols + c, c, r // 32, _cdiv(_cdiv(rows, 32), 4)
+    e = s[_swz(i, j, tiles) if t.scale_layout == "swizzled" else compact]
+    return codes * np.where(e == 255, np.nan, np.exp2(e - 127.0))
+
+
+def oracle(a, b, trans_a=False, trans_b=True, alpha=1.0, d=None):
+    """(alpha · op(A) · op(B) (+ D) in float64, sum of |products| for the summation-order bound)."""
+    A = decode(a, not trans_a) if isinstance(a, mxmla.MXFP8Tensor) else f64(a)
+    B = decode(b, trans_b) if isinstance(b, mxmla.MXFP8Tensor) else f64(b)
+    A = A.T if trans_a else A
+    B = B.T if trans_b else B
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = alpha * (A @ B)
+        if d is not None:
+            v = v + f64(d)
+        mag = np.abs(A) @ np.abs(B)
+    return v, mag
+
+
+def assert_close(got, want, mag, bf16=True):
+    """got (bf16 or fp32) is want rounded once: within half an ulp of its format, plus the float64
+    summation-order difference between the library (k in order) and numpy's matmul."""
+    g = f64(got)
+    assert g.shape == want.shape
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(g), nan), "NaN positions differ"
+    ulp = 2.0 ** -8 if bf16 else 2.0 ** -23
+    with np.errstate(invalid="ignore", over="ignore"):
+        rounded = want.astype(BF16 if bf16 else np.float32).astype(np.float64)  # ±Inf past the format's range
+        ok = (g == rounded) | (np.abs(g - want) <= ulp * np.abs(want) + 1e-12 * mag + 1e-300)
+    assert ok[~nan].all(), f"{int((~ok & ~nan).sum())} outputs off, e.g. {g[~ok & ~nan][:3]} vs {want[~ok & ~nan][:3]}"
+
+
+def rand(shape, seed, lo=-3, hi=3):
+    """N(0, 1) rows times a power of two each (blocks with different scales)."""
+    g = np.random.default_rng(seed)
+    return (g.standard_normal(shape) * np.exp2(g.integers(lo, hi + 1, (shape[0], 1)))).astype(np.float32)
+
+
+def integers(shape, seed, lim=8, shift=0):
+    return np.ldexp(np.random.default_rng(seed).integers(-lim, lim + 1, shape), shift).astype(np.float32)
+
+
+def linear(T, K, N, fmt="e4m3", swizzle=False, seed=0, data=rand, lib="numpy"):
+    """x [T, K], W [N, K], dy [T, N] quantized in both directions."""
+    x, w, dy = data((T, K), seed), data((N, K), seed + 1), data((T, N), seed + 2)
+    if lib == "torch":
+        x, w, dy = (torch.from_numpy(v) for v in (x, w, dy))
+    return [mxmla.quantize(v, fp8_format=fmt, swizzle=swizzle) for v in (x, w, dy)]
+
+
+# the three GEMMs of a Linear: (name, operands from (x, w, dy), flags)
+DIRECTIONS = [("fprop", lambda x, w, dy: (x, w), dict()),
+              ("dgrad", lambda x, w, dy: (dy, w), dict(trans_b=False)),
+              ("wgrad", lambda x, w, dy: (dy, x), dict(trans_a=True, trans_b=False))]
+
+
+# ----------------------------------------------------------------------------- numpy: the CPU reference
+@pytest.mark.parametrize("T", [1, 31, 33, 100])
+@pytest.mark.parametrize("fmt,swizzle", [("e4m3", False), ("e4m3", True), ("e5m2", False)])
+def test_numpy_linear_three_directions(T, fmt, swizzle):
+    x, w, dy = linear(T, 96, 64, fmt, swizzle, seed=T)
+    for name, pick, flags in DIRECTIONS:
+        a, b = pick(x, w, dy)
+        got = mxmla.gemm(a, b, **flags)
+        want, mag = oracle(a, b, **flags)
+        assert got.dtype == np.uint16, name  # bf16 bits
+        assert_close(got, want, mag)
+
+
+@pytest.mark.parametrize("name,pick,flags", DIRECTIONS, ids=[d[0] for d in DIRECTIONS])
+def test_numpy_fp32_out_alpha_and_accumulate(name, pick, flags):
+    x, w, dy = linear(65, 64, 96, swizzle=True, seed=3)
+    a, b = pick(x, w, dy)
+    y = mxmla.gemm(a, b, out_dtype="float32", alpha=-0.75, **flags)
+    want, mag = oracle(a, b, alpha=-0.75, **flags)
+    assert y.dtype == np.float32
+    assert_close(y, want, mag, bf16=False)
+    d = np.random.default_rng(4).standard_normal(want.shape).astype(np.float32)
+    out = d.copy()
+    r = mxmla.gemm(a, b, out=out, accumulate=True, alpha=0.5, **flags)
+    assert r is out
+    want, mag = oracle(a, b, alpha=0.5, d=d, **flags)
+    assert_close(out, want, mag + np.abs(d), bf16=False)
+
+
+@pytest.mark.parametrize("fmt,lim", [("e4m3", 8), ("e5m2", 4)])
+@pytest.mark.parametrize("swizzle", [False, True])
+def test_numpy_integer_data_bit_for_bit(fmt, lim, swizzle):
+    """Small integers: quantization is exact, every fp32 partial sum too: the reference equals an fp32
+    accumulation exactly (what the GPU kernel will be held to)."""
+    data = lambda shape, seed: integers(shape, seed, lim, shift=seed % 3 - 1)  # noqa: E731
+    x, w, dy = linear(129, 96, 64, fmt, swizzle, seed=5, data=data)
+    for name, pick, flags in DIRECTIONS:
+        a, b = pick(x, w, dy)
+        want, _ = oracle(a, b, **flags)
+        A = decode(a, not flags.get("trans_a", False)).astype(np.float32)
+        B = decode(b, flags.get("trans_b", True)).astype(np.float32)
+        fp32 = (A.T if flags.get("trans_a") else A) @ (B.T if flags.get("trans_b", True) else B)  # fp32 sums
+        assert np.array_equal(fp32.astype(np.float64), want), name  # every sum exact
+        np.testing.assert_array_equal(mxmla.gemm(a, b, out_dtype="float32", **flags), fp32)
+        got = mxmla.gemm(a, b, out_dtype=BF16, **flags)
+        assert got.dtype == BF16
+        np.testing.assert_array_equal(got.view(np.uint16), fp32.astype(BF16).view(np.uint16))
+
+
+def test_numpy_special_scales_and_zero_blocks():
+    x = rand((40, 64), 0)
+    x[3, :32] = 0  # a zero block
+    x8, w8 = mxmla.quantize(x, swizzle=True), mxmla.quantize(rand((33, 64), 1))
+    scales = x8.rowwise_scale_inv.reshape(-1)  # F8_128x4: one tile across the 2 block columns
+    scales[_swz(5, 1, 1)] = 255  # NaN: row 5
+    scales[_swz(7, 0, 1)] = 254  # huge: row 7 near or past the top of the range (±Inf)
+    scales[_swz(9, 0, 1)] = 1    # tiny
+    want, mag = oracle(x8, w8)
+    for dt in ("bfloat16", "float32"):
+        got = mxmla.gemm(x8, w8, out_dtype=dt)
+        y = f64(got)
+        assert np.isnan(y[5]).all() and not np.isnan(np.delete(y, 5, axis=0)).any()
+        assert (np.abs(y[7]) > 1e30).all() and np.isinf(y[7]).any()  # 2^127-scaled: most overflow
+        assert_close(got, want, mag, bf16=dt == "bfloat16")
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 31, 33), (31, 33, 100), (100, 1, 31), (33, 100, 1)])
+@pytest.mark.parametrize("trans_a,trans_b", [(False, True), (False, False), (True, False), (True, True)])
+def test_numpy_bf16_operands(M, N, K, trans_a, trans_b):
+    a = rand((K, M) if trans_a else (M, K), 7).astype(BF16)
+    b = rand((N, K) if trans_b else (K, N), 8).astype(BF16)
+    y = mxmla.gemm(a, b, trans_a=trans_a, trans_b=trans_b)
+    assert y.dtype == BF16 and y.shape == (M, N)  # ml_dtypes operands: an ml_dtypes result
+    want, mag = oracle(a, b, trans_a, trans_b)
+    assert_close(y, want, mag)
+    y_bits = mxmla.gemm(a.view(np.uint16), b.view(np.uint16), trans_a=trans_a, trans_b=trans_b)
+    assert y_bits.dtype == np.uint16
+    np.testing.assert_array_equal(y_bits, y.view(np.uint16))
+
+
+def test_numpy_strided_out_and_operands():
+    x, w, _ = linear(33, 64, 32, seed=9)
+    base = np.full((33, 40), 7.0, np.float32)
+    out = base[:, :32]  # row stride 40
+    assert mxmla.gemm(x, w, out=out) is out
+    want, mag = oracle(x, w)
+    assert_close(out, want, mag, bf16=False)
+    assert (base[:, 32:] == 7.0).all()
+    a = rand((31, 100), 1).astype(BF16)
+    buf = np.zeros((31, 128), BF16)
+    buf[:, :100] = a
+    b = rand((5, 100), 2).astype(BF16)
+    np.testing.assert_array_equal(mxmla.gemm(buf[:, :100], b).view(np.uint16), mxmla.gemm(a, b).view(np.uint16))
+
+
+def test_numpy_empty_contraction_and_outputs():
+    # wgrad over no tokens: the columnwise copies of [0, K] tensors
+    dy, x = mxmla.quantize(np.zeros((0, 32), np.float32)), mxmla.quantize(np.zeros((0, 64), np.float32))
+    y = mxmla.gemm(dy, x, trans_a=True, trans_b=False, out_dtype="float32")
+    assert y.shape == (32, 64) and (y == 0).all()
+    d = np.ones((32, 64), np.float32)
+    mxmla.gemm(dy, x, trans_a=True, trans_b=False, out=d, accumulate=True)
+    assert (d == 1).all()
+    assert mxmla.gemm(dy, mxmla.quantize(np.zeros((5, 32), np.float32))).shape == (0, 5)
+
+
+# ----------------------------------------------------------------------------- torch on the CPU
+@needs_torch
+@pytest.mark.parametrize("fmt,swizzle", [("e4m3", True), ("e5m2", False)])
+def test_torch_cpu_matches_numpy(fmt, swizzle):
+    xt, wt, dyt = linear(33, 64, 96, fmt, swizzle, seed=11, lib="torch")
+    xn, wn, dyn = linear(33, 64, 96, fmt, swizzle, seed=11)
+    for name, pick, flags in DIRECTIONS:
+        for dt in ("bfloat16", "float32"):
+            t = mxmla.gemm(*pick(xt, wt, dyt), out_dtype=getattr(torch, dt), **flags)
+            n = mxmla.gemm(*pick(xn, wn, dyn), out_dtype=dt, **flags)
+            assert isinstance(t, torch.Tensor) and t.dtype == getattr(torch, dt), name
+            np.testing.assert_array_equal(np_(t).view(np.uint16 if dt == "bfloat16" else np.uint32),
+                                          n.view(np.uint16 if dt == "bfloat16" else np.uint32))
+    a, b = torch.randn(31, 40, dtype=torch.bfloat16), torch.randn(40, 17, dtype=torch.bfloat16)
+    y = mxmla.gemm(a, b, trans_b=False)
+    assert y.dtype == torch.bfloat16
+    np.testing.assert_array_equal(np_(y).view(np.uint16), mxmla.gemm(np_(a), np_(b), trans_b=False).view(np.uint16))
+
+
+@needs_torch
+def test_torch_out_and_accumulate():
+    x, w, dy = linear(40, 64, 32, seed=12, lib="torch")
+    main_grad = torch.randn(32, 64)
+    before = main_grad.clone()
+    r = mxmla.gemm(dy, x, trans_a=True, trans_b=False, out=main_grad, accumulate=True)
+    assert r is main_grad
+    want, mag = oracle(dy, x, trans_a=True, trans_b=False, d=before)
+    assert_close(main_grad, want, mag + np.abs(np_(before)), bf16=False)
+    base = torch.zeros(40, 48, dtype=torch.bfloat16)
+    out = base[:, 8:40]
+    mxmla.gemm(x, w, out=out)
+    assert torch.equal(out.view(torch.int16), mxmla.gemm(x, w).view(torch.int16))
+    assert (base[:, :8] == 0).all() and (base[:, 40:] == 0).all()
+
+
+# ----------------------------------------------------------------------------- errors
+def test_errors_python_arguments():
+    x, w, _ = linear(4, 64, 32)
+    g = mxmla.gemm
+    with pytest.raises(ValueError, match=r"mxmla.gemm: argument 'accumulate': adds into out"):
+        g(x, w, accumulate=True)
+    with pytest.raises(ValueError, match=r"argument 'out_dtype': float32 does not match out's dtype bfloat16"):
+        g(x, w, out=np.zeros((4, 32), np.uint16), out_dtype="float32")
+    with pytest.raises(ValueError, match=r"argument 'out_dtype': must be float32 or bfloat16"):
+        g(x, w, out_dtype="float16")
+    with pytest.raises(ValueError, match=r"argument 'trans_a': must be True or False"):
+        g(x, w, trans_a=1)
+    with pytest.raises(ValueError, match=r"argument 'alpha': must be a number"):
+        g(x, w, alpha="2")
+    with pytest.raises(TypeError, match=r"argument 'b': expected a torch.Tensor or numpy.ndarray, got list"):
+        g(x, [[1.0]])
+    with pytest.raises(TypeError, match=r"argument 'out': expected a torch.Tensor or numpy.ndarray"):
+        g(x, w, out=[0])
+
+
+def test_errors_from_the_core():
+    x, w, dy = linear(4, 64, 32)
+    g = mxmla.gemm
+    with pytest.raises(ValueError, match=r"mxmla.gemm: argument 'b': contraction length 32 \(b's leading dim, "
+                                         r"trans_b = false\) does not match a's K = 64"):
+        g(x, w, trans_b=False)
+    w_row = mxmla.quantize(np.ones((32, 64), np.float32), columnwise=False)
+    with pytest.raises(ValueError, match=r"argument 'b.columnwise_data': is absent: .*\(dgrad reads W's: blocks of 32 "
+                                         r"along N; .*quantize B with columnwise enabled"):
+        g(dy, w_row, trans_b=False)
+    x_col = mxmla.quantize(np.ones((4, 64), np.float32), rowwise=False)
+    with pytest.raises(ValueError, match=r"argument 'a.rowwise_data': is absent"):
+        g(x_col, w)
+    with pytest.raises(ValueError, match=r"argument 'b': is bfloat16 but a is MXFP8"):
+        g(x, np.ones((32, 64), BF16))
+    with pytest.raises(ValueError, match=r"argument 'b': FP8 format e5m2 differs from a's e4m3"):
+        g(x, mxmla.quantize(np.ones((32, 64), np.float32), fp8_format="e5m2"))
+    with pytest.raises(ValueError, match=r"argument 'a': dtype float32 must be bfloat16"):
+        g(np.ones((4, 64), np.float32), np.ones((32, 64), BF16))
+    with pytest.raises(ValueError, match=r"argument 'out': dtype bfloat16 must be float32 with accumulate"):
+        g(x, w, out=np.zeros((4, 32), BF16), accumulate=True)
+    with pytest.raises(ValueError, match=r"argument 'out': shape \[4, 31\] must be \[M, N\] = \[4, 32\]"):
+        g(x, w, out=np.zeros((4, 31), np.float32))
+    with pytest.raises(ValueError, match=r"argument 'alpha': must be finite"):
+        g(x, w, alpha=math.inf)
+    att = mxmla.quantize_attention(np.ones((32, 1, 1, 64), np.float32))
+    with pytest.raises(ValueError, match=r"argument 'a': is an attention hand-off tensor"):
+        g(att, w)
+    bad = mxmla.MXFP8Tensor((4, 64), "e4m3", "compact", x.rowwise_data, x.rowwise_scale_inv[:, :1])
+    with pytest.raises(ValueError, match=r"argument 'a.rowwise_scale_inv': shape \[4, 1\] must be \[4, 2\]"):
+        g(bad, w)
+
+
+@needs_torch
+def test_errors_torch():
+    a = torch.randn(4, 64, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"mxmla.gemm: argument 'a': requires grad, but gemm has no gradient"):
+        mxmla.gemm(a.clone().requires_grad_(), w)
+    with torch.no_grad():
+        assert mxmla.gemm(a.clone().requires_grad_(), w).shape == (4, 32)
+    with pytest.raises(RuntimeError, match=r"argument 'b': requires grad"):  # the custom op checks as well
+        torch.ops.mxmla.gemm(a, w.clone().requires_grad_(), None, None, "", "", False, True, 1.0, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"argument 'out': requires grad"):
+        mxmla.gemm(a, w, out=torch.zeros(4, 32, requires_grad=True))
+    with pytest.raises(TypeError, match=r"argument 'b': expected a torch.Tensor like argument 'a', got numpy.ndarray"):
+        mxmla.gemm(a, np_(w))
+    x8 = mxmla.quantize(a.float(), rowwise=False)
+    with pytest.raises(ValueError, match=r"argument 'a.rowwise_data': is absent"):
+        mxmla.gemm(x8, mxmla.quantize(w))
+
+
+# ----------------------------------------------------------------------------- the CUDA path
+def _cuda(desc):
+    """A descriptor marked cuda:0 (DLPack device type 2); its memory is never touched."""
+    return desc[:4] + (2, 0)
+
+
+def test_cuda_path_is_validated_then_not_available():
+    """Through the core with descriptors marked cuda:0 (runs without a GPU): a valid call says the kernel
+    is not in this build and what to do meanwhile; bad input keeps its own error."""
+    x, w, _ = linear(4, 64, 32)
+    y = np.zeros((4, 32), np.float32)
+
+    def desc(a, dt):
+        return _cuda((a.ctypes.data, dt, list(a.shape), [s // a.itemsize for s in a.strides], 1, 0))
+
+    def operand(t):
+        return (desc(t.rowwise_data, "uint8"), desc(t.rowwise_scale_inv, "uint8"), None, None, list(t.shape),
+                core.Fp8Format.e4m3, core.ScaleLayout.compact, core.QKVLayout.sbhd, False)
+
+    o = core.GemmOptions()
+    with pytest.raises(ValueError, match=r"mxmla.gemm: argument 'a': is on cuda:0, but " + NOT_AVAILABLE +
+                                         r" .*meanwhile dequantize both operands to bf16"):
+        core.gemm(operand(x), operand(w), desc(y, "float32"), o, 0)
+    assert (y == 0).all()
+    with pytest.raises(ValueError, match=r"argument 'out': shape \[4, 31\]"):
+        core.gemm(operand(x), operand(w), desc(y[:, :31], "float32"), o, 0)
+    o.accumulate = True
+    with pytest.raises(ValueError, match=r"argument 'out': dtype bfloat16 must be float32 with accumulate"):
+        core.gemm(operand(x), operand(w), desc(y.view(np.uint16)[:, :32], "bfloat16"), o, 0)
+    a, b = np.zeros((4, 8), np.uint16), np.zeros((8, 8), np.uint16)
+    with pytest.raises(ValueError, match=r"the CUDA bf16 GEMM kernel is not available in this build yet"):
+        core.gemm(desc(a, "bfloat16"), desc(b, "bfloat16"), desc(y[:, :8], "float32"), core.GemmOptions(), 0)
+
+
+@needs_gpu
+def test_cuda_tensors_raise_not_available():
+    x, w, _ = linear(4, 64, 32, lib="torch")
+    xc, wc = (mxmla.quantize(torch.from_numpy(f).cuda()) for f in (rand((4, 64), 0), rand((32, 64), 1)))
+    with pytest.raises(ValueError, match=NOT_AVAILABLE):
+        mxmla.gemm(xc, wc)
+    with pytest.raises(ValueError, match=r"the CUDA bf16 GEMM kernel is not available"):
+        mxmla.gemm(torch.ones(4, 64, device="cuda", dtype=torch.bfloat16),
+                   torch.ones(32, 64, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"argument 'b.rowwise_data': is on cpu:0 but a.rowwise_data is on cuda:0"):
+        mxmla.gemm(xc, w)
+
+
+# ----------------------------------------------------------------------------- custom ops, torch.compile
+@needs_torch
+def test_custom_ops_are_registered_with_fakes():
+    for name in ("gemm", "gemm_out"):
+        assert isinstance(getattr(torch.ops.mxmla, name).default, torch._ops.OpOverload)
+    a = torch.empty(40, 96, device="meta", dtype=torch.bfloat16)
+    b = torch.empty(96, 24, device="meta", dtype=torch.bfloat16)
+    y = torch.ops.mxmla.gemm(a, b, None, None, "", "", False, False, 1.0, torch.float32)
+    assert y.shape == (40, 24) and y.dtype == torch.float32 and y.device.type == "meta"
+    # MXFP8 operands: the codes read and the spec (quantized shape); wgrad dW [N, K] = dy[T, N]^T x[T, K]
+    dy = torch.empty(33, 64, device="meta", dtype=torch.uint8)
+    x = torch.empty(33, 96, device="meta", dtype=torch.uint8)
+    s = torch.empty(2, 64, device="meta", dtype=torch.uint8)
+    y = torch.ops.mxmla.gemm(dy, x, s, s, "e4m3:compact:-:33x64", "e4m3:compact:-:33x96", True, False, 1.0,
+                             torch.bfloat16)
+    assert y.shape == (64, 96) and y.dtype == torch.bfloat16
+
+
+def _same(a, b):
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype]))
+
+
+@needs_torch
+def test_compile_fullgraph_mxfp8_and_bf16():
+    x, w, dy = rand((33, 64), 0), rand((32, 64), 1), rand((33, 32), 2)
+    x, w, dy = (torch.from_numpy(v) for v in (x, w, dy))
+
+    def linear_step(x, w, dy, main_grad):
+        x8, w8, dy8 = (mxmla.quantize(t) for t in (x, w, dy))
+        y = mxmla.gemm(x8, w8)
+        dx = mxmla.gemm(dy8, w8, trans_b=False, out_dtype=torch.float32)
+        mxmla.gemm(dy8, x8, trans_a=True, trans_b=False, out=main_grad, accumulate=True, alpha=0.5)
+        yb = mxmla.gemm(x.bfloat16(), w.bfloat16())
+        return y, dx, yb, main_grad
+
+    eager = linear_step(x, w, dy, torch.ones(32, 64))
+    torch._dynamo.reset()
+    compiled = torch.compile(linear_step, fullgraph=True, backend="aot_eager")(x, w, dy, torch.ones(32, 64))
+    for e, c in zip(eager, compiled):
+        assert _same(e, c)

@@ -1,0 +1,474 @@
+"""mxmla.nn (MLA, RMSNorm, SwiGLU, Decoder) and examples/train_mla.py, on the CPU.
+
+MLA: shapes in sbhd / bshd / thd, the layouts agree, thd packed equals each sequence run alone,
+causality (within a sequence, and no attention across packed sequences), DeepSeek-V3's structure
+(parameter names and shapes, the shared k_pe, the softmax scale with YaRN), gradients reach every
+parameter, torch.autograd.gradcheck in float64 (the whole block, input and weights), the bf16 and
+fp32 blocks against a float64 copy with the same weights (stated bounds), mxmla.apply_rope against
+the plain-torch rotation the float64 path uses, torch.compile. RMSNorm and SwiGLU against their
+formulas. Decoder: deterministic weights from a seed, the state_dict round trip, it learns. The
+recipe "mxfp8" raises NotImplementedError naming what is missing. The training script runs end to
+end on a small fixture text (CSV, PNG when matplotlib is importable), two recipes from the same
+weights and data order give the same curve, and a missing corpus package says how to install it.
+"""
+import importlib.util
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import mxmla
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import mxmla.nn as mnn  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "train_mla.py"
+TEXT = pathlib.Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
+
+# a small MLA with every DeepSeek-V3 piece: q_lora_rank > 0, kv_lora_rank, nope / rope / v dims
+DIMS = dict(hidden=64, heads=4, q_lora_rank=32, kv_lora_rank=16, nope_dim=16, rope_dim=8, v_dim=16)
+TINY = dict(hidden=8, heads=2, q_lora_rank=6, kv_lora_rank=4, nope_dim=4, rope_dim=4, v_dim=3)  # gradcheck
+
+
+def mla(dtype=torch.float32, seed=0, **kw):
+    args = dict(DIMS, max_seq_len=64, init_std=0.1, dtype=dtype, seed=seed)
+    args.update(kw)
+    return mnn.MLA(**args)
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_mla", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ----------------------------------------------------------------------------- MLA: layouts and shapes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mla_shapes_and_layouts_agree(dtype):
+    m = mla(dtype)
+    x = randn(2, 10, 64, dtype=dtype)
+    y = m(x)                                                        # bshd [b, s, hidden]
+    assert y.shape == (2, 10, 64) and y.dtype == dtype
+    ys = m(x.transpose(0, 1).contiguous(), layout="sbhd")           # sbhd [s, b, hidden]
+    assert ys.shape == (10, 2, 64)
+    yt = m(x.reshape(20, 64), cu_seqlens=[0, 10, 20], layout="thd")  # thd [t, hidden], two sequences
+    assert yt.shape == (20, 64)
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ys.transpose(0, 1), y, **tol)
+    torch.testing.assert_close(yt.reshape(2, 10, 64), y, **tol)
+    # the module's default layout
+    assert mla(dtype, layout="sbhd")(x.transpose(0, 1)).shape == (10, 2, 64)
+
+
+def test_mla_thd_packed_equals_each_sequence_alone():
+    m = mla()
+    cu = [0, 5, 5, 12, 13, 21]  # an empty sequence and a one-token one among them
+    x = randn(21, 64, seed=1)
+    packed = m(x, cu_seqlens=torch.tensor(cu, dtype=torch.int32), layout="thd")
+    for a, b in zip(cu, cu[1:]):
+        if b > a:
+            alone = m(x[a:b].unsqueeze(0))[0]  # bshd, b = 1: positions from 0, its own causal mask
+            torch.testing.assert_close(packed[a:b], alone, atol=1e-6, rtol=1e-5)
+    # the packed run also matches a thd run of one sequence at a time
+    torch.testing.assert_close(m(x[12:21], layout="thd", cu_seqlens=[0, 1, 9])[1:], packed[13:21], atol=1e-6,
+                               rtol=1e-5)
+    # RoPE positions restart at 0 in every sequence (attention alone cannot tell: RoPE scores depend on
+    # relative positions only), so look at the rotation itself
+    q = randn(21, 4, 24, seed=2)
+    rotated = m._rope(q, "thd", cu)
+    for a, b in zip(cu, cu[1:]):
+        torch.testing.assert_close(rotated[a:b], m._rope(q[a:b].unsqueeze(0), "bshd", None)[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_mla_is_causal(layout):
+    m = mla()
+    x = randn(2, 12, 64, seed=2)
+    j = 7
+    x2 = x.clone()
+    x2[:, j] += 1.0  # change token j of every sequence
+    if layout == "sbhd":
+        y, y2 = m(x.transpose(0, 1), layout="sbhd").transpose(0, 1), m(x2.transpose(0, 1), layout="sbhd").transpose(0, 1)
+    else:
+        y, y2 = m(x), m(x2)
+    torch.testing.assert_close(y2[:, :j], y[:, :j], atol=1e-6, rtol=1e-6)   # earlier tokens: unchanged
+    assert (y2[:, j:] - y[:, j:]).abs().amax(dim=-1).min() > 1e-4           # token j and later: changed
+
+
+def test_mla_thd_sequences_do_not_see_each_other():
+    m = mla()
+    x = randn(16, 64, seed=3)
+    cu = [0, 6, 16]
+    y = m(x, cu_seqlens=cu, layout="thd")
+    x2 = x.clone()
+    x2[8] += 1.0  # a token of the second sequence
+    y2 = m(x2, cu_seqlens=cu, layout="thd")
+    torch.testing.assert_close(y2[:8], y[:8], atol=1e-6, rtol=1e-6)  # the first sequence, and its own past
+    assert (y2[8:] - y[8:]).abs().amax(dim=-1).min() > 1e-4
+
+
+def test_mla_input_errors():
+    m = mla()
+    with pytest.raises(ValueError, match="hidden=64"):
+        m(randn(2, 3, 32))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(randn(6, 64), cu_seqlens=[0, 4, 5], layout="thd")  # does not end at the token count
+    with pytest.raises(ValueError, match="cu_seqlens is for layout 'thd'"):
+        m(randn(1, 6, 64), cu_seqlens=[0, 6])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m(randn(1, 65, 64))
+    with pytest.raises(ValueError, match="layout"):
+        m(randn(1, 6, 64), layout="bhsd")
+    with pytest.raises(ValueError, match="rope_dim must be even"):
+        mla(rope_dim=7)
+
+
+# ----------------------------------------------------------------------------- MLA: DeepSeek-V3's structure
+def test_mla_has_deepseek_v3_structure():
+    m = mla()
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    h, H, qr, kr, dn, dr, dv = (DIMS[k] for k in ("hidden", "heads", "q_lora_rank", "kv_lora_rank", "nope_dim",
+                                                  "rope_dim", "v_dim"))
+    assert shapes == {"wq_a.weight": (qr, h), "q_norm.weight": (qr,), "wq_b.weight": (H * (dn + dr), qr),
+                      "wkv_a.weight": (kr + dr, h), "kv_norm.weight": (kr,), "wkv_b.weight": (H * (dn + dv), kr),
+                      "wo.weight": (h, H * dv)}
+    assert set(m.state_dict()) == set(shapes)  # the RoPE tables are buffers outside the state dict
+    # q_lora_rank = 0: one wq projection, as DeepSeek's model.py does then
+    m0 = mla(q_lora_rank=0)
+    assert {n for n, _ in m0.named_parameters()} == {"wq.weight", "wkv_a.weight", "kv_norm.weight", "wkv_b.weight",
+                                                     "wo.weight"}
+    assert m0(randn(1, 5, 64)).shape == (1, 5, 64)
+
+
+def test_mla_softmax_scale_and_yarn():
+    assert mla().softmax_scale == pytest.approx((16 + 8) ** -0.5)
+    full = mnn.MLA(7168, 1, 1536, 512, yarn="deepseek_v3", max_seq_len=8, dtype=torch.float32)  # DeepSeek-V3's dims
+    assert full.softmax_scale == pytest.approx(0.135234, abs=1e-6)  # 192^-0.5 · (0.1 ln 40 + 1)²
+    y = mla(yarn="deepseek_v3")
+    cos, _ = mxmla.rope_tables(torch.arange(64), 8, yarn="deepseek_v3", style="interleaved")
+    assert torch.equal(y.rope_cos, cos)
+    assert mla(softmax_scale=0.5).softmax_scale == 0.5
+
+
+def reference_mla(m, x):
+    """DeepSeek-V3's MLA written out in float64 with a complex-number RoPE (model.py's apply_rotary_emb)."""
+    P = {n: p.detach().double() for n, p in m.named_parameters()}
+    x = x.double()
+    b, s, _ = x.shape
+    H, dn, dr, dv, kr = m.heads, m.nope_dim, m.rope_dim, m.v_dim, m.kv_lora_rank
+
+    def norm(t, w):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def rot(t):  # t [b, s, h, dr]: pairs as complex numbers times e^{i·pos·freq}
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, dr, 2, dtype=torch.float64) / dr))
+        cis = torch.polar(torch.ones(s, dr // 2, dtype=torch.float64), torch.outer(torch.arange(s).double(), freqs))
+        c = torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(c * cis.view(1, s, 1, -1)).flatten(3)
+
+    q = (norm(x @ P["wq_a.weight"].T, P["q_norm.weight"]) @ P["wq_b.weight"].T).view(b, s, H, dn + dr)
+    q = torch.cat([q[..., :dn], rot(q[..., dn:])], -1)
+    kv = x @ P["wkv_a.weight"].T
+    c, k_pe = kv[..., :kr], rot(kv[..., kr:].unsqueeze(2))
+    kv = (norm(c, P["kv_norm.weight"]) @ P["wkv_b.weight"].T).view(b, s, H, dn + dv)
+    k = torch.cat([kv[..., :dn], k_pe.expand(b, s, H, dr)], -1)
+    scores = torch.einsum("bshd,bthd->bsht", q, k) * m.softmax_scale
+    scores = scores + torch.full((s, s), float("-inf"), dtype=torch.float64).triu(1)[None, :, None, :]
+    o = torch.einsum("bsht,bthd->bshd", scores.softmax(-1), kv[..., dn:])
+    return o.flatten(2) @ P["wo.weight"].T
+
+
+def test_mla_matches_deepseek_v3_written_out():
+    m = mla(torch.float64)
+    x = randn(2, 9, 64, seed=4, dtype=torch.float64)
+    # float64 throughout, except the module's RoPE tables: fp32 (cos / sin within 2^-24 absolute)
+    torch.testing.assert_close(m(x), reference_mla(m, x), atol=1e-7, rtol=1e-6)
+    m32 = mla(torch.float32)  # the same weights, mxmla.apply_rope on the rope parts
+    assert rel(m32(x.float()), reference_mla(m, x)) < 1e-5
+
+
+def test_apply_rope_matches_the_float64_rotation():
+    """The float64 path's plain-torch rotation is mxmla.apply_rope's "interleaved" style."""
+    from mxmla.nn.mla import rope_torch
+
+    cos, sin = mxmla.rope_tables(torch.arange(32), 8, style="interleaved")
+    for layout, shape, cu in (("bshd", (2, 11, 3, 20), None), ("sbhd", (11, 2, 3, 20), None),
+                              ("thd", (17, 3, 20), [0, 6, 6, 17])):
+        x = randn(*shape, seed=5)
+        ours = mxmla.apply_rope(x, cos, sin, style="interleaved", layout=layout, rope_dim=8, cu_seqlens=cu)
+        ref = rope_torch(x.double(), cos.double(), sin.double(), layout, 8, cu if cu else None)
+        torch.testing.assert_close(ours.double(), ref, atol=2e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------- MLA: gradients
+def test_mla_gradients_reach_every_parameter():
+    for kw in ({}, {"q_lora_rank": 0}):
+        m = mla(torch.bfloat16, **kw)
+        x = randn(2, 8, 64, seed=6, dtype=torch.bfloat16).requires_grad_()
+        m(x).float().square().sum().backward()
+        assert x.grad is not None and x.grad.abs().sum() > 0
+        for n, p in m.named_parameters():
+            assert p.grad is not None, n
+            assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, n
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_mla_gradcheck_float64(layout):
+    """torch.autograd.gradcheck of the whole block in float64 (tiny dims), in x and every weight."""
+    m = mnn.MLA(**TINY, max_seq_len=8, dtype=torch.float64, init_std=0.3, seed=1)
+    names = [n for n, _ in m.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for _, p in m.named_parameters()]
+    if layout == "bshd":
+        x = randn(2, 3, TINY["hidden"], seed=7, dtype=torch.float64).requires_grad_()
+        call = lambda x: (x,)  # noqa: E731
+    else:
+        x = randn(5, TINY["hidden"], seed=7, dtype=torch.float64).requires_grad_()
+        call = lambda x: (x, [0, 2, 5], "thd")  # noqa: E731
+
+    def f(x, *ps):
+        return torch.func.functional_call(m, dict(zip(names, ps)), call(x))
+
+    assert torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,bound", [
+    # bf16: every rounding is within 2^-9 relative; a path through the block meets at most ~16 of them
+    # (projections, norms, RoPE, attention, casts), so the relative error is below 16 · 2^-9 = 1/32
+    (torch.bfloat16, 16 * 2.0 ** -9),
+    # fp32: the same count of 2^-24 roundings plus sums of at most 64 terms
+    (torch.float32, 1e-5),
+])
+def test_mla_against_a_float64_copy(dtype, bound):
+    """The bf16 (and fp32) block, mxmla.apply_rope on its rope parts, against a float64 copy with the
+    same weights: output, dx and every weight's gradient within the stated relative (norm) bound."""
+    runs = []
+    for dt in (dtype, torch.float64):
+        m = mla(dt, seed=3)
+        x = randn(2, 24, 64, seed=8).to(torch.bfloat16).to(dt).requires_grad_()  # the same (bf16) values
+        dy = randn(2, 24, 64, seed=9)
+        y = m(x)
+        (y.double() * dy.double()).sum().backward()
+        runs.append((y, x.grad, {n: p.grad for n, p in m.named_parameters()}))
+    (y, dx, dw), (y64, dx64, dw64) = runs
+    assert rel(y, y64) < bound
+    assert rel(dx, dx64) < bound
+    for n in dw64:
+        assert rel(dw[n], dw64[n]) < bound, n
+
+
+def test_mla_torch_compile():
+    m = mla()
+    x = randn(2, 6, 64, seed=10)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), m(x), atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- RMSNorm, SwiGLU
+def test_rmsnorm_reference():
+    n = mnn.RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        n.weight.copy_(randn(48, seed=11))
+    x = randn(3, 5, 48, seed=12, dtype=torch.float64) * 3
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * n.weight.double()
+    torch.testing.assert_close(n(x), ref, atol=0, rtol=1e-6)  # float32 weight, float64 math
+    xb = x.to(torch.bfloat16)
+    yb = n(xb)
+    assert yb.dtype == torch.bfloat16
+    refb = xb.double() * torch.rsqrt(xb.double().pow(2).mean(-1, keepdim=True) + 1e-6) * n.weight.double()
+    torch.testing.assert_close(yb.double(), refb, atol=0, rtol=2.0 ** -8)  # one bf16 rounding of the fp32 result
+
+
+def test_swiglu_reference():
+    f = mnn.SwiGLU(16, 40, dtype=torch.float64, seed=2)
+    x = randn(4, 16, seed=13, dtype=torch.float64)
+    w1, w2, w3 = (getattr(f, k).weight for k in ("w1", "w2", "w3"))
+    a = x @ w1.T
+    torch.testing.assert_close(f(x), (a * torch.sigmoid(a) * (x @ w3.T)) @ w2.T, atol=1e-14, rtol=1e-12)
+    assert w1.shape == (40, 16) and w2.shape == (16, 40) and w3.shape == (40, 16)
+    assert f.w2.init_std == f.w1.init_std and mnn.SwiGLU(16, 40, out_init_std=0.001).w2.init_std == 0.001
+
+
+# ----------------------------------------------------------------------------- recipes
+def test_mxfp8_recipe_raises_naming_what_is_missing():
+    for make in (lambda: mnn.MLA(64, 4, 32, 16, 16, 8, 16, recipe="mxfp8"),
+                 lambda: mnn.Decoder(32, 1, 2, recipe="mxfp8"),
+                 lambda: mnn.Linear(8, 8, recipe="mxfp8"),
+                 lambda: mnn.SwiGLU(8, 16, recipe="mxfp8")):
+        with pytest.raises(NotImplementedError, match="MXFP8 GEMM.*MXFP8 attention backward"):
+            make()
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        mnn.MLA(64, 4, 32, 16, recipe="fp8")
+    assert mnn.RECIPES == ("bf16", "mxfp8")
+
+
+# ----------------------------------------------------------------------------- Decoder
+def decoder(**kw):
+    args = dict(hidden=32, layers=2, heads=2, max_seq_len=64, seed=0)
+    args.update(kw)
+    return mnn.Decoder(**args)
+
+
+def test_decoder_structure_and_shapes():
+    d = decoder()
+    names = {n for n, _ in d.named_parameters()}
+    assert {"embed", "norm.weight", "head.weight", "layers.0.attn_norm.weight", "layers.0.attn.wq_a.weight",
+            "layers.0.ffn_norm.weight", "layers.0.ffn.w1.weight", "layers.1.attn.wo.weight"} <= names
+    assert d.embed.shape == (256, 32) and d.head.weight.shape == (256, 32)
+    t = mnn.byte_tokens("hello, world")
+    assert t.dtype == torch.int64 and t.tolist() == list(b"hello, world")
+    logits = d(t.view(2, 6))
+    assert logits.shape == (2, 6, 256) and logits.dtype == torch.float32
+    packed = d(t, cu_seqlens=[0, 6, 12])  # thd: the same two sequences packed
+    torch.testing.assert_close(packed.view(2, 6, 256), logits, atol=2e-2, rtol=2e-2)
+    d32 = decoder(dtype=torch.float32)
+    torch.testing.assert_close(d32(t, cu_seqlens=[0, 6, 12]).view(2, 6, 256), d32(t.view(2, 6)), atol=1e-5,
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="tokens"):
+        d(t.view(1, 2, 6))
+
+
+def test_decoder_weights_deterministic_and_state_dict_round_trip():
+    a, b, c = decoder(seed=5), decoder(seed=5), decoder(seed=6)
+    sa = a.state_dict()
+    assert all(torch.equal(sa[k], v) for k, v in b.state_dict().items())
+    assert not torch.equal(sa["layers.0.attn.wq_a.weight"], c.state_dict()["layers.0.attn.wq_a.weight"])
+    # the same seed gives the same values at float64
+    d64 = decoder(seed=5, dtype=torch.float64)
+    assert torch.equal(d64.state_dict()["layers.1.ffn.w2.weight"], sa["layers.1.ffn.w2.weight"].double())
+    assert not any("rope" in k for k in sa)
+    c.load_state_dict(sa)
+    t = mnn.byte_tokens("state dict round trip").view(1, -1)
+    assert torch.equal(c(t), a(t))
+    # through a file, into a model built from another seed
+    import io
+
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    e = decoder(seed=9)
+    e.load_state_dict(torch.load(buf))
+    assert torch.equal(e(t), a(t))
+
+
+def test_decoder_learns():
+    torch.manual_seed(0)
+    data = mnn.byte_tokens(TEXT.read_text())
+    d = decoder(hidden=32, layers=1, heads=2)
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    seq, losses = 32, []
+    for _ in range(40):
+        starts = torch.randint(0, len(data) - seq - 1, (8,), generator=g)
+        w = torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
+        loss = d.loss(w[:, :-1], w[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(256), abs=0.2)  # uniform over bytes at the start
+    assert sum(losses[-5:]) / 5 < 0.65 * losses[0], losses
+
+
+# ----------------------------------------------------------------------------- examples/train_mla.py
+def _script_env():
+    env = dict(os.environ)
+    pkg_parent = str(pathlib.Path(mxmla.__file__).resolve().parents[1])  # the mxmla these tests import
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, as on a machine without a GPU
+    return env
+
+
+def test_train_script_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--text-file", str(TEXT), "--steps", "6", "--layers", "1",
+                        "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=_script_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "running a tiny configuration on the CPU" in r.stdout
+    assert "[bf16] step 6/6" in r.stdout and "final loss gap: only one recipe ran (bf16)" in r.stdout
+    rows = (out / "loss_bf16.csv").read_text().splitlines()
+    assert rows[0] == "step,loss" and len(rows) == 7
+    assert [int(l.split(",")[0]) for l in rows[1:]] == list(range(1, 7))
+    assert all(math.isfinite(float(l.split(",")[1])) for l in rows[1:])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in r.stdout
+    else:
+        assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_script_mxfp8_says_what_is_missing(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--text-file", str(TEXT), "--recipe", "bf16,mxfp8",
+                        "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env=_script_env())
+    assert r.returncode == 2
+    assert "--recipe mxfp8" in r.stderr and "MXFP8 GEMM" in r.stderr and "attention backward" in r.stderr
+    assert not list(tmp_path.iterdir())  # nothing trained
+
+
+def test_train_script_two_recipes_same_weights_and_data(tmp_path, monkeypatch, capsys):
+    """A second recipe slots in: here a stand-in that builds the bf16 model, so both runs start from
+    the same weights and see the same batches; the curves are identical and the gap is zero."""
+    tm = load_script()
+    build = tm.build_model
+    monkeypatch.setattr(tm, "build_model", lambda recipe, *a: build("bf16", *a))
+    assert tm.main(["--text-file", str(TEXT), "--recipe", "bf16,other", "--steps", "4", "--layers", "1",
+                    "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "2", "--device", "cpu",
+                    "--out", str(tmp_path)]) == 0
+    a, b = ((tmp_path / f"loss_{r}.csv").read_text() for r in ("bf16", "other"))
+    assert a == b
+    assert "final loss gap other - bf16: +0.0000 (training), +0.0000 (held-out)" in capsys.readouterr().out
+
+
+def test_train_script_corpus(tmp_path):
+    tm = load_script()
+    with pytest.raises(SystemExit, match="sudo apt-get install python3-doc"):
+        tm.load_corpus(root=tmp_path)  # no python3-doc here
+    src = tmp_path / "python3.11" / "html" / "_sources"
+    (src / "library").mkdir(parents=True)
+    (src / "b.rst.txt").write_bytes(b"second")
+    (src / "library" / "a.rst.txt").write_bytes(b"third")
+    (src / "a.rst.txt").write_bytes(b"first")
+    (src / "skip.html").write_bytes(b"not text")
+    data, source, name = tm.load_corpus(root=tmp_path)
+    assert data == b"first\nsecond\nthird" and "python3-doc" in source and "3 files" in source
+    train, held = tm.split_corpus(b"x" * 1000, 8)
+    assert len(train) == 990 and len(held) == 10
+    with pytest.raises(SystemExit, match="too few"):
+        tm.split_corpus(b"x" * 20, 16)
+    # the data order is the seed's
+    assert (tm.batch_offsets(1000, 8, 4, 3, seed=1) == tm.batch_offsets(1000, 8, 4, 3, seed=1)).all()
+
+
+def test_train_script_real_corpus_when_installed():
+    tm = load_script()
+    if tm.corpus_dir() is None:
+        pytest.skip("Debian's python3-doc is not installed: the default corpus is not here")
+    data, source, _ = tm.load_corpus()
+    assert len(data) > 5_000_000 and b"Python" in data[:100_000]
+
+
+def test_import_mxmla_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import mxmla\n"
+            "try:\n    import mxmla.nn\nexcept ImportError as e:\n    print('ImportError:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_script_env())
+    assert r.returncode == 0, r.stderr
+    assert "ImportError: mxmla.nn needs torch" in r.stdout
