@@ -1,7 +1,6 @@
 // mxmla — the MXFP8 GEMM API (include/mxmla/gemm.h, SPEC §6): validation, the copy each operand is
-// read through, dispatch to the CPU reference. The CUDA path has no kernel yet (the SM90 MXFP8 GEMM
-// comes later): a CUDA call is validated like a CPU one, then raises an Error that says what to do
-// meanwhile.
+// read through, dispatch: the CPU reference, or the SM90 MXFP8 GEMM (src/cuda/sm90_mxfp8_gemm.cu) for
+// MXFP8 operands on CUDA (bf16 operands on CUDA: a clear error).
 //
 // Operands. Each is stored as a 2-D matrix [rows, cols]; the contraction runs along its cols or its
 // rows, by the flags:
@@ -20,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "common/device.h"
 #include "common/gemm_ops.h"
 #include "common/text.h"
 #include "mxmla/gemm.h"
@@ -161,21 +161,16 @@ detail::GemmOperandView view_of(const Operand& op) {
   return v;
 }
 
-// The CUDA path until the SM90 kernel lands: what to do meanwhile.
-[[noreturn]] void no_cuda_kernel(const Device& dev, bool fp8) {
-  fail("a", "is on " + dev_str(dev) + ", but the CUDA " + (fp8 ? "MXFP8" : "bf16") +
-                " GEMM kernel is not available in this build yet (the SM90 kernel is in progress); meanwhile " +
-                (fp8 ? "dequantize both operands to bf16 through the copy each one is read by (mxmla::dequantize / "
-                       "mxmla.dequantize, rowwise or columnwise) and run a bf16 matmul (cuBLAS, torch.matmul): the "
-                       "products are the same exact values"
-                     : "run a bf16 matmul (cuBLAS, torch.matmul)") +
-                "; or call gemm on CPU tensors for the reference");
+// bf16 operands on CUDA: the SM90 kernel takes MXFP8 operands.
+[[noreturn]] void no_cuda_kernel(const Device& dev, bool /*fp8*/) {
+  fail("a", "is on " + dev_str(dev) + ", but the CUDA bf16 GEMM kernel is not available in this build yet (the SM90 "
+                "kernel takes MXFP8 operands); run a bf16 matmul (cuBLAS, torch.matmul), or call gemm on CPU tensors "
+                "for the reference");
 }
 
 }  // namespace
 
 void gemm(const GemmInput& a, const GemmInput& b, TensorDesc& out, const GemmOptions& opts, Stream stream) {
-  (void)stream;  // the CPU reference runs synchronously; the CUDA kernel will queue on it
   if (!std::isfinite(opts.alpha)) fail("alpha", "must be finite, got " + std::to_string(opts.alpha));
   const Operand A = read_operand("a", a, !opts.trans_a);
   const Operand B = read_operand("b", b, opts.trans_b);
@@ -229,8 +224,19 @@ void gemm(const GemmInput& a, const GemmInput& b, TensorDesc& out, const GemmOpt
   p.out = out.data, p.out_t = out.dtype, p.ld_out = M > 1 ? out.stride(0) : N;
   p.accumulate = opts.accumulate, p.alpha = opts.alpha;
 
-  // The SM90 kernel's launcher goes here (its own checks first: pointers, alignment, strides).
-  if (dev.type == DeviceType::kCUDA) no_cuda_kernel(dev, fp8);
+  if (dev.type == DeviceType::kCUDA) {
+    if (!fp8) no_cuda_kernel(dev, fp8);
+    if (M == 0 || N == 0) return;
+    const int index = dev.index;
+    detail::check_cuda_pointer(kOp, A.data_arg.c_str(), A.data->data, index);
+    detail::check_cuda_pointer(kOp, A.scale_arg.c_str(), A.scales->data, index);
+    detail::check_cuda_pointer(kOp, B.data_arg.c_str(), B.data->data, index);
+    detail::check_cuda_pointer(kOp, B.scale_arg.c_str(), B.scales->data, index);
+    detail::check_cuda_pointer(kOp, "out", out.data, index);
+    detail::CudaDeviceGuard guard(index);
+    detail::mxfp8_gemm_cuda(p, stream);
+    return;
+  }
   if (M == 0 || N == 0) return;
   detail::gemm_cpu(p);
 }

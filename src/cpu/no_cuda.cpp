@@ -4,6 +4,7 @@
 
 #include "common/device.h"
 #include "common/attention_ops.h"
+#include "common/gemm_ops.h"
 #include "common/ops.h"
 
 namespace mxmla {
@@ -20,6 +21,7 @@ void dequantize_cuda(const DequantizeProblem&, Stream) { no_cuda("mxmla.dequanti
 void remap_scales_cuda(const std::vector<RemapProblem>&, Stream) { no_cuda("mxmla.remap_scales", "input"); }
 void attention_fwd_cuda(const AttentionProblem&, Stream) { no_cuda("mxmla.attention", "q"); }
 bool attention_cuda_supports(int64_t, int64_t) { return false; }
+void mxfp8_gemm_cuda(const GemmProblem&, Stream) { no_cuda("mxmla.gemm", "a"); }
 
 }  // namespace detail
 

@@ -22,6 +22,7 @@
 #include <memory>
 #include <sstream>
 
+#include "common/mxfp8_common.h"
 #include "cpu/reference.h"
 #include "mxmla/gemm.h"
 #include "test_util.h"
@@ -601,19 +602,15 @@ void on_cuda(Call& a, int index = 0) {
 
 // Runs on the CPU: descriptors marked cuda:0 over host memory that is never touched. Every rule
 // is checked before the CUDA path says it has no kernel, so bad input keeps its own error.
-TEST(GemmCudaPath, ValidationFirstThenNotAvailable) {
-  const std::string rule = "is on cuda:0, but the CUDA MXFP8 GEMM kernel is not available in this build yet";
+TEST(GemmCudaPath, ValidationFirstThenPointers) {
   {
     Call a;
     on_cuda(a);
     std::fill(a.ob.begin(), a.ob.end(), 7.0f);
-    expect_error([&] { a.mx(); }, "a", rule);
-    expect_error([&] { a.mx(); }, "a", "meanwhile dequantize both operands to bf16");
+    expect_error([&] { a.mx(); }, "a.rowwise_data", "cuda:0");  // host memory described as CUDA
     for (float v : a.ob) ASSERT_EQ(v, 7.0f) << "nothing is written";
     expect_error([&] { a.bf(); }, "a", "the CUDA bf16 GEMM kernel is not available in this build yet");
     expect_error([&] { a.bf(); }, "a", "run a bf16 matmul");
-    a.out.shape = {0, 32}, a.xm.shape = {0, 64}, a.xm.rowwise_data.shape = {0, 64}, a.xm.rowwise_scale_inv.shape = {0, 2};
-    expect_error([&] { a.mx(); }, "a", rule);  // even with nothing to compute
   }
   auto cuda = [](auto mutate) {
     return [mutate] {
@@ -633,21 +630,157 @@ TEST(GemmCudaPath, ValidationFirstThenNotAvailable) {
   expect_error(cuda([](Call& a) { a.out.device = Device{}; }), "out", "is on cpu:0 but a.rowwise_data is on cuda:0");
 }
 
-// On a GPU: device buffers, the same answer.
-TEST(GemmCudaPath, DeviceBuffersRaiseNotAvailable) {
+#if MXMLA_WITH_CUDA
+// An operand's MXFP8 buffers copied to the GPU with the same strides: a device MXFP8Tensor.
+struct DevOp {
+  util::DeviceBuffer rc, rs, cc, cs;
+  MXFP8Tensor mx;
+  explicit DevOp(const QOp& o) : rc(o.rc_ld.size()), rs(o.rs.size()), cc(o.cc_ld.size()), cs(o.cs.size()) {
+    rc.upload(o.rc_ld.data()), rs.upload(o.rs.data()), cc.upload(o.cc_ld.data()), cs.upload(o.cs.data());
+    mx = o.mx;
+    const Device d{DeviceType::kCUDA, 0};
+    mx.rowwise_data.data = rc.ptr, mx.rowwise_scale_inv.data = rs.ptr;
+    mx.columnwise_data.data = cc.ptr, mx.columnwise_scale_inv.data = cs.ptr;
+    for (TensorDesc* t : {&mx.rowwise_data, &mx.rowwise_scale_inv, &mx.columnwise_data, &mx.columnwise_scale_inv})
+      t->device = d;
+  }
+};
+
+// run_gemm on the GPU: the same output buffer (padding 0xAB, D preloaded), read back.
+RunResult run_gemm_gpu(const QOp& A, const QOp& B, bool ta, bool tb, int64_t M, int64_t N, const Out& o) {
+  DevOp da(A), db(B);
+  const int64_t ld = N + o.pad, es = dtype_size(o.t);
+  std::vector<uint8_t> buf(static_cast<size_t>(std::max<int64_t>(M * ld, 1) * es), 0xAB);
+  const std::vector<float> d = initial_d(M, N);
+  if (o.acc)
+    for (int64_t m = 0; m < M; ++m) std::memcpy(&buf[(m * ld) * 4], &d[m * N], N * 4);
+  util::DeviceBuffer dout(buf.size());
+  dout.upload(buf.data());
+  TensorDesc out(dout.ptr, o.t, {M, N}, Device{DeviceType::kCUDA, 0}, {ld, 1});
+  GemmOptions opts;
+  opts.trans_a = ta, opts.trans_b = tb, opts.accumulate = o.acc, opts.alpha = o.alpha;
+  gemm({nullptr, &da.mx}, {nullptr, &db.mx}, out, opts);
+  MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
+  buf = dout.download<uint8_t>();
+  RunResult r;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      uint32_t w = 0;
+      std::memcpy(&w, &buf[(m * ld + n) * es], es);
+      r.words.push_back(w);
+    }
+    for (int64_t n = N; n < ld; ++n)
+      for (int64_t b = 0; b < es; ++b) r.untouched_bad += buf[(m * ld + n) * es + b] != 0xAB;
+  }
+  return r;
+}
+#endif
+
+// On integer data every fp32 partial sum is exact: the kernel's output equals the reference's bit
+// for bit, in all three directions.
+class GemmGpuExact : public ::testing::TestWithParam<ECase> {};
+TEST_P(GemmGpuExact, MatchesReferenceBitForBit) {
   MXMLA_REQUIRE_GPU();
 #if MXMLA_WITH_CUDA
-  Call a;
-  util::DeviceBuffer xc(a.x->rc.size()), xs(a.x->rs.size()), wc(a.w->rc.size()), ws(a.w->rs.size()), o(a.ob.size() * 4);
-  xc.upload(a.x->rc.data()), xs.upload(a.x->rs.data()), wc.upload(a.w->rc.data()), ws.upload(a.w->rs.data());
-  on_cuda(a);
-  a.xm.rowwise_data.data = xc.ptr, a.xm.rowwise_scale_inv.data = xs.ptr;
-  a.wm.rowwise_data.data = wc.ptr, a.wm.rowwise_scale_inv.data = ws.ptr;
-  a.xm.rowwise_data.strides = a.wm.rowwise_data.strides = {};
-  a.out.data = o.ptr;
-  expect_error([&] { a.mx(); }, "a", "is on cuda:0, but the CUDA MXFP8 GEMM kernel is not available in this build yet");
+  const ECase c = GetParam();
+  const auto x = make_op(c.T, c.K, Fill::kInteger, c.fmt, c.swz, 5, 0, c.shift_x);
+  const auto w = make_op(c.N, c.K, Fill::kInteger, c.fmt, !c.swz, 6, 0, c.shift_w);
+  const auto dy = make_op(c.T, c.N, Fill::kInteger, c.fmt, c.swz, 7, 0, c.shift_x);
+  struct Dir {
+    const QOp *A, *B;
+    bool ta, tb;
+    const char* what;
+  };
+  for (const Dir& d : {Dir{x.get(), w.get(), false, true, "fprop"}, Dir{dy.get(), w.get(), false, false, "dgrad"},
+                       Dir{dy.get(), x.get(), true, false, "wgrad"}}) {
+    const int64_t M = d.ta ? d.A->cols : d.A->rows, N = d.tb ? d.B->rows : d.B->cols;
+    const RunResult want = run_gemm(*d.A, *d.B, true, d.ta, d.tb, M, N, c.out);
+    const RunResult got = run_gemm_gpu(*d.A, *d.B, d.ta, d.tb, M, N, c.out);
+    int64_t bad = 0;
+    std::string first;
+    for (int64_t i = 0; i < M * N; ++i)
+      if (got.words[i] != want.words[i] && bad++ == 0) first = where(i, N);
+    EXPECT_EQ(bad, 0) << d.what << ": " << bad << " of " << M * N << " outputs differ; first at " << first;
+    EXPECT_EQ(got.untouched_bad, 0) << d.what << ": bytes past N in a row of out were written";
+  }
 #endif
 }
+INSTANTIATE_TEST_SUITE_P(Cases, GemmGpuExact, ::testing::ValuesIn(exact_cases()));
+
+// Random data (and special scales): within the fp32-accumulation bound of the float64 reference,
+// |got - ref| <= K * 2^-23 * sum |a b| + the output rounding; NaN exactly where the reference has it.
+struct RndCase {
+  int64_t T, K, N;
+  Fill fill;
+  Fp8Format fmt;
+  bool swz;
+  Out out;
+};
+class GemmGpuRandom : public ::testing::TestWithParam<RndCase> {};
+TEST_P(GemmGpuRandom, WithinTheFp32AccumulationBound) {
+  MXMLA_REQUIRE_GPU();
+#if MXMLA_WITH_CUDA
+  const RndCase c = GetParam();
+  const auto x = make_op(c.T, c.K, c.fill, c.fmt, c.swz, 11);
+  const auto w = make_op(c.N, c.K, c.fill, c.fmt, !c.swz, 12);
+  const auto dy = make_op(c.T, c.N, c.fill, c.fmt, c.swz, 13);
+  struct Dir {
+    const QOp *A, *B;
+    bool ta, tb;
+    const char* what;
+  };
+  for (const Dir& d : {Dir{x.get(), w.get(), false, true, "fprop"}, Dir{dy.get(), w.get(), false, false, "dgrad"},
+                       Dir{dy.get(), x.get(), true, false, "wgrad"}}) {
+    if (!d.A->fp8 || !d.B->fp8) continue;  // a rowwise copy needs a contraction of whole blocks
+    const int64_t M = d.ta ? d.A->cols : d.A->rows, K = d.ta ? d.A->rows : d.A->cols, N = d.tb ? d.B->rows : d.B->cols;
+    const RunResult got = run_gemm_gpu(*d.A, *d.B, d.ta, d.tb, M, N, c.out);
+    const std::vector<float> D = initial_d(M, N);
+    int64_t bad = 0;
+    std::string first;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double sum = 0, abs_sum = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          const double a = d.A->value(!d.ta, d.ta ? k : m, d.ta ? m : k);
+          const double b = d.B->value(d.tb, d.tb ? n : k, d.tb ? k : n);
+          sum += a * b, abs_sum += std::fabs(a * b);
+        }
+        double ref = sum * c.out.alpha;
+        if (c.out.acc) ref += D[m * N + n];
+        const uint32_t w = got.words[m * N + n];
+        const double g = c.out.t == DType::kBFloat16 ? ref::bf16_to_double(static_cast<uint16_t>(w))
+                                                     : static_cast<double>(detail::u32_as_f32(w));
+        bool ok;
+        if (std::isnan(ref)) ok = std::isnan(g);
+        else {
+          const double tol = K * std::ldexp(1.0, -23) * abs_sum * std::fabs(c.out.alpha) +
+                             std::ldexp(std::fabs(ref), c.out.t == DType::kBFloat16 ? -8 : -23) + 1e-30;
+          ok = std::fabs(g - ref) <= tol;
+        }
+        if (!ok && bad++ == 0) {
+          std::ostringstream e;
+          e << where(m * N + n, N) << ": got " << g << ", want " << ref;
+          first = e.str();
+        }
+      }
+    EXPECT_EQ(bad, 0) << d.what << ": " << bad << " of " << M * N << " outside the bound; first " << first;
+    EXPECT_EQ(got.untouched_bad, 0) << d.what;
+  }
+#endif
+}
+std::vector<RndCase> gpu_random_cases() {
+  std::vector<RndCase> v;
+  const Out bf{}, f32acc{DType::kFloat32, true, 0.5, 0}, f32pad{DType::kFloat32, false, 1.0, 3};
+  for (int64_t T : {1, 31, 33, 257})
+    for (int64_t K : {32, 160}) v.push_back({T, K, 64, Fill::kRandom, Fp8Format::kE4M3, false, bf});
+  v.push_back({1000, 1536, 130, Fill::kRandom, Fp8Format::kE4M3, true, bf});
+  v.push_back({300, 256, 96, Fill::kRandom, Fp8Format::kE5M2, false, f32acc});
+  v.push_back({129, 96, 33, Fill::kRandom, Fp8Format::kE4M3, true, f32pad});
+  v.push_back({100, 128, 64, Fill::kSpecial, Fp8Format::kE4M3, false, bf});
+  v.push_back({100, 128, 64, Fill::kSpecial, Fp8Format::kE5M2, true, f32acc});
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Cases, GemmGpuRandom, ::testing::ValuesIn(gpu_random_cases()));
 
 }  // namespace
 }  // namespace mxmla

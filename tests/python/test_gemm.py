@@ -26,7 +26,6 @@ HAVE_GPU = torch is not None and torch.cuda.is_available() and bool(mxmla.info()
 needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible (or a CPU-only build): GPU test skipped")
 
 BF16 = ml_dtypes.bfloat16
-NOT_AVAILABLE = r"the CUDA MXFP8 GEMM kernel is not available in this build yet"
 
 
 # ----------------------------------------------------------------------------- the test's own oracle
@@ -341,9 +340,10 @@ def _cuda(desc):
     return desc[:4] + (2, 0)
 
 
-def test_cuda_path_is_validated_then_not_available():
-    """Through the core with descriptors marked cuda:0 (runs without a GPU): a valid call says the kernel
-    is not in this build and what to do meanwhile; bad input keeps its own error."""
+def test_cuda_path_is_validated_first():
+    """Through the core with descriptors marked cuda:0 (runs without a GPU): host memory described as
+    CUDA is refused before anything runs; bad input keeps its own error; bf16 operands have no CUDA
+    kernel."""
     x, w, _ = linear(4, 64, 32)
     y = np.zeros((4, 32), np.float32)
 
@@ -355,8 +355,7 @@ def test_cuda_path_is_validated_then_not_available():
                 core.Fp8Format.e4m3, core.ScaleLayout.compact, core.QKVLayout.sbhd, False)
 
     o = core.GemmOptions()
-    with pytest.raises(ValueError, match=r"mxmla.gemm: argument 'a': is on cuda:0, but " + NOT_AVAILABLE +
-                                         r" .*meanwhile dequantize both operands to bf16"):
+    with pytest.raises(ValueError, match=r"mxmla.gemm: argument 'a.rowwise_data': .*cuda:0"):
         core.gemm(operand(x), operand(w), desc(y, "float32"), o, 0)
     assert (y == 0).all()
     with pytest.raises(ValueError, match=r"argument 'out': shape \[4, 31\]"):
@@ -370,11 +369,17 @@ def test_cuda_path_is_validated_then_not_available():
 
 
 @needs_gpu
-def test_cuda_tensors_raise_not_available():
-    x, w, _ = linear(4, 64, 32, lib="torch")
-    xc, wc = (mxmla.quantize(torch.from_numpy(f).cuda()) for f in (rand((4, 64), 0), rand((32, 64), 1)))
-    with pytest.raises(ValueError, match=NOT_AVAILABLE):
-        mxmla.gemm(xc, wc)
+def test_cuda_tensors_match_the_reference():
+    """The SM90 kernel against the CPU reference on the same MXFP8 operands, the three directions of a
+    Linear (within the fp32-accumulation bound; the C++ suite compares integer data bit for bit)."""
+    f = [rand(s, i) for i, s in enumerate(((100, 96), (64, 96), (100, 64)))]  # x [T, K], W [N, K], dy [T, N]
+    cpu = [mxmla.quantize(torch.from_numpy(t)) for t in f]
+    gpu = [mxmla.quantize(torch.from_numpy(t).cuda()) for t in f]
+    for ta, tb, ia, ib in ((False, True, 0, 1), (False, False, 2, 1), (True, False, 2, 0)):
+        want = mxmla.gemm(cpu[ia], cpu[ib], trans_a=ta, trans_b=tb, out_dtype="float32")
+        got = mxmla.gemm(gpu[ia], gpu[ib], trans_a=ta, trans_b=tb, out_dtype="float32").cpu()
+        scale = want.abs().max().item() + 1e-30
+        assert (got - want).abs().max().item() <= 1e-5 * scale * 96, (ta, tb)
     with pytest.raises(ValueError, match=r"the CUDA bf16 GEMM kernel is not available"):
         mxmla.gemm(torch.ones(4, 64, device="cuda", dtype=torch.bfloat16),
                    torch.ones(32, 64, device="cuda", dtype=torch.bfloat16))
