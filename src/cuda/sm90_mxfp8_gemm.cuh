@@ -9,7 +9,9 @@
 // accumulator with the product of the two block scales: acc += tmp · (fa_row · fb_col), two fp32
 // operations per output element and 32 of K (DeepGEMM's `sm90_mxfp8_fp8_gemm_1d2d` idea, with
 // per-column B scales). The factors 2^(e − 127) are exact fp32 numbers (e = 0: 2^−127, e = 255:
-// NaN); their product is exact unless it leaves fp32's range.
+// NaN); their product is exact unless it leaves fp32's range. Precision: the 32 products of one block
+// are exact, but the FP8 tensor cores add them with an adder of about 14 bits (DeepSeek-V3 §3.3.2);
+// across blocks the sums are fp32. Integer data whose partial sums fit 14 bits come out exactly.
 //
 // Roles: warp 0 of warpgroup 0 issues the TMA loads (A and B tiles of 128 x 128 bytes with the
 // 128-byte swizzle, and each tile's two 512-byte scale tiles by bulk copy) into a kStages ring;

@@ -707,8 +707,11 @@ TEST_P(GemmGpuExact, MatchesReferenceBitForBit) {
 }
 INSTANTIATE_TEST_SUITE_P(Cases, GemmGpuExact, ::testing::ValuesIn(exact_cases()));
 
-// Random data (and special scales): within the fp32-accumulation bound of the float64 reference,
-// |got - ref| <= K * 2^-23 * sum |a b| + the output rounding; NaN exactly where the reference has it.
+// Random data (and special scales): within the accumulation bound of the float64 reference. Across
+// the 32-wide blocks the kernel sums in fp32; inside one block the FP8 tensor cores add the 32 exact
+// products with their own adder, which keeps about 14 bits (DeepSeek-V3 §3.3.2, SPEC §7): the bound
+// is 2^-10 * sum |a b| + the output rounding. NaN exactly where the reference has it. (Integer data,
+// whose every partial sum fits 14 bits, is compared bit for bit above.)
 struct RndCase {
   int64_t T, K, N;
   Fill fill;
@@ -753,7 +756,7 @@ TEST_P(GemmGpuRandom, WithinTheFp32AccumulationBound) {
         bool ok;
         if (std::isnan(ref)) ok = std::isnan(g);
         else {
-          const double tol = K * std::ldexp(1.0, -23) * abs_sum * std::fabs(c.out.alpha) +
+          const double tol = std::ldexp(1.0, -10) * abs_sum * std::fabs(c.out.alpha) +
                              std::ldexp(std::fabs(ref), c.out.t == DType::kBFloat16 ? -8 : -23) + 1e-30;
           ok = std::fabs(g - ref) <= tol;
         }
