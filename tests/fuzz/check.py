@@ -611,12 +611,12 @@ def _outside_view(op: str, cfg: dict, ins: dict, outs: dict) -> list:
 KNOWN_ISSUES = {
     # id: (description, predicate(cfg, mismatch)). Fixed issues are removed (docs/testing.md lists
     # them).
-    "KI-1": ("mxmla.attention(layout=None) decides the format from an MXFP8Tensor's quantized `shape`, not "
-             "from its codes: thd operands quantized as [t, h*d] (codes viewed [t, h, d]) resolve to sbhd "
-             "(or 'k / v are 4-D') and raise, although the codes are 3-D and cu_seqlens are given",
-             lambda cfg, m: cfg["op"] == "attention" and cfg["q_format"] == "thd" and cfg["layout_arg"] == "none"
-             and m.output == "<call>" and ("format 'sbhd' needs a 4-D tensor" in m.note
-                                           or "q is 3-D (thd) and k / v are 4-D" in m.note)),
+    "KI-2": ("attention on CUDA, causal: a non-finite V value at a key that is masked for a row but lies in a "
+             "128-key tile the kernel processes for that row reaches the row's O as 0 * NaN = NaN (the tensor "
+             "cores multiply the whole tile; SPEC §5 and the CPU reference leave masked keys out). Predicted by "
+             "reading the kernel; to be confirmed on a GPU (README: attention caveats)",
+             lambda cfg, m: cfg["op"] == "attention" and m.what == "cuda vs cpu"
+             and "v_nonfinite_causal" in cfg.get("tags", ())),
 }
 
 
