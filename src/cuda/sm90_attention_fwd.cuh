@@ -13,6 +13,9 @@
 // the V scale factors. bf16 tiles are 64-column blocks of
 // [128 rows][128 B] with the 128-byte swizzle; FP8 staging tiles 64-byte blocks with the 64-byte
 // swizzle (conflict-free row-per-thread reads).
+// thd: a sequence's last key tile may reach into the next sequence's tokens; those keys are masked
+// (P = 0), FP8 rows outside the sequence are dequantized to zeros, bf16 rows are read as they are
+// (so ±Inf / NaN there would give 0·Inf = NaN: documented in the README).
 // Work order: heads in groups whose K/V fit in L2 together; inside a group the query blocks with
 // the most keys first (causal), all heads of the group per query block.
 #pragma once
