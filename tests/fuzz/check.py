@@ -111,7 +111,7 @@ TOLERANCE_OUTPUTS = {"attention": ("o", "lse"), "gemm": ("d",)}
 # The SM90 MXFP8 GEMM kernel is not written yet: mxmla.gemm on CUDA tensors raises this error, and the
 # GPU check expects it (the CPU side still runs against the oracle). When the kernel lands, set this
 # to True: the GPU check then compares it with the CPU reference (gemm_pair below).
-GEMM_CUDA_KERNEL = False
+GEMM_CUDA_KERNEL = True
 GEMM_CUDA_ERROR = r"mxmla\.gemm: argument 'a': is on cuda:\d+, but the CUDA (MXFP8|bf16) GEMM kernel is not available"
 
 
