@@ -214,10 +214,17 @@ def _operand_kind(op: str, q: Any, k: Any, v: Any) -> bool:
 
 
 def _default_format(op: str, arg: str, q: Any, k: Any, v: Any, mx: bool) -> str:
-    """The format when the caller names none: 3-D tensors are thd; MXFP8 tensors from
-    quantize_attention say theirs; otherwise TransformerEngine's default, sbhd."""
+    """The format when the caller names none: 3-D tensors (MXFP8: 3-D codes) are thd; MXFP8 tensors
+    from quantize_attention say theirs; otherwise TransformerEngine's default, sbhd."""
+    def ndim(t: Any) -> int:  # an MXFP8 tensor's codes, not its quantized shape ([t, h*d] for thd codes [t, h, d])
+        if mx:
+            for codes in (t.rowwise_data, t.columnwise_data):
+                if codes is not None:
+                    return len(codes.shape)
+        return len(t.shape)
+
     def known(t: Any) -> Optional[str]:
-        if len(t.shape) == 3:
+        if ndim(t) == 3:
             return "thd"
         if mx and t.attention and len(t.shape) == 4:
             return t.layout

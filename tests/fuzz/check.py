@@ -1,7 +1,8 @@
-"""The checker: byte comparison of outputs (device against device, or against the oracle) and the
-invariants that hold whatever the oracle says (shapes and dtypes, zero padding, swizzle round
-trips, the MX error bound of dequantize(quantize(x)), README's NaN / Inf policy, bytes outside a
-view untouched)."""
+"""The checker: byte comparison of outputs (device against device, or against the oracle; the float
+outputs of attention and gemm against the oracle's intervals, and device against the reference
+within the kernels' bounds) and the invariants that hold whatever the oracle says (shapes and
+dtypes, zero padding, swizzle round trips, the MX error bound of dequantize(quantize(x)), README's
+NaN / Inf policy, bytes outside a view untouched)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import fp
+from .oracle import Tol
 from .runner import Out, out_from_bits
 
 CODE_DTYPES = {"uint8", "float8_e4m3fn", "float8_e5m2"}
@@ -82,6 +84,9 @@ def compare_sets(op: str, what: str, got: dict, exp: dict, same_dtype: bool = Fa
         if name not in got:
             out.append(Mismatch(op, what, name, None, (), "", "", 0, 0, "missing output"))
             continue
+        if isinstance(exp[name], Tol):
+            out += compare_tol(op, what, name, got[name], exp[name])
+            continue
         if same_dtype and got[name].dtype != exp[name].dtype:
             out.append(Mismatch(op, what, name, None, (), "", "", 0, 0,
                                 f"dtype {got[name].dtype} != {exp[name].dtype}"))
@@ -93,7 +98,195 @@ def compare_sets(op: str, what: str, got: dict, exp: dict, same_dtype: bool = Fa
 
 
 def expected_outs(exp: dict) -> dict:
-    return {k: out_from_bits(bits, dt) for k, (bits, dt) in exp.items()}
+    """The oracle's outputs: exact ones (bits, dtype) as Out, intervals (Tol) as they are."""
+    return {k: v if isinstance(v, Tol) else out_from_bits(*v) for k, v in exp.items()}
+
+
+# ----------------------------------------------------------------------------- tolerance comparisons
+# attention and gemm are not bit-exact against an independent float64 evaluation (summation order):
+# their float outputs are checked against intervals (oracle.Tol), on a GPU against the reference with
+# the kernels' bounds. Everything else they write (buffers, the layout name) stays byte-exact.
+TOLERANCE_OUTPUTS = {"attention": ("o", "lse"), "gemm": ("d",)}
+
+# The SM90 MXFP8 GEMM kernel is not written yet: mxmla.gemm on CUDA tensors raises this error, and the
+# GPU check expects it (the CPU side still runs against the oracle). When the kernel lands, set this
+# to True: the GPU check then compares it with the CPU reference (gemm_pair below).
+GEMM_CUDA_KERNEL = False
+GEMM_CUDA_ERROR = r"mxmla\.gemm: argument 'a': is on cuda:\d+, but the CUDA (MXFP8|bf16) GEMM kernel is not available"
+
+
+def expected_error(cfg: dict, device: str):
+    """A regular expression the op's error must match on `device` (the op is expected to raise), or None."""
+    if cfg["op"] == "gemm" and device.startswith("cuda") and not GEMM_CUDA_KERNEL:
+        return GEMM_CUDA_ERROR
+    return None
+
+
+def _values(o: Out) -> np.ndarray:
+    dt = o.dtype if o.dtype in ("bfloat16", "float16", "float32") else {2: "bfloat16", 4: "float32"}[o.itemsize]
+    return fp.to_f64(o.elements(), dt).reshape(o.shape)
+
+
+def _first(op, what, name, mask, got_v, note_fn, total) -> Mismatch:
+    flat = np.flatnonzero(mask)
+    i = int(flat[0])
+    coord = tuple(int(c) for c in np.unravel_index(i, mask.shape)) if mask.shape else ()
+    return Mismatch(op, what, name, i, coord, repr(float(got_v.reshape(-1)[i])), note_fn(i), int(flat.size), total)
+
+
+def compare_tol(op: str, what: str, name: str, got: Out, tol: Tol) -> list:
+    """An output against the oracle's interval: NaN exactly where x is NaN (in the one NaN pattern when
+    the oracle names one), the `exact` elements bit for bit, every other element one of the values
+    of the output type between the roundings of x - t and x + t."""
+    if got.shape != tuple(tol.x.shape):
+        return [Mismatch(op, what, name, None, (), "", "", 0, 0, f"shape {list(got.shape)} != expected {list(tol.x.shape)}")]
+    if got.dtype != tol.dtype:
+        return [Mismatch(op, what, name, None, (), "", "", 0, 0, f"dtype {got.dtype} != expected {tol.dtype}")]
+    g = _values(got)
+    total = int(g.size)
+    out = []
+    nan_x, nan_g = np.isnan(tol.x), np.isnan(g)
+    bad = nan_x != nan_g
+    if bad.any():
+        out.append(_first(op, what, name, bad, g, lambda i: f"{float(tol.x.reshape(-1)[i])!r} (NaN exactly where "
+                                                            f"the float64 {tol.what or name} is NaN)", total))
+    if tol.nan_bits is not None and (nan_g & nan_x).any():
+        wrong = nan_g & nan_x & (got.elements().reshape(g.shape) != tol.nan_bits)
+        if wrong.any():
+            out.append(Mismatch(op, what, name, None, (), "", "", 0, 0,
+                                f"{int(wrong.sum())} NaN elements are not the one pattern 0x{tol.nan_bits:x}"))
+    ex = tol.exact & ~nan_x
+    if ex.any():
+        want = fp.bits_f64(tol.x, tol.dtype).reshape(g.shape)
+        wrong = ex & (got.elements().reshape(g.shape) != want)
+        if wrong.any():
+            out.append(_first(op, what, name, wrong, g, lambda i: f"{float(tol.x.reshape(-1)[i])!r} exactly "
+                                                                  "(a row without a visible key)", total))
+    lo, hi = tol.bounds()
+    chk = ~tol.exact & ~nan_x & ~nan_g
+    with np.errstate(invalid="ignore"):
+        wrong = chk & ~((g >= lo) & (g <= hi))
+    if wrong.any():
+        out.append(_first(op, what, name, wrong, g, lambda i: (
+            f"{float(tol.x.reshape(-1)[i])!r} +- {float(tol.t.reshape(-1)[i]):.3g} rounded to {tol.dtype}: "
+            f"[{float(lo.reshape(-1)[i])!r}, {float(hi.reshape(-1)[i])!r}]"), total))
+    return out
+
+
+def tol_stats(tol: Tol) -> tuple:
+    """(elements checked, elements where the interval admits more than the one rounding of x)."""
+    lo, hi = tol.bounds()
+    chk = ~tol.exact & np.isfinite(tol.x)
+    return int(chk.sum()), int((chk & (lo != hi)).sum())
+
+
+# GPU bounds (tests/cpp/test_attention.cpp AttentionFwdGpu): O relative RMS <= 0.5 %, every element
+# within 0.02 + 0.02·|ref|, LSE within 1e-4. The fuzzers' data reach far beyond that test's N(0, 4)
+# values, so both absolute terms scale with the data (and are exactly the test's for data like it):
+# O's 0.02 by max(1, max|v| / 8) over the row's kv head, LSE's 1e-4 by max(1, (|lse| + C) / 16) with
+# C the row's largest softmax_scale·Σ|q·k| (the scores' condition: fp32 sums err relative to it).
+# With E4M3 P the kernel's fp32 p can round P̃ to the neighbouring E4M3 value where 256·p is within
+# its error of a midpoint: such elements also get the difference one quantum of those keys makes
+# (GPU_P_EPS relative per unit of the scores' condition, far above fp32's exp2 and sum errors).
+GPU_O_RMS, GPU_O_ATOL, GPU_O_RTOL, GPU_LSE_ATOL, GPU_P_EPS = 0.005, 0.02, 0.02, 1e-4, 2.0 ** -17
+
+
+def attention_pair(cfg: dict, ins: dict, what: str, got: dict, ref: dict) -> list:
+    """A device's O and LSE against the CPU reference's, within the GPU bounds above; NaN where the
+    reference has NaN; rows without keys exactly 0 / -inf. (The other outputs: compare_sets.)"""
+    from .oracle import attention_rows
+
+    op = "attention"
+    out = []
+    a = attention_rows(cfg, ins, flip_eps=GPU_P_EPS)
+    for name in ("o", "lse"):
+        if name not in ref:
+            continue
+        if name not in got:
+            out.append(Mismatch(op, what, name, None, (), "", "", 0, 0, "missing output"))
+            continue
+        g, r = got[name], ref[name]
+        if g.shape != r.shape or g.dtype != r.dtype:
+            out.append(Mismatch(op, what, name, None, (), "", "", 0, 0,
+                                f"shape / dtype {list(g.shape)} {g.dtype} != {list(r.shape)} {r.dtype}"))
+            continue
+        gv, rv = _values(g), _values(r)
+        total = int(gv.size)
+        nan = np.isnan(rv)
+        bad = nan != np.isnan(gv)
+        if bad.any():
+            out.append(_first(op, what, name, bad, gv, lambda i: f"{float(rv.reshape(-1)[i])!r} (NaN where the "
+                                                                 "reference has NaN)", total))
+        nokey = a["nokey"][..., None] if name == "o" else a["nokey_lse"]
+        nokey = np.broadcast_to(nokey, gv.shape)
+        want = 0.0 if name == "o" else -np.inf
+        bad = nokey & (gv != want)
+        if bad.any():
+            out.append(_first(op, what, name, bad, gv, lambda i: f"{want} exactly (a row without a visible key)", total))
+        fin = ~nan & ~nokey & np.isfinite(rv) & ~np.isnan(gv)  # (a NaN where the reference has none: above)
+        inf = ~nan & ~nokey & np.isinf(rv)
+        if (inf & (gv != rv)).any():
+            out.append(_first(op, what, name, inf & (gv != rv), gv, lambda i: f"{float(rv.reshape(-1)[i])!r}", total))
+        with np.errstate(all="ignore"):
+            if name == "o":
+                vs = np.maximum(1.0, a["vmax"] / 8.0)[..., None]
+                allowed = GPU_O_ATOL * vs + GPU_O_RTOL * np.abs(rv) + a["flip_o"]
+                err = np.abs(gv - rv)
+                num, den = float(np.sum(np.where(fin, err ** 2, 0.0))), float(np.sum(np.where(fin, rv ** 2, 0.0)))
+                rms = np.sqrt(num / den) if den > 0 else np.sqrt(num)
+                if rms > GPU_O_RMS:
+                    out.append(Mismatch(op, what, name, None, (), "", "", 0, 0,
+                                        f"relative RMS error {rms:.4g} > {GPU_O_RMS} over the finite elements"))
+            else:
+                allowed = GPU_LSE_ATOL * np.maximum(1.0, (np.abs(rv) + a["cmax_lse"]) / 16.0)
+                err = np.abs(gv - rv)
+            wrong = fin & ~(err <= allowed)
+        if wrong.any():
+            out.append(_first(op, what, name, wrong, gv, lambda i: (
+                f"{float(rv.reshape(-1)[i])!r} within {float(allowed.reshape(-1)[i]):.3g} (GPU bound)"), total))
+    return out
+
+
+def gemm_pair(cfg: dict, ins: dict, what: str, got: dict, ref: dict) -> list:
+    """For the SM90 kernel when it lands (GEMM_CUDA_KERNEL): D against the CPU reference within fp32
+    accumulation (exact products, fp32 sums: (K + 2)·2^-24·Σ|products|·|alpha|, fp32's underflow,
+    one output rounding); bit for bit on integer-valued configs (every fp32 partial sum exact)."""
+    from .oracle import gemm_sums
+
+    op = "gemm"
+    if "d" not in got or "d" not in ref:
+        return [Mismatch(op, what, "d", None, (), "", "", 0, 0, "missing output")]
+    g, r = got["d"], ref["d"]
+    if g.shape != r.shape or g.dtype != r.dtype:
+        return [Mismatch(op, what, "d", None, (), "", "", 0, 0, f"shape / dtype {list(g.shape)} {g.dtype} != "
+                                                                 f"{list(r.shape)} {r.dtype}")]
+    if cfg["int_data"]:
+        return compare(op, what, "d", g, r)
+    _, Sabs = gemm_sums(cfg, ins)
+    gv, rv = _values(g), _values(r)
+    ulp = np.abs(rv) * (2.0 ** -7 if r.dtype == "bfloat16" else 2.0 ** -23)
+    with np.errstate(all="ignore"):
+        allowed = (cfg["K"] + 2) * 2.0 ** -24 * Sabs * abs(cfg["alpha"]) + cfg["K"] * 2.0 ** -126 + ulp
+        nan = np.isnan(rv)
+        wrong = (nan != np.isnan(gv)) | (~nan & ~(np.abs(gv - rv) <= allowed) & ~((gv == rv)))
+    if wrong.any():
+        return [_first(op, what, "d", wrong, gv, lambda i: f"{float(rv.reshape(-1)[i])!r} within "
+                                                          f"{float(allowed.reshape(-1)[i]):.3g} (fp32 accumulation)",
+                       int(gv.size))]
+    return []
+
+
+def compare_pair(cfg: dict, ins: dict, what: str, got: dict, ref: dict) -> list:
+    """Two devices' outputs: byte for byte, except the float outputs of the tolerance ops."""
+    op = cfg["op"]
+    tol_names = TOLERANCE_OUTPUTS.get(op, ())
+    out = compare_sets(op, what, {k: v for k, v in got.items() if k not in tol_names},
+                       {k: v for k, v in ref.items() if k not in tol_names}, same_dtype=True)
+    if op == "attention":
+        out += attention_pair(cfg, ins, what, got, ref)
+    elif op == "gemm":
+        out += gemm_pair(cfg, ins, what, got, ref)
+    return out
 
 
 # ----------------------------------------------------------------------------- invariants
@@ -322,6 +515,10 @@ def invariants(cfg: dict, ins: dict, outs: dict) -> list:
             x32 = dx.elements().view(np.float32).reshape(tokens, -1)
             bad += _bound_check(op, x32, {k: v for k, v in outs.items() if k not in ("dx", "x_base")},
                                 cfg["fmt"], None, sl)
+    elif op == "attention":
+        bad += _attention_invariants(cfg, ins, outs)
+    elif op == "gemm":
+        bad += _gemm_invariants(cfg, ins, outs)
     elif op == "fused_q_uproj_rope_quant":
         sl = "bhsd" if cfg["bhsd_scales"] else "compact"
         Dh = cfg["nope"] + cfg["rope"]
@@ -331,6 +528,55 @@ def invariants(cfg: dict, ins: dict, outs: dict) -> list:
                 bad.append(_inv(op, f"{d}_data", f"shape {list(outs[f'{d}_data'].shape)} != q's {list(shape)}"))
         bad += _scale_padding(op, outs, shape, cfg["layout"], sl)
         bad += _mx_policy(op, outs, cfg["fmt"])
+    return bad
+
+
+def _attention_invariants(cfg: dict, ins: dict, outs: dict) -> list:
+    """O bf16 in q's shape with d_v columns; LSE fp32 [b, h, s_q] (thd [h, t]); the bf16 inputs'
+    buffers unchanged (poison around the views included)."""
+    op, bad = "attention", []
+    qs = list(cfg["q"]["shape"])
+    want = {"o": (tuple(qs[:-1] + [cfg["d_v"]]), "bfloat16")}
+    if cfg["return_lse"]:
+        H = cfg["H"]
+        want["lse"] = ((H, qs[0]) if cfg["q_format"] == "thd" else
+                       (cfg["B"], H, qs[{"sbhd": 0, "bshd": 1, "bhsd": 2}[cfg["q_format"]]]), "float32")
+    for name, (shape, dt) in want.items():
+        o = outs.get(name)
+        if o is None:
+            bad.append(_inv(op, name, "missing"))
+        elif o.shape != shape or o.dtype != dt:
+            bad.append(_inv(op, name, f"{list(o.shape)} {o.dtype}, expected {list(shape)} {dt}"))
+    if not cfg["return_lse"] and "lse" in outs:
+        bad.append(_inv(op, "lse", "returned without return_lse"))
+    for role in ("q", "k", "v"):
+        o = cfg[role]
+        key = f"{'pack' if o.get('packed') else role}.base"
+        if o["prec"] == "bf16" and key in outs:
+            if not np.array_equal(outs[key].raw, ins[f"{role}.x"].base.reshape(-1).view(np.uint8)):
+                bad.append(_inv(op, key, "an input buffer (its view or the poison around it) changed"))
+    return bad
+
+
+def _gemm_invariants(cfg: dict, ins: dict, outs: dict) -> list:
+    """D [M, N] of the requested dtype; out's buffer outside its view untouched; bf16 inputs unchanged."""
+    op, bad = "gemm", []
+    d = outs.get("d")
+    dt = cfg["out_dtype"] or "bfloat16"
+    if d is None:
+        bad.append(_inv(op, "d", "missing"))
+    elif d.shape != (cfg["M"], cfg["N"]) or d.dtype != dt:
+        bad.append(_inv(op, "d", f"{list(d.shape)} {d.dtype}, expected {[cfg['M'], cfg['N']]} {dt}"))
+    if cfg["out"] == "view" and "out_outside" in outs:
+        o = ins["out"]
+        raw = o.base.reshape(-1).view(np.uint8)
+        if not np.array_equal(outs["out_outside"].raw, raw[~np.repeat(o.view.covered(), fp.ITEMSIZE[dt])]):
+            bad.append(_inv(op, "out_outside", "bytes of out's buffer outside the view changed"))
+    for name in ("a", "b"):
+        key = f"{name}.base"
+        if cfg["prec"] == "bf16" and key in outs:
+            if not np.array_equal(outs[key].raw, ins[f"{name}.x"].base.reshape(-1).view(np.uint8)):
+                bad.append(_inv(op, key, "an input buffer (its view or the poison around it) changed"))
     return bad
 
 
@@ -364,9 +610,13 @@ def _outside_view(op: str, cfg: dict, ins: dict, outs: dict) -> list:
 # counts as known only when *every* one of its mismatches matches an issue.
 KNOWN_ISSUES = {
     # id: (description, predicate(cfg, mismatch)). Fixed issues are removed (docs/testing.md lists
-    # them). Example of the shape an entry takes:
-    # "KI-1": ("rope_backward_quantize, fp32 dq, dx_copy='float32': NaN bits of the nope part differ",
-    #          lambda cfg, m: cfg["op"] == "rope_backward_quantize" and m.output == "dx" and m.nan_only),
+    # them).
+    "KI-2": ("attention on CUDA, causal: a non-finite V value at a key that is masked for a row but lies in a "
+             "128-key tile the kernel processes for that row reaches the row's O as 0 * NaN = NaN (the tensor "
+             "cores multiply the whole tile; SPEC §5 and the CPU reference leave masked keys out). Predicted by "
+             "reading the kernel; to be confirmed on a GPU (README: attention caveats)",
+             lambda cfg, m: cfg["op"] == "attention" and m.what == "cuda vs cpu"
+             and "v_nonfinite_causal" in cfg.get("tags", ())),
 }
 
 

@@ -92,6 +92,18 @@ def _special_block(rng: np.random.Generator, n: int, dtype: str, fmt: str, kind:
     return v, over
 
 
+def base_values(rng: np.random.Generator, dist: str, shape: tuple, imax: int = 16, pow2=(-6, 6)) -> np.ndarray:
+    """float64 values: standard normal, uniform in [-1, 1], integers in [-imax, imax], or exact powers
+    of two 2^pow2[0] .. 2^pow2[1] with random signs (many exact ties in amax)."""
+    if dist == "normal":
+        return rng.standard_normal(shape)
+    if dist == "uniform":
+        return rng.uniform(-1, 1, shape)
+    if dist == "int":
+        return rng.integers(-imax, imax + 1, shape).astype(np.float64)
+    return np.ldexp(rng.choice([-1.0, 1.0], shape), rng.integers(pow2[0], pow2[1] + 1, shape))
+
+
 def float_bits(rng: np.random.Generator, shape: tuple, dtype: str, fmt: str = "e4m3", dist: str = "normal",
                exp: str = "narrow", special_rate: float = 0.0, orient: str = "row",
                specials: tuple = SPECIALS) -> np.ndarray:
@@ -103,14 +115,7 @@ def float_bits(rng: np.random.Generator, shape: tuple, dtype: str, fmt: str = "e
     d = DT[dtype]
     K = shape[-1] if shape else 1
     M = n_el // K if K else 0
-    if dist == "normal":
-        v = rng.standard_normal((M, K))
-    elif dist == "uniform":
-        v = rng.uniform(-1, 1, (M, K))
-    elif dist == "int":
-        v = rng.integers(-16, 17, (M, K)).astype(np.float64)
-    else:  # pow2: exact powers of two with random signs (many exact ties in amax)
-        v = np.ldexp(rng.choice([-1.0, 1.0], (M, K)), rng.integers(-6, 7, (M, K)))
+    v = base_values(rng, dist, (M, K))
     if M and K:
         col = orient == "col" or (orient == "mixed" and rng.random() < 0.5)
         nb_m, nb_k = (fp.cdiv(M, 32), K) if col else (M, fp.cdiv(K, 32))

@@ -8,6 +8,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -139,12 +140,20 @@ def check_pair(op: str, seed: int, profile: str, device: str, dev: tuple, use_or
     res = Result(op, seed, profile, device, tags=cfg["tags"])
     gout, gerr = dev
     cout, cerr = _run_outs(cfg, ins, "cpu")
+    want_err = check.expected_error(cfg, device)
+    if want_err is not None:  # the op must raise this on the device (e.g. gemm on CUDA: no kernel yet)
+        if gerr is None:
+            res.mismatches.append(_err(op, device, f"nothing, but the fuzzer expects an error matching {want_err!r} "
+                                                   "(check.GEMM_CUDA_KERNEL: set it when the kernel lands)"))
+        elif not re.search(want_err, gerr):
+            res.mismatches.append(_err(op, device, f"{gerr} (expected an error matching {want_err!r})"))
+        gout = gerr = None
     if gerr is not None:
         res.mismatches.append(_err(op, device, gerr))
     if cerr is not None:
         res.mismatches.append(_err(op, "cpu", cerr))
     if gout is not None and cout is not None:
-        res.mismatches += check.compare_sets(op, f"{device} vs cpu", gout, cout, same_dtype=True)
+        res.mismatches += check.compare_pair(cfg, ins, f"{device} vs cpu", gout, cout)
     if gout is not None:
         res.mismatches += _invariants(cfg, ins, gout)
     if cout is not None and use_oracle:

@@ -341,3 +341,35 @@ def bhsd_padding(shape, layout: str, rowwise: bool) -> np.ndarray:
     rs, cs = attention_compact_shapes(shape, layout)
     ones = np.ones(rs if rowwise else cs, np.uint8)
     return to_bhsd(ones, shape, layout, rowwise) == 0
+
+
+# ----------------------------------------------------------------------------- one rounding of float64 values
+# (mantissa bits, smallest normal exponent, largest finite) of the output types
+_ROUND = {"bfloat16": (7, -126, 3.3895313892515355e38), "float16": (10, -14, 65504.0),
+          "float32": (23, -126, float(np.finfo(np.float32).max))}
+
+
+def round_f64(v: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 values rounded once to `dtype` (nearest even; overflow -> ±Inf; NaN kept), returned as
+    float64 values. (ml_dtypes converts float64 -> bfloat16 through float32, a double rounding, so
+    from_f64 is not used where a float64 result is rounded.)"""
+    mant, emin, maxf = _ROUND[dtype]
+    v = np.asarray(v, np.float64)
+    with np.errstate(all="ignore"):
+        _, E = np.frexp(v)  # |v| = f·2^E, f in [0.5, 1)
+        q = np.ldexp(1.0, np.maximum(E - 1, emin) - mant)
+        r = np.rint(v / q) * q  # v / q is exact (q a power of two) and small: rint is the rounding
+        r = np.where(np.abs(r) > maxf, np.copysign(np.inf, v), r)
+        return np.where(np.isfinite(v), r, v)
+
+
+def bits_f64(v: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 values -> bits of `dtype`, one rounding (round_f64), NaN canonical."""
+    r = round_f64(v, dtype)
+    if dtype == "float32":
+        return from_f64(r, "float32")
+    with np.errstate(all="ignore"):  # r is representable: this conversion is exact
+        out = r.astype(np.float32).view(np.uint32) >> 16 if dtype == "bfloat16" else r.astype(np.float16).view(np.uint16)
+    out = out.astype(np.uint16)
+    out[np.isnan(r)] = CANON_NAN[dtype]
+    return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 
 import numpy as np
@@ -27,6 +28,8 @@ OPS = (
     "rope_backward",
     "rope_backward_quantize",
     "fused_q_uproj_rope_quant",
+    "attention",
+    "gemm",
 )
 PROFILES = ("cuda", "any")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -393,6 +396,370 @@ def gen_fused(r: random.Random, cuda: bool) -> dict:
                 x_nonfinite=r.random() < 0.03)
 
 
+# ----------------------------------------------------------------------------- attention
+ATTN_FORMATS = ("sbhd", "bshd", "bhsd", "thd")
+ATTN_CUDA_DIMS = ((192, 128), (128, 128))  # (d_qk, d_v) the SM90 kernel is built for (src/cuda/sm90_attention_fwd.cu)
+ATTN_WORK = 1.2e8  # at most B·H·s_q·s_kv·(d_qk + d_v) per config: the float64 reference and oracle take < ~0.5 s
+YARN_MSCALE2 = (0.1 * math.log(40.0) + 1.0) ** 2  # SPEC §1: DeepSeek-V3's softmax scale with YaRN is d^-0.5 times this
+
+
+def attn_shape(fmt: str, B: int, S: int, H: int, D: int) -> list:
+    """An operand's shape in its format (thd: S is the packed token count)."""
+    return {"sbhd": [S, B, H, D], "bshd": [B, S, H, D], "bhsd": [B, H, S, D], "thd": [S, H, D]}[fmt]
+
+
+def _seq_len(r: random.Random) -> int:
+    """1..300, with tails around multiples of 32 and 128 (the kernel's key blocks, the E4M3 P blocks)."""
+    k = r.choices(["one", "small", "t32", "t128", "any"], [8, 14, 26, 24, 28])[0]
+    if k == "one":
+        return 1
+    if k == "small":
+        return r.randint(2, 31)
+    if k == "t32":
+        n = 32 * r.randint(1, 9) + r.choice([-2, -1, 0, 0, 1, 2])
+    elif k == "t128":
+        n = 128 * r.randint(1, 2) + r.choice([-3, -1, 0, 0, 1, 3])
+    else:
+        n = r.randint(1, 300)
+    return max(1, min(300, n))
+
+
+def v_blocks_along_keys(fmt: str, kind: str, B: int, H: int) -> bool:
+    """Whether V's columnwise scale blocks run along the keys of one (sequence, head) in the core's
+    scale geometry (src/attention.cpp: row_s == 1), which the CUDA kernel needs for V."""
+    if kind == "attn":
+        return True
+    if kind == "tokens" and H > 1:  # token-major [tokens, h*d]
+        return {"sbhd": B, "bshd": 1, "thd": 1}[fmt] == 1
+    return {"sbhd": B * H, "bshd": H, "bhsd": 1, "thd": H}[fmt] == 1
+
+
+def _attn_events(r: random.Random, cuda: bool, role: str, prec: str, fmt: str, src: dict) -> list:
+    """Special values of one operand, as kinds (positions and magnitudes come from the data seed):
+    value-level (before bf16 rounding / quantization) and, for MXFP8, edits of the scale bytes and
+    codes after quantization."""
+    n = r.choice([0, 0, 0, 1, 1, 2, 4, 8])
+    kinds = ["zero_row", "big_row", "small_row", "nan"]
+    if role == "v":
+        kinds += ["zero_key", "big_key"]
+    if not cuda:
+        kinds += ["inf"]
+    if prec == "mxfp8":
+        kinds += ["scale_nan", "scale_zero", "scale_one", "scale_big", "codes"] + ([] if cuda else ["scale_max"])
+        if src["scale_layout"] != "compact":
+            kinds += ["pad"]
+        if src["dirs"] == "both":
+            kinds += ["unread"]
+    if cuda and role == "v" and prec == "bf16" and fmt == "thd":
+        # documented caveat (README "Attention"): the kernel reads the next sequence's bf16 V rows with
+        # weight 0, so NaN / Inf stored there would give NaN; not drawn in the cuda profile
+        kinds = [k for k in kinds if k != "nan"]
+    return [r.choice(kinds) for _ in range(n)]
+
+
+def _attn_mx_source(r: random.Random, cuda: bool, role: str, fmt: str, shape: list, B: int) -> dict:
+    """How an MXFP8 operand is quantized: quantize_attention (sbhd / bshd; compact or BHSD scales),
+    quantize of its own shape or of [leading, d] ("plain"), or of [tokens, h*d] ("tokens", token
+    major: sbhd / bshd / thd); compact or swizzled scales; from bf16 / fp16 / fp32 values."""
+    H, Dh = shape[-2], shape[-1]
+    kinds = (["attn"] * 3 if fmt in ("sbhd", "bshd") else []) + ["plain"] * 2 + (["tokens"] * 2 if fmt != "bhsd" else [])
+    if cuda and role == "v":
+        kinds = [k for k in kinds if v_blocks_along_keys(fmt, k, B, H)]
+    kind = r.choice(kinds)
+    if kind == "attn":
+        sl, qshape = r.choice(["compact", "bhsd"]), list(shape)
+    elif kind == "plain":
+        sl = r.choice(["compact", "swizzled"])
+        qshape = list(shape) if r.random() < 0.6 else [int(np.prod(shape[:-1])), Dh]
+    else:
+        sl = r.choice(["compact", "swizzled"])
+        qshape = [int(np.prod(shape[:-2])), H * Dh]
+    place = r.choice(["as_is", "view"])
+    return dict(kind=kind, scale_layout=sl, qshape=qshape, src_dtype=r.choice(DTYPES), place=place,
+                dirs="read" if place == "view" or r.random() < 0.5 else "both")
+
+
+def _attn_sep_view(r: random.Random, g, shape: list, align: int) -> D.View:
+    lead = list(range(len(shape) - 1))
+    order = list(reversed(lead))
+    if r.random() < 0.35:  # e.g. a bhsd view of sbhd memory (q.transpose), a bshd view of s-major memory
+        r.shuffle(order)
+    pads = [r.choice([0, 0, 1, 3]) for _ in lead]
+    return D.make_view(g, shape, align, order=order, pads=pads, offset_max=r.choice([0, 0, 4]))
+
+
+def _attn_pack_views(r: random.Random, g, shape: list, n: int, heads_inner: bool, align: int) -> list:
+    """n views of one buffer [tokens..., n, h, d] ("3hd" / "2hd") or [tokens..., h, n, d] ("h3d" /
+    "h2d"): the buffer's inner [n, h, d] dense, padding only between tokens."""
+    tok, (H, Dh) = list(shape[:-2]), shape[-2:]
+    nt = len(tok)
+    pshape = tok + ([H, n, Dh] if heads_inner else [n, H, Dh])
+    order = [nt + 1, nt]
+    tord = list(reversed(range(nt)))
+    if r.random() < 0.3:
+        r.shuffle(tord)
+    buf = D.make_view(g, pshape, align, order=order + tord, pads=[0, 0] + [r.choice([0, 0, 1, 2]) for _ in tok],
+                      offset_max=r.choice([0, 0, 4]))
+    n_ax, h_ax = (nt + 1, nt) if heads_inner else (nt, nt + 1)
+    st = buf.strides
+    views = []
+    for i in range(n):
+        strides = tuple(st[:nt]) + (st[h_ax], 1)
+        views.append(D.View(buf.base_numel, buf.offset + i * st[n_ax], tuple(shape), strides))
+    return views
+
+
+def expected_qkv_layout(cfg: dict) -> str:
+    """The name qkv_layout must give for the memory the generator lays out (SPEC §5 layout rules):
+    mixed formats <q>_<kv>_<kv>; bhsd unpacked; packed views by their pattern (one head: h3d /
+    h2d offsets coincide with 3hd / 2hd, which come first); anything else (separate buffers) unpacked."""
+    qf, kvf = cfg["q_format"], cfg["kv_format"]
+    if qf != kvf:
+        return f"{qf}_{kvf}_{kvf}"
+    if qf == "bhsd":
+        return "bhsd_bhsd_bhsd"
+    tok = qf[:-2]
+    pat = cfg["pack"]
+    if 0 in cfg["q"]["shape"] or 0 in cfg["k"]["shape"]:
+        pat = "separate"
+    if pat in ("3hd", "h3d"):
+        return tok + ("h3d" if pat == "h3d" and cfg["H"] > 1 else "3hd")
+    if pat in ("2hd", "h2d"):
+        return f"{qf}_{tok}" + ("h2d" if pat == "h2d" and cfg["H_kv"] > 1 else "2hd")
+    return f"{qf}_{qf}_{qf}"
+
+
+def _attn_default_format(cfg: dict):
+    """(q format, kv format) mxmla.attention resolves when layout=None (python/mxmla/attention.py)."""
+    def known(op):
+        if len(op["shape"]) == 3:
+            return "thd"
+        if op["prec"] == "mxfp8" and op["kind"] == "attn":
+            return op["fmt"]
+        return None
+
+    fq, fk, fv = known(cfg["q"]), known(cfg["k"]), known(cfg["v"])
+    fkv = fk or fv
+    if fq is None:
+        fq = fkv if fkv in ("sbhd", "bshd") else "sbhd"
+    if fkv is None:
+        fkv = fq if fq != "thd" else None
+    return fq, fkv
+
+
+def gen_attention(r: random.Random, cuda: bool) -> dict:
+    if r.random() < 0.2:
+        qf, kvf = r.sample(["sbhd", "bshd", "bhsd"], 2)
+    else:
+        qf = kvf = r.choices(ATTN_FORMATS, [25, 25, 20, 30])[0]
+    thd = qf == "thd"
+    H = r.choice([1, 1, 2, 3, 4, 5, 6, 8])
+    Hkv = H if r.random() < 0.5 else r.choice([x for x in range(1, H + 1) if H % x == 0])
+    if cuda:
+        Dqk, Dv = r.choice(ATTN_CUDA_DIMS)
+    else:
+        Dqk = 32 * r.randint(1, 8)
+        Dv = Dqk if r.random() < 0.3 else 32 * r.randint(1, 8)
+    prec = r.choice(["bf16", "mxfp8"])
+    fmt8 = r.choice(FMTS)
+    pats = ["separate"] * 4
+    if qf == kvf and qf != "bhsd":
+        if H == Hkv and Dqk == Dv:
+            pats += ["3hd", "h3d"]
+        if Dqk == Dv:
+            pats += ["2hd", "h2d"]
+    pack = r.choice(pats)
+    three = pack in ("3hd", "h3d")
+    # sequences
+    if thd:
+        nseq = r.choice([1, 1, 2, 3, 4, 5])
+        lq, lkv = [], []
+        for _ in range(nseq):
+            kind = r.choices(["same", "empty_q", "empty_kv", "empty", "one", "diff"], [30, 8, 8, 6, 10, 38])[0]
+            a = _seq_len(r)
+            b = a if kind == "same" else 1 if kind == "one" else _seq_len(r)
+            if kind == "empty_q":
+                a = 0
+            elif kind == "empty_kv":
+                b = 0
+            elif kind == "empty":
+                a = b = 0
+            elif kind == "one":
+                a = 1
+            lq.append(a), lkv.append(b)
+        tail_q, tail_kv = r.choice([0, 0, 0, 1, 5]), r.choice([0, 0, 0, 2, 3])
+        if three:
+            lkv, tail_kv = list(lq), tail_q
+        B = nseq
+    else:
+        B = r.choice([1, 1, 2, 3])
+        Sq = _seq_len(r)
+        Skv = Sq if three or r.random() < 0.4 else _seq_len(r)
+        if not three and r.random() < 0.02:
+            Skv = 0  # no key anywhere: every row O = 0, LSE = -inf (SPEC §5)
+    # bound the work (the float64 reference and oracle are O(s_q·s_kv·d))
+
+    def work():
+        pairs = sum(a * b for a, b in zip(lq, lkv)) if thd else B * Sq * Skv
+        return pairs * H * (Dqk + Dv)
+
+    while work() > ATTN_WORK:
+        if H // Hkv > 1:  # fewer query heads per kv head
+            H = Hkv * ((H // Hkv) // 2)
+        elif Hkv > 1:  # (H == Hkv here)
+            H = Hkv = Hkv // 2
+        elif not thd and B > 1:
+            B -= 1
+        elif thd:
+            lq = [x // 2 for x in lq]
+            lkv = list(lq) if three else [x // 2 for x in lkv]
+        else:
+            Sq, Skv = max(1, Sq // 2), (max(1, Skv // 2) if Skv else 0)
+            if three:
+                Skv = Sq
+    Sq_, Skv_ = (sum(lq) + tail_q, sum(lkv) + tail_kv) if thd else (Sq, Skv)
+    causal = r.choice(["none", "none", "top_left", "bottom_right"])
+    cfg = dict(q_format=qf, kv_format=kvf, B=B, H=H, H_kv=Hkv, d_qk=Dqk, d_v=Dv, prec=prec, fp8_format=fmt8,
+               pack=pack, causal=causal)
+    if thd:
+        cfg.update(seqlens_q=lq, seqlens_kv=lkv, tail_q=tail_q, tail_kv=tail_kv,
+                   cu=dict(dtype=r.choice(["int32", "int64"]), where=r.choice(["same", "same", "cpu", "list"])),
+                   max_seqlen=r.choice(["none", "none", "exact", "bound"]), max_extra=r.randint(0, 40))
+    else:
+        cfg.update(s_q=Sq, s_kv=Skv)
+    g = _np_rng(r)
+    itemsize = 2 if prec == "bf16" else 1
+    align = max(1, 16 // itemsize) if cuda or r.random() < 0.5 else 1
+    # packed views of one buffer: these operands' codes (MXFP8) go into it, only the direction read
+    members = ["q", "k", "v"] if three else ["k", "v"] if pack in ("2hd", "h2d") else []
+    for role, S, Hr, Dr, fmt in (("q", Sq_, H, Dqk, qf), ("k", Skv_, Hkv, Dqk, kvf), ("v", Skv_, Hkv, Dv, kvf)):
+        shape = attn_shape(fmt, B, S, Hr, Dr)
+        op = dict(fmt=fmt, shape=shape, prec=prec)
+        if prec == "mxfp8":
+            op.update(_attn_mx_source(r, cuda, role, fmt, shape, B))
+            if role in members:
+                op["place"], op["dirs"] = "view", "read"
+        mult = 2.0 ** r.choice([-1, 0, 0, 0, 1, 2, 3]) if role == "q" else 2.0 ** r.choice([-2, 0, 0, 0, 1, 4])
+        op["data"] = dict(dist=r.choice(["normal", "normal", "uniform", "int", "pow2"]), mult=mult,
+                          row_exp=r.choice([0, 1, 1, 3]))
+        op["events"] = _attn_events(r, cuda, role, prec, fmt, op)
+        cfg[role] = op
+    # memory: packed views of one buffer, or separate (padded, permuted) views; MXFP8 codes "as_is"
+    # (the quantize result) or copied into such views (only the direction attention reads)
+    if members:
+        views = _attn_pack_views(r, g, cfg[members[0]]["shape"], len(members), pack.startswith("h"), align)
+        for m, v in zip(members, views):
+            cfg[m]["view"], cfg[m]["packed"] = _view_json(v), True
+    for role in ("q", "k", "v"):
+        op = cfg[role]
+        if "view" not in op and (prec == "bf16" or op["place"] == "view"):
+            op["view"], op["packed"] = _view_json(_attn_sep_view(r, g, op["shape"], align)), False
+    cfg["align"] = align
+    # the call
+    sk = r.choice(["default", "default", "explicit", "yarn", "random", "sharp"])
+    cfg["softmax_scale"] = None if sk == "default" else float(Dqk ** -0.5) if sk == "explicit" else \
+        float(Dqk ** -0.5 * YARN_MSCALE2) if sk == "yarn" else r.uniform(0.02, 0.5) if sk == "random" else \
+        r.choice([1.0, 2.0, 4.0])
+    cfg["p_format"] = r.choice(["bfloat16", "bfloat16", "e4m3"])
+    cfg["return_lse"] = r.random() < 0.85
+    la = r.choice(["none", "format", "name"])
+    if la == "none" and _attn_default_format(cfg) != (qf, kvf):
+        la = "format"
+    cfg["layout_arg"] = la
+    cfg["expected_layout"] = expected_qkv_layout(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- gemm
+GEMM_WORK = 1.5e7  # at most M·N·K per config
+GEMM_DIRECTIONS = {"fprop": (False, True), "dgrad": (False, False), "wgrad": (True, False), "tt": (True, True)}
+
+
+def _gemm_dim(r: random.Random, mult32: bool, cuda: bool) -> int:
+    k = r.choices(["one", "small", "t32", "t128", "any", "big", "zero"], [8, 12, 22, 18, 28, 10, 0 if cuda else 2])[0]
+    n = {"one": 1, "small": r.randint(2, 31), "t32": 32 * r.randint(1, 12) + r.choice([-3, -1, 0, 0, 1, 2]),
+         "t128": 128 * r.randint(1, 4) + r.choice([-3, -1, 0, 0, 1, 5]), "any": r.randint(1, 300),
+         "big": r.randint(300, 2100), "zero": 0}[k]
+    if mult32:  # an MXFP8 operand's last dim: a positive multiple of 32
+        n = 32 * max(1, round(n / 32))
+    return max(0, n)
+
+
+def gen_gemm(r: random.Random, cuda: bool) -> dict:
+    direction = r.choices(list(GEMM_DIRECTIONS), [30, 30, 30, 10])[0]
+    ta, tb = GEMM_DIRECTIONS[direction]
+    prec = "mxfp8" if r.random() < 0.8 else "bf16"
+    fmt = r.choice(FMTS)
+    int_data = r.random() < 0.2
+    # stored shapes: a [M, K] or [K, M] (trans_a); b [N, K] (trans_b) or [K, N]. An MXFP8 operand's
+    # last dim is a multiple of 32 (its rowwise blocks); the contraction along rows takes any length.
+    m32 = prec == "mxfp8"
+    M = _gemm_dim(r, m32 and ta, cuda)
+    N = _gemm_dim(r, m32 and not tb, cuda)
+    K = _gemm_dim(r, m32 and (not ta or tb), cuda)
+    while M * N * K > GEMM_WORK:
+        big = max(("M", M, m32 and ta), ("N", N, m32 and not tb), ("K", K, m32 and (not ta or tb)), key=lambda t: t[1])
+        name, val, need = big
+        val = max(32, (val // 2) // 32 * 32) if need else max(1, val // 2)
+        M, N, K = (val if name == "M" else M), (val if name == "N" else N), (val if name == "K" else K)
+    if int_data:  # fp32 partial sums stay exact (|products| <= 256): what the kernel must match bit for bit
+        K = min(K, 2048)
+    g = _np_rng(r)
+    shapes = {"a": [K, M] if ta else [M, K], "b": [N, K] if tb else [K, N]}
+    reads = {"a": "columnwise" if ta else "rowwise", "b": "rowwise" if tb else "columnwise"}
+    cfg = dict(direction=direction, trans_a=ta, trans_b=tb, prec=prec, fp8_format=fmt, M=M, N=N, K=K,
+               int_data=int_data)
+    for name in ("a", "b"):
+        rows, cols = shapes[name]
+        op = dict(shape=[rows, cols], read=reads[name])
+        if int_data:
+            op["data"] = dict(dist="int", exp="none", special_rate=0.0, orient="row", fmt=fmt,
+                              imax=16 if fmt == "e4m3" or prec == "bf16" else 8)
+        else:
+            op["data"] = _data_opts(r, fmt, special_hi=0.1 if cuda else 0.2)
+            if cuda and op["data"]["exp"] == "wide":  # products within fp32's range (the kernel's accumulator)
+                op["data"]["exp"] = "narrow"
+        if prec == "mxfp8":
+            op["src_dtype"] = r.choice(DTYPES)
+            op["scale_layout"] = r.choice(["compact", "swizzled"])
+            op["dirs"] = r.choice(["read", "both"])
+            op["place"] = r.choice(["as_is", "as_is", "view"])
+            kinds = ["scale_nan", "scale_one", "scale_zero", "scale_big", "codes"] + ([] if cuda else ["scale_max"])
+            if op["scale_layout"] == "swizzled":
+                kinds.append("pad")
+            if op["dirs"] == "both":
+                kinds.append("unread")
+            op["events"] = [] if int_data else [r.choice(kinds) for _ in range(r.choice([0, 0, 0, 1, 2, 4]))]
+            if op["place"] == "view":
+                a16 = 16 if cuda or r.random() < 0.5 else 1
+                op["view"] = _view_json(D.make_view(g, [rows, cols], a16, pads=[r.choice([0, 1, 3])],
+                                                    offset_max=r.choice([0, 4])))
+        else:
+            a8 = 8 if cuda or r.random() < 0.5 else 1
+            op["view"] = _view_json(D.make_view(g, [rows, cols], a8, pads=[r.choice([0, 0, 1, 3])],
+                                                offset_max=r.choice([0, 0, 4])))
+        cfg[name] = op
+    out = r.choice(["alloc", "alloc", "view"])
+    cfg["out"] = out
+    if out == "alloc":
+        cfg["out_dtype"] = r.choice([None, "bfloat16", "float32"])
+        cfg["accumulate"] = False
+    else:
+        cfg["out_dtype"] = r.choice(["bfloat16", "float32"])
+        cfg["accumulate"] = cfg["out_dtype"] == "float32" and r.random() < 0.6
+        es = fp.ITEMSIZE[cfg["out_dtype"]]
+        a = max(1, 16 // es) if cuda or r.random() < 0.5 else 1
+        cfg["out_view"] = _view_json(D.make_view(g, [M, N], a, pads=[r.choice([0, 0, 1, 3])],
+                                                 offset_max=r.choice([0, 4])))
+        cfg["d_init"] = r.choice(["normal", "int"]) if not int_data else "int"
+        cfg["d_special"] = not cuda and not int_data and r.random() < 0.1
+    if int_data:
+        cfg["alpha"] = r.choice([1.0, 1.0, 2.0, 0.5, -1.0, 4.0])
+    else:
+        cfg["alpha"] = r.choice([1.0, 1.0, 1.0, 0.5, -2.0, 0.1, 3.7, 2.0 ** -20, 1000.0, 0.0])
+    return cfg
+
+
 GENERATORS = {
     "quantize": gen_quantize,
     "dequantize": gen_dequantize,
@@ -405,6 +772,8 @@ GENERATORS = {
     "rope_backward": gen_rope,
     "rope_backward_quantize": gen_rope_backward_quantize,
     "fused_q_uproj_rope_quant": gen_fused,
+    "attention": gen_attention,
+    "gemm": gen_gemm,
 }
 
 
@@ -493,6 +862,56 @@ def tags(cfg: dict) -> list:
             t.append("T_tail")
     if op == "to_bhsd":
         t.append(f"tensors={len(cfg['tensors'])}")
+    if op == "attention":
+        t += [f"format={cfg['q_format']}" if cfg["q_format"] == cfg["kv_format"] else "format=mixed",
+              f"prec={cfg['prec']}", f"pack={cfg['pack']}", f"causal={cfg['causal']}", f"p_format={cfg['p_format']}",
+              f"dims={cfg['d_qk']}/{cfg['d_v']}", f"layout_arg={cfg['layout_arg']}"]
+        if cfg["H"] != cfg["H_kv"]:
+            t.append("gqa")
+        if cfg["softmax_scale"] is not None:
+            t.append("softmax_scale")
+        lens = (cfg["seqlens_q"] + cfg["seqlens_kv"]) if cfg["q_format"] == "thd" else [cfg["s_q"], cfg["s_kv"]]
+        if any(n % 32 and n > 32 for n in lens):
+            t.append("s_tail")
+        if any(n > 128 for n in lens):
+            t.append("s>128")
+        if cfg["q_format"] == "thd":
+            if 0 in cfg["seqlens_q"] or 0 in cfg["seqlens_kv"]:
+                t.append("thd_empty_seq")
+            if 1 in cfg["seqlens_q"] or 1 in cfg["seqlens_kv"]:
+                t.append("thd_one_token_seq")
+            if cfg["tail_q"] or cfg["tail_kv"]:
+                t.append("thd_tail")
+        for role in ("q", "k", "v"):
+            o = cfg[role]
+            if o["prec"] == "mxfp8":
+                t += [f"src={o['kind']}/{o['scale_layout']}", f"place={o['place']}", f"dirs={o['dirs']}"]
+            if o.get("view") and "strided" in _view_tags(o["view"]):
+                t.append("strided")
+            t += [f"event={e}" for e in o["events"]]
+            if role == "v" and cfg["causal"] != "none" and any(e in ("nan", "inf", "scale_nan", "codes") for e in o["events"]):
+                t.append("v_nonfinite_causal")
+        t.append(f"fp8={cfg['fp8_format']}" if cfg["prec"] == "mxfp8" else "fp8=none")
+    if op == "gemm":
+        t += [f"direction={cfg['direction']}", f"prec={cfg['prec']}", f"fp8={cfg['fp8_format']}"]
+        if cfg["int_data"]:
+            t.append("int_data")
+        if cfg["accumulate"]:
+            t.append("accumulate")
+        if cfg["alpha"] != 1.0:
+            t.append("alpha")
+        for n in ("M", "N", "K"):
+            if cfg[n] % 32:
+                t.append(f"{n}_tail")
+        for name in ("a", "b"):
+            o = cfg[name]
+            if cfg["prec"] == "mxfp8":
+                t += [f"scale_layout={o['scale_layout']}", f"place={o['place']}", f"dirs={o['dirs']}"]
+                t += [f"event={e}" for e in o["events"]]
+            if o.get("view") and "strided" in _view_tags(o["view"]):
+                t.append("strided")
+        if cfg["out"] == "view" and "strided" in _view_tags(cfg["out_view"]):
+            t.append("out_strided")
     return sorted(set(t))
 
 
@@ -549,6 +968,187 @@ def scale_shapes(shape, layout, scale_layout: str) -> tuple:
     if scale_layout == "bhsd":
         return fp.bhsd_shapes(shape, layout)
     return fp.attention_compact_shapes(shape, layout)
+
+
+# ----------------------------------------------------------------------------- attention / gemm inputs
+def scale_buffer(qshape, layout, scale_layout: str, rowwise: bool) -> tuple:
+    """(shape, padding mask or None) of one direction's scale buffer of a tensor quantized as
+    `qshape` (layout None: quantize, compact / swizzled; else quantize_attention, compact / bhsd)."""
+    rs, cs = scale_shapes(qshape, layout, scale_layout)
+    shape = tuple(rs if rowwise else cs)
+    if scale_layout == "swizzled":
+        K = qshape[-1]
+        M = int(np.prod(qshape[:-1])) if len(qshape) > 1 else 1
+        return shape, fp.swizzle_padding(M, K, rowwise)
+    if scale_layout == "bhsd":
+        return shape, fp.bhsd_padding(qshape, layout, rowwise)
+    return shape, None
+
+
+def _pick(g, mask: np.ndarray) -> int:
+    idx = np.flatnonzero(mask)
+    return int(idx[int(g.integers(idx.size))]) if idx.size else -1
+
+
+def _mx_edits(g, events, qshape, layout, scale_layout: str, read_rowwise: bool, dirs: str, fmt: str,
+              big_max: int, cuda: bool) -> tuple:
+    """Scale-byte and code edits of an MXFP8 operand after quantization: (scale edits int64 [n, 3]:
+    direction (0 rowwise, 1 columnwise), flat index in that scale buffer, byte; code edits int64
+    [n, 2]: flat index in the codes (logical order), byte)."""
+    se, ce = [], []
+    d_read = 0 if read_rowwise else 1
+    shape, pad = scale_buffer(qshape, layout, scale_layout, read_rowwise)
+    n_sc = int(np.prod(shape))
+    real = np.ones(n_sc, bool) if pad is None else ~pad.reshape(-1)
+    n_codes = int(np.prod(qshape))
+    for ev in events:
+        if ev.startswith("scale_") and real.any():
+            byte = {"scale_nan": 0xFF, "scale_zero": 0, "scale_one": 1, "scale_max": 254}.get(ev)
+            if byte is None:  # scale_big
+                byte = 127 + int(g.integers(1, big_max + 1))
+            se.append((d_read, _pick(g, real), byte))
+        elif ev == "pad" and pad is not None and pad.any():
+            se.append((d_read, _pick(g, pad.reshape(-1)), int(g.integers(1, 256))))
+        elif ev == "unread" and dirs == "both":
+            s2, _ = scale_buffer(qshape, layout, scale_layout, not read_rowwise)
+            if int(np.prod(s2)):
+                se.append((1 - d_read, int(g.integers(int(np.prod(s2)))), int(g.integers(0, 256))))
+        elif ev == "codes" and n_codes:
+            for _ in range(int(g.integers(1, 9))):
+                b = int(g.integers(0, 256))
+                if cuda and fmt == "e5m2" and (b & 0x7F) == 0x7C:
+                    b ^= 1  # no Inf codes in the cuda profile (a NaN code stays)
+                ce.append((int(g.integers(n_codes)), b))
+    return np.array(se, np.int64).reshape(-1, 3), np.array(ce, np.int64).reshape(-1, 2)
+
+
+def _attn_values(g, cfg: dict, role: str, cuda: bool) -> np.ndarray:
+    """float64 values of one operand in its format's shape: a base distribution times a power of two
+    per (token, head) row, then the operand's value-level events (zero / scaled blocks of 32 along
+    d, for V also along the keys; NaN, Inf)."""
+    op = cfg[role]
+    shape, fmt, d = op["shape"], op["fmt"], op["data"]
+    n = int(np.prod(shape))
+    Dh = shape[-1]
+    rows = n // Dh if Dh else 0
+    v = D.base_values(g, d["dist"], (rows, Dh), imax=8, pow2=(-4, 2))
+    v = v * d["mult"] * np.exp2(g.integers(-d["row_exp"], d["row_exp"] + 1, (rows, 1)))
+    v = v.reshape(shape)
+    s_ax = {"sbhd": 0, "bshd": 1, "bhsd": 2, "thd": 0}[fmt]
+    big = (20 if role != "v" else 36) if cuda else 90
+    for ev in op["events"]:
+        if not n:
+            break
+        if ev in ("zero_row", "big_row", "small_row"):
+            lead = np.unravel_index(int(g.integers(rows)), shape[:-1])
+            c = int(g.integers(Dh // 32)) * 32
+            blk = v[lead][c:c + 32]
+            if ev == "zero_row":
+                blk[:] = np.where(g.random(blk.size) < 0.3, -0.0, 0.0)
+            else:
+                blk *= 2.0 ** (int(g.integers(4, big + 1)) if ev == "big_row" else -int(g.integers(8, 131)))
+        elif ev in ("zero_key", "big_key"):
+            S = shape[s_ax]
+            idx = [int(g.integers(k)) for k in shape]
+            s0 = int(g.integers(fp.cdiv(S, 32))) * 32
+            sl = [slice(i, i + 1) for i in idx]
+            sl[s_ax] = slice(s0, min(S, s0 + 32))
+            if ev == "zero_key":
+                v[tuple(sl)] = 0.0
+            else:
+                v[tuple(sl)] *= 2.0 ** int(g.integers(4, big + 1))
+        elif ev in ("nan", "inf"):
+            i = np.unravel_index(int(g.integers(n)), shape)
+            v[i] = np.nan if ev == "nan" else (np.inf if g.random() < 0.5 else -np.inf)
+    return v
+
+
+def _bits_of(g, v: np.ndarray, dtype: str) -> np.ndarray:
+    """Bits of `dtype` for float64 values: finite values clipped to the dtype's range (an fp16 source
+    of large values stays finite), NaN with assorted payloads and signs."""
+    with np.errstate(all="ignore"):
+        fin = np.isfinite(v)
+        w = np.where(fin, np.clip(v, -D.DT[dtype]["maxf"], D.DT[dtype]["maxf"]), v)
+        bits = fp.from_f64(w, dtype)
+        nan = np.isnan(v)
+        if nan.any():
+            bits[nan] = g.choice(np.array(D.NAN_BITS[dtype], np.int64), int(nan.sum())).astype(fp.BITS[dtype])
+    return bits
+
+
+def _attn_inputs(g, cfg: dict, ins: dict) -> None:
+    cuda = cfg["profile"] == "cuda"
+    packed_base = None
+    for role in ("q", "k", "v"):
+        op = cfg[role]
+        vals = _attn_values(g, cfg, role, cuda)
+        if op["prec"] == "bf16":
+            bits = _bits_of(g, vals, "bfloat16")
+            view = D.View.from_json(op["view"])
+            if op["packed"]:
+                if packed_base is None:
+                    packed_base = D.fill_base(g, view, "bfloat16", bits)
+                elif bits.size:
+                    packed_base[view.positions()] = bits
+                ins[f"{role}.x"] = Arr(packed_base, "bfloat16", view)
+            else:
+                ins[f"{role}.x"] = Arr(D.fill_base(g, view, "bfloat16", bits), "bfloat16", view)
+            continue
+        bits = _bits_of(g, vals, op["src_dtype"]).reshape(op["qshape"])
+        ins[f"{role}.src"] = Arr.contiguous(bits, op["src_dtype"])
+        layout = op["fmt"] if op["kind"] == "attn" else None
+        big = (20 if role != "v" else 36) if cuda else 126
+        ins[f"{role}.sedits"], ins[f"{role}.cedits"] = _mx_edits(
+            g, op["events"], op["qshape"], layout, op["scale_layout"], role != "v", op["dirs"], cfg["fp8_format"], big,
+            cuda)
+        if op["place"] == "view":
+            view = D.View.from_json(op["view"])
+            if op["packed"]:
+                if packed_base is None:
+                    packed_base = D.random_bits(g, (view.base_numel,), "uint8")
+                ins[f"{role}.codes_base"] = packed_base
+            else:
+                ins[f"{role}.codes_base"] = D.random_bits(g, (view.base_numel,), "uint8")
+    if cfg["q_format"] == "thd":
+        ins["cu_q"] = np.concatenate([[0], np.cumsum(cfg["seqlens_q"])]).astype(np.int64)
+        ins["cu_kv"] = np.concatenate([[0], np.cumsum(cfg["seqlens_kv"])]).astype(np.int64)
+
+
+def _gemm_inputs(g, cfg: dict, ins: dict) -> None:
+    cuda = cfg["profile"] == "cuda"
+    for name in ("a", "b"):
+        op = cfg[name]
+        rows, cols = op["shape"]
+        d = op["data"]
+        dt = "bfloat16" if cfg["prec"] == "bf16" else op["src_dtype"]
+        if cfg["int_data"]:
+            bits = fp.from_f64(g.integers(-d["imax"], d["imax"] + 1, (rows, cols)).astype(np.float64), dt)
+        else:
+            specials = ("zero", "denorm", "e0_edge", "nan", "exp_lo") if cuda else D.SPECIALS
+            bits = D.float_bits(g, (rows, cols), dt, fmt=cfg["fp8_format"], dist=d["dist"], exp=d["exp"],
+                                special_rate=d["special_rate"], orient=d["orient"], specials=specials)
+        if cfg["prec"] == "bf16":
+            view = D.View.from_json(op["view"])
+            ins[f"{name}.x"] = Arr(D.fill_base(g, view, "bfloat16", bits), "bfloat16", view)
+            continue
+        ins[f"{name}.src"] = Arr.contiguous(bits, dt)
+        ins[f"{name}.sedits"], ins[f"{name}.cedits"] = _mx_edits(
+            g, op["events"], [rows, cols], None, op["scale_layout"], op["read"] == "rowwise", op["dirs"],
+            cfg["fp8_format"], 20 if cuda else 126, cuda)
+        if op["place"] == "view":
+            ins[f"{name}.codes_base"] = D.random_bits(g, (D.View.from_json(op["view"]).base_numel,), "uint8")
+    if cfg["out"] == "view":
+        v = D.View.from_json(cfg["out_view"])
+        dt = cfg["out_dtype"]
+        M, N = cfg["M"], cfg["N"]
+        if cfg["d_init"] == "int":
+            d0 = g.integers(-1000, 1001, (M, N)).astype(np.float64)
+        else:
+            d0 = g.standard_normal((M, N)) * 2.0 ** int(g.integers(-4, 12))
+        if cfg.get("d_special") and M * N:
+            for _ in range(int(g.integers(1, 4))):
+                d0[int(g.integers(M)), int(g.integers(N))] = g.choice([np.nan, np.inf, -np.inf])
+        ins["out"] = Arr(D.fill_base(g, v, dt, _bits_of(g, d0, dt)), dt, v)
 
 
 def materialize(cfg: dict) -> dict:
@@ -620,4 +1220,8 @@ def materialize(cfg: dict) -> dict:
         ins["w"] = Arr(D.fill_base(g, wview, "bfloat16", wlog), "bfloat16", wview)
         cfg_t = dict(cfg, tab_align=max(1, 16 // fp.ITEMSIZE[cfg["tab_dtype"]]))
         ins["cos"], ins["sin"] = _table_arrs(g, cfg_t, S + cfg["tab_extra"])
+    elif op == "attention":
+        _attn_inputs(g, cfg, ins)
+    elif op == "gemm":
+        _gemm_inputs(g, cfg, ins)
     return ins

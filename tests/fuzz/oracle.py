@@ -1,10 +1,15 @@
 """Independent oracles: what every output of a config must be, bit for bit, computed with numpy and
-ml_dtypes from SPEC §2-§4, include/mxmla/rope.h and README's "Semantics" (fp.py holds the
-primitives). Returns {output name: bits (numpy, logical shape), dtype name}."""
+ml_dtypes from SPEC §2-§6, include/mxmla/rope.h and README's "Semantics" (fp.py holds the
+primitives). Returns {output name: (bits (numpy, logical shape), dtype name)}, or for the float
+outputs of attention and gemm (float64 sums, not bit-exact across summation orders) a Tol: the
+oracle's float64 value and a bound on how far another float64 evaluation can be from it."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
+from . import data as D
 from . import fp
 
 STYLE_TERMS = {}
@@ -312,6 +317,376 @@ def _fused(cfg, ins):
     return res
 
 
+# ----------------------------------------------------------------------------- attention and gemm
+# These ops sum in float64 in the reference (and in fp32 on a GPU): the oracle is a float64
+# computation of its own, in another summation order, so an output is checked against an interval:
+# every value the output type can round x ± t to, x the oracle's float64 result and t a bound on
+# the difference of two float64 evaluations (both rounding errors, scaled by the condition of the
+# sum). Outside the rare elements within t of a rounding boundary that is exactly "x rounded once".
+@dataclass
+class Tol:
+    dtype: str               # output type: bfloat16 / float32
+    x: np.ndarray            # float64 values (the logical shape of the output)
+    t: np.ndarray            # allowed |difference| before the output rounding (>= 0)
+    exact: np.ndarray        # bool: these elements must be exactly x (bits: the bits of x)
+    nan_bits: object = None  # the one NaN pattern the output must use (None: any NaN)
+    what: str = ""
+
+    def bounds(self) -> tuple:
+        """(lo, hi) float64 values of the output type: the roundings of x - t and x + t."""
+        t = np.where(np.isfinite(self.t), self.t, np.inf)
+        with np.errstate(all="ignore"):
+            t = np.where(np.isfinite(self.x), t, 0.0)
+            return fp.round_f64(self.x - t, self.dtype), fp.round_f64(self.x + t, self.dtype)
+
+
+ATTN_EPS = 2.0 ** -40  # float64 evaluation slack per unit of condition (d, keys <= 2^9: 2^-44 each, twice)
+
+
+def _e4m3_round(y: np.ndarray) -> tuple:
+    """(y rounded to E4M3, nearest even, as float64; the E4M3 quantum at y) for 0 <= y <= 448 (NaN
+    kept): SPEC §5's P̃ before the / 2^8, with its own rounding (not ml_dtypes)."""
+    with np.errstate(all="ignore"):
+        _, E = np.frexp(y)
+        q = np.ldexp(1.0, np.maximum(E - 1, -6) - 3)
+        return np.minimum(np.rint(y / q) * q, 448.0), q
+
+
+def _scores(Q: np.ndarray, K: np.ndarray, scale: float) -> tuple:
+    """(scale·Q·Kᵀ with IEEE special values, scale·|Q|·|K|ᵀ over the finite entries): Q [G, Sq, D],
+    K [Skv, D]. The products are summed by BLAS for finite rows; a row or key holding NaN / Inf is
+    summed elementwise (IEEE: Inf·0, Inf - Inf are NaN, independent of the order)."""
+    fq, fk = np.isfinite(Q), np.isfinite(K)
+    Qf, Kf = np.where(fq, Q, 0.0), np.where(fk, K, 0.0)
+    S = Qf @ Kf.T
+    C = np.abs(Qf) @ np.abs(Kf).T
+    for g_, i in zip(*np.nonzero(~fq.all(-1))):
+        S[g_, i] = (Q[g_, i][None, :] * K).sum(-1)
+    for j in np.nonzero(~fk.all(-1))[0]:
+        S[:, :, j] = (Q * K[j]).sum(-1)
+    return S * scale, C * scale
+
+
+def _quiet(fn):
+    """float64 special values are the point here: no warnings for them."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrap(*a, **k):
+        with np.errstate(all="ignore"):
+            return fn(*a, **k)
+
+    return wrap
+
+
+@_quiet
+def attention_head(Q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, n: np.ndarray, e4m3: bool,
+                   flip_eps: float = None) -> tuple:
+    """SPEC §5 for one kv head and the query heads that read it, in float64. Q [G, Sq, D], K [Skv, D],
+    V [Skv, Dv]; n [Sq]: each row sees keys [0, n). Returns (O [G, Sq, Dv], its t, LSE [G, Sq], its t,
+    rows without keys [Sq], and with flip_eps for E4M3 P the O difference that rounding P̃ the other
+    way allows where 256·p is within flip_eps·(1 + E) relative of an E4M3 midpoint, else None).
+
+    bf16 P: p_j = exp(s_j - m), m the largest visible score (NaN skipped), O = Σ p_j v_j / Σ p_j,
+    LSE = m + ln Σ p_j. E4M3 P: blocks of 128 keys from key 0, running maxima m_t, P̃_j =
+    e4m3(256·exp(s_j - m_t)) / 256; o and l rescaled by exp(m_{t-1} - m_t) from block to block, i.e.
+    o = Σ_j P̃_j·exp(m_t(j) - m)·v_j and l = Σ_j exp(s_j - m). Masked keys never enter a sum."""
+    G, Sq, _ = Q.shape
+    Skv, Dv = V.shape
+    ninf = -np.inf
+    masked = n == 0
+    if Skv == 0:
+        z = np.zeros((G, Sq))
+        return np.zeros((G, Sq, Dv)), np.zeros((G, Sq, Dv)), np.full((G, Sq), ninf), z, masked, None
+    vis = np.arange(Skv)[None, :] < n[:, None]
+    vis3 = np.broadcast_to(vis, (G, Sq, Skv))
+    S, C = _scores(Q, K, scale)
+    Sm = np.where(vis3, S, ninf)
+    if e4m3:
+        nb = fp.cdiv(Skv, 128)
+        Sp = np.full((G, Sq, nb * 128), ninf)
+        Sp[..., :Skv] = Sm
+        bmax = np.fmax.reduce(Sp.reshape(G, Sq, nb, 128), axis=-1) if nb else np.full((G, Sq, 0), ninf)
+        Mtb = np.fmax.accumulate(bmax, axis=-1) if nb else bmax  # running maximum after each block
+        Mt = np.repeat(Mtb, 128, axis=-1)[..., :Skv]
+        m = Mtb[..., -1] if nb else np.full((G, Sq), ninf)
+    else:
+        m = np.fmax.reduce(Sm, axis=-1) if Skv else np.full((G, Sq), ninf)
+        Mt = m[..., None]
+    P = np.where(vis3, np.exp(S - Mt), 0.0)
+    if e4m3:
+        F = np.exp(Mt - m[..., None])  # the product of the later blocks' rescalings
+        y = P * 256.0
+        yr, qy = _e4m3_round(y)
+        W = np.where(vis3, yr / 256.0 * F, 0.0)
+        PF = np.where(vis3, P * F, 0.0)
+    else:
+        F, W, PF = None, P, P
+    l = PF.sum(-1)
+    fv = np.isfinite(V)
+    Vf = np.where(fv, V, 0.0)
+    on = W @ Vf
+    if not fv.all():  # NaN / Inf in V: the visible keys' terms in IEEE arithmetic
+        if e4m3:  # an Inf term stays Inf through positive rescalings, turns NaN through a zero one
+            alpha = np.exp(np.concatenate([np.zeros((G, Sq, 1)), Mtb[..., :-1] - Mtb[..., 1:]], axis=-1)) if nb else None
+            zero_after = np.flip(np.logical_or.accumulate(np.flip(np.concatenate(
+                [alpha[..., 1:] == 0, np.zeros((G, Sq, 1), bool)], axis=-1), -1), axis=-1), -1)
+            zkey = np.repeat(zero_after, 128, axis=-1)[..., :Skv]
+        for j, d in zip(*np.nonzero(~fv)):
+            term = (yr[..., j] / 256.0 if e4m3 else P[..., j]) * V[j, d]
+            if e4m3:
+                term = np.where(zkey[..., j], term * 0.0, term)
+            on[..., d] += np.where(vis[None, :, j], term, 0.0)
+    x_o = on / l[..., None]
+    x_l = m + np.log(l)
+    # The bound. Two float64 evaluations of a score s_j differ by at most ATTN_EPS·C_j (C_j =
+    # scale·Σ|q·k|, its condition); so s_j - m_t (p_j), m_t - m (the rescaling) and s_j - m (l) by
+    # ATTN_EPS·E_j with E_j = C_j + 2·C(m_t) + C(m), C(·) the condition of the key that holds that
+    # maximum; 0 for the key that is the row's maximum (p = 1 and no rescaling, exactly). Each sum
+    # adds ATTN_EPS relative.
+    Sn = np.where(np.isnan(Sm), ninf, Sm)  # NaN scores do not take part in the maxima
+    if e4m3:
+        Sp = np.full((G, Sq, nb * 128), ninf)
+        Sp[..., :Skv] = Sn
+        Cp = np.zeros((G, Sq, nb * 128))
+        Cp[..., :Skv] = C
+        bi = np.argmax(Sp.reshape(G, Sq, nb, 128), axis=-1)
+        bv = np.take_along_axis(Sp.reshape(G, Sq, nb, 128), bi[..., None], -1)[..., 0]
+        bc = np.take_along_axis(Cp.reshape(G, Sq, nb, 128), bi[..., None], -1)[..., 0]
+        cur_v, cur_c, cur_j = np.full((G, Sq), ninf), np.zeros((G, Sq)), np.zeros((G, Sq), np.int64)
+        run_c = np.zeros((G, Sq, nb))
+        for t in range(nb):
+            up = bv[..., t] > cur_v
+            cur_v, cur_c = np.where(up, bv[..., t], cur_v), np.where(up, bc[..., t], cur_c)
+            cur_j = np.where(up, 128 * t + bi[..., t], cur_j)
+            run_c[..., t] = cur_c
+        Cmt = np.repeat(run_c, 128, axis=-1)[..., :Skv]
+        Cm, jm = cur_c, cur_j
+    else:
+        jm = np.argmax(Sn, axis=-1)
+        Cm = np.take_along_axis(C, jm[..., None], -1)[..., 0]
+        Cmt = Cm[..., None]
+    E = np.where(vis3, C + 2.0 * Cmt + Cm[..., None], 0.0)
+    np.put_along_axis(E, jm[..., None], 0.0, axis=-1)
+    pin = PF / l[..., None]
+    w_n = W / l[..., None]
+    Vabs = np.abs(Vf)
+    t_o = ATTN_EPS * (((pin + w_n) * (1.0 + E)) @ Vabs + np.abs(x_o) * (1.0 + (pin * E).sum(-1))[..., None])
+    def flips(eps):  # P̃ can round the other way where 256·p is that close to an E4M3 midpoint: one quantum
+        frac = y / qy - np.floor(y / qy)
+        near = vis3 & (np.abs(frac - 0.5) * qy <= y * eps * (1.0 + E))
+        return (np.where(near, qy / 256.0 * F, 0.0) / l[..., None]) @ Vabs if near.any() else 0.0
+
+    if e4m3:
+        t_o = t_o + flips(ATTN_EPS)
+    t_l = ATTN_EPS * (1.0 + np.abs(x_l) + np.abs(m) + Cm + (pin * E).sum(-1))
+    fl = flips(flip_eps) if e4m3 and flip_eps else None
+    # rows without a visible key: O = 0, LSE = -inf, exactly
+    x_o[:, masked], t_o[:, masked], x_l[:, masked], t_l[:, masked] = 0.0, 0.0, ninf, 0.0
+    return x_o, t_o, x_l, t_l, masked, fl
+
+
+def _mx_values(cfg: dict, ins: dict, name: str, op: dict, read_rowwise: bool, layout) -> tuple:
+    """(float64 values, codes uint8) of an MXFP8 operand's read direction in its quantized shape:
+    the oracle's own quantization of the source values, the config's scale and code edits, then
+    code · 2^(e - 127) (e = 255: NaN)."""
+    src = ins[f"{name}.src"]
+    qshape = tuple(op["qshape"] if "qshape" in op else op["shape"])
+    x32 = fp.to_f32(src.logical(), src.dtype).reshape(qshape)
+    fmt, sl = cfg["fp8_format"], op["scale_layout"]
+    if layout is not None:
+        q = quantize_attention(x32, qshape, layout, fmt, read_rowwise, not read_rowwise, sl == "bhsd")
+    else:
+        q = quantize_plain(x32, qshape, fmt, read_rowwise, not read_rowwise, sl == "swizzled")
+    d = "rowwise" if read_rowwise else "columnwise"
+    sc = q[f"{d}_scale_inv"].copy()
+    codes = q[f"{d}_data"].reshape(-1).copy()
+    for dd, flat, byte in ins[f"{name}.sedits"]:
+        if dd == (0 if read_rowwise else 1):
+            sc.reshape(-1)[flat] = byte
+    for flat, byte in ins[f"{name}.cedits"]:
+        codes[flat] = byte
+    e = element_scales(sc, qshape, layout, sl, read_rowwise).reshape(-1)
+    with np.errstate(all="ignore"):
+        vals = fp.fp8_to_f64(codes, fmt) * fp.e8m0_to_f64(e.astype(np.uint8))
+    return vals.reshape(qshape), codes.reshape(qshape)
+
+
+def attention_operands(cfg: dict, ins: dict) -> dict:
+    """{role: (float64 values in the operand's format shape, codes or None)}."""
+    out = {}
+    for role in ("q", "k", "v"):
+        op = cfg[role]
+        if op["prec"] == "bf16":
+            out[role] = (fp.to_f64(ins[f"{role}.x"].logical(), "bfloat16"), None)
+        else:
+            vals, codes = _mx_values(cfg, ins, role, op, role != "v", op["fmt"] if op["kind"] == "attn" else None)
+            out[role] = (vals.reshape(op["shape"]), codes.reshape(op["shape"]))
+    return out
+
+
+def _to_bshd(a: np.ndarray, fmt: str) -> np.ndarray:
+    """[B, S, H, D] view of an operand in its format (thd: [1, T, H, D])."""
+    return {"sbhd": lambda x: x.transpose(1, 0, 2, 3), "bshd": lambda x: x, "bhsd": lambda x: x.transpose(0, 2, 1, 3),
+            "thd": lambda x: x[None]}[fmt](a)
+
+
+def _from_bshd(a: np.ndarray, fmt: str) -> np.ndarray:
+    return {"sbhd": lambda x: x.transpose(1, 0, 2, 3), "bshd": lambda x: x, "bhsd": lambda x: x.transpose(0, 2, 1, 3),
+            "thd": lambda x: x[0]}[fmt](a)
+
+
+def attention_softmax_scale(cfg: dict) -> float:
+    """The scale the op uses: the argument (None: d_qk^-0.5) as fp32 (AttentionProblem::softmax_scale)."""
+    s = cfg["softmax_scale"]
+    return float(np.float32(cfg["d_qk"] ** -0.5 if s is None else s))
+
+
+def attention_rows(cfg: dict, ins: dict, ops: dict = None, flip_eps: float = None) -> dict:
+    """The float64 attention of a config: O, LSE (values and bounds, in the outputs' logical shapes,
+    LSE as [b, h, s_q] / [h, t]), the rows without keys, and per row the largest |v| of its kv head
+    and the largest scaled |q|·|k| (for the GPU bound); with flip_eps (E4M3 P) the O difference that
+    P̃ rounded the other way near E4M3 midpoints allows (attention_head)."""
+    ops = ops or attention_operands(cfg, ins)
+    qf = cfg["q_format"]
+    Q, K, V = (_to_bshd(ops[r][0], cfg[r]["fmt"]) for r in ("q", "k", "v"))
+    H, Hkv, Dv = cfg["H"], cfg["H_kv"], cfg["d_v"]
+    grp = H // Hkv
+    scale = attention_softmax_scale(cfg)
+    e4m3 = cfg["p_format"] == "e4m3"
+    Bq, Tq = Q.shape[0], Q.shape[1]
+    xo, to = np.zeros((Bq, Tq, H, Dv)), np.zeros((Bq, Tq, H, Dv))
+    xl, tl = np.full((Bq, Tq, H), -np.inf), np.zeros((Bq, Tq, H))
+    nokey = np.ones((Bq, Tq, H), bool)  # thd tokens after the last sequence: O = 0, LSE = -inf
+    vmax, cmax = np.zeros((Bq, Tq, H)), np.zeros((Bq, Tq, H))
+    flip = np.zeros((Bq, Tq, H, Dv))
+    if qf == "thd":
+        cq, ckv = ins["cu_q"], ins["cu_kv"]
+        seqs = [(0, int(cq[b]), int(cq[b + 1]), int(ckv[b]), int(ckv[b + 1])) for b in range(len(cq) - 1)]
+    else:
+        seqs = [(b, 0, Q.shape[1], 0, K.shape[1]) for b in range(Q.shape[0])]
+    causal, br = cfg["causal"] != "none", cfg["causal"] == "bottom_right"
+    with np.errstate(all="ignore"):
+        for bb, q0, q1, k0, k1 in seqs:
+            sq, skv = q1 - q0, k1 - k0
+            if sq == 0:
+                continue
+            i = np.arange(sq)
+            n = np.clip(i + 1 + (skv - sq if br else 0), 0, skv) if causal else np.full(sq, skv)
+            for hk in range(Hkv):
+                hs = slice(hk * grp, (hk + 1) * grp)
+                Qg = Q[bb, q0:q1, hs].transpose(1, 0, 2)
+                Kh, Vh = K[bb, k0:k1, hk], V[bb, k0:k1, hk]
+                x_o, t_o, x_l, t_l, masked, fl = attention_head(Qg, Kh, Vh, scale, n, e4m3, flip_eps)
+                if fl is not None:
+                    flip[bb, q0:q1, hs] = np.broadcast_to(fl, x_o.shape).transpose(1, 0, 2)
+                xo[bb, q0:q1, hs] = x_o.transpose(1, 0, 2)
+                to[bb, q0:q1, hs] = t_o.transpose(1, 0, 2)
+                xl[bb, q0:q1, hs] = x_l.T
+                tl[bb, q0:q1, hs] = t_l.T
+                nokey[bb, q0:q1, hs] = masked[:, None]
+                fin = np.isfinite(Vh)
+                vmax[bb, q0:q1, hs] = np.abs(np.where(fin, Vh, 0.0)).max() if Vh.size else 0.0
+                Qf, Kf = np.where(np.isfinite(Qg), Qg, 0.0), np.where(np.isfinite(Kh), Kh, 0.0)
+                C = scale * (np.abs(Qf) @ np.abs(Kf).T)
+                vis = np.arange(skv)[None, :] < n[:, None]
+                cmax[bb, q0:q1, hs] = (np.where(vis[None], C, 0.0).max(-1) if skv else np.zeros((grp, sq))).T
+    xo[nokey], to[nokey] = 0.0, 0.0
+    xl[nokey], tl[nokey] = -np.inf, 0.0
+    lse_shape = lambda a: a[0].T if qf == "thd" else a.transpose(0, 2, 1)  # noqa: E731  [h, t] / [b, h, s]
+    rows = lambda a: _from_bshd(a[..., None], qf)[..., 0]  # noqa: E731  O's layout without d
+    flip[nokey] = 0.0
+    return dict(o=_from_bshd(xo, qf), t_o=_from_bshd(to, qf), nokey=rows(nokey), lse=lse_shape(xl),
+                t_lse=lse_shape(tl), nokey_lse=lse_shape(nokey), vmax=rows(vmax), cmax_lse=lse_shape(cmax),
+                flip_o=_from_bshd(flip, qf), ops=ops)
+
+
+def _attention(cfg, ins):
+    a = attention_rows(cfg, ins)
+    ops = a["ops"]
+    ex = np.broadcast_to(a["nokey"][..., None], a["o"].shape)
+    res = {"o": Tol("bfloat16", a["o"], a["t_o"], ex.copy(), fp.CANON_NAN["bfloat16"], "O")}
+    if cfg["return_lse"]:
+        res["lse"] = Tol("float32", a["lse"], a["t_lse"], a["nokey_lse"].copy(), None, "LSE")
+    res["layout"] = (np.frombuffer(cfg["expected_layout"].encode(), np.uint8).copy(), "uint8")
+    # the inputs' buffers after the op: as they were given (bf16), or the poison with the codes (edited)
+    # copied into their views
+    for role in ("q", "k", "v"):
+        op = cfg[role]
+        key = f"{'pack' if op.get('packed') else role}"
+        if op["prec"] == "bf16":
+            res[f"{key}.base"] = (ins[f"{role}.x"].base, "bfloat16")
+        elif op["place"] == "view":
+            prev = res.get(f"{key}.codes_base")
+            base = prev[0] if prev is not None else ins[f"{role}.codes_base"].copy()
+            v = D.View.from_json(op["view"])
+            if v.base_numel and all(v.shape):
+                base[v.positions()] = ops[role][1]
+            res[f"{key}.codes_base"] = (base, "uint8")
+    return res
+
+
+def gemm_operands(cfg: dict, ins: dict) -> dict:
+    """{name: (float64 values of the stored matrix through the copy read, codes or None)}."""
+    out = {}
+    for name in ("a", "b"):
+        op = cfg[name]
+        if cfg["prec"] == "bf16":
+            out[name] = (fp.to_f64(ins[f"{name}.x"].logical(), "bfloat16"), None)
+        else:
+            out[name] = _mx_values(cfg, ins, name, op, op["read"] == "rowwise", None)
+    return out
+
+
+def gemm_sums(cfg: dict, ins: dict, ops: dict = None) -> tuple:
+    """(op(A)·op(B) in float64 with IEEE special values, |op(A)|·|op(B)| over the finite entries)."""
+    ops = ops or gemm_operands(cfg, ins)
+    A, B = ops["a"][0], ops["b"][0]
+    A = A.T if cfg["trans_a"] else A
+    B = B.T if cfg["trans_b"] else B
+    fa, fb = np.isfinite(A), np.isfinite(B)
+    Af, Bf = np.where(fa, A, 0.0), np.where(fb, B, 0.0)
+    with np.errstate(all="ignore"):
+        S = Af @ Bf
+        Sabs = np.abs(Af) @ np.abs(Bf)
+        for i in np.nonzero(~fa.all(1))[0]:
+            S[i] = (A[i][:, None] * B).sum(0)
+        for j in np.nonzero(~fb.all(0))[0]:
+            S[:, j] = (A * B[:, j][None, :]).sum(1)
+    return S, Sabs
+
+
+def _gemm(cfg, ins):
+    ops = gemm_operands(cfg, ins)
+    S, Sabs = gemm_sums(cfg, ins, ops)
+    dt = cfg["out_dtype"] or "bfloat16"
+    alpha = float(cfg["alpha"])
+    with np.errstate(all="ignore"):
+        x = S * alpha  # the reference's order: the sum, · alpha, + D
+        if cfg["accumulate"]:
+            x = x + fp.to_f64(ins["out"].logical(), dt)
+        if cfg["int_data"]:  # every sum exact: the same float64 operations on the same values
+            t = np.zeros_like(x)
+        else:
+            t = (cfg["K"] + 2) * 2.0 ** -52 * Sabs * abs(alpha) + np.abs(x) * 2.0 ** -51
+    res = {"d": Tol(dt, x, t, np.zeros(x.shape, bool), fp.CANON_NAN[dt], "D")}
+    if cfg["out"] == "view":
+        o = ins["out"]
+        raw = o.base.reshape(-1).view(np.uint8)
+        res["out_outside"] = (raw[~np.repeat(o.view.covered(), fp.ITEMSIZE[dt])].copy(), "uint8")
+    for name in ("a", "b"):
+        op = cfg[name]
+        if cfg["prec"] == "bf16":
+            res[f"{name}.base"] = (ins[f"{name}.x"].base, "bfloat16")
+        elif op["place"] == "view":
+            base = ins[f"{name}.codes_base"].copy()
+            v = D.View.from_json(op["view"])
+            if all(v.shape):
+                base[v.positions()] = ops[name][1]
+            res[f"{name}.codes_base"] = (base, "uint8")
+    return res
+
+
 ORACLES = {
     "quantize": _quantize,
     "dequantize": _dequantize,
@@ -324,6 +699,8 @@ ORACLES = {
     "rope_backward": _rope,
     "rope_backward_quantize": _rope_backward_quantize,
     "fused_q_uproj_rope_quant": _fused,
+    "attention": _attention,
+    "gemm": _gemm,
 }
 
 

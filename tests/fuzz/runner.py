@@ -259,6 +259,154 @@ def _fused(cfg, ins, dev, mx):
     return out
 
 
+# ----------------------------------------------------------------------------- attention / gemm
+def _edit_scales(q8, sedits) -> None:
+    """Scale-byte edits (direction, flat index, byte) on a fresh quantization's contiguous buffers."""
+    torch = _torch()
+    for d, name in ((0, "rowwise_scale_inv"), (1, "columnwise_scale_inv")):
+        e = sedits[sedits[:, 0] == d]
+        buf = getattr(q8, name, None)
+        if not e.size or buf is None:
+            continue
+        flat = buf.view(torch.uint8).reshape(-1)
+        flat[torch.from_numpy(e[:, 1].copy()).to(flat.device)] = torch.from_numpy(e[:, 2].astype(np.uint8)).to(flat.device)
+
+
+def _edit_codes(codes, cedits) -> None:
+    """Code edits (flat index in the logical order, byte) on a codes tensor of any strides."""
+    shape = tuple(codes.shape)
+    for flat, byte in cedits:
+        codes[np.unravel_index(int(flat), shape)] = int(byte)
+
+
+def _shared(store: dict, key: str, arr: np.ndarray, dtype: str, dev: str):
+    """One device buffer per base array (packed views of one buffer share it)."""
+    if key not in store:
+        store[key] = to_tensor(Arr(arr, dtype, _flat_view(arr.size)), dev)[1]
+    return store[key]
+
+
+def _flat_view(n: int):
+    from .data import View
+
+    return View(n, 0, (n,), (1,))
+
+
+def _mx_operand(cfg, op, ins, name: str, read_rowwise: bool, dev, mx, store: dict):
+    """An MXFP8 operand: quantized on `dev` from its source values, scale edits, the read direction's
+    codes copied into their view (op["place"] == "view") or kept, code edits. Returns (the
+    MXFP8Tensor the op gets, {output name: base tensor to read back afterwards})."""
+    torch = _torch()
+    x, _ = to_tensor(ins[f"{name}.src"], dev)
+    both = op["dirs"] == "both"
+    rw, cw = read_rowwise or both, (not read_rowwise) or both
+    fmt = cfg["fp8_format"]
+    if op.get("kind") == "attn":
+        q8 = mx.quantize_attention(x, layout=op["fmt"], rowwise=rw, columnwise=cw, fp8_format=fmt,
+                                   bhsd_scales=op["scale_layout"] == "bhsd")
+    else:
+        q8 = mx.quantize(x, rowwise=rw, columnwise=cw, fp8_format=fmt, swizzle=op["scale_layout"] == "swizzled")
+    _edit_scales(q8, ins[f"{name}.sedits"])
+    d = "rowwise" if read_rowwise else "columnwise"
+    shape = tuple(op["shape"])  # the codes as the op reads them (the quantized shape's dims merged)
+    bases = {}
+    if op["place"] == "view":
+        from .data import View
+
+        v = View.from_json(op["view"])
+        key = f"{'pack' if op.get('packed') else name}.codes_base"
+        base = _shared(store, key, ins[f"{name}.codes_base"], "uint8", dev)
+        codes = torch.as_strided(base, v.shape, v.strides, v.offset)
+        codes.copy_(getattr(q8, f"{d}_data").reshape(shape))
+        bases[key] = base
+        fields = {f"{d}_data": codes, f"{d}_scale_inv": getattr(q8, f"{d}_scale_inv")}
+    else:
+        fields = {}
+        for dd in ("rowwise", "columnwise"):
+            c = getattr(q8, f"{dd}_data")
+            if c is not None:
+                fields[f"{dd}_data"], fields[f"{dd}_scale_inv"] = c.reshape(shape), getattr(q8, f"{dd}_scale_inv")
+        codes = fields[f"{d}_data"]
+    _edit_codes(codes, ins[f"{name}.cedits"])
+    t = mx.MXFP8Tensor(tuple(q8.shape), q8.fp8_format, q8.scale_layout, fields.get("rowwise_data"),
+                       fields.get("rowwise_scale_inv"), fields.get("columnwise_data"), fields.get("columnwise_scale_inv"),
+                       layout=q8.layout, attention=q8.attention)
+    return t, bases
+
+
+def _attention(cfg, ins, dev, mx):
+    torch = _torch()
+    store, bases, ops = {}, {}, {}
+    for role in ("q", "k", "v"):
+        op = cfg[role]
+        if op["prec"] == "bf16":
+            from .data import View
+
+            v = View.from_json(op["view"])
+            key = f"{'pack' if op['packed'] else role}.base"
+            base = _shared(store, key, ins[f"{role}.x"].base, "bfloat16", dev)
+            ops[role] = torch.as_strided(base, v.shape, v.strides, v.offset)
+            bases[key] = base
+        else:
+            ops[role], b = _mx_operand(cfg, op, ins, role, role != "v", dev, mx, store)
+            bases.update(b)
+    qf, kvf = cfg["q_format"], cfg["kv_format"]
+    fmt = qf if qf == kvf else f"{qf}_2{kvf}"
+    layout = {"none": None, "format": fmt, "name": cfg["expected_layout"]}[cfg["layout_arg"]]
+    kw = dict(causal=cfg["causal"] != "none", bottom_right=cfg["causal"] == "bottom_right",
+              softmax_scale=cfg["softmax_scale"], layout=layout, return_lse=cfg["return_lse"], p_format=cfg["p_format"])
+    if qf == "thd":
+        cu = cfg["cu"]
+        for arg, key in (("cu_seqlens_q", "cu_q"), ("cu_seqlens_kv", "cu_kv")):
+            c = ins[key]
+            kw[arg] = [int(x) for x in c] if cu["where"] == "list" else \
+                from_numpy(c.astype(np.int32 if cu["dtype"] == "int32" else np.int64), dev if cu["where"] == "same" else "cpu")
+        if cfg["max_seqlen"] != "none":
+            extra = cfg["max_extra"] if cfg["max_seqlen"] == "bound" else 0
+            kw["max_seqlen_q"] = max(cfg["seqlens_q"]) + extra
+            kw["max_seqlen_kv"] = max(cfg["seqlens_kv"]) + extra
+    name = np.frombuffer(mx.qkv_layout(ops["q"], ops["k"], ops["v"], fmt).encode(), np.uint8).copy()
+    out = {"layout": Out(name, (name.size,), "uint8", 1)}  # TransformerEngine's name of the memory
+    r = mx.attention(ops["q"], ops["k"], ops["v"], **kw)
+    o, lse = r if cfg["return_lse"] else (r, None)
+    out["o"] = out_of(o)
+    if lse is not None:
+        out["lse"] = out_of(lse)
+    for k, b in bases.items():  # the inputs' buffers: what the op read must be unchanged
+        out[k] = out_of(b)
+    return out
+
+
+def _gemm(cfg, ins, dev, mx):
+    store, bases, ops = {}, {}, {}
+    for name in ("a", "b"):
+        op = cfg[name]
+        if cfg["prec"] == "bf16":
+            t, base = to_tensor(ins[f"{name}.x"], dev)
+            ops[name], bases[f"{name}.base"] = t, base
+        else:
+            ops[name], b = _mx_operand(cfg, op, ins, name, op["read"] == "rowwise", dev, mx, store)
+            bases.update(b)
+    kw = dict(trans_a=cfg["trans_a"], trans_b=cfg["trans_b"], alpha=cfg["alpha"])
+    out = {}
+    if cfg["out"] == "alloc":
+        if cfg["out_dtype"] is not None:
+            kw["out_dtype"] = cfg["out_dtype"]
+        d = mx.gemm(ops["a"], ops["b"], **kw)
+    else:
+        o, obase = to_tensor(ins["out"], dev)
+        d = mx.gemm(ops["a"], ops["b"], out=o, accumulate=cfg["accumulate"], **kw)
+        if d is not o and (d.data_ptr() != o.data_ptr() or tuple(d.stride()) != tuple(o.stride())):
+            raise OpError("with out given, gemm did not return it")
+        ob = out_of(obase)  # the bytes of out's buffer outside the view: untouched
+        cov = np.repeat(ins["out"].view.covered(), ob.itemsize)
+        out["out_outside"] = Out(ob.raw[~cov].copy(), (int((~cov).sum()),), "uint8", 1)
+    out["d"] = out_of(d)
+    for k, b in bases.items():
+        out[k] = out_of(b)
+    return out
+
+
 RUNNERS = {
     "quantize": _quantize,
     "dequantize": _dequantize,
@@ -271,6 +419,8 @@ RUNNERS = {
     "rope_backward": _rope,
     "rope_backward_quantize": _rope_backward_quantize,
     "fused_q_uproj_rope_quant": _fused,
+    "attention": _attention,
+    "gemm": _gemm,
 }
 
 

@@ -780,3 +780,18 @@ def test_cuda_bf16_packed_and_thd_match_cpu_reference(causal):
         o_ref, lse_ref = mxmla.attention(qt.cpu(), kt.cpu(), vt.cpu(), cu_seqlens_q=cu, cu_seqlens_kv=cu_kv,
                                          causal=causal, bottom_right=causal, return_lse=True)
         _gpu_check(o, lse, o_ref, lse_ref)
+
+
+def test_default_format_reads_mxfp8_codes_not_the_quantized_shape():
+    """thd operands quantized token-major as [t, h*d] with codes viewed [t, h, d]: layout=None takes
+    the format from the codes (3-D: thd), as layout="thd" does."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 2 * 64)).astype(np.float32)
+    t = mxmla.quantize(x)
+    op = mxmla.MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout, t.rowwise_data.reshape(64, 2, 64),
+                           t.rowwise_scale_inv, t.columnwise_data.reshape(64, 2, 64), t.columnwise_scale_inv)
+    cu = [0, 40, 64]
+    got = mxmla.attention(op, op, op, cu_seqlens_q=cu, cu_seqlens_kv=cu, causal=True)
+    want = mxmla.attention(op, op, op, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, causal=True)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    assert mxmla.qkv_layout(op, op, op).startswith("t")

@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-pytest.importorskip("ml_dtypes")
+ml_dtypes = pytest.importorskip("ml_dtypes")
 torch = pytest.importorskip("torch")
 import mxmla  # noqa: E402
 
@@ -41,6 +41,8 @@ CI_COUNTS = {  # configs per op in CI, half from each profile (seeds 0 .. n/2 - 
     "rope_backward": 200,
     "rope_backward_quantize": 100,
     "fused_q_uproj_rope_quant": 200,
+    "attention": 600,
+    "gemm": 400,
 }
 GPU_COUNT = 40  # per op, when a GPU is visible (the full run is the separate command above)
 
@@ -322,13 +324,16 @@ def test_cuda_profile_obeys_the_cuda_rules():
             assert heads8 == {True, False}
 
 
-def test_generators_cover_the_axes():
-    def tags(op, n=200, profile="any"):
-        out = set()
-        for s in range(n):
-            out.update(gen.generate(op, s, profile)["tags"])
-        return out
+def _tags(op, n=200, profile="any"):
+    """The coverage tags of seeds 0 .. n - 1."""
+    out = set()
+    for s in range(n):
+        out.update(gen.generate(op, s, profile)["tags"])
+    return out
 
+
+def test_generators_cover_the_axes():
+    tags = _tags
     t = tags("quantize")
     for want in ("dtype=bfloat16", "dtype=float16", "dtype=float32", "fmt=e4m3", "fmt=e5m2", "dir=row", "dir=col",
                  "dir=both", "swizzle", "one_row", "huge_leading", "strided", "offset", "specials", "exp=wide"):
@@ -344,6 +349,246 @@ def test_generators_cover_the_axes():
     t = tags("fused_q_uproj_rope_quant", profile="cuda")
     for want in ("batch>1", "K_tail", "T_tail", "weight_layout=kn", "bhsd_scales", "return_q", "fmt=e5m2", "layout=bshd"):
         assert want in t, want
+
+
+# ----------------------------------------------------------------------------- attention and gemm
+ROUND = {"bfloat16": (7, -126, 3.3895313892515355e38), "float32": (23, -126, float(np.finfo(np.float32).max)),
+         "float16": (10, -14, 65504.0)}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_round_f64_rounds_once(dtype):
+    """fp.round_f64 (the tolerance checks' rounding of float64 results) against exact rounding: random
+    values, values one float64 ulp either side of every kind of tie, subnormals, the overflow edge."""
+    mant, emin, maxf = ROUND[dtype]
+    rng = np.random.default_rng(5)
+    v = rng.standard_normal(2000) * np.exp2(rng.integers(emin - mant - 3, 40 if dtype != "float16" else 16, 2000))
+    q = np.exp2(rng.integers(emin, 12, 300).astype(np.float64) - mant)  # ties: (k + 1/2)·q
+    ties = (rng.integers(1 << mant, 1 << (mant + 1), 300) + 0.5) * q
+    v = np.concatenate([v, ties, np.nextafter(ties, 0), np.nextafter(ties, np.inf), -ties,
+                        [maxf, maxf * (1 + 2.0 ** -(mant + 2)), maxf * (1 + 2.0 ** -(mant + 1)), 0.0, -0.0,
+                         2.0 ** (emin - mant - 1), 2.0 ** (emin - mant - 1) * 1.5]])
+    got = fp.round_f64(v, dtype)
+    for x, g in zip(v, got):
+        want = round_exact(Fraction(float(x)), mant, emin, maxf)
+        assert g == want and math.copysign(1, g) == math.copysign(1, x), (dtype, x.hex(), g, want)
+    # why it exists: ml_dtypes converts float64 -> bfloat16 through float32 (two roundings)
+    x = 1 + 2.0 ** -8 + 2.0 ** -30
+    assert fp.round_f64(np.array([x]), "bfloat16")[0] == 1 + 2.0 ** -7
+    assert fp.bits_f64(np.array([x, np.nan]), "bfloat16").tolist() == [0x3F81, 0x7FC0]
+
+
+def test_e4m3_rounding_of_p():
+    """The attention oracle's E4M3 rounding of 256·p (SPEC §5's P̃) against exact rounding, on every
+    E4M3 value, midpoint and its float64 neighbours in [0, 448]."""
+    vals = np.arange(0, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    mids = (vals[:-1] + vals[1:]) / 2
+    y = np.concatenate([vals, mids, np.nextafter(mids, 0), np.nextafter(mids, 1e9), [1e-30, 2.0 ** -10]])
+    got, _ = oracle._e4m3_round(y)
+    for x, g in zip(y, got):
+        assert g == round_exact(Fraction(float(x)), 3, -6, 448.0), (x, g)
+
+
+def _naive_attention(Q, K, V, scale, n, e4m3):
+    """SPEC §5 row by row, as written: scores summed in order, the maximum over the visible keys (NaN
+    skipped), blocks of 128 keys with rescaling for E4M3 P (P̃ by exact rounding), O = o / l,
+    LSE = m + ln l. Q [G, Sq, D], K [Skv, D], V [Skv, Dv] float64."""
+    G, Sq, _ = Q.shape
+    Dv = V.shape[1]
+    O, L = np.zeros((G, Sq, Dv)), np.full((G, Sq), -np.inf)
+    with np.errstate(all="ignore"):
+        for g_ in range(G):
+            for i in range(Sq):
+                if n[i] == 0:
+                    continue
+                s = [sum(Q[g_, i, d] * K[j, d] for d in range(K.shape[1])) * scale for j in range(n[i])]
+                m, o, l = -math.inf, np.zeros(Dv), 0.0
+                blk = 128 if e4m3 else n[i]
+                for j0 in range(0, n[i], blk):
+                    mb = m
+                    for j in range(j0, min(n[i], j0 + blk)):
+                        mb = mb if not (mb < s[j]) else s[j]
+                    if j0 > 0:
+                        a = math.exp(m - mb) if not (math.isinf(m) and m == mb) else math.nan
+                        o, l = o * a, l * a
+                    for j in range(j0, min(n[i], j0 + blk)):
+                        p = math.exp(s[j] - mb) if not (math.isinf(mb) and s[j] == mb) else math.nan
+                        pt = round_exact(Fraction(p * 256), 3, -6, 448.0) / 256 if e4m3 and math.isfinite(p) else p
+                        o, l = o + pt * V[j], l + p
+                    m = mb
+                O[g_, i] = o / l
+                L[g_, i] = m + math.log(l) if l > 0 else (math.nan if math.isnan(l) else -math.inf)
+    return O, L
+
+
+@pytest.mark.parametrize("e4m3", [False, True])
+def test_attention_oracle_equals_spec_row_by_row(e4m3):
+    """oracle.attention_head (vectorized: per-key weights P̃·exp(m_t - m)) against SPEC §5 evaluated row by
+    row, on causal rows of 0..300 keys (several E4M3 blocks), peaky and flat softmaxes, NaN in Q, in K,
+    in V at a visible and at a masked key, and exact zeros."""
+    rng = np.random.default_rng(11 + e4m3)
+    G, Sq, Skv, D, Dv = 2, 6, 300, 32, 8
+    Q = rng.standard_normal((G, Sq, D)) * np.array([0.3, 3.0])[:, None, None]
+    K, V = rng.standard_normal((Skv, D)), rng.standard_normal((Skv, Dv)) * 4
+    n = np.array([0, 1, 129, 130, 256, 300])
+    Q[1, 5, 3] = np.nan           # a NaN query row
+    K[200, 0] = np.nan            # a NaN key: rows that see it are NaN
+    V[100, 2] = np.nan            # seen by rows with n > 100 (column 2 only)
+    V[129, 5] = np.nan            # masked for the row with n = 129
+    V[10:14] = 0.0
+    want_o, want_l = _naive_attention(Q, K, V, 0.1, n, e4m3)
+    x_o, t_o, x_l, t_l, masked, _ = oracle.attention_head(Q, K, V, 0.1, n, e4m3)
+    np.testing.assert_array_equal(np.isnan(x_o), np.isnan(want_o))
+    np.testing.assert_array_equal(np.isnan(x_l), np.isnan(want_l))
+    assert masked.tolist() == [True] + [False] * 5 and np.isnan(x_o[:, 3:, 5]).all() and not np.isnan(x_o[0, 2, 5])
+    f = np.isfinite(want_o)
+    assert np.all(np.abs(x_o[f] - want_o[f]) <= t_o[f] + 1e-300)
+    assert np.all(np.abs(x_o[f] - want_o[f]) <= 1e-12 * (np.abs(want_o[f]) + 4))
+    f = np.isfinite(want_l)
+    assert np.all(np.abs(x_l[f] - want_l[f]) <= t_l[f])
+
+
+def test_tolerance_checks_see_one_ulp_nan_and_masked_rows():
+    """attention / gemm outputs against the oracle's intervals: the reference passes; one bf16 / fp32 ulp
+    off an element whose interval holds one value fails, so do a NaN where the oracle has none and a
+    non-zero O in a row without keys."""
+    cfg = _first_seed("attention", lambda c: c["prec"] == "bf16" and c["causal"] == "bottom_right" and c["return_lse"]
+                      and c["q_format"] == "sbhd" and c["s_q"] > c["s_kv"] > 1 and not any(c[r]["events"] for r in "qkv"))
+    ins = gen.materialize(cfg)
+    outs = runner.run(cfg, ins, "cpu")
+    exp = check.expected_outs(oracle.expected(cfg, ins))
+    assert check.compare_sets("attention", "t", outs, exp) == []
+    for name in ("o", "lse"):
+        lo, hi = exp[name].bounds()
+        i = int(np.flatnonzero((lo == hi) & ~exp[name].exact & np.isfinite(exp[name].x))[0])
+        bad = dict(outs)
+        o = outs[name]
+        bad[name] = runner.Out(o.raw.copy(), o.shape, o.dtype, o.itemsize)
+        bad[name].elements()[i] += 1
+        mm = check.compare_sets("attention", "t", bad, exp)
+        assert len(mm) == 1 and mm[0].index == i and "rounded to" in mm[0].expected, mm
+        bad[name].elements()[i] = 0x7FC0 if name == "o" else 0x7FC00000
+        assert "NaN exactly" in check.compare_sets("attention", "t", bad, exp)[0].expected
+    o = outs["o"]
+    nokey = np.flatnonzero(exp["o"].exact)  # bottom-right with s_q > s_kv: the first rows see no key
+    assert nokey.size
+    bad = dict(outs, o=runner.Out(o.raw.copy(), o.shape, o.dtype, o.itemsize))
+    bad["o"].elements()[nokey[0]] = 0x3F80
+    assert "without a visible key" in check.compare_sets("attention", "t", bad, exp)[0].expected
+    # gemm: integer data bit for bit (the interval is the one value)
+    cfg = _first_seed("gemm", lambda c: c["int_data"] and c["M"] * c["N"] > 0)
+    ins = gen.materialize(cfg)
+    outs = runner.run(cfg, ins, "cpu")
+    exp = check.expected_outs(oracle.expected(cfg, ins))
+    assert check.compare_sets("gemm", "t", outs, exp) == [] and not exp["d"].t.any()
+    d = outs["d"]
+    bad = dict(outs, d=runner.Out(d.raw.copy(), d.shape, d.dtype, d.itemsize))
+    bad["d"].elements()[d.elements().size // 2] ^= 1
+    assert len(check.compare_sets("gemm", "t", bad, exp)) == 1
+
+
+def test_gemm_outputs_outside_the_view_and_inputs_are_checked():
+    cfg = _first_seed("gemm", lambda c: c["out"] == "view" and c["prec"] == "bf16"
+                      and c["out_view"]["base_numel"] > c["M"] * c["N"] > 0)
+    ins = gen.materialize(cfg)
+    outs = runner.run(cfg, ins, "cpu")
+    assert check.invariants(cfg, ins, outs) == []
+    for name in ("out_outside", "a.base"):
+        o = outs[name]
+        bad = dict(outs)
+        bad[name] = runner.Out(o.raw.copy(), o.shape, o.dtype, o.itemsize)
+        bad[name].raw[0] ^= 1
+        assert any(m.output == name for m in check.invariants(cfg, ins, bad))
+        assert any(m.output == name for m in check.compare_sets("gemm", "t", bad, check.expected_outs(
+            oracle.expected(cfg, ins))))
+
+
+def test_gpu_bounds_of_attention_and_the_gemm_error(monkeypatch):
+    """The GPU comparisons on CPU stand-ins: attention within tests/cpp/test_attention.cpp's bounds (an
+    O element 0.5 + 10 % off, a relative RMS of 1.5 % or an LSE 0.05 off fail; a relative 0.3 % change
+    passes); gemm on CUDA must raise the "kernel not available" error (a result or another error fails)."""
+    cfg = _first_seed("attention", lambda c: c["prec"] == "bf16" and c["return_lse"] and c["p_format"] == "bfloat16"
+                      and not any(c[r]["events"] for r in "qkv") and c["causal"] == "none"
+                      and c["q_format"] != "thd" and c["s_kv"] > 8, profile="cuda")
+    ins = gen.materialize(cfg)
+    ref = runner.run(cfg, ins, "cpu")
+    assert check.compare_pair(cfg, ins, "cuda vs cpu", ref, ref) == []
+
+    def changed(name, fn):
+        o = ref[name]
+        v = fp.to_f64(o.elements(), o.dtype)
+        v = fn(v)
+        got = dict(ref)
+        got[name] = runner.Out(fp.from_f64(v, o.dtype).view(np.uint8).copy(), o.shape, o.dtype, o.itemsize)
+        return check.compare_pair(cfg, ins, "cuda vs cpu", got, ref)
+
+    assert changed("o", lambda v: v * 1.003) == []
+    mm = changed("o", lambda v: np.where(np.arange(v.size) == 5, v + 0.5 + 0.1 * np.abs(v), v))
+    assert len(mm) == 1 and "GPU bound" in mm[0].expected
+    assert "relative RMS" in changed("o", lambda v: v * 1.015 + 0.01)[0].note
+    assert "GPU bound" in changed("lse", lambda v: np.where(np.arange(v.size) == 0, v + 0.05, v))[0].expected
+    # gemm on CUDA: the expected error
+    g = _first_seed("gemm", lambda c: True, profile="cuda")
+    err = ("ValueError: mxmla.gemm: argument 'a': is on cuda:0, but the CUDA MXFP8 GEMM kernel is not available in "
+           "this build yet (the SM90 kernel is in progress); ...")
+    assert driver.check_pair("gemm", g["seed"], "cuda", "cuda", (None, err)).ok
+    assert not driver.check_pair("gemm", g["seed"], "cuda", "cuda", (None, "ValueError: something else")).ok
+    gins = gen.materialize(g)
+    gout = runner.run(g, gins, "cpu")
+    assert "GEMM_CUDA_KERNEL" in driver.check_pair("gemm", g["seed"], "cuda", "cuda", (gout, None)).mismatches[0].note
+    monkeypatch.setattr(check, "GEMM_CUDA_KERNEL", True)  # the kernel landed: its result is compared
+    assert driver.check_pair("gemm", g["seed"], "cuda", "cuda", (gout, None)).ok
+
+
+def test_attention_and_gemm_cuda_profiles_obey_the_kernels_rules():
+    """README "CUDA-path rules" and src/attention.cpp's check_cuda: head dims (192, 128) / (128, 128),
+    V's columnwise scale blocks along the keys, 16-byte aligned views and strides; no values past
+    bf16 / fp32 range (no Inf, no scale 254); the documented thd caveat (no NaN in bf16 V)."""
+    seen = set()
+    for seed in range(200):
+        c = gen.generate("attention", seed, "cuda")
+        assert (c["d_qk"], c["d_v"]) in gen.ATTN_CUDA_DIMS
+        for role in "qkv":
+            o = c[role]
+            es = 2 if o["prec"] == "bf16" else 1
+            if "view" in o:
+                v = data.View.from_json(o["view"])
+                assert (v.offset * es) % 16 == 0 and v.strides[-1] == 1
+                assert all((s * es) % 16 == 0 for s, n in zip(v.strides[:-1], v.shape[:-1]) if n > 1), (seed, role, v)
+            assert "inf" not in o["events"] and "scale_max" not in o["events"]
+            if o["prec"] == "mxfp8" and role == "v":
+                B, H = c["B"], c["H_kv"]
+                assert gen.v_blocks_along_keys(o["fmt"], o["kind"], B, H), (seed, o["kind"])
+            if role == "v" and o["prec"] == "bf16" and o["fmt"] == "thd":
+                assert "nan" not in o["events"]
+            seen.add(o.get("kind", "bf16"))
+    assert seen == {"bf16", "attn", "plain", "tokens"}
+    for seed in range(200):
+        c = gen.generate("gemm", seed, "cuda")
+        for name in ("a", "b"):
+            assert c[name]["data"]["exp"] != "wide" and "scale_max" not in c[name].get("events", [])
+
+
+def test_attention_and_gemm_generators_cover_the_axes():
+    def tags(op, profile="any"):
+        return _tags(op, 300, profile)
+
+    for profile in gen.PROFILES:
+        t = tags("attention", profile=profile)
+        for want in ("format=sbhd", "format=bshd", "format=bhsd", "format=thd", "format=mixed", "pack=3hd", "pack=h3d",
+                     "pack=2hd", "pack=h2d", "gqa", "causal=top_left", "causal=bottom_right", "p_format=e4m3",
+                     "prec=bf16", "fp8=e4m3", "fp8=e5m2", "src=attn/compact", "src=attn/bhsd", "src=plain/swizzled",
+                     "src=tokens/compact", "place=view", "dirs=both", "thd_empty_seq", "thd_one_token_seq", "thd_tail",
+                     "s_tail", "s>128", "strided", "event=scale_nan", "event=scale_zero", "event=pad", "event=nan",
+                     "event=big_key", "event=codes", "layout_arg=none", "layout_arg=name", "softmax_scale"):
+            assert want in t, (profile, want)
+        t = tags("gemm", profile=profile)
+        for want in ("direction=fprop", "direction=dgrad", "direction=wgrad", "direction=tt", "prec=bf16", "int_data",
+                     "accumulate", "alpha", "K_tail", "M_tail", "N_tail", "scale_layout=swizzled", "place=view",
+                     "out_strided", "out_dtype=float32", "out_dtype=bfloat16", "event=scale_nan", "event=scale_one",
+                     "event=scale_zero", "event=pad", "event=unread"):
+            assert want in t, (profile, want)
+    assert "event=scale_max" in tags("gemm") and "event=inf" in tags("attention")
 
 
 # ----------------------------------------------------------------------------- the CI subset
@@ -364,7 +609,7 @@ def test_dry_run_of_the_gpu_check_path():
     byte for byte, invariants on the device outputs) with the CPU standing in for the GPU."""
     pool = driver._pool(2)
     try:
-        for op in ("quantize", "to_bhsd", "rope_backward_quantize", "fused_q_uproj_rope_quant"):
+        for op in ("quantize", "to_bhsd", "rope_backward_quantize", "fused_q_uproj_rope_quant", "attention", "gemm"):
             res = driver.run_seeds(op, list(range(3)), "cpu", "cuda", pool, pair=True)
             assert len(res) == 3 and all(r.status in ("pass", "known") for r in res), \
                 [m.line() for r in res for m in r.mismatches]
