@@ -112,8 +112,7 @@ struct Check {
 
   void same_device(const std::string& arg, const TensorDesc& t, const Device& dev) const {
     if (t.device != dev)
-      fail(arg, std::string("is on ") + device_name(t.device.type) + ":" + std::to_string(t.device.index) +
-                    " but the input is on " + device_name(dev.type) + ":" + std::to_string(dev.index));
+      fail(arg, "is on " + detail::device_str(t.device) + " but the input is on " + detail::device_str(dev));
   }
 
   void aligned(const std::string& arg, const void* p, int64_t bytes) const {

@@ -62,7 +62,6 @@ const char* format_dims(AttnFormat f) {
   }
   return "?";
 }
-std::string dev_str(const Device& d) { return std::string(device_name(d.type)) + ":" + std::to_string(d.index); }
 
 // Sizes of an operand in its format (thd: B is not known from the tensor, S is its token count).
 struct Dims {
@@ -244,7 +243,7 @@ void check_cu_seqlens(const char* arg, const TensorDesc* cu, const Device& dev) 
   if (cu->ndim() != 1 || cu->shape[0] < 1) fail(arg, "must be 1-D [b + 1], got shape " + shape_str(cu->shape));
   if (cu->stride(0) != 1 && cu->shape[0] > 1) fail(arg, "must be contiguous");
   if (cu->data == nullptr) fail(arg, "data pointer is null");
-  if (cu->device != dev) fail(arg, "is on " + dev_str(cu->device) + " but q is on " + dev_str(dev) + " (cu_seqlens live on the data's device)");
+  if (cu->device != dev) fail(arg, "is on " + detail::device_str(cu->device) + " but q is on " + detail::device_str(dev) + " (cu_seqlens live on the data's device)");
 }
 
 // Checks host cu_seqlens values; returns the longest sequence.
@@ -332,10 +331,10 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
   const Device dev = Q.data->device;
   for (const Operand* x : {&Q, &K, &V}) {
     if (x->data->device != dev)
-      fail(x->data_arg, "is on " + dev_str(x->data->device) + " but q is on " + dev_str(dev) + ": all operands must be on one device");
+      fail(x->data_arg, "is on " + detail::device_str(x->data->device) + " but q is on " + detail::device_str(dev) + ": all operands must be on one device");
     if (x->scales != nullptr && x->scales->device != dev)
       fail(x->name + "." + x->dir + "_scale_inv",
-           "is on " + dev_str(x->scales->device) + " but q is on " + dev_str(dev) + ": all operands must be on one device");
+           "is on " + detail::device_str(x->scales->device) + " but q is on " + detail::device_str(dev) + ": all operands must be on one device");
   }
 
   // sizes
@@ -365,7 +364,7 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
                   std::to_string(dv.D) + ")");
   dims_of("o", o, opts.q_format);
   if (o.dtype != DType::kBFloat16) fail("o", std::string("dtype ") + dtype_name(o.dtype) + " must be bfloat16");
-  if (o.device != dev) fail("o", "is on " + dev_str(o.device) + " but q is on " + dev_str(dev));
+  if (o.device != dev) fail("o", "is on " + detail::device_str(o.device) + " but q is on " + detail::device_str(dev));
   int64_t B = dq.B;
   if (thd) {
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, dev);
@@ -386,7 +385,7 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
     if ((!lse->strides.empty() && lse->strides.size() != lse->shape.size()) || !lse->is_contiguous())
       fail("lse", "must be contiguous");
     if (lse->numel() > 0 && lse->data == nullptr) fail("lse", "data pointer is null");
-    if (lse->device != dev) fail("lse", "is on " + dev_str(lse->device) + " but q is on " + dev_str(dev));
+    if (lse->device != dev) fail("lse", "is on " + detail::device_str(lse->device) + " but q is on " + detail::device_str(dev));
   }
   if (!std::isfinite(opts.softmax_scale)) fail("softmax_scale", "must be finite, got " + std::to_string(opts.softmax_scale));
   if (opts.max_seqlen_q < 0) fail("max_seqlen_q", "must not be negative");

@@ -35,7 +35,6 @@ constexpr const char* kOp = "mxmla.gemm";
 using detail::MapMode;
 using detail::shape_str;
 
-std::string dev_str(const Device& d) { return std::string(device_name(d.type)) + ":" + std::to_string(d.index); }
 std::string flag_str(bool v) { return v ? "true" : "false"; }
 
 // Why an operand is read through the copy it is: the GEMM's view and the Linear's GEMMs that read it.
@@ -163,7 +162,7 @@ detail::GemmOperandView view_of(const Operand& op) {
 
 // The CUDA path until the SM90 kernel lands: what to do meanwhile.
 [[noreturn]] void no_cuda_kernel(const Device& dev, bool fp8) {
-  fail("a", "is on " + dev_str(dev) + ", but the CUDA " + (fp8 ? "MXFP8" : "bf16") +
+  fail("a", "is on " + detail::device_str(dev) + ", but the CUDA " + (fp8 ? "MXFP8" : "bf16") +
                 " GEMM kernel is not available in this build yet (the SM90 kernel is in progress); meanwhile " +
                 (fp8 ? "dequantize both operands to bf16 through the copy each one is read by (mxmla::dequantize / "
                        "mxmla.dequantize, rowwise or columnwise) and run a bf16 matmul (cuBLAS, torch.matmul): the "
@@ -214,7 +213,7 @@ void gemm(const GemmInput& a, const GemmInput& b, TensorDesc& out, const GemmOpt
   const Device dev = A.data->device;
   auto same_device = [&](const std::string& arg, const TensorDesc& t) {
     if (t.device != dev)
-      fail(arg, "is on " + dev_str(t.device) + " but " + A.data_arg + " is on " + dev_str(dev) +
+      fail(arg, "is on " + detail::device_str(t.device) + " but " + A.data_arg + " is on " + detail::device_str(dev) +
                     ": both operands and out must be on one device");
   };
   if (A.scales) same_device(A.scale_arg, *A.scales);

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "mxmla/tensor.h"
+
 namespace mxmla::detail {
 
 inline std::string shape_str(const std::vector<int64_t>& s) {
@@ -12,5 +14,8 @@ inline std::string shape_str(const std::vector<int64_t>& s) {
   for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
   return o + "]";
 }
+
+// "cuda:0", "cpu:0".
+inline std::string device_str(const Device& d) { return std::string(device_name(d.type)) + ":" + std::to_string(d.index); }
 
 }  // namespace mxmla::detail

@@ -169,12 +169,6 @@ __device__ __forceinline__ int64_t col_row0(const AttnScaleView& v, int b, int h
 }
 
 // ---------------------------------------------------------------- small pieces
-__device__ __forceinline__ uint8_t ldg_u8(const uint8_t* p) {
-  uint16_t v;
-  asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
-  return static_cast<uint8_t>(v);
-}
-
 // One row of FP8 codes (kBlocks 64-code blocks, 64-byte swizzle) -> bf16 (kBlocks 64-column blocks,
 // 128-byte swizzle). For 16-code chunk q: fac(q, f) gives the bf16x2 fast factors of its 8 pairs,
 // ebytes(q) its 16 scale bytes (uint4) for the exact path. `valid` false writes zeros (rows outside
@@ -231,7 +225,7 @@ struct RowScales {
   bool exact = false;
   __device__ __forceinline__ void load(const uint8_t* ptr, const RowScaleCursor& c, int64_t s_packed, bool valid) {
 #pragma unroll
-    for (int j = 0; j < kNB; ++j) e[j] = valid ? ldg_u8(ptr + c.at(s_packed, j)) : uint8_t{127};
+    for (int j = 0; j < kNB; ++j) e[j] = valid ? ptx::ld_global_nc_u8(ptr + c.at(s_packed, j)) : uint8_t{127};
   }
   __device__ __forceinline__ void finish() {
     exact = false;
@@ -249,12 +243,6 @@ struct RowScales {
     return make_uint4(b, b, b, b);
   }
 };
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // e4m3 P (the reference system's): p * 2^8 -> E4M3 (nearest even, saturating) -> / 2^8, as bf16.
 __device__ __forceinline__ uint32_t p_e4m3_bf16x2(float lo, float hi) {
@@ -382,7 +370,7 @@ __global__ void __launch_bounds__(512, 1)
         const int64_t nrb = last_valid / 32 - sc.rb0 + 1;
 #pragma unroll
         for (int r = 0; r < C::kMaxVScaleRows; ++r)
-          sc.v[r] = (row < kDv && r < nrb) ? ldg_u8(p.v.sc.ptr + vcur.at(sc.rb0 + r)) : uint8_t{127};
+          sc.v[r] = (row < kDv && r < nrb) ? ptx::ld_global_nc_u8(p.v.sc.ptr + vcur.at(sc.rb0 + r)) : uint8_t{127};
       };
       KvScales cur;
       load_scales(0, cur);
@@ -504,13 +492,13 @@ __global__ void __launch_bounds__(512, 1)
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(mrow[h], mx);
           const float base = m_new == -INFINITY ? 0.f : m_new;
-          const float alpha = exp2_approx(mrow[h] - base);
+          const float alpha = ptx::ex2_approx(mrow[h] - base);
           mrow[h] = m_new;
           float sum = 0.f;
 #pragma unroll
           for (int jj = 0; jj < 16; ++jj) {
-            s[4 * jj + 2 * h] = exp2_approx(s[4 * jj + 2 * h] - base);
-            s[4 * jj + 2 * h + 1] = exp2_approx(s[4 * jj + 2 * h + 1] - base);
+            s[4 * jj + 2 * h] = ptx::ex2_approx(s[4 * jj + 2 * h] - base);
+            s[4 * jj + 2 * h + 1] = ptx::ex2_approx(s[4 * jj + 2 * h + 1] - base);
             sum += s[4 * jj + 2 * h] + s[4 * jj + 2 * h + 1];
           }
           lrow[h] = lrow[h] * alpha + sum;

@@ -2,7 +2,8 @@
 // addresses, the register fence for asynchronous accumulators) and the profiling registers.
 // The PTX layer is split by topic; each file names the architecture its instructions need and
 // fails the build loudly when device code for an older one includes it (never an empty body):
-//   common.cuh     any        shared addresses, register fence, %globaltimer, %smid
+//   common.cuh     any        shared addresses, register fence, %globaltimer, %smid, byte permute,
+//                             ex2.approx, read-only byte loads, 16-byte shared stores
 //   convert.cuh    sm_89+     fp32 -> FP8 pairs, FP8 pairs -> f16x2
 //   cp_async.cuh   sm_80+     cp.async (global -> shared, per thread)
 //   mbarrier.cuh   sm_90+     mbarriers, async-proxy fences
@@ -22,6 +23,31 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 
 // Keeps the compiler from moving accumulator reads/writes across an asynchronous MMA.
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// Byte permute of x (and zero bytes) by the immediate selector kSel (PTX prmt: nibble i picks
+// result byte i; bit 3 of a nibble replicates the picked byte's sign bit).
+template <uint32_t kSel>
+__device__ __forceinline__ uint32_t prmt(uint32_t x) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(x), "n"(kSel));
+  return r;
+}
+// 2^x, approximate (MUFU), subnormal results flushed to zero; -inf -> +0.
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// One byte through the read-only path (ld.global.nc): issued at once, used later.
+__device__ __forceinline__ uint8_t ld_global_nc_u8(const uint8_t* p) {
+  uint16_t v;
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
+  return static_cast<uint8_t>(v);
+}
+// 16 bytes to a shared-window address.
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
 
 // Profiling helpers: the GPU-wide nanosecond timer (comparable across SMs) and the SM's index.
 __device__ __forceinline__ uint64_t globaltimer() {

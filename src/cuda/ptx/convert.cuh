@@ -32,4 +32,18 @@ __device__ __forceinline__ uint32_t cvt_f16x2_from_fp8x2(uint16_t codes) {
   return r;
 }
 
+// a * b per bf16 half, round to nearest even (subnormals kept). sm_90+: an older device target
+// fails to compile a call.
+template <int kUnused = 0>
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  uint32_t r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  static_assert(kUnused != 0 && kUnused == 0, "mxmla: mul.rn.bf16x2 needs sm_90 or newer");
+  return 0;
+#endif
+}
+
 }  // namespace mxmla::ptx

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "cuda/ptx/common.cuh"
 #include "cuda/ptx/convert.cuh"
 
 namespace mxmla::sm90 {
@@ -38,10 +39,8 @@ __device__ __forceinline__ uint32_t fast_factor_bits(uint32_t e) {
 // Four codes (byte i = element i) -> two bf16x2 patterns (lo: elements 0, 1; hi: 2, 3).
 template <bool kE4M3>
 __device__ __forceinline__ void fp8x4_patterns(uint32_t x, uint32_t& lo, uint32_t& hi) {
-  uint32_t a, b;
   // [b0, sign(b0), b1, sign(b1)] and [b2, sign(b2), b3, sign(b3)] (selector nibble 8+i: byte i's sign)
-  asm("prmt.b32 %0, %1, 0, 0x9180;" : "=r"(a) : "r"(x));
-  asm("prmt.b32 %0, %1, 0, 0xB3A2;" : "=r"(b) : "r"(x));
+  const uint32_t a = ptx::prmt<0x9180>(x), b = ptx::prmt<0xB3A2>(x);
   lo = (a << Fp8Bf16<kE4M3>::kShift) & Fp8Bf16<kE4M3>::kMask;
   hi = (b << Fp8Bf16<kE4M3>::kShift) & Fp8Bf16<kE4M3>::kMask;
 }
@@ -58,12 +57,6 @@ __device__ __forceinline__ uint32_t special_codes(uint32_t x) {
   }
 }
 
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
 // 16 codes with one factor pair per two elements: out[i] = bf16x2 of elements 2i, 2i+1.
 // f[i] = the factor (bf16x2) of elements 2i, 2i+1. Returns the special-code flags.
 template <bool kE4M3>
@@ -75,8 +68,8 @@ __device__ __forceinline__ uint32_t dequant16_fast(const uint4& c, const uint32_
     uint32_t lo, hi;
     fp8x4_patterns<kE4M3>(w[i], lo, hi);
     special |= special_codes<kE4M3>(w[i]);
-    out[2 * i] = bf16x2_mul(lo, f[2 * i]);
-    out[2 * i + 1] = bf16x2_mul(hi, f[2 * i + 1]);
+    out[2 * i] = ptx::mul_bf16x2(lo, f[2 * i]);
+    out[2 * i + 1] = ptx::mul_bf16x2(hi, f[2 * i + 1]);
   }
   return special;
 }
@@ -107,12 +100,8 @@ __device__ __noinline__ void dequant16_exact_store(uint4 c, uint4 e, uint32_t ds
     const __nv_bfloat162 b = __floats2bfloat162_rn(v[0], v[1]);
     out[i] = *reinterpret_cast<const uint32_t*>(&b);
   }
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_lo), "r"(out[0]), "r"(out[1]), "r"(out[2]),
-               "r"(out[3])
-               : "memory");
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_hi), "r"(out[4]), "r"(out[5]), "r"(out[6]),
-               "r"(out[7])
-               : "memory");
+  ptx::st_shared_v4(dst_lo, out[0], out[1], out[2], out[3]);
+  ptx::st_shared_v4(dst_hi, out[4], out[5], out[6], out[7]);
 }
 
 }  // namespace mxmla::sm90
