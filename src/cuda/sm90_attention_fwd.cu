@@ -51,7 +51,7 @@ void launch(const AttentionProblem& pr, cudaStream_t stream) {
   p.Sq = static_cast<int>(pr.Sq), p.Skv = static_cast<int>(pr.Skv);
   p.thd = pr.thd, p.causal = pr.causal, p.bottom_right = pr.bottom_right, p.fp8 = pr.fp8;
   p.e4m3_p = pr.p_format == PFormat::kE4M3;
-  p.cu_q = pr.cu_q, p.cu_kv = pr.cu_kv, p.total_q = pr.total_q;
+  p.cu_q = pr.cu_q, p.cu_kv = pr.cu_kv, p.total_q = pr.total_q, p.total_kv = pr.total_kv;
   p.scale_log2 = static_cast<float>(static_cast<double>(pr.softmax_scale) * 1.4426950408889634);
   p.q = {pr.q, pr.q_sc}, p.k = {pr.k, pr.k_sc}, p.v = {pr.v, pr.v_sc};
   p.o = pr.o, p.o_st_b = pr.o_st_b, p.o_st_s = pr.o_st_s, p.o_st_h = pr.o_st_h;

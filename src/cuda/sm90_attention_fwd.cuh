@@ -59,7 +59,7 @@ struct Params {
   bool thd, causal, bottom_right, fp8, e4m3_p;
   const int32_t* cu_q;
   const int32_t* cu_kv;
-  int64_t total_q;
+  int64_t total_q, total_kv;  // thd: the packed token counts (every range is clamped to them)
   float scale_log2;  // softmax_scale * log2(e)
   OperandParams q, k, v;
   uint16_t* o;
@@ -117,9 +117,12 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int t) {
   w.m = p.causal ? p.num_mblocks - 1 - mi : mi;
   w.b = bh / p.H, w.h = bh % p.H;
   w.hk = w.h / (p.H / p.Hkv);
-  if (p.thd) {
-    w.q0 = p.cu_q[w.b], w.len_q = p.cu_q[w.b + 1] - w.q0;
-    w.kv0 = p.cu_kv[w.b], w.len_kv = p.cu_kv[w.b + 1] - w.kv0;
+  if (p.thd) {  // cu_seqlens clamped to the tensors: a bad one cannot reach outside them
+    const auto clamp_to = [](int64_t v, int64_t lo, int64_t hi) { return static_cast<int>(v < lo ? lo : (v > hi ? hi : v)); };
+    w.q0 = clamp_to(p.cu_q[w.b], 0, p.total_q);
+    w.len_q = clamp_to(p.cu_q[w.b + 1], w.q0, p.total_q) - w.q0;
+    w.kv0 = clamp_to(p.cu_kv[w.b], 0, p.total_kv);
+    w.len_kv = clamp_to(p.cu_kv[w.b + 1], w.kv0, p.total_kv) - w.kv0;
   } else {
     w.q0 = 0, w.len_q = p.Sq, w.kv0 = 0, w.len_kv = p.Skv;
   }
