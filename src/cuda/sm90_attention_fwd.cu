@@ -69,8 +69,19 @@ void launch(const AttentionProblem& pr, cudaStream_t stream) {
   const int64_t q_tokens = pr.thd ? pr.total_q : pr.Sq, kv_tokens = pr.thd ? pr.total_kv : pr.Skv;
   const int64_t batch = pr.thd ? 1 : pr.B;
   const CUtensorMap tq = operand_map("q", pr.q, pr.fp8, pr.Dqk, pr.H, q_tokens, batch);
-  const CUtensorMap tk = operand_map("k", pr.k, pr.fp8, pr.Dqk, pr.Hkv, kv_tokens, batch);
-  const CUtensorMap tv = operand_map("v", pr.v, pr.fp8, pr.Dv, pr.Hkv, kv_tokens, batch);
+  // no keys at all (s_kv = 0, or thd with every KV sequence empty): every tile has n_blocks = 0 and the
+  // kernel never reads K or V, but TMA cannot describe an empty tensor (zero extents and strides): K's
+  // and V's maps then describe a placeholder of one token over Q's data, never dereferenced.
+  const bool no_keys = kv_tokens == 0;
+  const auto placeholder = [&](int64_t d) {
+    AttnTensorView v = pr.q;
+    v.st_h = (d + 15) / 16 * 16, v.st_s = v.st_h * pr.Hkv, v.st_b = v.st_s;
+    return v;
+  };
+  const CUtensorMap tk = operand_map("k", no_keys ? placeholder(pr.Dqk) : pr.k, pr.fp8, pr.Dqk, pr.Hkv,
+                                     std::max<int64_t>(kv_tokens, 1), no_keys ? 1 : batch);
+  const CUtensorMap tv = operand_map("v", no_keys ? placeholder(pr.Dv) : pr.v, pr.fp8, pr.Dv, pr.Hkv,
+                                     std::max<int64_t>(kv_tokens, 1), no_keys ? 1 : batch);
 
   const void* kernel = reinterpret_cast<const void*>(&attn::sm90_attention_fwd_kernel<K>);
   const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);

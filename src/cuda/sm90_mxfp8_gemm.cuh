@@ -16,14 +16,16 @@
 // Roles: warp 0 of warpgroup 0 issues the TMA loads (A and B tiles of 128 x 128 bytes with the
 // 128-byte swizzle, and each tile's two 512-byte scale tiles by bulk copy) into a kStages ring;
 // warp 1 turns each stage's scale bytes into fp32 factor tables (fa[block][row], fb[block][col])
-// and marks the stage ready; warpgroups 1 and 2 each own 64 rows of the 128 x 128 output tile. The tensor cores alternate
-// between the two consumers: while one folds its temporary accumulator, the other's wgmma runs.
+// and marks the stage ready; warpgroups 1 and 2 each own 64 rows of the 128 x 128 output tile. Each
+// consumer keeps two temporary accumulators: block j + 1's wgmma runs while block j is folded, and
+// the two consumers' wgmmas interleave on the tensor cores.
 // Persistent CTAs over output tiles, grouped rasterisation (kGroupM M tiles share their A rows).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only)
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/numerics.cuh"
 #include "cuda/ptx/tma.cuh"
@@ -92,8 +94,10 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    sm.bars.init(8);  // lane 0 of every consumer warp releases a stage
-    for (int i = 0; i < C::kStages; ++i) ptx::mbar_init(&sm.ready[i], 1);
+    // every thread that read (wrote) a stage's tables arrives itself, so that each access is ordered
+    // by the barrier it passes (compute-sanitizer's racecheck sees the same)
+    sm.bars.init(256);  // every consumer thread releases a stage
+    for (int i = 0; i < C::kStages; ++i) ptx::mbar_init(&sm.ready[i], 32);  // every converter lane
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -106,7 +110,8 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       sm90::PipelineState<C::kStages> st;
       for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
         for (int kb = 0; kb < p.kblocks; ++kb) {
-          sm.bars.consumer_wait(st);  // the stage's bytes have landed
+          sm.bars.producer_acquire(st);  // the consumers are done with the tables' previous contents
+          sm.bars.consumer_wait(st);     // and the stage's bytes have landed
           // lane L: bytes [16L, 16L + 16) of the A tile and of the B tile; byte o of a tile is
           // (row (o / 16) + 32 ((o % 16) / 4), block o % 4)
 #pragma unroll
@@ -119,8 +124,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
 #pragma unroll
               for (int j = 0; j < 4; ++j) tab[j][lane + 32 * q] = scale_factor((words[q] >> (8 * j)) & 0xFFu);
           }
-          __syncwarp();
-          if (lane == 0) ptx::mbar_arrive(&sm.ready[st.index]);
+          ptx::mbar_arrive(&sm.ready[st.index]);
           st.advance();
         }
       }
@@ -155,40 +159,58 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   const uint64_t da0 = ptx::wgmma_desc_k_sw128(sm.a[0] + 64 * cw * C::kBK), db0 = ptx::wgmma_desc_k_sw128(sm.b[0]);
   constexpr uint32_t kStep = C::kTileBytes / 16;  // descriptor units per stage
   sm90::PipelineState<C::kStages> st;
+  // the stage's tiles have landed and its factor tables are written
+  const auto wait_stage = [&](const sm90::PipelineState<C::kStages>& s) {
+    sm.bars.consumer_wait(s);
+    ptx::mbar_wait(&sm.ready[s.index], s.phase);
+  };
+  // one MX block (32 of K) of stage s into T: an asynchronous wgmma, committed as its own group
+  const auto issue = [&](float(&T)[64], const sm90::PipelineState<C::kStages>& s, int c) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) ptx::fence_reg(T[i]);
+    ptx::wgmma_fence();
+    Op::mma(T, da0 + s.index * kStep + 2 * c, db0 + s.index * kStep + 2 * c, false);
+    ptx::wgmma_commit();
+  };
+  // acc += T * (fa_row * fb_col) with block c's factors of stage s, once T's wgmma has completed
+  // (wgmma_wait<kPending>: the other temporary's wgmma may still run)
+  const auto fold = [&](auto pending, float(&T)[64], const sm90::PipelineState<C::kStages>& s, int c,
+                        float(&acc)[64]) {
+    // this thread's factors of block c: its two rows, its 32 columns 8jj + 2 (lane % 4) + e
+    const float fa0 = sm.fa[s.index][c][r0], fa1 = sm.fa[s.index][c][r0 + 8];
+    const float* fbc = &sm.fb[s.index][c][2 * (lane % 4)];
+    ptx::wgmma_wait<decltype(pending)::value>();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) ptx::fence_reg(T[i]);
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {
+      const float2 fb = *reinterpret_cast<const float2*>(fbc + 8 * jj);
+      acc[4 * jj + 0] = fmaf(T[4 * jj + 0], fa0 * fb.x, acc[4 * jj + 0]);
+      acc[4 * jj + 1] = fmaf(T[4 * jj + 1], fa0 * fb.y, acc[4 * jj + 1]);
+      acc[4 * jj + 2] = fmaf(T[4 * jj + 2], fa1 * fb.x, acc[4 * jj + 2]);
+      acc[4 * jj + 3] = fmaf(T[4 * jj + 3], fa1 * fb.y, acc[4 * jj + 3]);
+    }
+  };
+  using One = std::integral_constant<int, 1>;
+  using Zero = std::integral_constant<int, 0>;
   for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
     int mt, nt;
     grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
-    float acc[64], tmp[64];
+    // two temporaries in flight: block j + 1's wgmma runs while block j is folded into acc
+    float acc[64], t0[64], t1[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    // per stage: block j + 1's wgmma runs while block j is folded; nothing is in flight across the
+    // stage loop's back edge (ptxas serializes every wgmma of a loop that carries one in flight)
+    static_assert(C::kChunks == 4, "blocks 0, 2 in t0 and 1, 3 in t1");
     for (int kb = 0; kb < p.kblocks; ++kb) {
-      sm.bars.consumer_wait(st);                      // the tiles have landed
-      ptx::mbar_wait(&sm.ready[st.index], st.phase);  // and their factor tables are written
-      const uint64_t da = da0 + st.index * kStep, db = db0 + st.index * kStep;
-#pragma unroll
-      for (int c = 0; c < C::kChunks; ++c) {
-#pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::fence_reg(tmp[i]);
-        ptx::wgmma_fence();
-        Op::mma(tmp, da + 2 * c, db + 2 * c, false);  // one MX block: 32 of K
-        ptx::wgmma_commit();
-        // this thread's factors of block c: its two rows, its 32 columns 8jj + 2 (lane % 4) + e
-        const float fa0 = sm.fa[st.index][c][r0], fa1 = sm.fa[st.index][c][r0 + 8];
-        float2 fb[16];
-#pragma unroll
-        for (int jj = 0; jj < 16; ++jj) fb[jj] = *reinterpret_cast<const float2*>(&sm.fb[st.index][c][8 * jj + 2 * (lane % 4)]);
-        ptx::wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::fence_reg(tmp[i]);
-#pragma unroll
-        for (int jj = 0; jj < 16; ++jj) {
-          acc[4 * jj + 0] = fmaf(tmp[4 * jj + 0], fa0 * fb[jj].x, acc[4 * jj + 0]);
-          acc[4 * jj + 1] = fmaf(tmp[4 * jj + 1], fa0 * fb[jj].y, acc[4 * jj + 1]);
-          acc[4 * jj + 2] = fmaf(tmp[4 * jj + 2], fa1 * fb[jj].x, acc[4 * jj + 2]);
-          acc[4 * jj + 3] = fmaf(tmp[4 * jj + 3], fa1 * fb[jj].y, acc[4 * jj + 3]);
-        }
-      }
-      if (lane == 0) sm.bars.consumer_release(st.index);
+      wait_stage(st);
+      issue(t0, st, 0);
+      issue(t1, st, 1), fold(One{}, t0, st, 0, acc);
+      issue(t0, st, 2), fold(One{}, t1, st, 1, acc);
+      issue(t1, st, 3), fold(One{}, t0, st, 2, acc);
+      fold(Zero{}, t1, st, 3, acc);
+      sm.bars.consumer_release(st.index);
       st.advance();
     }
     // epilogue: alpha, (+ D), bf16 or fp32 straight from the registers

@@ -268,6 +268,11 @@ def _edit_scales(q8, sedits) -> None:
         buf = getattr(q8, name, None)
         if not e.size or buf is None:
             continue
+        # edits apply in order: of several at one index the last one stays (an index_put with repeated
+        # indices leaves an unspecified one on CUDA, so the repeats are dropped first)
+        idx = e[:, 1]
+        last = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
+        e = e[np.sort(last)]
         flat = buf.view(torch.uint8).reshape(-1)
         flat[torch.from_numpy(e[:, 1].copy()).to(flat.device)] = torch.from_numpy(e[:, 2].astype(np.uint8)).to(flat.device)
 

@@ -527,17 +527,24 @@ def test_gpu_bounds_of_attention_and_the_gemm_error(monkeypatch):
     assert len(mm) == 1 and "GPU bound" in mm[0].expected
     assert "relative RMS" in changed("o", lambda v: v * 1.015 + 0.01)[0].note
     assert "GPU bound" in changed("lse", lambda v: np.where(np.arange(v.size) == 0, v + 0.05, v))[0].expected
-    # gemm on CUDA: the expected error
-    g = _first_seed("gemm", lambda c: True, profile="cuda")
-    err = ("ValueError: mxmla.gemm: argument 'a': is on cuda:0, but the CUDA MXFP8 GEMM kernel is not available in "
-           "this build yet (the SM90 kernel is in progress); ...")
-    assert driver.check_pair("gemm", g["seed"], "cuda", "cuda", (None, err)).ok
-    assert not driver.check_pair("gemm", g["seed"], "cuda", "cuda", (None, "ValueError: something else")).ok
+    # gemm on CUDA: bf16 operands expect the kernel's "not available" error; MXFP8 operands are compared
+    gb = _first_seed("gemm", lambda c: c["prec"] == "bf16", profile="cuda")
+    err = ("ValueError: mxmla.gemm: argument 'a': is on cuda:0, but the CUDA bf16 GEMM kernel is not available in "
+           "this build yet (the SM90 kernel takes MXFP8 operands); ...")
+    assert driver.check_pair("gemm", gb["seed"], "cuda", "cuda", (None, err)).ok
+    assert not driver.check_pair("gemm", gb["seed"], "cuda", "cuda", (None, "ValueError: something else")).ok
+    g = _first_seed("gemm", lambda c: c["prec"] == "mxfp8" and not c["int_data"], profile="cuda")
     gins = gen.materialize(g)
     gout = runner.run(g, gins, "cpu")
+    assert driver.check_pair("gemm", g["seed"], "cuda", "cuda", (gout, None)).ok  # the kernel's result is compared
+    d = gout["d"]
+    v = fp.to_f64(d.elements(), d.dtype)
+    far = dict(gout)
+    far["d"] = runner.Out(fp.from_f64(np.where(np.arange(v.size) == 0, v + 1e3 * (1 + np.abs(v)), v), d.dtype)
+                          .view(np.uint8).copy(), d.shape, d.dtype, d.itemsize)
+    assert not check.gemm_pair(g, gins, "cuda vs cpu", far, gout) == []  # and a wrong element is caught
+    monkeypatch.setattr(check, "GEMM_CUDA_KERNEL", False)  # a build without the kernel: every CUDA gemm raises
     assert "GEMM_CUDA_KERNEL" in driver.check_pair("gemm", g["seed"], "cuda", "cuda", (gout, None)).mismatches[0].note
-    monkeypatch.setattr(check, "GEMM_CUDA_KERNEL", True)  # the kernel landed: its result is compared
-    assert driver.check_pair("gemm", g["seed"], "cuda", "cuda", (gout, None)).ok
 
 
 def test_attention_and_gemm_cuda_profiles_obey_the_kernels_rules():

@@ -384,7 +384,7 @@ def test_cuda_tensors_match_the_reference():
         mxmla.gemm(torch.ones(4, 64, device="cuda", dtype=torch.bfloat16),
                    torch.ones(32, 64, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"argument 'b.rowwise_data': is on cpu:0 but a.rowwise_data is on cuda:0"):
-        mxmla.gemm(xc, w)
+        mxmla.gemm(gpu[0], cpu[1])
 
 
 # ----------------------------------------------------------------------------- custom ops, torch.compile
