@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -237,6 +238,47 @@ void scale_geometry(Operand& op, AttnFormat f) {
   sc.ptr = static_cast<const uint8_t*>(t.data);
 }
 
+// Q, K, V of one precision and FP8 format; every operand read on q's device (returned).
+Device check_kinds(const Operand& Q, std::initializer_list<const Operand*> kv,
+                   std::initializer_list<const Operand*> all) {
+  const bool fp8 = Q.mx != nullptr;
+  for (const Operand* x : kv) {
+    if ((x->mx != nullptr) != fp8)
+      fail(x->name, std::string("is ") + (x->mx ? "MXFP8" : "bfloat16") + " but q is " + (fp8 ? "MXFP8" : "bfloat16") +
+                        ": Q, K and V must all be bfloat16 or all MXFP8");
+    if (fp8 && x->mx->format != Q.mx->format)
+      fail(x->name, std::string("FP8 format ") + (x->mx->format == Fp8Format::kE4M3 ? "e4m3" : "e5m2") +
+                        " differs from q's: Q, K and V must share one format");
+  }
+  const Device dev = Q.data->device;
+  for (const Operand* x : all) {
+    if (x->data->device != dev)
+      fail(x->data_arg, "is on " + detail::device_str(x->data->device) + " but q is on " + detail::device_str(dev) + ": all operands must be on one device");
+    if (x->scales != nullptr && x->scales->device != dev)
+      fail(x->name + "." + x->dir + "_scale_inv",
+           "is on " + detail::device_str(x->scales->device) + " but q is on " + detail::device_str(dev) + ": all operands must be on one device");
+  }
+  return dev;
+}
+
+// The sizes of q, k, v agree (batch, keys, heads, head dims, GQA).
+void check_sizes(const Dims& dq, const Dims& dk, const Dims& dv, bool thd) {
+  if (!thd && dk.B != dq.B) fail("k", "batch size " + std::to_string(dk.B) + " does not match q's " + std::to_string(dq.B));
+  if (!thd && dv.B != dq.B) fail("v", "batch size " + std::to_string(dv.B) + " does not match q's " + std::to_string(dq.B));
+  if (dv.S != dk.S)
+    fail("v", std::string("has ") + std::to_string(dv.S) + (thd ? " tokens" : " keys") + " but k has " + std::to_string(dk.S));
+  if (dv.H != dk.H) fail("v", "has " + std::to_string(dv.H) + " heads but k has " + std::to_string(dk.H));
+  if (dk.D != dq.D) fail("k", "head dim " + std::to_string(dk.D) + " does not match q's d_qk = " + std::to_string(dq.D));
+  if (dq.D <= 0 || dq.D % 32 != 0)
+    fail("q", "head dim d_qk = " + std::to_string(dq.D) + " must be a positive multiple of 32 (MXFP8 blocks)");
+  if (dv.D <= 0 || dv.D % 32 != 0)
+    fail("v", "head dim d_v = " + std::to_string(dv.D) + " must be a positive multiple of 32 (MXFP8 blocks)");
+  if (dk.H < 1) fail("k", "must have at least one head");
+  if (dq.H % dk.H != 0)
+    fail("q", "has " + std::to_string(dq.H) + " heads, not a multiple of k's " + std::to_string(dk.H) +
+                  " (grouped-query attention needs h % h_kv == 0)");
+}
+
 void check_cu_seqlens(const char* arg, const TensorDesc* cu, const Device& dev) {
   if (cu == nullptr) fail(arg, "is required for the thd format (int32 [b + 1], cumulative sequence lengths)");
   if (cu->dtype != DType::kInt32) fail(arg, std::string("dtype ") + dtype_name(cu->dtype) + " must be int32");
@@ -244,6 +286,21 @@ void check_cu_seqlens(const char* arg, const TensorDesc* cu, const Device& dev) 
   if (cu->stride(0) != 1 && cu->shape[0] > 1) fail(arg, "must be contiguous");
   if (cu->data == nullptr) fail(arg, "data pointer is null");
   if (cu->device != dev) fail(arg, "is on " + detail::device_str(cu->device) + " but q is on " + detail::device_str(dev) + " (cu_seqlens live on the data's device)");
+}
+
+// The number of sequences: q's batch, or (thd) the length of cu_seqlens minus one, both checked.
+int64_t batch_count(int64_t q_batch, bool thd, const TensorDesc* cu_q, const TensorDesc* cu_kv, const Device& dev) {
+  if (!thd) {
+    if (cu_q != nullptr) fail("cu_seqlens_q", "is only for the thd format");
+    if (cu_kv != nullptr) fail("cu_seqlens_kv", "is only for the thd format");
+    return q_batch;
+  }
+  check_cu_seqlens("cu_seqlens_q", cu_q, dev);
+  check_cu_seqlens("cu_seqlens_kv", cu_kv, dev);
+  if (cu_kv->shape[0] != cu_q->shape[0])
+    fail("cu_seqlens_kv", "has " + std::to_string(cu_kv->shape[0]) + " entries but cu_seqlens_q has " +
+                              std::to_string(cu_q->shape[0]) + " (both are [b + 1])");
+  return cu_q->shape[0] - 1;
 }
 
 // Checks host cu_seqlens values; returns the longest sequence.
@@ -257,6 +314,19 @@ int64_t check_lengths(const char* arg, const int32_t* cu, int64_t n, int64_t tok
   if (cu[n - 1] > tokens)
     fail(arg, "last entry " + std::to_string(cu[n - 1]) + " exceeds the " + std::to_string(tokens) + " tokens of " + who);
   return longest;
+}
+
+// The longest query and key sequences of host cu_seqlens (checked), and the caller's bounds against them.
+void longest_sequences(const int32_t* cq, const int32_t* ckv, int64_t B, int64_t q_tokens, int64_t kv_tokens,
+                       const AttentionOptions& opts, int64_t& lq, int64_t& lkv) {
+  lq = check_lengths("cu_seqlens_q", cq, B + 1, q_tokens, "q");
+  lkv = check_lengths("cu_seqlens_kv", ckv, B + 1, kv_tokens, "k and v");
+  if (opts.max_seqlen_q > 0 && opts.max_seqlen_q < lq)
+    fail("max_seqlen_q", std::to_string(opts.max_seqlen_q) + " is smaller than the longest query sequence (" +
+                             std::to_string(lq) + ")");
+  if (opts.max_seqlen_kv > 0 && opts.max_seqlen_kv < lkv)
+    fail("max_seqlen_kv", std::to_string(opts.max_seqlen_kv) + " is smaller than the longest key sequence (" +
+                              std::to_string(lkv) + ")");
 }
 
 #if MXMLA_WITH_CUDA
@@ -320,39 +390,11 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
 
   // one precision, one FP8 format, one device
   const bool fp8 = Q.mx != nullptr;
-  for (const Operand* x : {&K, &V}) {
-    if ((x->mx != nullptr) != fp8)
-      fail(x->name, std::string("is ") + (x->mx ? "MXFP8" : "bfloat16") + " but q is " + (fp8 ? "MXFP8" : "bfloat16") +
-                        ": Q, K and V must all be bfloat16 or all MXFP8");
-    if (fp8 && x->mx->format != Q.mx->format)
-      fail(x->name, std::string("FP8 format ") + (x->mx->format == Fp8Format::kE4M3 ? "e4m3" : "e5m2") +
-                        " differs from q's: Q, K and V must share one format");
-  }
-  const Device dev = Q.data->device;
-  for (const Operand* x : {&Q, &K, &V}) {
-    if (x->data->device != dev)
-      fail(x->data_arg, "is on " + detail::device_str(x->data->device) + " but q is on " + detail::device_str(dev) + ": all operands must be on one device");
-    if (x->scales != nullptr && x->scales->device != dev)
-      fail(x->name + "." + x->dir + "_scale_inv",
-           "is on " + detail::device_str(x->scales->device) + " but q is on " + detail::device_str(dev) + ": all operands must be on one device");
-  }
+  const Device dev = check_kinds(Q, {&K, &V}, {&Q, &K, &V});
 
   // sizes
   const Dims &dq = Q.dims, &dk = K.dims, &dv = V.dims;
-  if (!thd && dk.B != dq.B) fail("k", "batch size " + std::to_string(dk.B) + " does not match q's " + std::to_string(dq.B));
-  if (!thd && dv.B != dq.B) fail("v", "batch size " + std::to_string(dv.B) + " does not match q's " + std::to_string(dq.B));
-  if (dv.S != dk.S)
-    fail("v", std::string("has ") + std::to_string(dv.S) + (thd ? " tokens" : " keys") + " but k has " + std::to_string(dk.S));
-  if (dv.H != dk.H) fail("v", "has " + std::to_string(dv.H) + " heads but k has " + std::to_string(dk.H));
-  if (dk.D != dq.D) fail("k", "head dim " + std::to_string(dk.D) + " does not match q's d_qk = " + std::to_string(dq.D));
-  if (dq.D <= 0 || dq.D % 32 != 0)
-    fail("q", "head dim d_qk = " + std::to_string(dq.D) + " must be a positive multiple of 32 (MXFP8 blocks)");
-  if (dv.D <= 0 || dv.D % 32 != 0)
-    fail("v", "head dim d_v = " + std::to_string(dv.D) + " must be a positive multiple of 32 (MXFP8 blocks)");
-  if (dk.H < 1) fail("k", "must have at least one head");
-  if (dq.H % dk.H != 0)
-    fail("q", "has " + std::to_string(dq.H) + " heads, not a multiple of k's " + std::to_string(dk.H) +
-                  " (grouped-query attention needs h % h_kv == 0)");
+  check_sizes(dq, dk, dv, thd);
   if (fp8)
     for (Operand* x : {&Q, &K, &V}) scale_geometry(*x, x == &Q ? opts.q_format : opts.kv_format);
 
@@ -365,18 +407,7 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
   dims_of("o", o, opts.q_format);
   if (o.dtype != DType::kBFloat16) fail("o", std::string("dtype ") + dtype_name(o.dtype) + " must be bfloat16");
   if (o.device != dev) fail("o", "is on " + detail::device_str(o.device) + " but q is on " + detail::device_str(dev));
-  int64_t B = dq.B;
-  if (thd) {
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, dev);
-    check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, dev);
-    if (cu_seqlens_kv->shape[0] != cu_seqlens_q->shape[0])
-      fail("cu_seqlens_kv", "has " + std::to_string(cu_seqlens_kv->shape[0]) + " entries but cu_seqlens_q has " +
-                                std::to_string(cu_seqlens_q->shape[0]) + " (both are [b + 1])");
-    B = cu_seqlens_q->shape[0] - 1;
-  } else {
-    if (cu_seqlens_q != nullptr) fail("cu_seqlens_q", "is only for the thd format");
-    if (cu_seqlens_kv != nullptr) fail("cu_seqlens_kv", "is only for the thd format");
-  }
+  const int64_t B = batch_count(dq.B, thd, cu_seqlens_q, cu_seqlens_kv, dev);
   if (lse != nullptr) {
     const std::vector<int64_t> want = thd ? std::vector<int64_t>{dq.H, dq.S} : std::vector<int64_t>{B, dq.H, dq.S};
     if (lse->shape != want)
@@ -428,14 +459,8 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
         cq = hq.data(), ckv = hkv.data();
       }
 #endif
-      const int64_t lq = check_lengths("cu_seqlens_q", cq, B + 1, dq.S, "q");
-      const int64_t lkv = check_lengths("cu_seqlens_kv", ckv, B + 1, dk.S, "k and v");
-      if (opts.max_seqlen_q > 0 && opts.max_seqlen_q < lq)
-        fail("max_seqlen_q", std::to_string(opts.max_seqlen_q) + " is smaller than the longest query sequence (" +
-                                 std::to_string(lq) + ")");
-      if (opts.max_seqlen_kv > 0 && opts.max_seqlen_kv < lkv)
-        fail("max_seqlen_kv", std::to_string(opts.max_seqlen_kv) + " is smaller than the longest key sequence (" +
-                                  std::to_string(lkv) + ")");
+      int64_t lq = 0, lkv = 0;
+      longest_sequences(cq, ckv, B, dq.S, dk.S, opts, lq, lkv);
       if (opts.max_seqlen_q == 0) p.Sq = lq;
       if (opts.max_seqlen_kv == 0) p.Skv = lkv;
     }
@@ -451,6 +476,157 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
 #else
   (void)stream;
 #endif
+}
+
+}  // namespace mxmla
+
+// ------------------------------------------------------------------------------------------ backward
+namespace mxmla {
+
+namespace {
+
+constexpr const char* kBwdOp = "mxmla.attention_backward";
+
+// The copy a GEMM reads: the preferred one (blocks along its contraction), else the other one when
+// the preferred copy is absent (bf16 operands have no copies).
+bool pick_rowwise(const AttnInput& in, bool prefer_rowwise) {
+  if (in.mx == nullptr) return prefer_rowwise;
+  const TensorDesc& want = prefer_rowwise ? in.mx->rowwise_data : in.mx->columnwise_data;
+  const TensorDesc& other = prefer_rowwise ? in.mx->columnwise_data : in.mx->rowwise_data;
+  const bool absent = want.data == nullptr && (want.shape.empty() || want.numel() > 0);
+  const bool other_there = other.data != nullptr || (!other.shape.empty() && other.numel() == 0);
+  return absent && other_there ? !prefer_rowwise : prefer_rowwise;
+}
+
+// One read of an operand in the backward (an Error from the forward's helpers is renamed to the
+// backward's op).
+Operand read_bwd(const char* name, const AttnInput& in, AttnFormat f, bool prefer_rowwise) {
+  try {
+    Operand op = read_operand(name, in, f, pick_rowwise(in, prefer_rowwise));
+    if (op.mx != nullptr) scale_geometry(op, f);
+    return op;
+  } catch (const Error& e) {
+    throw Error(kBwdOp, e.arg(), e.rule());
+  }
+}
+
+detail::AttnRead read_of(const Operand& op) {
+  detail::AttnRead r;
+  r.view = op.view, r.sc = op.sc, r.fp8 = op.mx != nullptr, r.rowwise = op.rowwise;
+  r.fmt = op.mx != nullptr ? op.mx->format : Fp8Format::kE4M3;
+  return r;
+}
+
+[[noreturn]] void bfail(const std::string& arg, const std::string& rule) { throw Error(kBwdOp, arg, rule); }
+
+// A bf16 tensor of the backward (o, dq, dk, dv): its shape, dtype, device and layout checked.
+detail::AttnTensorView bf16_tensor(const char* arg, const TensorDesc& t, const std::vector<int64_t>& shape,
+                                   AttnFormat f, const Device& dev, const char* what) {
+  if (t.shape != shape) bfail(arg, "shape " + shape_str(t.shape) + " must be " + shape_str(shape) + " (" + what + ")");
+  try {
+    dims_of(arg, t, f);
+  } catch (const Error& e) {
+    throw Error(kBwdOp, e.arg(), e.rule());
+  }
+  if (t.dtype != DType::kBFloat16) bfail(arg, std::string("dtype ") + dtype_name(t.dtype) + " must be bfloat16");
+  if (t.device != dev) bfail(arg, "is on " + detail::device_str(t.device) + " but q is on " + detail::device_str(dev));
+  return view_of(t, f);
+}
+
+}  // namespace
+
+void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInput& k, const AttnInput& v,
+                        const TensorDesc& o, const TensorDesc& lse, TensorDesc& dq, TensorDesc& dk, TensorDesc& dv,
+                        const AttentionOptions& opts, bool deterministic, const TensorDesc* cu_seqlens_q,
+                        const TensorDesc* cu_seqlens_kv, Stream stream) {
+  (void)deterministic;  // the CPU reference has one summation order
+  const bool thd = opts.q_format == AttnFormat::kTHD;
+  if (thd != (opts.kv_format == AttnFormat::kTHD))
+    bfail("kv_format", std::string("q_format and kv_format must both be thd (packed sequences) or neither; got q ") +
+                           format_name(opts.q_format) + ", kv " + format_name(opts.kv_format));
+  if (opts.p_format != PFormat::kBF16)
+    bfail("p_format", "the backward keeps P and dS in bf16 (the reference system's E4M3 P / MXFP8 dS are not "
+                      "implemented for the backward)");
+  // S = Q_row·K_rowᵀ, dP = dO_row·V_rowᵀ, dV = Pᵀ·dO_col, dK = dSᵀ·Q_col, dQ = dS·K_col
+  const Operand Qs = read_bwd("q", q, opts.q_format, true), Qg = read_bwd("q", q, opts.q_format, false);
+  const Operand Ks = read_bwd("k", k, opts.kv_format, true), Kg = read_bwd("k", k, opts.kv_format, false);
+  const Operand Vs = read_bwd("v", v, opts.kv_format, true);
+  const Operand Ds = read_bwd("dout", dout, opts.q_format, true), Dg = read_bwd("dout", dout, opts.q_format, false);
+
+  Device dev;
+  try {
+    dev = check_kinds(Qs, {&Ks, &Vs}, {&Qs, &Qg, &Ks, &Kg, &Vs, &Ds, &Dg});
+  } catch (const Error& e) {
+    throw Error(kBwdOp, e.arg(), e.rule());
+  }
+  // the two copies of one tensor describe the same elements
+  for (const auto& pr : {std::make_pair(&Qs, &Qg), std::make_pair(&Ks, &Kg), std::make_pair(&Ds, &Dg)})
+    if (pr.first->data->shape != pr.second->data->shape)
+      bfail(pr.second->data_arg, "shape " + shape_str(pr.second->data->shape) + " differs from " + pr.first->data_arg +
+                                     "'s " + shape_str(pr.first->data->shape) + " (both copies hold the same tensor)");
+
+  const Dims &dq_ = Qs.dims, &dk_ = Ks.dims, &dv_ = Vs.dims;
+  try {
+    check_sizes(dq_, dk_, dv_, thd);
+  } catch (const Error& e) {
+    throw Error(kBwdOp, e.arg(), e.rule());
+  }
+
+  std::vector<int64_t> oshape = Qs.data->shape;
+  oshape.back() = dv_.D;
+  if (Ds.data->shape != oshape)
+    bfail(Ds.data_arg, "shape " + shape_str(Ds.data->shape) + " must be " + shape_str(oshape) +
+                           " (the gradient of O: q's shape with the head dim d_v = " + std::to_string(dv_.D) + ")");
+  const detail::AttnTensorView ov = bf16_tensor("o", o, oshape, opts.q_format, dev, "the forward's O: q's shape with d_v columns");
+  const detail::AttnTensorView dqv = bf16_tensor("dq", dq, Qs.data->shape, opts.q_format, dev, "q's shape");
+  const detail::AttnTensorView dkv = bf16_tensor("dk", dk, Ks.data->shape, opts.kv_format, dev, "k's shape");
+  const detail::AttnTensorView dvv = bf16_tensor("dv", dv, Vs.data->shape, opts.kv_format, dev, "v's shape");
+
+  int64_t B = 0;
+  try {
+    B = batch_count(dq_.B, thd, cu_seqlens_q, cu_seqlens_kv, dev);
+  } catch (const Error& e) {
+    throw Error(kBwdOp, e.arg(), e.rule());
+  }
+  const std::vector<int64_t> lse_shape = thd ? std::vector<int64_t>{dq_.H, dq_.S} : std::vector<int64_t>{B, dq_.H, dq_.S};
+  if (lse.shape != lse_shape)
+    bfail("lse", "shape " + shape_str(lse.shape) + " must be " + shape_str(lse_shape) +
+                     (thd ? " ([h, t], the forward's LSE)" : " ([b, h, s_q], the forward's LSE)"));
+  if (lse.dtype != DType::kFloat32) bfail("lse", std::string("dtype ") + dtype_name(lse.dtype) + " must be float32");
+  if ((!lse.strides.empty() && lse.strides.size() != lse.shape.size()) || !lse.is_contiguous()) bfail("lse", "must be contiguous");
+  if (lse.numel() > 0 && lse.data == nullptr) bfail("lse", "data pointer is null");
+  if (lse.device != dev) bfail("lse", "is on " + detail::device_str(lse.device) + " but q is on " + detail::device_str(dev));
+  if (!std::isfinite(opts.softmax_scale)) bfail("softmax_scale", "must be finite, got " + std::to_string(opts.softmax_scale));
+  if (opts.max_seqlen_q < 0) bfail("max_seqlen_q", "must not be negative");
+  if (opts.max_seqlen_kv < 0) bfail("max_seqlen_kv", "must not be negative");
+
+  if (dev.type == DeviceType::kCUDA)
+    bfail("q", "is on " + detail::device_str(dev) + ", but the CUDA attention backward kernel is not available in this "
+               "build yet; call attention_backward on CPU tensors for the reference");
+  (void)stream;
+
+  detail::AttentionBwdProblem p;
+  p.B = B, p.H = dq_.H, p.Hkv = dk_.H, p.Dqk = dq_.D, p.Dv = dv_.D;
+  p.Sq = dq_.S, p.Skv = dk_.S, p.thd = thd;
+  p.q_s = read_of(Qs), p.q_g = read_of(Qg), p.k_s = read_of(Ks), p.k_g = read_of(Kg), p.v_s = read_of(Vs);
+  p.do_s = read_of(Ds), p.do_g = read_of(Dg);
+  p.o = static_cast<const uint16_t*>(o.data), p.o_st_b = ov.st_b, p.o_st_s = ov.st_s, p.o_st_h = ov.st_h;
+  p.lse = static_cast<const float*>(lse.data);
+  p.causal = opts.causal, p.bottom_right = opts.bottom_right;
+  p.softmax_scale = static_cast<float>(opts.softmax_scale != 0.0 ? opts.softmax_scale : 1.0 / std::sqrt(double(dq_.D)));
+  p.dq = static_cast<uint16_t*>(dq.data), p.dk = static_cast<uint16_t*>(dk.data), p.dv = static_cast<uint16_t*>(dv.data);
+  p.dq_v = dqv, p.dk_v = dkv, p.dv_v = dvv;
+  if (thd) {
+    p.cu_q = static_cast<const int32_t*>(cu_seqlens_q->data);
+    p.cu_kv = static_cast<const int32_t*>(cu_seqlens_kv->data);
+    p.total_q = dq_.S, p.total_kv = dk_.S;
+    try {
+      longest_sequences(p.cu_q, p.cu_kv, B, dq_.S, dk_.S, opts, p.Sq, p.Skv);
+    } catch (const Error& e) {
+      throw Error(kBwdOp, e.arg(), e.rule());
+    }
+  }
+  detail::attention_bwd_cpu(p);
 }
 
 }  // namespace mxmla

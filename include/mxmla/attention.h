@@ -50,4 +50,30 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
                        const AttentionOptions& opts, const TensorDesc* cu_seqlens_q = nullptr,
                        const TensorDesc* cu_seqlens_kv = nullptr, Stream stream = nullptr);
 
+// The attention backward (SPEC §5): dQ, dK, dV in bf16 from dO, the forward's inputs, O and LSE.
+//
+//   S  = Q_row·K_rowᵀ · scale (recomputed)      P  = exp(S − LSE) on the visible keys, 0 elsewhere
+//   dP = dO_row·V_rowᵀ                          D  = rowsum(O ⊙ dO) (O bf16; dO bf16 or its rowwise copy)
+//   dS = P ⊙ (dP − D) · scale
+//   dV = bf16(P)ᵀ·dO_col    dQ = bf16(dS)·K_col    dK = bf16(dS)ᵀ·Q_col      (each rounded once to bf16)
+//
+// Each GEMM reads an MXFP8 operand through the copy quantized along its contraction axis ("_row":
+// blocks along the head dim, "_col": blocks along the tokens). A missing copy falls back to the other
+// one (a rowwise-only Q / K / dO: the rowwise copies serve every GEMM, the exact gradient of the
+// forward on the dequantized inputs; a columnwise-only V serves dP). P and dS enter their GEMMs in
+// bf16 (mxmla's default; p_format kE4M3 is not implemented for the backward). GQA: dK and dV sum over
+// the query heads of a kv head. Rows without visible keys contribute nothing; their dQ is 0.
+//
+// dout: bf16 or MXFP8, in q's format with o's shape. q, k, v as in attention_forward (either
+// precision, each MXFP8 tensor with any of its copies). o: bf16 (the forward's output); lse: fp32
+// [b, h, s_q] (thd: [h, total_q]). dq, dk, dv: caller-allocated bf16 with the shapes of q, k, v's
+// codes / data in their formats (any strides, head dim contiguous; thd tokens outside every sequence
+// are written 0). `deterministic` asks for a fixed summation order (the CPU reference always has one).
+// On CUDA: not available yet (an Error naming the missing kernel).
+void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInput& k, const AttnInput& v,
+                        const TensorDesc& o, const TensorDesc& lse, TensorDesc& dq, TensorDesc& dk, TensorDesc& dv,
+                        const AttentionOptions& opts, bool deterministic = false,
+                        const TensorDesc* cu_seqlens_q = nullptr, const TensorDesc* cu_seqlens_kv = nullptr,
+                        Stream stream = nullptr);
+
 }  // namespace mxmla

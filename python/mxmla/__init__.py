@@ -18,6 +18,7 @@ from typing import Any, Dict
 from . import _mxmla_core as _core
 from ._backend import torch_available as _torch_available
 from .attention import attention, qkv_layout
+from .attention_backward import attention_backward
 from .gemm import gemm
 from .mxfp8 import (
     MXFP8Tensor,
@@ -68,6 +69,7 @@ __all__ = [
     "attention_scales_to_bhsd",
     "to_bhsd",
     "attention",
+    "attention_backward",
     "qkv_layout",
     "gemm",
     "info",
@@ -123,3 +125,6 @@ if _torch_available():
         raise ImportError(f"mxmla: torch {_torch.__version__} is too old for mxmla's torch ops (torch.library.custom_op "
                           "needs torch >= 2.4); upgrade torch or uninstall it to use the numpy API")
     from . import _torch_ops  # noqa: F401,E402  (registers torch.ops.mxmla.*)
+    from .attention_autograd import MXFP8Attention  # noqa: E402  (attention with autograd)
+
+    __all__.append("MXFP8Attention")

@@ -26,6 +26,8 @@ from . import qproj as _qp
 from . import rope as _rope
 from .attention import _NOT_DIFF as _ATT_NOT_DIFF
 from .attention import _attention_impl, _out_shapes
+from .attention_backward import _attention_backward_impl
+from .attention_backward import _fake_shapes as _bwd_fake_shapes
 from .gemm import _NOT_DIFF as _GEMM_NOT_DIFF
 from .gemm import _gemm_impl, _shape_of
 from .gemm import _out_shape as _gemm_out_shape
@@ -329,6 +331,25 @@ def _(q, k, v, q_scale, k_scale, v_scale, q_mx, k_mx, v_mx, q_format, kv_format,
 
 
 _no_gradient(attention, "mxmla.attention", _ATT_NOT_DIFF, ["q", "k", "v"])
+
+
+@torch.library.custom_op("mxmla::attention_backward", mutates_args=())
+def attention_backward(bufs: List[Optional[Tensor]], do_mx: str, q_mx: str, k_mx: str, v_mx: str, q_format: str,
+                       kv_format: str, causal: bool, bottom_right: bool, softmax_scale: float, o: Tensor, lse: Tensor,
+                       cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], max_seqlen_q: int,
+                       max_seqlen_kv: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dQ, dK, dV). bufs: the four buffers of dout, q, k, v in turn (bf16 data first, or rowwise codes,
+    rowwise scales, columnwise codes, columnwise scales; None where absent); *_mx: their descriptions
+    as attention's ("" for bf16)."""
+    return _attention_backward_impl(bufs, (do_mx, q_mx, k_mx, v_mx), q_format, kv_format, causal, bottom_right,
+                                    softmax_scale, o, lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                    deterministic)
+
+
+@attention_backward.register_fake
+def _(bufs, do_mx, q_mx, k_mx, v_mx, q_format, kv_format, causal, bottom_right, softmax_scale, o, lse, cu_seqlens_q,
+      cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, deterministic):
+    return tuple(o.new_empty(tuple(_ints(s)), dtype=torch.bfloat16) for s in _bwd_fake_shapes(bufs))
 
 
 # ----------------------------------------------------------------------------- GEMM

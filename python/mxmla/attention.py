@@ -458,6 +458,33 @@ def _cu_arg(op: str, arg: str, cu: Any, like: Any) -> Any:
     return np.ascontiguousarray(cu, dtype=np.int32)
 
 
+def _scale_and_sequences(op: str, d_qk: int, softmax_scale: Any, q_fmt: str, cu_seqlens_q: Any, cu_seqlens_kv: Any,
+                         max_seqlen_q: Any, max_seqlen_kv: Any, like: Any) -> Tuple[float, List[int], Any, Any]:
+    """(softmax scale, [max_seqlen_q, max_seqlen_kv] (0: read cu_seqlens), cu_seqlens_q, cu_seqlens_kv as
+    the core takes them) from the arguments attention and its backward share."""
+    if softmax_scale is None:
+        scale = d_qk ** -0.5 if d_qk > 0 else 1.0
+    else:
+        scale = real(op, "softmax_scale", softmax_scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{op}: argument 'softmax_scale': must be a finite number > 0 (None: d_qk^-0.5), "
+                             f"got {softmax_scale!r}")
+    seqlens = [0 if val is None else integer(op, arg, val, minimum=0)
+               for arg, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv))]
+    if q_fmt == "thd":
+        for arg, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+            if cu is None:
+                raise ValueError(f"{op}: argument '{arg}': is required for the thd format (int32 [b + 1], cumulative "
+                                 "sequence lengths starting at 0)")
+        return scale, seqlens, _cu_arg(op, "cu_seqlens_q", cu_seqlens_q, like), _cu_arg(op, "cu_seqlens_kv",
+                                                                                         cu_seqlens_kv, like)
+    for arg, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+        if cu is not None:
+            raise ValueError(f"{op}: argument '{arg}': is only for the thd format (layout {q_fmt!r} has a "
+                             "sequence dimension; padding masks are not supported)")
+    return scale, seqlens, None, None
+
+
 def _layout_arg(op: str, layout: Any, q: Any, k: Any, v: Any, mx: bool, arrays: Sequence[Any]) -> Tuple[str, str, str]:
     """(layout name, q format, kv format) from the `layout` argument: None (detected), a format, or a
     full layout name (checked against the detected one)."""
@@ -562,30 +589,9 @@ def attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False, softm
     if (q_fmt == "thd") != (kv_fmt == "thd"):
         raise ValueError(f"{op}: argument 'layout': q in {q_fmt} and k / v in {kv_fmt}: packed sequences (thd) are "
                          "supported for q, k and v together only")
-    d_qk = int(arrays[0].shape[-1])
-    if softmax_scale is None:
-        scale = d_qk ** -0.5 if d_qk > 0 else 1.0
-    else:
-        scale = real(op, "softmax_scale", softmax_scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"{op}: argument 'softmax_scale': must be a finite number > 0 (None: d_qk^-0.5), "
-                             f"got {softmax_scale!r}")
-    seqlens = []
-    for arg, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
-        seqlens.append(0 if val is None else integer(op, arg, val, minimum=0))
-    if q_fmt == "thd":
-        for arg, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
-            if cu is None:
-                raise ValueError(f"{op}: argument '{arg}': is required for the thd format (int32 [b + 1], cumulative "
-                                 "sequence lengths starting at 0)")
-        cu_q = _cu_arg(op, "cu_seqlens_q", cu_seqlens_q, arrays[0])
-        cu_kv = _cu_arg(op, "cu_seqlens_kv", cu_seqlens_kv, arrays[0])
-    else:
-        for arg, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
-            if cu is not None:
-                raise ValueError(f"{op}: argument '{arg}': is only for the thd format (layout {q_fmt!r} has a "
-                                 "sequence dimension; padding masks are not supported)")
-        cu_q = cu_kv = None
+    scale, seqlens, cu_q, cu_kv = _scale_and_sequences(op, int(arrays[0].shape[-1]), softmax_scale, q_fmt,
+                                                       cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                                       arrays[0])
     if torch_kind:
         if not mx:
             not_differentiable(op, _NOT_DIFF, q=q, k=k, v=v)

@@ -541,6 +541,26 @@ NB_MODULE(_mxmla_core, m) {
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("lse").none(), nb::arg("options"),
       nb::arg("cu_seqlens_q").none(), nb::arg("cu_seqlens_kv").none(), nb::arg("stream"));
 
+  // The backward: dout, q, k, v each a bf16 descriptor or an MXFP8 operand tuple with the copies it
+  // has (each GEMM reads the copy along its contraction, else the other); o bf16; lse float32; dq,
+  // dk, dv bf16 outputs with the shapes of q, k, v in their formats.
+  m.def(
+      "attention_backward",
+      [](const AttnOperand& dout, const AttnOperand& q, const AttnOperand& k, const AttnOperand& v, const Desc& o,
+         const Desc& lse, const Desc& dq, const Desc& dk, const Desc& dv, const AttentionOptions& opts,
+         bool deterministic, const OptDesc& cu_q, const OptDesc& cu_kv, uintptr_t stream) {
+        const HeldOperand hd(dout), hq(q), hk(k), hv(v);
+        const TensorDesc od = to_desc(o), ld = to_desc(lse);
+        TensorDesc dqd = to_desc(dq), dkd = to_desc(dk), dvd = to_desc(dv);
+        const TensorDesc cqd = opt_desc(cu_q), ckd = opt_desc(cu_kv);
+        nb::gil_scoped_release release;
+        attention_backward(hd.in, hq.in, hk.in, hv.in, od, ld, dqd, dkd, dvd, opts, deterministic,
+                           cu_q ? &cqd : nullptr, cu_kv ? &ckd : nullptr, to_stream(stream));
+      },
+      nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("lse"), nb::arg("dq"),
+      nb::arg("dk"), nb::arg("dv"), nb::arg("options"), nb::arg("deterministic"), nb::arg("cu_seqlens_q").none(),
+      nb::arg("cu_seqlens_kv").none(), nb::arg("stream"));
+
   // ------------------------------------------------------------------ GEMM
   // a, b: each a bf16 descriptor or an MXFP8 operand tuple (see MxOperand: the direction the GEMM
   // reads present, the other may be None); out: [M, N] bfloat16 or float32. Errors name the C++

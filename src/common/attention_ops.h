@@ -59,7 +59,41 @@ struct AttentionProblem {
   float* lse = nullptr;            // optional: [B, H, Sq] (thd: [H, total_q]) contiguous
 };
 
+// The backward (include/mxmla/attention.h: attention_backward). One read of an operand: its values
+// (bf16, or codes with the scales of the copy read) and which copy it is.
+struct AttnRead {
+  AttnTensorView view;
+  AttnScaleView sc;
+  bool fp8 = false, rowwise = true;
+  Fp8Format fmt = Fp8Format::kE4M3;
+};
+
+struct AttentionBwdProblem {
+  int64_t B = 1, Sq = 0, Skv = 0;  // thd: Sq / Skv are the max sequence lengths
+  int64_t H = 1, Hkv = 1, Dqk = 0, Dv = 0;
+  bool thd = false;
+  const int32_t* cu_q = nullptr;  // thd: [B + 1]
+  const int32_t* cu_kv = nullptr;
+  int64_t total_q = 0, total_kv = 0;
+
+  AttnRead q_s, k_s;    // S = Q·Kᵀ (rowwise copies)
+  AttnRead do_s, v_s;   // dP = dO·Vᵀ (rowwise copies, blocks along d_v); do_s also gives D
+  AttnRead do_g, q_g;   // dV = Pᵀ·dO, dK = dSᵀ·Q (blocks along the query tokens)
+  AttnRead k_g;         // dQ = dS·K (blocks along the key tokens)
+
+  const uint16_t* o = nullptr;  // bf16 in q's format, d_v columns
+  int64_t o_st_b = 0, o_st_s = 0, o_st_h = 0;
+  const float* lse = nullptr;   // [B, H, Sq] (thd: [H, total_q]) contiguous
+
+  bool causal = false, bottom_right = false;
+  float softmax_scale = 1.0f;
+
+  uint16_t *dq = nullptr, *dk = nullptr, *dv = nullptr;  // bf16, in q's / kv's formats
+  AttnTensorView dq_v, dk_v, dv_v;
+};
+
 void attention_fwd_cpu(const AttentionProblem& p);
+void attention_bwd_cpu(const AttentionBwdProblem& p);
 void attention_fwd_cuda(const AttentionProblem& p, Stream stream);
 // Whether the SM90 kernel has an instantiation for these head dims.
 bool attention_cuda_supports(int64_t Dqk, int64_t Dv);

@@ -5,6 +5,8 @@
   k_nope and v; causal attention; output projection), on sbhd / bshd hidden states or thd packed
   sequences with cu_seqlens. RoPE is mxmla.apply_rope (DeepSeek's "interleaved" style, plain or
   YaRN tables from mxmla.rope_tables).
+- ``DotProductAttention``: MXFP8 attention with autograd (bf16 q, k, v quantized to MXFP8 with both
+  copies; saved: the MXFP8 tensors, O and LSE; the backward returns bf16 gradients).
 - ``RMSNorm``, ``SwiGLU`` (DeepSeek-V3's dense MLP), ``Linear`` (the one place a recipe's GEMM runs),
   ``Block`` and ``Decoder`` (256 byte tokens, N blocks, final norm, LM head).
 
@@ -22,8 +24,9 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without torch
     raise ImportError("mxmla.nn needs torch (pip install torch); the rest of mxmla works without it") from e
 
+from ..attention_autograd import DotProductAttention
 from .decoder import Block, Decoder, byte_tokens
 from .layers import RECIPES, Linear, RMSNorm, SwiGLU, check_recipe
 from .mla import MLA
 
-__all__ = ["MLA", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens"]
+__all__ = ["MLA", "DotProductAttention", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens"]

@@ -1,0 +1,271 @@
+"""The attention backward (SPEC §5): mxmla.attention_backward's CPU reference against an independent
+float64 emulation of the defined semantics (each GEMM's copy, P and dS rounded to bf16), against
+float64 autograd of the forward, MXFP8Attention / nn.DotProductAttention, and the argument checks.
+The CUDA kernel is not written: on a GPU the op must raise its "not available" error."""
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import mxmla  # noqa: E402
+import mxmla.nn  # noqa: E402
+
+F64 = torch.float64
+
+
+def bf16(x):
+    """float64 -> nearest-even bf16 value, rounded once (torch's float64 -> bfloat16 conversion goes
+    through float32 and can round twice); normal range (the test data's)."""
+    m, e = torch.frexp(x)  # x = m * 2^e, |m| in [0.5, 1)
+    return torch.ldexp(torch.round(m * 256.0), (e - 8).to(F64))  # torch.round: half to even
+
+
+def tokens_axis(fmt):
+    return {"sbhd": 0, "bshd": 1, "bhsd": 2}[fmt]
+
+
+def to_bshd(x, fmt):
+    """[b, s, h, d] float64 view of a 4-D operand in fmt."""
+    return {"sbhd": lambda t: t.permute(1, 0, 2, 3), "bshd": lambda t: t, "bhsd": lambda t: t.permute(0, 2, 1, 3)}[fmt](x)
+
+
+def from_bshd(x, fmt):
+    return {"sbhd": lambda t: t.permute(1, 0, 2, 3), "bshd": lambda t: t, "bhsd": lambda t: t.permute(0, 2, 1, 3)}[fmt](x)
+
+
+def values(t, copy):
+    """float64 values of an operand read through one copy ("row" / "col"; a missing copy: the other),
+    or of a bf16 tensor."""
+    if not isinstance(t, mxmla.MXFP8Tensor):
+        return t.to(F64)
+    col = copy == "col" and t.columnwise_data is not None or t.rowwise_data is None
+    shape = (t.columnwise_data if col else t.rowwise_data).shape
+    flat = mxmla.MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout,  # codes in the quantized shape
+                             *[None if x is None else (x.reshape(t.shape) if i % 2 == 0 else x)
+                               for i, x in enumerate((t.rowwise_data, t.rowwise_scale_inv, t.columnwise_data,
+                                                      t.columnwise_scale_inv))],
+                             layout=t.layout, attention=t.attention)
+    return mxmla.dequantize(flat, "float32", columnwise=col).to(F64).reshape(shape)
+
+
+def emulate(do, q, k, v, o, lse, causal, bottom_right, scale):
+    """The defined backward in float64 on [b, s, h, d] values (each argument: dict copy -> tensor;
+    o, lse: tensors), P and dS rounded to bf16. Returns dq, dk, dv (float64, unrounded)."""
+    qs, qg, ks, kg, vs, dos, dog = q["row"], q["col"], k["row"], k["col"], v["row"], do["row"], do["col"]
+    b, sq, h, _ = qs.shape
+    skv, hkv = ks.shape[1], ks.shape[2]
+    g = h // hkv
+    rep = lambda t: t.repeat_interleave(g, dim=2)  # noqa: E731
+    S = torch.einsum("bihd,bjhd->bhij", qs, rep(ks)) * scale
+    P = torch.exp(S - lse.to(F64)[..., None])
+    if causal:
+        i = torch.arange(sq)[:, None]
+        j = torch.arange(skv)[None, :]
+        P = torch.where(j <= i + (skv - sq if bottom_right else 0), P, torch.zeros(()))
+    dP = torch.einsum("bihd,bjhd->bhij", dos, rep(vs))
+    D = (o.to(F64) * dos).sum(-1).permute(0, 2, 1)[..., None]  # [b, h, s, 1]
+    dS = bf16(P * (dP - D) * scale)
+    Pb = bf16(P)
+    dv = torch.einsum("bhij,bihd->bjhd", Pb, dog).reshape(b, skv, hkv, g, -1).sum(3)
+    dk = torch.einsum("bhij,bihd->bjhd", dS, qg).reshape(b, skv, hkv, g, -1).sum(3)
+    dq = torch.einsum("bhij,bjhd->bihd", dS, rep(kg))
+    return dq, dk, dv
+
+
+def close_to(got, want, what):
+    """bf16 rounding of a float64 sum: within one bf16 ulp (2^-8 relative) plus a sliver for sums whose
+    bf16 P / dS rounding could flip at float64 precision."""
+    got = got.to(F64)
+    tol = 2.0 ** -8 * want.abs() + 1e-6 * (want.abs().max() + 1e-30)
+    bad = (got - want).abs() > tol
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} elements off, max {float((got - want).abs().max())}"
+
+
+def make(fmt, b, sq, skv, h, hkv, dqk, dv, prec, seed=0, dirs="both", do_mx=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(s, d, hh):
+        shape = {"sbhd": (s, b, hh, d), "bshd": (b, s, hh, d), "bhsd": (b, hh, s, d)}[fmt]
+        return torch.randn(shape, generator=g).to(torch.bfloat16)
+
+    q, k, v = rnd(sq, dqk, h), rnd(skv, dqk, hkv), rnd(skv, dv, hkv)
+    if prec == "mxfp8":
+        def qz(x):
+            return mxmla.quantize_attention(x, fmt) if fmt in ("sbhd", "bshd") else mxmla.quantize(x)
+        q, k, v = qz(q), qz(k), qz(v)
+    o, lse = mxmla.attention(q, k, v, layout=fmt, causal=CASE["causal"], bottom_right=CASE["br"], return_lse=True)
+    if prec == "mxfp8" and dirs == "row":  # the backward's operands without their columnwise copies
+        q, k, v = (mxmla.MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout, t.rowwise_data, t.rowwise_scale_inv,
+                                     None, None, layout=t.layout, attention=t.attention) for t in (q, k, v))
+    do = rnd(sq, dv, h)
+    if do_mx:
+        do = mxmla.quantize_attention(do, fmt) if fmt in ("sbhd", "bshd") else mxmla.quantize(do)
+    return do, q, k, v, o, lse
+
+
+CASE = {}
+
+CASES = [
+    # fmt, b, sq, skv, h, hkv, dqk, dv, prec, causal, bottom_right, dirs, do_mx
+    ("bshd", 2, 37, 45, 4, 2, 64, 32, "mxfp8", True, True, "both", False),
+    ("sbhd", 1, 31, 31, 3, 3, 96, 64, "mxfp8", True, False, "both", True),
+    ("bshd", 1, 129, 33, 1, 1, 32, 32, "mxfp8", False, False, "row", False),
+    ("bhsd", 2, 40, 40, 2, 1, 64, 32, "mxfp8", True, False, "both", False),
+    ("sbhd", 2, 1, 7, 2, 2, 64, 32, "bf16", True, True, "both", False),
+    ("bshd", 1, 70, 70, 4, 1, 192, 128, "bf16", True, False, "both", False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_reference_matches_the_defined_semantics_and_autograd(case):
+    fmt, b, sq, skv, h, hkv, dqk, dv, prec, causal, br, dirs, do_mx = case
+    CASE.update(causal=causal, br=br)
+    do, q, k, v, o, lse = make(fmt, b, sq, skv, h, hkv, dqk, dv, prec, dirs=dirs, do_mx=do_mx)
+    dq, dk, dvv = mxmla.attention_backward(do, q, k, v, o, lse, causal=causal, bottom_right=br, layout=fmt)
+    assert dq.dtype == dk.dtype == dvv.dtype == torch.bfloat16
+    assert dq.shape == (q.rowwise_data if prec == "mxfp8" else q).shape
+    assert dvv.shape == (v.rowwise_data if prec == "mxfp8" else v).shape
+    scale = float(np.float32(dqk ** -0.5))  # the op takes the softmax scale as fp32 (as the forward)
+    vals = {n: {c: to_bshd(values(t, c), fmt) for c in ("row", "col")} for n, t in (("do", do), ("q", q), ("k", k), ("v", v))}
+    lse_b = lse.reshape(b, h, sq)
+    want = emulate(vals["do"], vals["q"], vals["k"], vals["v"], to_bshd(o.to(F64), fmt), lse_b, causal, br, scale)
+    for name, got, w in (("dq", dq, want[0]), ("dk", dk, want[1]), ("dv", dvv, want[2])):
+        close_to(to_bshd(got.to(F64), fmt), w, name)
+
+    # float64 autograd of the forward on the rowwise values (the S copies), when the gradient GEMMs read
+    # the same values (bf16, or rowwise-only MXFP8): relative RMS <= 1 %, atol 0.02 + rtol 0.05
+    if prec == "bf16" or dirs == "row":
+        qd, kd, vd = (vals[n]["row"].clone().requires_grad_() for n in "qkv")
+        g = h // hkv
+        S = torch.einsum("bihd,bjhd->bhij", qd, kd.repeat_interleave(g, 2)) * scale
+        if causal:
+            i, j = torch.arange(sq)[:, None], torch.arange(skv)[None, :]
+            S = S.masked_fill(~(j <= i + (skv - sq if br else 0)), -math.inf)
+        O = torch.einsum("bhij,bjhd->bihd", torch.softmax(S, -1).nan_to_num(0.0), vd.repeat_interleave(g, 2))
+        (O * vals["do"]["row"]).sum().backward()
+        for name, got, w in (("dq", dq, qd.grad), ("dk", dk, kd.grad), ("dv", dvv, vd.grad)):
+            got = to_bshd(got.to(F64), fmt)
+            assert (got - w).norm() <= 0.01 * w.norm() + 1e-12, name
+            assert ((got - w).abs() <= 0.02 + 0.05 * w.abs()).all(), name
+
+
+def test_thd_with_empty_and_one_token_sequences_matches_per_sequence_calls():
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 0, 1, 40]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    t, h, d, dv = cu[-1] + 3, 2, 64, 32  # 3 tokens after the last sequence
+    q, k = (torch.randn(t, h, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    v, do = (torch.randn(t, h, dv, generator=g).to(torch.bfloat16) for _ in range(2))
+    o, lse = mxmla.attention(q, k, v, layout="thd", causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, return_lse=True)
+    dq, dk, dvv = mxmla.attention_backward(do, q, k, v, o, lse, causal=True, layout="thd", cu_seqlens_q=cu,
+                                           cu_seqlens_kv=cu)
+    assert (dq[cu[-1]:] == 0).all() and (dk[cu[-1]:] == 0).all() and (dvv[cu[-1]:] == 0).all()
+    for i, n in enumerate(lens):
+        if n == 0:
+            continue
+        sl = slice(cu[i], cu[i + 1])
+        one = lambda x: x[sl].unsqueeze(1)  # noqa: E731  [s, 1, h, d] (sbhd, b = 1)
+        o1, l1 = mxmla.attention(one(q), one(k), one(v), layout="sbhd", causal=True, return_lse=True)
+        assert torch.equal(o1[:, 0], o[sl]) and torch.equal(l1[0], lse[:, sl])
+        r = mxmla.attention_backward(one(do), one(q), one(k), one(v), o1, l1, causal=True, layout="sbhd")
+        for got, want in zip((dq, dk, dvv), r):
+            assert torch.equal(got[sl], want[:, 0])
+
+
+def test_numpy_inputs_and_deterministic_runs_are_identical():
+    CASE.update(causal=True, br=False)
+    do, q, k, v, o, lse = make("bshd", 1, 33, 33, 2, 2, 32, 32, "mxfp8", seed=5)
+    a = mxmla.attention_backward(do, q, k, v, o, lse, causal=True, layout="bshd", deterministic=True)
+    b = mxmla.attention_backward(do, q, k, v, o, lse, causal=True, layout="bshd", deterministic=True)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    npm = lambda t: mxmla.MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout, *[  # noqa: E731
+        None if x is None else x.numpy() for x in (t.rowwise_data, t.rowwise_scale_inv, t.columnwise_data,
+                                                  t.columnwise_scale_inv)], layout=t.layout, attention=t.attention)
+    c = mxmla.attention_backward(do.view(torch.int16).numpy().view(np.uint16), npm(q), npm(k), npm(v),
+                                 o.view(torch.int16).numpy().view(np.uint16), lse.numpy(), causal=True, layout="bshd")
+    for x, y in zip(a, c):
+        assert np.array_equal(x.view(torch.int16).numpy().view(np.uint16), y)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+def test_dot_product_attention_module_gradients(fmt):
+    g = torch.Generator().manual_seed(11)
+    b, s, h, d, dv = 2, 35, 2, 64, 32
+    shape = {"sbhd": (s, b, h), "bshd": (b, s, h), "thd": (b * s, h)}[fmt]
+    q, k = (torch.randn(*shape, d, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    v = torch.randn(*shape, dv, generator=g).to(torch.bfloat16).requires_grad_()
+    dpa = mxmla.nn.DotProductAttention(causal=True, layout=fmt)
+    kw = dict(cu_seqlens_q=[0, s, 2 * s]) if fmt == "thd" else {}
+    o = dpa(q, k, v, **kw)
+    do = torch.randn(o.shape, generator=g).to(torch.bfloat16)
+    (o.to(F64) * do.to(F64)).sum().backward()
+    # the same through the ops on the same MXFP8 tensors
+    from mxmla.attention_autograd import quantize_for_attention
+    mx = [quantize_for_attention(t, fmt) for t in (q, k, v)]
+    cukw = dict(cu_seqlens_q=kw["cu_seqlens_q"], cu_seqlens_kv=kw["cu_seqlens_q"]) if kw else {}
+    o2, lse = mxmla.attention(*mx, causal=True, layout=fmt, return_lse=True, **cukw)
+    assert torch.equal(o.detach(), o2)
+    want = mxmla.attention_backward(do, *mx, o2, lse, causal=True, layout=fmt, **cukw)
+    for t, w in zip((q, k, v), want):
+        assert t.grad.dtype == torch.bfloat16 and torch.equal(t.grad, w)
+    # against float64 autograd of the forward on the rowwise (forward) values: the gradient GEMMs read
+    # the columnwise copies, whose own quantization error (E4M3: up to 2^-4 per element) is most of the
+    # gap; relative RMS <= 1 % (the bound of the backward's tests)
+    g4 = (lambda t: t.unsqueeze(0)) if fmt == "thd" else (lambda t: to_bshd(t, fmt))
+    qd, kd, vd = (g4(values(t, "row")).clone().requires_grad_() for t in mx)
+    S = torch.einsum("bihd,bjhd->bhij", qd, kd) * float(np.float32(d ** -0.5))
+    n = S.shape[-1] if fmt != "thd" else s
+    i, j = torch.arange(S.shape[-2])[:, None], torch.arange(S.shape[-1])[None, :]
+    mask = (j <= i) & ((i // n) == (j // n))  # causal inside each sequence (thd: two of length s)
+    O = torch.einsum("bhij,bjhd->bihd", torch.softmax(S.masked_fill(~mask, -math.inf), -1), vd)
+    (O * g4(do.to(F64))).sum().backward()
+    for t, ref in ((q, qd), (k, kd), (v, vd)):
+        rel = float((g4(t.grad.to(F64)) - ref.grad).norm() / ref.grad.norm())
+        assert rel < 0.01, rel  # measured: 0.2-0.3 %
+
+
+def test_errors_name_the_argument():
+    CASE.update(causal=False, br=False)
+    do, q, k, v, o, lse = make("bshd", 1, 32, 32, 2, 2, 32, 32, "bf16")
+    with pytest.raises(ValueError, match=r"argument 'lse': shape \[1, 2, 31\] must be \[1, 2, 32\]"):
+        mxmla.attention_backward(do, q, k, v, o, lse[..., :31].contiguous(), layout="bshd")
+    with pytest.raises(ValueError, match=r"argument 'dout': shape .* must be"):
+        mxmla.attention_backward(do[:, :, :, :16].contiguous(), q, k, v, o, lse, layout="bshd")
+    with pytest.raises(ValueError, match=r"argument 'o': shape"):
+        mxmla.attention_backward(do, q, k, v, o[:, :16].contiguous(), lse, layout="bshd")
+    with pytest.raises(ValueError, match=r"argument 'lse': dtype"):
+        mxmla.attention_backward(do, q, k, v, o, lse.to(F64), layout="bshd")
+    with pytest.raises(TypeError, match=r"argument 'q': q, k and v must all be MXFP8Tensors or all be bf16"):
+        mxmla.attention_backward(do, q, k, mxmla.quantize(v.float()), o, lse, layout="bshd")
+    with pytest.raises(ValueError, match=r"bottom_right"):
+        mxmla.attention_backward(do, q, k, v, o, lse, layout="bshd", bottom_right=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+def test_cuda_raises_until_the_kernel_exists():
+    CASE.update(causal=True, br=False)
+    do, q, k, v, o, lse = make("bshd", 1, 32, 32, 1, 1, 192, 128, "bf16")
+    c = [t.cuda() for t in (do, q, k, v, o, lse)]
+    with pytest.raises(ValueError, match=r"the CUDA attention backward kernel is not available"):
+        mxmla.attention_backward(*c, causal=True, layout="bshd")
+
+
+def test_torch_compile_traces_forward_and_backward():
+    dpa = mxmla.nn.DotProductAttention(layout="bshd")
+
+    def f(q, k, v):
+        return dpa(q, k, v).float().square().sum()
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 33, 2, 64, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    torch.compile(f, fullgraph=True)(q, k, v).backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    f(q, k, v).backward()
+    for a, t in zip(got, (q, k, v)):
+        assert torch.equal(a, t.grad)
