@@ -374,6 +374,30 @@ std::vector<int32_t> download(const TensorDesc& cu, Stream stream) {
 }
 #endif
 
+// cu_seqlens readable on the host: the descriptors' memory (CPU), or copies (CUDA: a synchronizing
+// copy on `stream`, the pointers checked first).
+struct HostCu {
+  std::vector<int32_t> hq, hkv;
+  const int32_t *q = nullptr, *kv = nullptr;
+};
+HostCu host_cu(const char* op, const TensorDesc& cu_q, const TensorDesc& cu_kv, bool on_cuda, const Device& dev,
+               Stream stream) {
+  HostCu h;
+  h.q = static_cast<const int32_t*>(cu_q.data), h.kv = static_cast<const int32_t*>(cu_kv.data);
+#if MXMLA_WITH_CUDA
+  if (on_cuda) {
+    detail::check_cuda_pointer(op, "cu_seqlens_q", cu_q.data, dev.index);
+    detail::check_cuda_pointer(op, "cu_seqlens_kv", cu_kv.data, dev.index);
+    detail::CudaDeviceGuard guard(dev.index);
+    h.hq = download(cu_q, stream), h.hkv = download(cu_kv, stream);
+    h.q = h.hq.data(), h.kv = h.hkv.data();
+  }
+#else
+  (void)op, (void)on_cuda, (void)dev, (void)stream;
+#endif
+  return h;
+}
+
 }  // namespace
 
 void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& v, TensorDesc& o, TensorDesc* lse,
@@ -448,19 +472,9 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
     p.total_q = dq.S, p.total_kv = dk.S;  // the packed extents (lse rows: [h, t])
     p.Sq = opts.max_seqlen_q, p.Skv = opts.max_seqlen_kv;
     if (!on_cuda || opts.max_seqlen_q == 0 || opts.max_seqlen_kv == 0) {
-      std::vector<int32_t> hq, hkv;
-      const int32_t *cq = p.cu_q, *ckv = p.cu_kv;
-#if MXMLA_WITH_CUDA
-      if (on_cuda) {
-        detail::check_cuda_pointer(kOp, "cu_seqlens_q", cu_seqlens_q->data, dev.index);
-        detail::check_cuda_pointer(kOp, "cu_seqlens_kv", cu_seqlens_kv->data, dev.index);
-        detail::CudaDeviceGuard guard(dev.index);
-        hq = download(*cu_seqlens_q, stream), hkv = download(*cu_seqlens_kv, stream);
-        cq = hq.data(), ckv = hkv.data();
-      }
-#endif
+      const HostCu h = host_cu(kOp, *cu_seqlens_q, *cu_seqlens_kv, on_cuda, dev, stream);
       int64_t lq = 0, lkv = 0;
-      longest_sequences(cq, ckv, B, dq.S, dk.S, opts, lq, lkv);
+      longest_sequences(h.q, h.kv, B, dq.S, dk.S, opts, lq, lkv);
       if (opts.max_seqlen_q == 0) p.Sq = lq;
       if (opts.max_seqlen_kv == 0) p.Skv = lkv;
     }
@@ -600,10 +614,10 @@ void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInp
   if (opts.max_seqlen_q < 0) bfail("max_seqlen_q", "must not be negative");
   if (opts.max_seqlen_kv < 0) bfail("max_seqlen_kv", "must not be negative");
 
-  if (dev.type == DeviceType::kCUDA)
-    bfail("q", "is on " + detail::device_str(dev) + ", but the CUDA attention backward kernel is not available in this "
-               "build yet; call attention_backward on CPU tensors for the reference");
-  (void)stream;
+  const bool on_cuda = dev.type == DeviceType::kCUDA;
+#if !MXMLA_WITH_CUDA
+  if (on_cuda) bfail("q", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
+#endif
 
   detail::AttentionBwdProblem p;
   p.B = B, p.H = dq_.H, p.Hkv = dk_.H, p.Dqk = dq_.D, p.Dv = dv_.D;
@@ -616,17 +630,45 @@ void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInp
   p.softmax_scale = static_cast<float>(opts.softmax_scale != 0.0 ? opts.softmax_scale : 1.0 / std::sqrt(double(dq_.D)));
   p.dq = static_cast<uint16_t*>(dq.data), p.dk = static_cast<uint16_t*>(dk.data), p.dv = static_cast<uint16_t*>(dv.data);
   p.dq_v = dqv, p.dk_v = dkv, p.dv_v = dvv;
+#if MXMLA_WITH_CUDA
+  if (on_cuda) {
+    // the CUDA-core kernel (src/cuda/attention_bwd_simt.cu): pointers on the device, head dims it sizes for
+    const int index = dev.index;
+    auto ptr = [&](const std::string& arg, const void* d) {
+      if (d != nullptr) detail::check_cuda_pointer(kBwdOp, arg.c_str(), d, index);
+    };
+    for (const Operand* x : {&Qs, &Qg, &Ks, &Kg, &Vs, &Ds, &Dg}) {
+      if (x->data->numel() > 0) ptr(x->data_arg, x->data->data);
+      if (x->scales != nullptr && x->scales->numel() > 0) ptr(x->name + "." + x->dir + "_scale_inv", x->scales->data);
+    }
+    const std::pair<const char*, const TensorDesc*> outs[] = {{"o", &o}, {"lse", &lse}, {"dq", &dq}, {"dk", &dk},
+                                                              {"dv", &dv}};
+    for (const auto& [arg, t] : outs)
+      if (t->numel() > 0) ptr(arg, t->data);
+    if (dq_.D > 256 || dv_.D > 256)
+      bfail("q", "head dims d_qk = " + std::to_string(dq_.D) + ", d_v = " + std::to_string(dv_.D) +
+                     ": the CUDA backward takes head dims up to 256 (use CPU tensors for the reference)");
+  }
+#endif
   if (thd) {
     p.cu_q = static_cast<const int32_t*>(cu_seqlens_q->data);
     p.cu_kv = static_cast<const int32_t*>(cu_seqlens_kv->data);
     p.total_q = dq_.S, p.total_kv = dk_.S;
+    // the lengths are needed on the host (grid sizes, checks): on CUDA a synchronizing copy
+    const HostCu h = host_cu(kBwdOp, *cu_seqlens_q, *cu_seqlens_kv, on_cuda, dev, stream);
     try {
-      longest_sequences(p.cu_q, p.cu_kv, B, dq_.S, dk_.S, opts, p.Sq, p.Skv);
+      longest_sequences(h.q, h.kv, B, dq_.S, dk_.S, opts, p.Sq, p.Skv);
     } catch (const Error& e) {
       throw Error(kBwdOp, e.arg(), e.rule());
     }
   }
-  detail::attention_bwd_cpu(p);
+  if (!on_cuda) return detail::attention_bwd_cpu(p);
+#if MXMLA_WITH_CUDA
+  detail::CudaDeviceGuard guard(dev.index);
+  detail::attention_bwd_cuda(p, stream);
+#else
+  (void)stream;
+#endif
 }
 
 }  // namespace mxmla

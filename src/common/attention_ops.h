@@ -7,6 +7,7 @@
 // cu[b], and the b-stride is 0.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/mxfp8_common.h"
@@ -94,6 +95,10 @@ struct AttentionBwdProblem {
 
 void attention_fwd_cpu(const AttentionProblem& p);
 void attention_bwd_cpu(const AttentionBwdProblem& p);
+// The CUDA-core backward (src/cuda/attention_bwd_simt.cu): every format and head dims up to 256;
+// the dynamic shared memory it needs for these head dims.
+void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream);
+size_t attention_bwd_cuda_smem(int64_t Dqk, int64_t Dv);
 void attention_fwd_cuda(const AttentionProblem& p, Stream stream);
 // Whether the SM90 kernel has an instantiation for these head dims.
 bool attention_cuda_supports(int64_t Dqk, int64_t Dv);

@@ -21,6 +21,8 @@ void dequantize_cuda(const DequantizeProblem&, Stream) { no_cuda("mxmla.dequanti
 void remap_scales_cuda(const std::vector<RemapProblem>&, Stream) { no_cuda("mxmla.remap_scales", "input"); }
 void attention_fwd_cuda(const AttentionProblem&, Stream) { no_cuda("mxmla.attention", "q"); }
 bool attention_cuda_supports(int64_t, int64_t) { return false; }
+void attention_bwd_cuda(const AttentionBwdProblem&, Stream) { no_cuda("mxmla.attention_backward", "q"); }
+size_t attention_bwd_cuda_smem(int64_t, int64_t) { return 0; }
 void mxfp8_gemm_cuda(const GemmProblem&, Stream) { no_cuda("mxmla.gemm", "a"); }
 
 }  // namespace detail

@@ -1,0 +1,287 @@
+// mxmla — the attention backward on CUDA cores (include/mxmla/attention.h: attention_backward): the
+// correctness-first CUDA path until the SM90 tensor-core kernel exists. It computes what the CPU
+// reference computes (src/cpu/attention_backward_reference.cpp) in fp32 instead of float64:
+//
+//   D_i   = Σ_d O_id · dO_row,id                                   (preprocess, one warp per row)
+//   s_ij  = (Q_row,i · K_row,j) · scale,  P_ij = exp(s_ij − LSE_i),  dP_ij = dO_row,i · V_row,j
+//   dS_ij = P_ij · (dP_ij − D_i) · scale;  P̂, dŜ = bf16(P), bf16(dS)   (visible keys only)
+//   dV_j = Σ_i P̂_ij · dO_col,i,  dK_j = Σ_i dŜ_ij · Q_col,i            (one CTA per 32 keys of a kv head)
+//   dQ_i = Σ_j dŜ_ij · K_col,j                                         (one CTA per 32 query rows)
+//
+// Every operand element is read through its AttnRead (bf16, or code · 2^(e−127) through the copy's
+// scale geometry), so every format, packed view and scale layout the API accepts runs here. P and
+// dS are recomputed by both main kernels; there are no atomics, so the result does not depend on
+// scheduling (deterministic). Arch-neutral (FP8 decode: sm_89+).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+
+#include "common/attention_ops.h"
+#include "cuda/cuda_check.h"
+#include "cuda/ptx/convert.cuh"
+#include "cuda/stream_scratch.h"
+
+namespace mxmla::detail {
+namespace {
+
+constexpr const char* kOp = "mxmla.attention_backward";
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kBlk = 32;       // keys (dK/dV kernel) or query rows (dQ kernel) per CTA
+
+__device__ __forceinline__ float e8m0_to_float(uint8_t e) {
+  if (e == 255) return __uint_as_float(0x7FC00000u);
+  if (e == 0) return __uint_as_float(0x00400000u);  // 2^-127
+  return __uint_as_float(static_cast<uint32_t>(e) << 23);
+}
+
+__device__ __forceinline__ float fp8_to_float(uint8_t c, Fp8Format f) {
+  const uint32_t h2 = f == Fp8Format::kE4M3 ? ptx::cvt_f16x2_from_fp8x2<true>(c) : ptx::cvt_f16x2_from_fp8x2<false>(c);
+  return __low2float(*reinterpret_cast<const __half2*>(&h2));
+}
+
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// Element (b, h, s, d) of one read of an operand (s counted inside sequence b).
+__device__ float elem(const AttnRead& r, const int32_t* cu, int64_t b, int64_t h, int64_t s, int64_t d) {
+  const int64_t tok = (cu ? cu[b] : 0) + s;
+  const int64_t off = b * r.view.st_b + tok * r.view.st_s + h * r.view.st_h + d;
+  if (!r.fp8) return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(r.view.data)[off]) << 16);
+  const AttnScaleView& sc = r.sc;
+  const int64_t bi = b * sc.bi_b;
+  const int64_t row = tok * sc.row_s + b * sc.row_b + h * sc.row_h + sc.row0;
+  const int64_t c = b * sc.col_b + h * sc.col_h + d;
+  const int64_t so = r.rowwise ? row_scale_offset(sc.map, bi, row, c / 32) : col_scale_offset(sc.map, bi, row / 32, c);
+  return fp8_to_float(static_cast<const uint8_t*>(r.view.data)[off], r.fmt) * e8m0_to_float(sc.ptr[so]);
+}
+
+struct Seq {
+  int64_t sq, skv, q0, kv0;  // lengths and first packed tokens (0 without thd)
+  int64_t off;               // causal: key j is visible to row i iff j <= i + off
+};
+
+__device__ Seq seq_of(const AttentionBwdProblem& p, int64_t b) {
+  Seq s{p.Sq, p.Skv, 0, 0, 0};
+  if (p.thd) s.q0 = p.cu_q[b], s.kv0 = p.cu_kv[b], s.sq = p.cu_q[b + 1] - s.q0, s.skv = p.cu_kv[b + 1] - s.kv0;
+  s.off = p.bottom_right ? s.skv - s.sq : 0;
+  return s;
+}
+
+__device__ __forceinline__ int64_t row_index(const AttentionBwdProblem& p, const Seq& s, int64_t b, int64_t h, int64_t i) {
+  return p.thd ? h * p.total_q + s.q0 + i : (b * p.H + h) * p.Sq + i;  // lse / D
+}
+
+__device__ __forceinline__ bool visible(const AttentionBwdProblem& p, const Seq& s, int64_t i, int64_t j) {
+  return !p.causal || j <= i + s.off;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+__device__ void write_bf16(uint16_t* base, const AttnTensorView& v, int64_t b, int64_t tok, int64_t h, int64_t d,
+                          float x) {
+  base[b * v.st_b + tok * v.st_s + h * v.st_h + d] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+// D[row] = Σ_d O · dO_row; grid (ceil(Sq / kWarps), H, B), one warp per row.
+__global__ void __launch_bounds__(kThreads) bwd_preprocess(const AttentionBwdProblem p, float* D) {
+  const int64_t b = blockIdx.z, h = blockIdx.y, i = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const Seq s = seq_of(p, b);
+  if (i >= s.sq) return;
+  const uint16_t* o = p.o + b * p.o_st_b + (s.q0 + i) * p.o_st_s + h * p.o_st_h;
+  const int32_t* cq = p.thd ? p.cu_q : nullptr;
+  float acc = 0.f;
+  for (int64_t d = lane; d < p.Dv; d += 32)
+    acc += __uint_as_float(static_cast<uint32_t>(o[d]) << 16) * elem(p.do_s, cq, b, h, i, d);
+  acc = warp_sum(acc);
+  if (lane == 0) D[row_index(p, s, b, h, i)] = acc;
+}
+
+// dK, dV of kBlk keys of kv head hk; grid (ceil(Skv / kBlk), Hkv, B).
+// Shared: Ks, dK [kBlk][Dqk]; Vs, dV [kBlk][Dv]; q_s, q_g [Dqk]; do_s, do_g [Dv]; P̂, dŜ [kBlk].
+__global__ void __launch_bounds__(kThreads) bwd_dkdv(const AttentionBwdProblem p, const float* D) {
+  extern __shared__ float sm[];
+  const int64_t b = blockIdx.z, hk = blockIdx.y, j0 = int64_t{blockIdx.x} * kBlk;
+  const Seq s = seq_of(p, b);
+  if (j0 >= s.skv) return;
+  const int nj = static_cast<int>(imin(kBlk, s.skv - j0));
+  const int64_t Dqk = p.Dqk, Dv = p.Dv;
+  float *Ks = sm, *dK = Ks + kBlk * Dqk, *Vs = dK + kBlk * Dqk, *dV = Vs + kBlk * Dv;
+  float *qs = dV + kBlk * Dv, *qg = qs + Dqk, *dos = qg + Dqk, *dog = dos + Dv, *Pb = dog + Dv, *dSb = Pb + kBlk;
+  const int32_t *cq = p.thd ? p.cu_q : nullptr, *ck = p.thd ? p.cu_kv : nullptr;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  for (int64_t x = tid; x < kBlk * Dqk; x += kThreads) {
+    const int j = static_cast<int>(x / Dqk);
+    Ks[x] = j < nj ? elem(p.k_s, ck, b, hk, j0 + j, x % Dqk) : 0.f;
+    dK[x] = 0.f;
+  }
+  for (int64_t x = tid; x < kBlk * Dv; x += kThreads) {
+    const int j = static_cast<int>(x / Dv);
+    Vs[x] = j < nj ? elem(p.v_s, ck, b, hk, j0 + j, x % Dv) : 0.f;
+    dV[x] = 0.f;
+  }
+  const int64_t group = p.H / p.Hkv;
+  const float scale = p.softmax_scale;
+  // rows that see at least key j0
+  const int64_t i_first = p.causal ? imax(0, j0 - s.off) : 0;
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+    for (int64_t i = i_first; i < s.sq; ++i) {
+      __syncthreads();  // the previous row's q / dO and P̂ / dŜ are consumed
+      for (int64_t d = tid; d < Dqk; d += kThreads) qs[d] = elem(p.q_s, cq, b, h, i, d), qg[d] = elem(p.q_g, cq, b, h, i, d);
+      for (int64_t d = tid; d < Dv; d += kThreads) dos[d] = elem(p.do_s, cq, b, h, i, d), dog[d] = elem(p.do_g, cq, b, h, i, d);
+      __syncthreads();
+      const int64_t ri = row_index(p, s, b, h, i);
+      const float lse = p.lse[ri], Di = D[ri];
+      for (int j = warp; j < kBlk; j += kWarps) {
+        float sv = 0.f, dp = 0.f;
+        for (int64_t d = lane; d < Dqk; d += 32) sv += qs[d] * Ks[j * Dqk + d];
+        for (int64_t d = lane; d < Dv; d += 32) dp += dos[d] * Vs[j * Dv + d];
+        sv = warp_sum(sv), dp = warp_sum(dp);
+        if (lane == 0) {
+          const bool on = j < nj && visible(p, s, i, j0 + j);
+          const float P = expf(sv * scale - lse);
+          Pb[j] = on ? bf16_round(P) : 0.f;
+          dSb[j] = on ? bf16_round(P * (dp - Di) * scale) : 0.f;
+        }
+      }
+      __syncthreads();
+      for (int64_t x = tid; x < kBlk * Dv; x += kThreads) dV[x] += Pb[x / Dv] * dog[x % Dv];
+      for (int64_t x = tid; x < kBlk * Dqk; x += kThreads) dK[x] += dSb[x / Dqk] * qg[x % Dqk];
+    }
+  __syncthreads();
+  for (int64_t x = tid; x < nj * Dqk; x += kThreads) write_bf16(p.dk, p.dk_v, b, s.kv0 + j0 + x / Dqk, hk, x % Dqk, dK[x]);
+  for (int64_t x = tid; x < nj * Dv; x += kThreads) write_bf16(p.dv, p.dv_v, b, s.kv0 + j0 + x / Dv, hk, x % Dv, dV[x]);
+}
+
+// dQ of kBlk query rows of head h; grid (ceil(Sq / kBlk), H, B).
+// Shared: Qs, dQ [kBlk][Dqk]; dOs [kBlk][Dv]; k_s, k_g [Dqk]; v_s [Dv]; dŜ, LSE, D [kBlk].
+__global__ void __launch_bounds__(kThreads) bwd_dq(const AttentionBwdProblem p, const float* D) {
+  extern __shared__ float sm[];
+  const int64_t b = blockIdx.z, h = blockIdx.y, i0 = int64_t{blockIdx.x} * kBlk;
+  const Seq s = seq_of(p, b);
+  if (i0 >= s.sq) return;
+  const int ni = static_cast<int>(imin(kBlk, s.sq - i0));
+  const int64_t Dqk = p.Dqk, Dv = p.Dv, hk = h / (p.H / p.Hkv);
+  float *Qs = sm, *dQ = Qs + kBlk * Dqk, *dOs = dQ + kBlk * Dqk, *ks = dOs + kBlk * Dv, *kg = ks + Dqk,
+        *vs = kg + Dqk, *dSb = vs + Dv, *lse = dSb + kBlk, *Dr = lse + kBlk;
+  const int32_t *cq = p.thd ? p.cu_q : nullptr, *ck = p.thd ? p.cu_kv : nullptr;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  for (int64_t x = tid; x < kBlk * Dqk; x += kThreads) {
+    const int i = static_cast<int>(x / Dqk);
+    Qs[x] = i < ni ? elem(p.q_s, cq, b, h, i0 + i, x % Dqk) : 0.f;
+    dQ[x] = 0.f;
+  }
+  for (int64_t x = tid; x < kBlk * Dv; x += kThreads) {
+    const int i = static_cast<int>(x / Dv);
+    dOs[x] = i < ni ? elem(p.do_s, cq, b, h, i0 + i, x % Dv) : 0.f;
+  }
+  for (int i = tid; i < kBlk; i += kThreads) {
+    lse[i] = i < ni ? p.lse[row_index(p, s, b, h, i0 + i)] : 0.f;
+    Dr[i] = i < ni ? D[row_index(p, s, b, h, i0 + i)] : 0.f;
+  }
+  const float scale = p.softmax_scale;
+  const int64_t j_end = p.causal ? imin(imax(i0 + ni + s.off, 0), s.skv) : s.skv;  // keys any row sees
+  for (int64_t j = 0; j < j_end; ++j) {
+    __syncthreads();  // the previous key's rows and dŜ are consumed
+    for (int64_t d = tid; d < Dqk; d += kThreads) ks[d] = elem(p.k_s, ck, b, hk, j, d), kg[d] = elem(p.k_g, ck, b, hk, j, d);
+    for (int64_t d = tid; d < Dv; d += kThreads) vs[d] = elem(p.v_s, ck, b, hk, j, d);
+    __syncthreads();
+    for (int i = warp; i < kBlk; i += kWarps) {
+      float sv = 0.f, dp = 0.f;
+      for (int64_t d = lane; d < Dqk; d += 32) sv += Qs[i * Dqk + d] * ks[d];
+      for (int64_t d = lane; d < Dv; d += 32) dp += dOs[i * Dv + d] * vs[d];
+      sv = warp_sum(sv), dp = warp_sum(dp);
+      if (lane == 0) {
+        const bool on = i < ni && visible(p, s, i0 + i, j);
+        const float P = expf(sv * scale - lse[i]);
+        dSb[i] = on ? bf16_round(P * (dp - Dr[i]) * scale) : 0.f;
+      }
+    }
+    __syncthreads();
+    for (int64_t x = tid; x < kBlk * Dqk; x += kThreads) dQ[x] += dSb[x / Dqk] * kg[x % Dqk];
+  }
+  __syncthreads();
+  for (int64_t x = tid; x < ni * Dqk; x += kThreads) write_bf16(p.dq, p.dq_v, b, s.q0 + i0 + x / Dqk, h, x % Dqk, dQ[x]);
+}
+
+// thd: zeros for the tokens after the last sequence (dq: [cu_q[B], total_q); dk, dv: [cu_kv[B], total_kv)).
+__global__ void __launch_bounds__(kThreads) bwd_zero_tail(const AttentionBwdProblem p) {
+  const int64_t q_from = p.cu_q[p.B], kv_from = p.cu_kv[p.B];
+  const int64_t nq = (p.total_q - q_from) * p.H * p.Dqk;
+  const int64_t nk = (p.total_kv - kv_from) * p.Hkv * p.Dqk, nv = (p.total_kv - kv_from) * p.Hkv * p.Dv;
+  for (int64_t x = int64_t{blockIdx.x} * kThreads + threadIdx.x; x < nq + nk + nv; x += int64_t{gridDim.x} * kThreads) {
+    if (x < nq) {
+      const int64_t d = x % p.Dqk, h = (x / p.Dqk) % p.H, t = q_from + x / (p.Dqk * p.H);
+      write_bf16(p.dq, p.dq_v, 0, t, h, d, 0.f);
+    } else if (x < nq + nk) {
+      const int64_t y = x - nq, d = y % p.Dqk, h = (y / p.Dqk) % p.Hkv, t = kv_from + y / (p.Dqk * p.Hkv);
+      write_bf16(p.dk, p.dk_v, 0, t, h, d, 0.f);
+    } else {
+      const int64_t y = x - nq - nk, d = y % p.Dv, h = (y / p.Dv) % p.Hkv, t = kv_from + y / (p.Dv * p.Hkv);
+      write_bf16(p.dv, p.dv_v, 0, t, h, d, 0.f);
+    }
+  }
+}
+
+size_t dkdv_smem(const AttentionBwdProblem& p) {
+  return sizeof(float) * (2 * kBlk * (p.Dqk + p.Dv) + 2 * (p.Dqk + p.Dv) + 2 * kBlk);
+}
+size_t dq_smem(const AttentionBwdProblem& p) {
+  return sizeof(float) * (2 * kBlk * p.Dqk + kBlk * p.Dv + 2 * p.Dqk + p.Dv + 3 * kBlk);
+}
+
+// A grid extent: x up to 2^31 - 1, y and z up to 65535.
+unsigned grid_dim(int64_t n, bool x, const char* what) {
+  if (n > (x ? int64_t{0x7FFFFFFF} : int64_t{65535}))
+    throw Error(kOp, "q", std::string("has too many ") + what + " for the CUDA kernel's grid");
+  return static_cast<unsigned>(n);
+}
+
+}  // namespace
+
+size_t attention_bwd_cuda_smem(int64_t Dqk, int64_t Dv) {
+  AttentionBwdProblem p;
+  p.Dqk = Dqk, p.Dv = Dv;
+  return std::max(dkdv_smem(p), dq_smem(p));
+}
+
+void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (p.thd) {
+    bwd_zero_tail<<<1024, kThreads, 0, s>>>(p);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  }
+  if (p.B == 0 || p.H == 0) return;
+  const int64_t rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
+  auto D = std::make_unique<StreamScratch>(std::max<int64_t>(rows, 1) * 4, s);
+  const unsigned B = grid_dim(p.B, false, "sequences"), H = grid_dim(p.H, false, "heads"), Hkv = grid_dim(p.Hkv, false, "heads");
+  float* Dp = reinterpret_cast<float*>(D->ptr);
+  if (p.Sq > 0) {
+    bwd_preprocess<<<dim3(grid_dim((p.Sq + kWarps - 1) / kWarps, true, "rows"), H, B), kThreads, 0, s>>>(p, Dp);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  }
+  const size_t kv_smem = dkdv_smem(p), q_smem = dq_smem(p);
+  MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kv_smem)));
+  MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(q_smem)));
+  if (p.Skv > 0) {
+    bwd_dkdv<<<dim3(grid_dim((p.Skv + kBlk - 1) / kBlk, true, "keys"), Hkv, B), kThreads, kv_smem, s>>>(p, Dp);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  }
+  if (p.Sq > 0) {
+    bwd_dq<<<dim3(grid_dim((p.Sq + kBlk - 1) / kBlk, true, "rows"), H, B), kThreads, q_smem, s>>>(p, Dp);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace mxmla::detail
