@@ -12,9 +12,11 @@ plain text for Python 3.11), read in sorted order; nothing is downloaded. --text
 any other file instead. The last 1% of the bytes is held out for the final evaluation.
 
 Recipes (--recipe, comma-separated): "bf16" is the baseline (every Linear and the attention in
-bf16, fp32 master weights, AdamW). "mxfp8" needs mxmla's MXFP8 GEMM and the MXFP8 attention
-backward; until they exist, asking for it stops with the error that says so. With two or more
-recipes the script prints the final loss gap of each against the first.
+bf16, fp32 master weights, AdamW); "mxfp8" runs every Linear on mxmla's MXFP8 GEMM and the attention
+on MXFP8 Q, K, V (forward and backward). With "mxfp8" in the run every recipe uses MXFP8-friendly
+MLA dims (multiples of 32; on a GPU DeepSeek-V3's head dims 192 / 128), so that all start from the
+same weights. With two or more recipes the script prints the final loss gap of each against the
+first. On a GPU the mxfp8 recipe is slow for now (two of its kernels are correctness paths).
 
 Outputs in --out (default train_mla_out): loss_<recipe>.csv (step,loss: the training loss of every
 step) and loss.png (the curves; needs matplotlib, else the plot is skipped with a note).
@@ -159,11 +161,27 @@ def lr_at(step: int, steps: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def build_model(recipe: str, cfg: Dict, seed: int, device: str):
+def mla_dims(cfg: Dict, recipes, device: str) -> Dict:
+    """The MLA dims every recipe of the run shares (same initial weights). With "mxfp8" among the
+    recipes they must suit MXFP8: every Linear's dims multiples of 32, head dims multiples of 32, and on
+    a GPU the attention kernel's (d_qk, d_v) = (192, 128) (DeepSeek-V3's heads: nope 128, rope 64, v 128).
+    Otherwise the Decoder's defaults."""
+    if "mxfp8" not in recipes:
+        return {}
+    h = cfg["hidden"]
+    if h % 32:
+        raise ValueError(f"recipe mxfp8 needs --hidden to be a multiple of 32, got {h}")
+    lora = lambda n: max(32, n // 32 * 32)  # noqa: E731
+    head = dict(nope_dim=128, rope_dim=64, v_dim=128) if device.startswith("cuda") else \
+        dict(nope_dim=32, rope_dim=32, v_dim=32)
+    return dict(head, q_lora_rank=lora(h // 2), kv_lora_rank=lora(h // 4))
+
+
+def build_model(recipe: str, cfg: Dict, seed: int, device: str, dims: Dict = None):
     from mxmla.nn import Decoder
 
     return Decoder(cfg["hidden"], cfg["layers"], cfg["heads"], max_seq_len=cfg["seq"], recipe=recipe, seed=seed,
-                   device=device)
+                   device=device, **(dims or {}))
 
 
 def held_out_loss(model, val: np.ndarray, cfg: Dict, device: str, max_windows: int = 64) -> float:
@@ -284,7 +302,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     models = {}
     for recipe in args.recipes:
         try:
-            models[recipe] = build_model(recipe, cfg, args.seed, device)
+            models[recipe] = build_model(recipe, cfg, args.seed, device, mla_dims(cfg, args.recipes, device))
         except (NotImplementedError, ValueError) as e:
             print(f"train_mla.py: --recipe {recipe}: {e}", file=sys.stderr)
             return 2

@@ -30,7 +30,7 @@ def quantize_for_attention(x: torch.Tensor, fmt: str, fp8_format: str = "e4m3") 
     """x (bf16, format fmt) quantized with both copies in one pass, as MXFP8Attention does: sbhd /
     bshd through quantize_attention (BHSD scales), thd through quantize of the [t, h·d] view (codes
     viewed [t, h, d]), bhsd through quantize of [b, h, s, d] (columnwise blocks along s)."""
-    x = x.detach()
+    x = x.detach().contiguous()
     if fmt in ("sbhd", "bshd"):
         return quantize_attention(x, fmt, fp8_format=fp8_format)
     if fmt == "thd":

@@ -7,7 +7,8 @@ parameter, torch.autograd.gradcheck in float64 (the whole block, input and weigh
 fp32 blocks against a float64 copy with the same weights (stated bounds), mxmla.apply_rope against
 the plain-torch rotation the float64 path uses, torch.compile. RMSNorm and SwiGLU against their
 formulas. Decoder: deterministic weights from a seed, the state_dict round trip, it learns. The
-recipe "mxfp8" raises NotImplementedError naming what is missing. The training script runs end to
+recipe "mxfp8": the MXFP8 Linear is the three defined GEMMs bit for bit, the MLA block tracks the bf16
+block within the quantization noise, and the script trains it beside bf16. The training script runs end to
 end on a small fixture text (CSV, PNG when matplotlib is importable), two recipes from the same
 weights and data order give the same curve, and a missing corpus package says how to install it.
 """
@@ -305,16 +306,74 @@ def test_swiglu_reference():
 
 
 # ----------------------------------------------------------------------------- recipes
-def test_mxfp8_recipe_raises_naming_what_is_missing():
-    for make in (lambda: mnn.MLA(64, 4, 32, 16, 16, 8, 16, recipe="mxfp8"),
-                 lambda: mnn.Decoder(32, 1, 2, recipe="mxfp8"),
-                 lambda: mnn.Linear(8, 8, recipe="mxfp8"),
-                 lambda: mnn.SwiGLU(8, 16, recipe="mxfp8")):
-        with pytest.raises(NotImplementedError, match="MXFP8 GEMM.*MXFP8 attention backward"):
-            make()
+def _bf16_exact(x):
+    """float64 -> nearest-even bf16 value, rounded once (normal range)."""
+    m, e = torch.frexp(x)
+    return torch.ldexp(torch.round(m * 256.0), (e - 8).to(torch.float64))
+
+
+def _deq(t, columnwise):
+    return mxmla.dequantize(t, "float32", columnwise=columnwise).to(torch.float64)
+
+
+def test_mxfp8_linear_runs_the_three_defined_gemms():
+    """fprop X_row·W_rowᵀ (bf16), dgrad dY_row·W_col (bf16), wgrad dY_colᵀ·X_col (fp32), each on the
+    exactly dequantized copies (SPEC §6); T = 185 tokens (a columnwise tail block)."""
+    g = torch.Generator().manual_seed(0)
+    lin = mnn.Linear(64, 96, recipe="mxfp8", seed=3)
+    x = torch.randn(5, 37, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (5, 37, 96)
+    dy = torch.randn(y.shape, generator=g).to(torch.bfloat16)
+    y.backward(dy)
+    x8 = mxmla.quantize(x.detach().reshape(-1, 64))
+    w8 = mxmla.quantize(lin.weight.detach().to(torch.bfloat16))
+    dy8 = mxmla.quantize(dy.reshape(-1, 96))
+    want_y = _bf16_exact(_deq(x8, False) @ _deq(w8, False).T)
+    want_dx = _bf16_exact(_deq(dy8, False) @ _deq(w8, True))
+    want_dw = (_deq(dy8, True).T @ _deq(x8, True)).to(torch.float32)
+    assert torch.equal(y.reshape(-1, 96).to(torch.float64), want_y)
+    assert torch.equal(x.grad.reshape(-1, 64).to(torch.float64), want_dx)
+    assert lin.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(lin.weight.grad, want_dw, rtol=2.0 ** -22, atol=1e-30)
+
+
+def test_mxfp8_recipe_checks_its_dims_and_dtype():
+    with pytest.raises(ValueError, match="recipe 'mxfp8' needs in_features to be a multiple of 32"):
+        mnn.Linear(8, 64, recipe="mxfp8")
+    with pytest.raises(ValueError, match="recipe 'mxfp8' needs out_features to be a multiple of 32"):
+        mnn.Linear(64, 8, recipe="mxfp8")
+    with pytest.raises(ValueError, match="computes in bf16"):
+        mnn.Linear(64, 64, recipe="mxfp8", dtype=torch.float32)
     with pytest.raises(ValueError, match="recipe must be one of"):
         mnn.MLA(64, 4, 32, 16, recipe="fp8")
     assert mnn.RECIPES == ("bf16", "mxfp8")
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_mla_mxfp8_recipe_tracks_the_bf16_block(layout):
+    """Same weights, same input: the MXFP8 block's output, input gradient and every parameter's
+    gradient stay within the MXFP8 quantization noise of the bf16 block: relative RMS of the output and
+    dx < 10 % (measured 7 %), of the parameter gradients < 25 % (measured 4-15 %: at initialization the
+    attention is nearly uniform and the query path's gradient is a difference of nearly equal terms)."""
+    kw = dict(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
+              max_seq_len=64, layout=layout, seed=7)
+    ref, mx = mnn.MLA(**kw), mnn.MLA(**kw, recipe="mxfp8")
+    g = torch.Generator().manual_seed(1)
+    shape = (2, 40, 64) if layout == "bshd" else (80, 64)
+    x = torch.randn(shape, generator=g).to(torch.bfloat16)
+    cu = [0, 40, 80] if layout == "thd" else None
+    outs = []
+    for m in (ref, mx):
+        xi = x.clone().requires_grad_()
+        o = m(xi, cu_seqlens=cu)
+        o.float().square().mean().backward()
+        outs.append((o.detach().double(), xi.grad.double(), {n: p.grad.double() for n, p in m.named_parameters()}))
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(outs[1][0], outs[0][0]) < 0.1
+    assert rel(outs[1][1], outs[0][1]) < 0.1
+    for n, gr in outs[0][2].items():
+        assert rel(outs[1][2][n], gr) < 0.25, n
 
 
 # ----------------------------------------------------------------------------- Decoder
@@ -414,13 +473,13 @@ def test_train_script_end_to_end(tmp_path):
         assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_train_script_mxfp8_says_what_is_missing(tmp_path):
+def test_train_script_runs_the_mxfp8_recipe_beside_bf16(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--text-file", str(TEXT), "--recipe", "bf16,mxfp8",
-                        "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                        "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                        env=_script_env())
-    assert r.returncode == 2
-    assert "--recipe mxfp8" in r.stderr and "MXFP8 GEMM" in r.stderr and "attention backward" in r.stderr
-    assert not list(tmp_path.iterdir())  # nothing trained
+    assert r.returncode == 0, r.stderr
+    assert "final loss gap mxfp8 - bf16" in r.stdout
+    assert (tmp_path / "loss_bf16.csv").exists() and (tmp_path / "loss_mxfp8.csv").exists()
 
 
 def test_train_script_two_recipes_same_weights_and_data(tmp_path, monkeypatch, capsys):

@@ -58,8 +58,8 @@ class Decoder(nn.Module):
             mxmla's CUDA RoPE kernel), v_dim (nope_dim), inter_dim (SwiGLU width, 8/3·hidden rounded
             up to 64): MLA's and the MLP's dimensions, in DeepSeek-V3's proportions by default.
         vocab_size: 256 (bytes). max_seq_len: the longest sequence (RoPE tables).
-        recipe: "bf16" (the baseline) or "mxfp8" (raises NotImplementedError until mxmla has the
-            MXFP8 GEMM and the MXFP8 attention backward; see mxmla.nn.MLA).
+        recipe: "bf16" (the baseline) or "mxfp8" (every Linear on the MXFP8 GEMM and the attention
+            on MXFP8 Q, K, V; see mxmla.nn.MLA; the embedding, a lookup, stays bf16).
         yarn, rope_base, norm_eps, dtype, params_dtype: as for MLA.
         init_std: N(0, init_std) for the embedding and every projection; the projections into the
             residual stream (wo, w2) use init_std / sqrt(2·layers).

@@ -1,6 +1,6 @@
 """Recipes, Linear, RMSNorm and SwiGLU (DeepSeek-V3's dense MLP) for mxmla.nn.
 
-Precision (recipe "bf16"): parameters are kept in fp32 (the optimizer's master copy); every Linear
+Precision (recipe "bf16"; recipe "mxfp8": every Linear on mxmla's MXFP8 GEMM, MXFP8LinearFunction): parameters are kept in fp32 (the optimizer's master copy); every Linear
 casts its input and weight to the compute dtype (bf16) and runs one GEMM with fp32 accumulation;
 RMSNorm computes in fp32 and returns its input's dtype. ``dtype=torch.float32`` / ``torch.float64``
 run the same graph at that precision (reference checks; float64 also keeps its parameters in
@@ -21,16 +21,46 @@ _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def check_recipe(recipe: str, what: str) -> str:
-    """The recipe's name, or the error a caller gets: ValueError for an unknown one,
-    NotImplementedError for "mxfp8" (a documented placeholder until its pieces exist)."""
+    """The recipe's name, or a ValueError naming the known ones."""
     if recipe not in RECIPES:
         raise ValueError(f"{what}: recipe must be one of {', '.join(map(repr, RECIPES))}, got {recipe!r}")
-    if recipe == "mxfp8":
-        raise NotImplementedError(
-            f"{what}: recipe 'mxfp8' is not available yet: it needs an MXFP8 Linear (the MXFP8 GEMM in forward, "
-            f"dgrad and wgrad, with its SM90 kernel and gradients) and the MXFP8 attention backward, which mxmla "
-            f"does not have yet. Use recipe='bf16', the baseline.")
     return recipe
+
+
+class MXFP8LinearFunction(torch.autograd.Function):
+    """y = x · Wᵀ as TransformerEngine's MXFP8 recipe runs a Linear (SPEC §6), on mxmla.gemm.
+
+    forward: x [T, K] and W [N, K] cast to bf16 and quantized to MXFP8 (E4M3) with both copies in one
+    pass each; fprop Y = X_row · W_rowᵀ (bf16 out, fp32 accumulation). Saved: x's columnwise copy and
+    W's columnwise copy only. backward: dY quantized (both copies); dgrad dX = dY_row · W_col (bf16),
+    wgrad dW = dY_colᵀ · X_col (fp32, the master weight's dtype). K and N must be multiples of 32 (the
+    rowwise copies' blocks); T any (the columnwise tail block)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        import mxmla
+
+        lead, K = x.shape[:-1], x.shape[-1]
+        x8 = mxmla.quantize(x.detach().reshape(-1, K).to(torch.bfloat16))
+        w8 = mxmla.quantize(weight.detach().to(torch.bfloat16))
+        y = mxmla.gemm(x8, w8)
+        # only the copies the backward reads (as the reference system keeps x's columnwise copy)
+        ctx.save_for_backward(x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data,
+                              w8.columnwise_scale_inv)
+        ctx.shapes, ctx.lead, ctx.wdtype = (x8.shape, w8.shape), lead, weight.dtype
+        return y.reshape(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        import mxmla
+
+        xc, xs, wc, ws = ctx.saved_tensors
+        x8 = mxmla.MXFP8Tensor(ctx.shapes[0], "e4m3", "compact", None, None, xc, xs)
+        w8 = mxmla.MXFP8Tensor(ctx.shapes[1], "e4m3", "compact", None, None, wc, ws)
+        dy8 = mxmla.quantize(dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous())
+        dx = mxmla.gemm(dy8, w8, trans_b=False)                                        # [T, K] bf16
+        dw = mxmla.gemm(dy8, x8, trans_a=True, trans_b=False, out_dtype="float32")     # [N, K] fp32
+        return dx.reshape(*ctx.lead, dx.shape[-1]), dw.to(ctx.wdtype)
 
 
 def resolve_dtypes(what: str, dtype: torch.dtype, params_dtype: Optional[torch.dtype]) -> Tuple[torch.dtype, torch.dtype]:
@@ -68,8 +98,9 @@ class Linear(nn.Module):
     """y = x · Wᵀ, W [out_features, in_features], no bias (DeepSeek-V3's linears have none).
 
     recipe "bf16": input and weight cast to `dtype`, one GEMM with fp32 accumulation, output in
-    `dtype`. recipe "mxfp8" (every Linear on mxmla's MXFP8 GEMM) raises NotImplementedError until
-    that GEMM exists."""
+    `dtype`. recipe "mxfp8": MXFP8LinearFunction (x and W quantized to MXFP8 with both copies, the
+    three GEMMs on mxmla.gemm, bf16 output and input gradient, fp32 weight gradient); in_features
+    and out_features must be multiples of 32, and the compute dtype is bf16."""
 
     def __init__(self, in_features: int, out_features: int, recipe: str = "bf16", dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02, seed: int = 0):
@@ -77,6 +108,14 @@ class Linear(nn.Module):
         self.recipe = check_recipe(recipe, "mxmla.nn.Linear")
         self.dtype, params_dtype = resolve_dtypes("mxmla.nn.Linear", dtype, params_dtype)
         self.in_features, self.out_features, self.init_std = int(in_features), int(out_features), float(init_std)
+        if recipe == "mxfp8":
+            for name, n in (("in_features", self.in_features), ("out_features", self.out_features)):
+                if n % 32:
+                    raise ValueError(f"mxmla.nn.Linear: recipe 'mxfp8' needs {name} to be a multiple of 32 (the MXFP8 "
+                                     f"blocks of the GEMMs' rowwise copies), got {n}")
+            if self.dtype != torch.bfloat16:
+                raise ValueError(f"mxmla.nn.Linear: recipe 'mxfp8' computes in bf16 (dtype=torch.bfloat16), got "
+                                 f"{self.dtype}")
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=params_dtype))
         self.reset_parameters(generator(seed))
 
@@ -84,6 +123,8 @@ class Linear(nn.Module):
         init_normal_(self.weight, self.init_std, g)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recipe == "mxfp8":
+            return MXFP8LinearFunction.apply(x, self.weight)
         return F.linear(x.to(self.dtype), self.weight.to(self.dtype))
 
     def extra_repr(self) -> str:

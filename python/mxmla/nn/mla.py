@@ -83,9 +83,10 @@ class MLA(nn.Module):
         kv_lora_rank, nope_dim, rope_dim, v_dim: the dimensions (DeepSeek-V3: 7168, 128, 1536, 512,
             128, 64, 128).
         recipe: "bf16" (the baseline: every Linear and the attention in bf16, fp32 accumulation,
-            fp32 parameters). "mxfp8" is a documented placeholder that raises NotImplementedError:
-            it needs mxmla's MXFP8 GEMM for every Linear and the MXFP8 attention backward, which
-            do not exist yet.
+            fp32 parameters) or "mxfp8" (every Linear on mxmla's MXFP8 GEMM, MXFP8LinearFunction;
+            the attention on MXFP8 Q, K, V with mxmla's backward, MXFP8Attention; RMSNorm and
+            RoPE in bf16 / fp32 as in "bf16"). "mxfp8" needs dtype bf16 and every Linear's
+            dimensions multiples of 32.
         yarn: None (plain RoPE), "deepseek_v3" or a dict of YaRN parameters (mxmla.rope_tables);
             it also sets the softmax scale's mscale² (DeepSeek-V3 trains with YaRN only past 4K).
         rope_base: RoPE's base (10000). max_seq_len: the longest sequence (the tables' length).
@@ -170,6 +171,9 @@ class MLA(nn.Module):
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
                    cu: Optional[List[int]]) -> torch.Tensor:
+        if self.recipe == "mxfp8":  # MXFP8 Q, K, V (both copies), O and LSE saved; bf16 gradients
+            from ..attention_autograd import MXFP8Attention
+            return MXFP8Attention.apply(q, k, v, True, self.softmax_scale, layout, cu, cu)
         if layout == "bshd":  # [b, s, h, d] -> [b, h, s, d]
             return self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
         if layout == "sbhd":  # [s, b, h, d] -> [b, h, s, d]
