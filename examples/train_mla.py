@@ -120,11 +120,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default="train_mla_out", help="output folder (default train_mla_out)")
     p.add_argument("--text-file", default=None, help=f"train on this file instead of {CORPUS_PACKAGE}'s documentation")
     p.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default steps/15)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (MLA heads split over them); launch with "
+                        "python -m torch.distributed.run --nproc-per-node N examples/train_mla.py --tp N")
     args = p.parse_args(argv)
     args.recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
     if not args.recipes or len(set(args.recipes)) != len(args.recipes):
         p.error(f"--recipe: give one or more distinct recipes, got {args.recipe!r}")
-    for k in ("steps", "layers", "hidden", "heads", "seq", "batch", "log_every"):
+    for k in ("steps", "layers", "hidden", "heads", "seq", "batch", "log_every", "tp"):
         v = getattr(args, k)
         if v is not None and v < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
@@ -177,11 +180,32 @@ def mla_dims(cfg: Dict, recipes, device: str) -> Dict:
     return dict(head, q_lora_rank=lora(h // 2), kv_lora_rank=lora(h // 4))
 
 
-def build_model(recipe: str, cfg: Dict, seed: int, device: str, dims: Dict = None):
+def build_model(recipe: str, cfg: Dict, seed: int, device: str, dims: Dict = None, tp_group=None):
     from mxmla.nn import Decoder
 
     return Decoder(cfg["hidden"], cfg["layers"], cfg["heads"], max_seq_len=cfg["seq"], recipe=recipe, seed=seed,
-                   device=device, **(dims or {}))
+                   device=device, tp_group=tp_group, **(dims or {}))
+
+
+def init_tp(tp: int, device: str):
+    """(process group or None, device of this rank, rank) for --tp: one process per rank, started by
+    torch.distributed.run (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR / MASTER_PORT in the environment)."""
+    if tp == 1:
+        return None, device, 0
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp:
+        raise SystemExit(f"train_mla.py: --tp {tp} needs {tp} processes: launch with python -m torch.distributed.run "
+                         f"--nproc-per-node {tp} examples/train_mla.py --tp {tp} ... (WORLD_SIZE is {world})")
+    cuda = device.startswith("cuda")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.group.WORLD, device, dist.get_rank()
 
 
 def held_out_loss(model, val: np.ndarray, cfg: Dict, device: str, max_windows: int = 64) -> float:
@@ -201,8 +225,10 @@ def held_out_loss(model, val: np.ndarray, cfg: Dict, device: str, max_windows: i
 
 
 def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Dict, seed: int, device: str,
-                 log_every: int) -> Dict:
+                 log_every: int, tp_group=None) -> Dict:
     import torch
+
+    from mxmla.nn.tp import clip_grad_norm_
 
     torch.manual_seed(seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -222,7 +248,7 @@ def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Di
         loss = model.loss(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm_(model, 1.0, tp_group)  # the whole model's norm (sharded weights summed over the ranks)
         opt.step()
         pending.append(loss.detach())
         if (step + 1) % log_every == 0 or step + 1 == cfg["steps"]:
@@ -289,6 +315,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("train_mla.py: needs torch (pip install torch)", file=sys.stderr)
         return 2
     device, why_cpu = pick_device(args.device)
+    tp_group, device, rank = init_tp(args.tp, device)
+    if rank != 0:  # one rank reports and writes the outputs
+        sys.stdout = open(os.devnull, "w")
     base = GPU_CONFIG if device.startswith("cuda") else CPU_CONFIG
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in SIZE_KEYS}
     if why_cpu:
@@ -302,7 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     models = {}
     for recipe in args.recipes:
         try:
-            models[recipe] = build_model(recipe, cfg, args.seed, device, mla_dims(cfg, args.recipes, device))
+            models[recipe] = build_model(recipe, cfg, args.seed, device, mla_dims(cfg, args.recipes, device), tp_group)
         except (NotImplementedError, ValueError) as e:
             print(f"train_mla.py: --recipe {recipe}: {e}", file=sys.stderr)
             return 2
@@ -312,7 +341,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"model: {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads (q_lora_rank "
           f"{model_cfg['q_lora_rank']}, kv_lora_rank {model_cfg['kv_lora_rank']}, nope/rope/v "
           f"{model_cfg['nope_dim']}/{model_cfg['rope_dim']}/{model_cfg['v_dim']}, SwiGLU {model_cfg['inter_dim']}), "
-          f"{n_params / 1e6:.2f} M parameters; device {device}", flush=True)
+          f"{n_params / 1e6:.2f} M parameters{' on this rank' if args.tp > 1 else ''}; device {device}"
+          f"{f'; tensor parallel over {args.tp} ranks' if args.tp > 1 else ''}", flush=True)
     print(f"training: {cfg['steps']} steps x {cfg['batch']} sequences x {cfg['seq']} bytes, peak lr {cfg['lr']}, "
           f"seed {args.seed}; recipes {', '.join(args.recipes)}", flush=True)
 
@@ -320,15 +350,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Dict] = {}
     for recipe, model in models.items():
-        results[recipe] = r = train_recipe(recipe, model, train, val, cfg, args.seed, device, log_every)
-        write_csv(out / f"loss_{recipe}.csv", r["losses"])
+        results[recipe] = r = train_recipe(recipe, model, train, val, cfg, args.seed, device, log_every, tp_group)
+        if rank == 0:
+            write_csv(out / f"loss_{recipe}.csv", r["losses"])
         print(f"[{recipe}] done in {r['seconds']:.1f} s: final loss {final_loss(r['losses']):.4f} (mean of the last "
               f"{max(1, len(r['losses']) // 10)} steps), held-out loss {r['held_out']:.4f}; "
               f"wrote {out / f'loss_{recipe}.csv'}", flush=True)
         models[recipe] = None  # free it before the next recipe
     title = (f"MLA decoder: {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads; "
              f"{cfg['batch']} x {cfg['seq']} bytes per step; {device}\ncorpus: {corpus_name}")
-    skipped = plot(out / "loss.png", results, title)
+    skipped = plot(out / "loss.png", results, title) if rank == 0 else None
     print(f"plot: {skipped}" if skipped else f"plot: wrote {out / 'loss.png'}", flush=True)
 
     first = args.recipes[0]
@@ -338,6 +369,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a, b = results[first], results[recipe]
         print(f"final loss gap {recipe} - {first}: {final_loss(b['losses']) - final_loss(a['losses']):+.4f} "
               f"(training), {b['held_out'] - a['held_out']:+.4f} (held-out)", flush=True)
+    if tp_group is not None:
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank tears the group down while another still reads its last message
+        dist.destroy_process_group()
     return 0
 
 

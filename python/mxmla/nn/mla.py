@@ -29,6 +29,7 @@ from torch import nn
 
 from .. import rope as _rope
 from .layers import Linear, RMSNorm, check_recipe, child_seed, generator, resolve_dtypes
+from .tp import all_gather_cat, copy_to_tp, reduce_from_tp, tp_size_rank
 
 LAYOUTS = ("bshd", "sbhd", "thd")
 ROPE_STYLE = "interleaved"  # DeepSeek-V3's apply_rotary_emb (complex pairs, output interleaved)
@@ -101,6 +102,12 @@ class MLA(nn.Module):
         seed: the weights are drawn from this seed (CPU generator): the same seed gives the same
             weights on any device and at any dtype.
         device: where the module lives (built on the CPU, then moved).
+        tp_group: a torch.distributed process group for tensor parallelism (None: no parallelism).
+            Heads are split evenly over its ranks: wq / wq_b and wkv_b keep this rank's heads (column
+            parallel), wo their columns (row parallel, its output all-reduced); wq_a, q_norm, wkv_a,
+            kv_norm and the rope key are replicated (their gradients summed over the ranks). Every
+            rank draws the full weights from `seed` and keeps its shards, so a seed gives the same
+            model at any tp size; unsharded_state_dict() / load_unsharded_state_dict() convert.
 
     forward(x, cu_seqlens=None, layout=None) -> [.., hidden] in the compute dtype, same layout as x.
     Attention is causal (top-left) within each sequence; with thd, each sequence of cu_seqlens
@@ -112,7 +119,7 @@ class MLA(nn.Module):
                  rope_base: float = 10000.0, max_seq_len: int = 4096, softmax_scale: Optional[float] = None,
                  layout: str = "bshd", norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
-                 out_init_std: Optional[float] = None, seed: int = 0, device: Any = None):
+                 out_init_std: Optional[float] = None, seed: int = 0, device: Any = None, tp_group: Any = None):
         super().__init__()
         what = "mxmla.nn.MLA"
         self.recipe = check_recipe(recipe, what)
@@ -128,6 +135,11 @@ class MLA(nn.Module):
             raise ValueError(f"{what}: rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
         if layout not in LAYOUTS:
             raise ValueError(f"{what}: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = tp_size_rank(tp_group)
+        if heads % self.tp_size:
+            raise ValueError(f"{what}: heads ({heads}) must be divisible by the tensor-parallel size ({self.tp_size})")
+        self.local_heads = heads // self.tp_size
         self.hidden, self.heads = hidden, heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = nope_dim, rope_dim, v_dim
@@ -151,12 +163,48 @@ class MLA(nn.Module):
         self.wkv_b = Linear(kv_lora_rank, heads * (nope_dim + v_dim), init_std=init_std, seed=child_seed(g), **lin)
         self.wo = Linear(heads * v_dim, hidden, init_std=out_std, seed=child_seed(g), **lin)
 
+        # tensor parallelism: every rank draws the full weights (the same seed gives the same model at
+        # any tp size) and keeps its heads' rows of the column-parallel projections and columns of wo
+        if self.tp_size > 1:
+            for name, per_head, col in self._sharded():
+                lin = getattr(self, name)
+                lo, hi = self.tp_rank * self.local_heads * per_head, (self.tp_rank + 1) * self.local_heads * per_head
+                w = lin.weight.data[:, lo:hi] if col else lin.weight.data[lo:hi]
+                lin.weight = nn.Parameter(w.clone())
+                if col:
+                    lin.in_features = hi - lo
+                else:
+                    lin.out_features = hi - lo
+
         # RoPE tables for positions 0 .. max_seq_len-1 (fp32, not part of the state dict)
         cos, sin = _rope.rope_tables(torch.arange(max_seq_len), rope_dim, base=rope_base, yarn=yarn, style=ROPE_STYLE)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if device is not None:
             self.to(device)
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def _sharded(self):
+        """(Linear name, features per head, sharded along the input (columns)?) of the sharded weights."""
+        q = "wq" if self.q_lora_rank == 0 else "wq_b"
+        return [(q, self.qk_dim, False), ("wkv_b", self.nope_dim + self.v_dim, False), ("wo", self.v_dim, True)]
+
+    def unsharded_state_dict(self) -> dict:
+        """The state dict of the whole block (every rank's shards gathered; the same on every rank):
+        what a tp size of 1 holds, e.g. to save a checkpoint."""
+        sd = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        for name, _, col in self._sharded():
+            sd[f"{name}.weight"] = all_gather_cat(getattr(self, name).weight, 1 if col else 0, self.tp_group)
+        return sd
+
+    def load_unsharded_state_dict(self, sd: dict) -> None:
+        """Loads the state dict of the whole block (a tp size of 1's), keeping this rank's shards."""
+        sd = dict(sd)
+        for name, per_head, col in self._sharded():
+            w = sd[f"{name}.weight"]
+            lo, hi = self.tp_rank * self.local_heads * per_head, (self.tp_rank + 1) * self.local_heads * per_head
+            sd[f"{name}.weight"] = w[:, lo:hi] if col else w[lo:hi]
+        self.load_state_dict(sd)
 
     # ------------------------------------------------------------------ pieces
     def _rope(self, x: torch.Tensor, layout: str, cu: Optional[List[int]]) -> torch.Tensor:
@@ -184,7 +232,7 @@ class MLA(nn.Module):
             if b > a:
                 o = self._sdpa(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
                 outs.append(o.transpose(0, 1))
-        return torch.cat(outs, dim=0) if outs else q.new_zeros(0, self.heads, self.v_dim)
+        return torch.cat(outs, dim=0) if outs else q.new_zeros(0, self.local_heads, self.v_dim)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, cu_seqlens: CuSeqlens = None, layout: Optional[str] = None) -> torch.Tensor:
@@ -209,16 +257,22 @@ class MLA(nn.Module):
             raise ValueError(f"{what}: a sequence of {longest} tokens is longer than max_seq_len={self.max_seq_len}")
 
         # query: low-rank projection, RMSNorm, up-projection; RoPE on the trailing rope_dim of each head
-        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
-        q = self._rope(q.unflatten(-1, (self.heads, self.qk_dim)), layout, cu)
+        # (tensor parallel: the latents are replicated, copy_to_tp sums their gradients over the ranks'
+        # heads; wq / wq_b and wkv_b hold this rank's heads, wo's partial sums are all-reduced)
+        g = self.tp_group
+        if self.q_lora_rank == 0:
+            q = self.wq(copy_to_tp(x, g))
+        else:
+            q = self.wq_b(copy_to_tp(self.q_norm(self.wq_a(x)), g))
+        q = self._rope(q.unflatten(-1, (self.local_heads, self.qk_dim)), layout, cu)
         # key / value: the compressed latent (kv) and the shared rope key (one head)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_pe = self._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu)
-        kv = self.wkv_b(self.kv_norm(kv)).unflatten(-1, (self.heads, self.nope_dim + self.v_dim))
+        k_pe = copy_to_tp(self._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu), g)
+        kv = self.wkv_b(copy_to_tp(self.kv_norm(kv), g)).unflatten(-1, (self.local_heads, self.nope_dim + self.v_dim))
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
         o = self._attention(q, k, v, layout, cu)
-        return self.wo(o.flatten(-2))
+        return reduce_from_tp(self.wo(o.flatten(-2)), g)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, heads={self.heads}, q_lora_rank={self.q_lora_rank}, "
