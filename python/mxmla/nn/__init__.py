@@ -5,6 +5,8 @@
   k_nope and v; causal attention; output projection), on sbhd / bshd hidden states or thd packed
   sequences with cu_seqlens. RoPE is mxmla.apply_rope (DeepSeek's "interleaved" style, plain or
   YaRN tables from mxmla.rope_tables).
+- ``MLAQUpProj`` and ``attention_from_mxfp8_q``: the fused Q up-projection + RoPE + MXFP8 as a module
+  whose MXFP8 Q feeds attention directly, with autograd (an anchor tensor carries dQ back).
 - ``DotProductAttention``: MXFP8 attention with autograd (bf16 q, k, v quantized to MXFP8 with both
   copies; saved: the MXFP8 tensors, O and LSE; the backward returns bf16 gradients).
 - ``RMSNorm``, ``SwiGLU`` (DeepSeek-V3's dense MLP), ``Linear`` (the one place a recipe's GEMM runs),
@@ -30,5 +32,6 @@ from ..attention_autograd import DotProductAttention
 from .decoder import Block, Decoder, byte_tokens
 from .layers import RECIPES, Linear, MXFP8LinearFunction, RMSNorm, SwiGLU, check_recipe
 from .mla import MLA
+from .qproj import MLAQUpProj, attention_from_mxfp8_q
 
-__all__ = ["MLA", "DotProductAttention", "MXFP8LinearFunction", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens"]
+__all__ = ["MLA", "MLAQUpProj", "attention_from_mxfp8_q", "DotProductAttention", "MXFP8LinearFunction", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens"]

@@ -1,0 +1,150 @@
+"""The MLA query path with autograd: ``MLAQUpProj`` (the fused Q up-projection + RoPE + MXFP8 as a
+module) and ``attention_from_mxfp8_q`` (attention that consumes its MXFP8 Q).
+
+How the MXFP8 Q carries autograd: ``MLAQUpProj.forward`` returns the MXFP8 Q (an MXFP8Tensor, not
+differentiable: codes and scales) *and* an anchor, a bf16 tensor of q's shape without memory of its
+own (a zero expanded to the shape) that is the autograd edge of the projection. The attention
+function takes both: its forward reads the MXFP8 Q, its backward returns the bf16 dQ as the anchor's
+gradient, which reaches ``MLAQUpProj``'s backward: RoPE backward of dQ, then dgrad dX = dQ'·W and
+wgrad dW = dQ'ᵀ·x (bf16 operands, fp32 accumulation; the weight gradient in fp32). No bf16 copy of
+q is ever stored. Saved for the backward: x (bf16) and W's bf16 copy, as the reference system keeps
+them for bf16 weights.
+
+Weights: ``weights="bf16"`` (bf16 copies of fp32 master weights). ``"mxfp8"`` (an MXFP8 weight in the
+fused op) needs the fused op's MXFP8-weight path, which mxmla does not have yet: it raises
+NotImplementedError saying so.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .layers import generator, init_normal_
+
+_OP = "mxmla.nn.MLAQUpProj"
+
+
+class _QUpProjFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: dict):
+        import mxmla
+
+        K = x.shape[-1]
+        xs = x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
+        w = weight.detach().to(torch.bfloat16).contiguous()
+        q8 = mxmla.fused_q_uproj_rope_quant(xs, w, cos, sin, cfg["nope_dim"], cfg["rope_dim"], style=cfg["style"],
+                                           layout=cfg["layout"], batch=cfg["batch"], bhsd_scales=cfg["bhsd_scales"])
+        ctx.save_for_backward(xs, w, cos, sin)
+        ctx.cfg, ctx.x_shape, ctx.w_dtype = cfg, x.shape, weight.dtype
+        anchor = torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(q8.rowwise_data.shape)
+        bufs = (q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data, q8.columnwise_scale_inv)
+        ctx.mark_non_differentiable(*bufs)
+        ctx.meta = (q8.shape, q8.fp8_format, q8.scale_layout, q8.layout)
+        return (anchor, *bufs)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, *_unused):
+        import mxmla
+
+        xs, w, cos, sin = ctx.saved_tensors
+        cfg = ctx.cfg
+        dqr = mxmla.rope_backward(dq.to(torch.bfloat16).contiguous(), cos, sin, style=cfg["style"],
+                                  layout=cfg["layout"], rope_dim=cfg["rope_dim"])
+        g = dqr.reshape(-1, w.shape[0])                                            # dQ' [T, N] bf16
+        dx = torch.matmul(g, w)                                                    # [T, K] bf16, fp32 accumulation
+        dw = torch.matmul(g.t().to(torch.float32), xs.to(torch.float32))          # [N, K] fp32
+        return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype), None, None, None
+
+
+class MLAQUpProj(nn.Module):
+    """DeepSeek-V3's Q up-projection as a module: q = RoPE(x · Wᵀ) quantized to MXFP8 for attention
+    (the fused op, ``mxmla.fused_q_uproj_rope_quant``), with autograd through an anchor (see the
+    module docstring).
+
+    in_features (DeepSeek-V3: q_lora_rank 1536), heads, nope_dim, rope_dim (128, 64), style (RoPE
+    style, default DeepSeek's "interleaved"), layout ("sbhd" [s, b, in_features] or "bshd"), tables
+    for positions 0 .. max_seq_len - 1 (rope_base, yarn as for mxmla.rope_tables), weights "bf16",
+    init_std, seed (the weight is drawn from it on the CPU, as mxmla.nn's other modules).
+
+    forward(x) -> (q8, anchor): q8 the MXFP8Tensor of q ([s, b, heads, D] or [b, s, heads, D], both
+    copies, BHSD scales); anchor the bf16 autograd edge to pass to ``attention_from_mxfp8_q``."""
+
+    def __init__(self, in_features: int = 1536, heads: int = 128, nope_dim: int = 128, rope_dim: int = 64,
+                 weights: str = "bf16", *, style: str = "interleaved", layout: str = "sbhd", max_seq_len: int = 4096,
+                 rope_base: float = 10000.0, yarn: Any = None, init_std: float = 0.02, seed: int = 0,
+                 device: Any = None):
+        super().__init__()
+        import mxmla
+
+        if weights == "mxfp8":
+            raise NotImplementedError(f"{_OP}: weights='mxfp8' needs the fused Q up-projection's MXFP8-weight path "
+                                      "(an MXFP8 W in fused_q_uproj_rope_quant), which mxmla does not have yet; use "
+                                      "weights='bf16', or mxmla.nn.MLA(recipe='mxfp8') (its wq_b Linear runs the MXFP8 "
+                                      "GEMM, then RoPE and a re-quantization)")
+        if weights != "bf16":
+            raise ValueError(f"{_OP}: weights must be 'bf16' or 'mxfp8', got {weights!r}")
+        if layout not in ("sbhd", "bshd"):
+            raise ValueError(f"{_OP}: layout must be 'sbhd' or 'bshd' (the fused op's token orders), got {layout!r}")
+        self.in_features, self.heads, self.nope_dim, self.rope_dim = in_features, heads, nope_dim, rope_dim
+        self.style, self.layout, self.weights = style, layout, weights
+        self.weight = nn.Parameter(torch.empty(heads * (nope_dim + rope_dim), in_features, dtype=torch.float32))
+        init_normal_(self.weight, init_std, generator(seed))
+        cos, sin = mxmla.rope_tables(torch.arange(max_seq_len), rope_dim, base=rope_base, yarn=yarn, style=style)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if device is not None:
+            self.to(device)
+
+    def forward(self, x: torch.Tensor) -> Tuple[Any, torch.Tensor]:
+        import mxmla
+
+        if x.dim() != 3 or x.shape[-1] != self.in_features:
+            dims = "[s, b, in_features]" if self.layout == "sbhd" else "[b, s, in_features]"
+            raise ValueError(f"{_OP}: x must be {dims} with in_features={self.in_features}, got {tuple(x.shape)}")
+        batch = x.shape[1] if self.layout == "sbhd" else x.shape[0]
+        cfg = dict(nope_dim=self.nope_dim, rope_dim=self.rope_dim, style=self.style, layout=self.layout,
+                   batch=int(batch), bhsd_scales=True)
+        anchor, rd, rs, cd, cs = _QUpProjFunction.apply(x, self.weight, self.rope_cos, self.rope_sin, cfg)
+        q8 = mxmla.MXFP8Tensor(tuple(rd.shape), "e4m3", "bhsd", rd, rs, cd, cs, layout=self.layout, attention=True)
+        return q8, anchor
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, heads={self.heads}, nope_dim={self.nope_dim}, "
+                f"rope_dim={self.rope_dim}, weights={self.weights!r}, style={self.style!r}, layout={self.layout!r}")
+
+
+class _AttentionFromQ8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, rd, rs, cd, cs, k, v, meta, kw):
+        import mxmla
+
+        from ..attention_autograd import quantize_for_attention
+
+        shape, fmt, sl, lay = meta
+        q8 = mxmla.MXFP8Tensor(shape, fmt, sl, rd, rs, cd, cs, layout=lay, attention=True)
+        k8, v8 = (quantize_for_attention(t, kw["layout"]) for t in (k, v))
+        o, lse = mxmla.attention(q8, k8, v8, return_lse=True, **kw)
+        ctx.q8, ctx.k8, ctx.v8, ctx.kw = q8, k8, v8, kw
+        ctx.save_for_backward(o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        import mxmla
+
+        o, lse = ctx.saved_tensors
+        dq, dk, dv = mxmla.attention_backward(do.to(torch.bfloat16).contiguous(), ctx.q8, ctx.k8, ctx.v8, o, lse,
+                                              **ctx.kw)
+        return dq, None, None, None, None, dk, dv, None, None
+
+
+def attention_from_mxfp8_q(q8: Any, anchor: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                           softmax_scale: Optional[float] = None, bottom_right: bool = False) -> torch.Tensor:
+    """O = attention(q8, MXFP8(k), MXFP8(v)) with autograd: q8 and anchor from MLAQUpProj (dQ flows to
+    the anchor), k and v bf16 tensors in q8's layout (quantized here with both copies). Returns bf16 O."""
+    kw = dict(causal=causal, softmax_scale=softmax_scale, bottom_right=bottom_right, layout=q8.layout)
+    meta = (q8.shape, q8.fp8_format, q8.scale_layout, q8.layout)
+    return _AttentionFromQ8.apply(anchor, q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data,
+                                  q8.columnwise_scale_inv, k, v, meta, kw)
