@@ -338,6 +338,24 @@ def test_mxfp8_linear_runs_the_three_defined_gemms():
     torch.testing.assert_close(lin.weight.grad, want_dw, rtol=2.0 ** -22, atol=1e-30)
 
 
+def test_mxfp8_linear_accumulates_wgrad_into_main_grad():
+    g = torch.Generator().manual_seed(2)
+    lin = mnn.Linear(64, 32, recipe="mxfp8", seed=1)
+    x = torch.randn(50, 64, generator=g).to(torch.bfloat16)
+    dys = [torch.randn(50, 32, generator=g).to(torch.bfloat16) for _ in range(2)]
+    want = torch.zeros(32, 64)
+    for dy in dys:  # the .grad path, summed
+        lin.weight.grad = None
+        lin(x).backward(dy)
+        want += lin.weight.grad
+    lin.weight.grad = None
+    lin.weight.main_grad = torch.full((32, 64), 0.5)
+    for dy in dys:
+        lin(x).backward(dy)
+    assert lin.weight.grad is None
+    torch.testing.assert_close(lin.weight.main_grad, want + 0.5, rtol=2.0 ** -20, atol=1e-6)
+
+
 def test_mxfp8_recipe_checks_its_dims_and_dtype():
     with pytest.raises(ValueError, match="recipe 'mxfp8' needs in_features to be a multiple of 32"):
         mnn.Linear(8, 64, recipe="mxfp8")

@@ -74,3 +74,14 @@ def test_what_is_not_there_says_so():
     qp = mnn.MLAQUpProj(64, 2, 32, 32, max_seq_len=64)
     with pytest.raises(ValueError, match=r"x must be \[s, b, in_features\] with in_features=64"):
         qp(torch.zeros(4, 2, 32, dtype=torch.bfloat16))
+
+
+def test_wgrad_goes_into_main_grad_when_the_weight_has_one():
+    qp, x, k, v, g = _setup("sbhd", seed=2)
+    q8, anchor = qp(x)
+    dq = torch.randn(anchor.shape, generator=g).to(torch.bfloat16)
+    (dw,) = torch.autograd.grad(anchor, (qp.weight,), dq)
+    qp.weight.main_grad = torch.ones_like(qp.weight)
+    q8, anchor = qp(x)
+    anchor.backward(dq)
+    assert qp.weight.grad is None and torch.equal(qp.weight.main_grad, dw + 1)

@@ -34,7 +34,9 @@ class MXFP8LinearFunction(torch.autograd.Function):
     pass each; fprop Y = X_row · W_rowᵀ (bf16 out, fp32 accumulation). Saved: x's columnwise copy and
     W's columnwise copy only. backward: dY quantized (both copies); dgrad dX = dY_row · W_col (bf16),
     wgrad dW = dY_colᵀ · X_col (fp32, the master weight's dtype). K and N must be multiples of 32 (the
-    rowwise copies' blocks); T any (the columnwise tail block)."""
+    rowwise copies' blocks); T any (the columnwise tail block). A weight with a ``main_grad`` attribute
+    (an fp32 tensor of its shape, Megatron's gradient-accumulation buffer) gets the wgrad added into
+    it (the GEMM's accumulate mode) and no ``.grad``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -48,6 +50,7 @@ class MXFP8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data,
                               w8.columnwise_scale_inv)
         ctx.shapes, ctx.lead, ctx.wdtype = (x8.shape, w8.shape), lead, weight.dtype
+        ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
         return y.reshape(*lead, y.shape[-1])
 
     @staticmethod
@@ -59,6 +62,10 @@ class MXFP8LinearFunction(torch.autograd.Function):
         w8 = mxmla.MXFP8Tensor(ctx.shapes[1], "e4m3", "compact", None, None, wc, ws)
         dy8 = mxmla.quantize(dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous())
         dx = mxmla.gemm(dy8, w8, trans_b=False)                                        # [T, K] bf16
+        main_grad = getattr(ctx.weight, "main_grad", None)
+        if main_grad is not None:  # wgrad accumulated into the fp32 buffer; no .grad
+            mxmla.gemm(dy8, x8, trans_a=True, trans_b=False, out=main_grad, accumulate=True)
+            return dx.reshape(*ctx.lead, dx.shape[-1]), None
         dw = mxmla.gemm(dy8, x8, trans_a=True, trans_b=False, out_dtype="float32")     # [N, K] fp32
         return dx.reshape(*ctx.lead, dx.shape[-1]), dw.to(ctx.wdtype)
 

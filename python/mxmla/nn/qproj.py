@@ -6,7 +6,8 @@ differentiable: codes and scales) *and* an anchor, a bf16 tensor of q's shape wi
 own (a zero expanded to the shape) that is the autograd edge of the projection. The attention
 function takes both: its forward reads the MXFP8 Q, its backward returns the bf16 dQ as the anchor's
 gradient, which reaches ``MLAQUpProj``'s backward: RoPE backward of dQ, then dgrad dX = dQ'·W and
-wgrad dW = dQ'ᵀ·x (bf16 operands, fp32 accumulation; the weight gradient in fp32). No bf16 copy of
+wgrad dW = dQ'ᵀ·x (bf16 operands, fp32 accumulation; the weight gradient in fp32, or added into the
+weight's ``main_grad`` when it has one, as Megatron accumulates gradients). No bf16 copy of
 q is ever stored. Saved for the backward: x (bf16) and W's bf16 copy, as the reference system keeps
 them for bf16 weights.
 
@@ -37,7 +38,7 @@ class _QUpProjFunction(torch.autograd.Function):
         q8 = mxmla.fused_q_uproj_rope_quant(xs, w, cos, sin, cfg["nope_dim"], cfg["rope_dim"], style=cfg["style"],
                                            layout=cfg["layout"], batch=cfg["batch"], bhsd_scales=cfg["bhsd_scales"])
         ctx.save_for_backward(xs, w, cos, sin)
-        ctx.cfg, ctx.x_shape, ctx.w_dtype = cfg, x.shape, weight.dtype
+        ctx.cfg, ctx.x_shape, ctx.w_dtype, ctx.weight = cfg, x.shape, weight.dtype, weight
         anchor = torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(q8.rowwise_data.shape)
         bufs = (q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data, q8.columnwise_scale_inv)
         ctx.mark_non_differentiable(*bufs)
@@ -55,6 +56,10 @@ class _QUpProjFunction(torch.autograd.Function):
         g = dqr.reshape(-1, w.shape[0])                                            # dQ' [T, N] bf16
         dx = torch.matmul(g, w)                                                    # [T, K] bf16, fp32 accumulation
         dw = torch.matmul(g.t().to(torch.float32), xs.to(torch.float32))          # [N, K] fp32
+        main_grad = getattr(ctx.weight, "main_grad", None)
+        if main_grad is not None:  # wgrad accumulated into Megatron's fp32 buffer; no .grad
+            main_grad.add_(dw)
+            return dx.reshape(ctx.x_shape), None, None, None, None
         return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype), None, None, None
 
 
