@@ -356,6 +356,31 @@ def test_mxfp8_linear_accumulates_wgrad_into_main_grad():
     torch.testing.assert_close(lin.weight.main_grad, want + 0.5, rtol=2.0 ** -20, atol=1e-6)
 
 
+def test_mxfp8_linear_quantizes_the_weight_once_per_step(monkeypatch):
+    calls = []
+    real = mxmla.quantize
+
+    def counting(x, *a, **k):
+        calls.append(tuple(x.shape))
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(mxmla, "quantize", counting)
+    lin = mnn.Linear(64, 32, recipe="mxfp8", seed=1)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(16, 64).to(torch.bfloat16)
+    for step in range(2):
+        for _ in range(3):  # micro-batches
+            lin(x).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    w_quantizations = sum(1 for s in calls if s == (32, 64))
+    assert w_quantizations == 2  # once per version of the weight
+    y0 = lin(x)
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # an in-place update: a new version, a new quantization
+    assert not torch.equal(lin(x), y0)
+
+
 def test_mxfp8_recipe_checks_its_dims_and_dtype():
     with pytest.raises(ValueError, match="recipe 'mxfp8' needs in_features to be a multiple of 32"):
         mnn.Linear(8, 64, recipe="mxfp8")

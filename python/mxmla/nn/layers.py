@@ -27,6 +27,20 @@ def check_recipe(recipe: str, what: str) -> str:
     return recipe
 
 
+def _quantized_weight(weight: torch.Tensor):
+    """W's MXFP8 copies (both directions), quantized once per version of the weight: micro-batches
+    between two optimizer steps reuse them (an optimizer's in-place update bumps the version)."""
+    import mxmla
+
+    key = (weight._version, weight.device, weight.data_ptr())
+    cached = getattr(weight, "_mxmla_mxfp8", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    w8 = mxmla.quantize(weight.detach().to(torch.bfloat16))
+    weight._mxmla_mxfp8 = (key, w8)
+    return w8
+
+
 class MXFP8LinearFunction(torch.autograd.Function):
     """y = x · Wᵀ as TransformerEngine's MXFP8 recipe runs a Linear (SPEC §6), on mxmla.gemm.
 
@@ -36,7 +50,8 @@ class MXFP8LinearFunction(torch.autograd.Function):
     wgrad dW = dY_colᵀ · X_col (fp32, the master weight's dtype). K and N must be multiples of 32 (the
     rowwise copies' blocks); T any (the columnwise tail block). A weight with a ``main_grad`` attribute
     (an fp32 tensor of its shape, Megatron's gradient-accumulation buffer) gets the wgrad added into
-    it (the GEMM's accumulate mode) and no ``.grad``."""
+    it (the GEMM's accumulate mode) and no ``.grad``. W's MXFP8 copies are made once per version of
+    the weight (every micro-batch between two optimizer steps reuses them)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -44,7 +59,7 @@ class MXFP8LinearFunction(torch.autograd.Function):
 
         lead, K = x.shape[:-1], x.shape[-1]
         x8 = mxmla.quantize(x.detach().reshape(-1, K).to(torch.bfloat16))
-        w8 = mxmla.quantize(weight.detach().to(torch.bfloat16))
+        w8 = _quantized_weight(weight)
         y = mxmla.gemm(x8, w8)
         # only the copies the backward reads (as the reference system keeps x's columnwise copy)
         ctx.save_for_backward(x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data,
