@@ -102,7 +102,10 @@ class DotProductAttention(torch.nn.Module):
     def __init__(self, softmax_scale: Optional[float] = None, causal: bool = True, layout: str = "sbhd",
                  bottom_right: bool = False, fp8_format: str = "e4m3", deterministic: bool = False):
         super().__init__()
-        self.softmax_scale, self.causal, self.layout = softmax_scale, causal, _fmt_of(layout, torch.empty(0, 0, 0, 0))
+        if layout not in ("sbhd", "bshd", "bhsd", "thd"):
+            raise ValueError(f"mxmla.nn.DotProductAttention: layout must be 'sbhd', 'bshd', 'bhsd' or 'thd', got "
+                             f"{layout!r}")
+        self.softmax_scale, self.causal, self.layout = softmax_scale, causal, layout
         self.bottom_right, self.fp8_format, self.deterministic = bottom_right, fp8_format, deterministic
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Any = None,

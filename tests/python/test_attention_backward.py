@@ -243,6 +243,10 @@ def test_errors_name_the_argument():
         mxmla.attention_backward(do, q, k, mxmla.quantize(v.float()), o, lse, layout="bshd")
     with pytest.raises(ValueError, match=r"bottom_right"):
         mxmla.attention_backward(do, q, k, v, o, lse, layout="bshd", bottom_right=True)
+    with pytest.raises(ValueError, match=r"DotProductAttention: layout must be"):
+        mxmla.nn.DotProductAttention(layout="sb3hd")
+    with pytest.raises(TypeError, match=r"MXFP8Attention: argument 'k': must be a torch.bfloat16 tensor"):
+        mxmla.nn.DotProductAttention(layout="bshd")(q, k.float(), v)
 
 
 def _cuda(t):
