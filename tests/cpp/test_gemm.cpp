@@ -208,6 +208,21 @@ struct RunResult {
   std::vector<uint32_t> words;  // bf16 or fp32 bits per (m, n)
   int64_t untouched_bad = 0;    // padding words that changed
 };
+// D's [M, N] words from an out buffer of row stride ld (element size es), and the padding bytes
+// (prefilled 0xAB) that changed.
+RunResult collect(const std::vector<uint8_t>& buf, int64_t M, int64_t N, int64_t ld, int64_t es) {
+  RunResult r;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      uint32_t w = 0;
+      std::memcpy(&w, &buf[(m * ld + n) * es], es);
+      r.words.push_back(w);
+    }
+    for (int64_t n = N; n < ld; ++n)
+      for (int64_t b = 0; b < es; ++b) r.untouched_bad += buf[(m * ld + n) * es + b] != 0xAB;
+  }
+  return r;
+}
 std::vector<float> initial_d(int64_t M, int64_t N) {
   std::vector<float> d(static_cast<size_t>(M * N));
   for (int64_t i = 0; i < M * N; ++i) d[i] = static_cast<float>((i % 7) - 3) * 0.375f;
@@ -223,17 +238,7 @@ RunResult run_gemm(const QOp& A, const QOp& B, bool fp8, bool ta, bool tb, int64
   GemmOptions opts;
   opts.trans_a = ta, opts.trans_b = tb, opts.accumulate = o.acc, opts.alpha = o.alpha;
   gemm(A.in(fp8), B.in(fp8), out, opts);
-  RunResult r;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t n = 0; n < N; ++n) {
-      uint32_t w = 0;
-      std::memcpy(&w, &buf[(m * ld + n) * es], es);
-      r.words.push_back(w);
-    }
-    for (int64_t n = N; n < ld; ++n)
-      for (int64_t b = 0; b < es; ++b) r.untouched_bad += buf[(m * ld + n) * es + b] != 0xAB;
-  }
-  return r;
+  return collect(buf, M, N, ld, es);
 }
 
 std::string where(int64_t i, int64_t N) { return "(" + std::to_string(i / N) + ", " + std::to_string(i % N) + ")"; }
@@ -662,17 +667,7 @@ RunResult run_gemm_gpu(const QOp& A, const QOp& B, bool ta, bool tb, int64_t M, 
   gemm({nullptr, &da.mx}, {nullptr, &db.mx}, out, opts);
   MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
   buf = dout.download<uint8_t>();
-  RunResult r;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t n = 0; n < N; ++n) {
-      uint32_t w = 0;
-      std::memcpy(&w, &buf[(m * ld + n) * es], es);
-      r.words.push_back(w);
-    }
-    for (int64_t n = N; n < ld; ++n)
-      for (int64_t b = 0; b < es; ++b) r.untouched_bad += buf[(m * ld + n) * es + b] != 0xAB;
-  }
-  return r;
+  return collect(buf, M, N, ld, es);
 }
 #endif
 
