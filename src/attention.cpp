@@ -632,7 +632,7 @@ void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInp
   p.dq_v = dqv, p.dk_v = dkv, p.dv_v = dvv;
 #if MXMLA_WITH_CUDA
   if (on_cuda) {
-    // the CUDA-core kernel (src/cuda/attention_bwd_simt.cu): pointers on the device, head dims it sizes for
+    // the CUDA kernels (attention_bwd_mma.cu, attention_bwd_simt.cu): pointers on the device, head dims up to 256
     const int index = dev.index;
     auto ptr = [&](const std::string& arg, const void* d) {
       if (d != nullptr) detail::check_cuda_pointer(kBwdOp, arg.c_str(), d, index);

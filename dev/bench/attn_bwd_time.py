@@ -1,7 +1,7 @@
-"""Timing of the attention backward's CUDA path (the CUDA-core kernel, src/cuda/attention_bwd_simt.cu)
-against cuDNN's bf16 SDPA backward (torch, cuDNN backend) on the dequantized inputs, same run:
-DeepSeek-V3 head dims (192 / 128), causal, bshd, b 1, H heads, s tokens. TFLOP/s on the causal
-triangle, 2·(3·d_qk + 2·d_v) per causal element; medians, L2 flushed (bench/timing.py).
+"""Timing of the attention backward's CUDA path (src/cuda/attention_bwd_mma.cu at these head dims;
+MXMLA_ATTN_BWD=simt: the CUDA-core kernel) against cuDNN's bf16 SDPA backward (torch, cuDNN
+backend) on the dequantized inputs, same run: DeepSeek-V3 head dims (192 / 128), causal, bshd, b 1,
+H heads, s tokens. TFLOP/s on the causal triangle, 2·(3·d_qk + 2·d_v) per causal element; medians, L2 flushed (bench/timing.py).
 Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_bwd_time.py [H] [s ...]   (default 16, 2048)"""
 import os
 import sys

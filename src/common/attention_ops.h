@@ -95,9 +95,12 @@ struct AttentionBwdProblem {
 
 void attention_fwd_cpu(const AttentionProblem& p);
 void attention_bwd_cpu(const AttentionBwdProblem& p);
+// The CUDA backward (src/cuda/attention_bwd_mma.cu): the tensor-core kernel for the head dims it is
+// instantiated for, else (or with MXMLA_ATTN_BWD=simt in the environment) the CUDA-core one.
+void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream);
 // The CUDA-core backward (src/cuda/attention_bwd_simt.cu): every format and head dims up to 256;
 // the dynamic shared memory it needs for these head dims.
-void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream);
+void attention_bwd_simt_cuda(const AttentionBwdProblem& p, Stream stream);
 size_t attention_bwd_cuda_smem(int64_t Dqk, int64_t Dv);
 void attention_fwd_cuda(const AttentionProblem& p, Stream stream);
 // Whether the SM90 kernel has an instantiation for these head dims.

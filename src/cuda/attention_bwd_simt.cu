@@ -1,6 +1,7 @@
 // mxmla — the attention backward on CUDA cores (include/mxmla/attention.h: attention_backward): the
-// correctness-first CUDA path until the SM90 tensor-core kernel exists. It computes what the CPU
-// reference computes (src/cpu/attention_backward_reference.cpp) in fp32 instead of float64:
+// fallback for the head dims the tensor-core kernel (attention_bwd_mma.cu) is not instantiated for
+// (and the path MXMLA_ATTN_BWD=simt forces). It computes what the CPU reference computes
+// (src/cpu/attention_backward_reference.cpp) in fp32 instead of float64:
 //
 //   D_i   = Σ_d O_id · dO_row,id                                   (preprocess, one warp per row)
 //   s_ij  = (Q_row,i · K_row,j) · scale,  P_ij = exp(s_ij − LSE_i),  dP_ij = dO_row,i · V_row,j
@@ -11,7 +12,9 @@
 // Every operand element is read through its AttnRead (bf16, or code · 2^(e−127) through the copy's
 // scale geometry), so every format, packed view and scale layout the API accepts runs here. P and
 // dS are recomputed by both main kernels; there are no atomics, so the result does not depend on
-// scheduling (deterministic). Arch-neutral (FP8 decode: sm_89+).
+// scheduling (deterministic). Arch-neutral (FP8 decode: sm_89+). The preprocess and the thd zero
+// tail (attention_bwd_prologue) serve the tensor-core path too; the device helpers both paths use
+// are in attention_bwd_common.cuh.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -21,6 +24,7 @@
 #include <string>
 
 #include "common/attention_ops.h"
+#include "cuda/attention_bwd_common.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/ptx/convert.cuh"
 #include "cuda/stream_scratch.h"
@@ -33,65 +37,7 @@ constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlk = 32;       // keys (dK/dV kernel) or query rows (dQ kernel) per CTA
 
-__device__ __forceinline__ float e8m0_to_float(uint8_t e) {
-  if (e == 255) return __uint_as_float(0x7FC00000u);
-  if (e == 0) return __uint_as_float(0x00400000u);  // 2^-127
-  return __uint_as_float(static_cast<uint32_t>(e) << 23);
-}
-
-__device__ __forceinline__ float fp8_to_float(uint8_t c, Fp8Format f) {
-  const uint32_t h2 = f == Fp8Format::kE4M3 ? ptx::cvt_f16x2_from_fp8x2<true>(c) : ptx::cvt_f16x2_from_fp8x2<false>(c);
-  return __low2float(*reinterpret_cast<const __half2*>(&h2));
-}
-
-__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-__device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
-
-__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-// Element (b, h, s, d) of one read of an operand (s counted inside sequence b).
-__device__ float elem(const AttnRead& r, const int32_t* cu, int64_t b, int64_t h, int64_t s, int64_t d) {
-  const int64_t tok = (cu ? cu[b] : 0) + s;
-  const int64_t off = b * r.view.st_b + tok * r.view.st_s + h * r.view.st_h + d;
-  if (!r.fp8) return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(r.view.data)[off]) << 16);
-  const AttnScaleView& sc = r.sc;
-  const int64_t bi = b * sc.bi_b;
-  const int64_t row = tok * sc.row_s + b * sc.row_b + h * sc.row_h + sc.row0;
-  const int64_t c = b * sc.col_b + h * sc.col_h + d;
-  const int64_t so = r.rowwise ? row_scale_offset(sc.map, bi, row, c / 32) : col_scale_offset(sc.map, bi, row / 32, c);
-  return fp8_to_float(static_cast<const uint8_t*>(r.view.data)[off], r.fmt) * e8m0_to_float(sc.ptr[so]);
-}
-
-struct Seq {
-  int64_t sq, skv, q0, kv0;  // lengths and first packed tokens (0 without thd)
-  int64_t off;               // causal: key j is visible to row i iff j <= i + off
-};
-
-__device__ Seq seq_of(const AttentionBwdProblem& p, int64_t b) {
-  Seq s{p.Sq, p.Skv, 0, 0, 0};
-  if (p.thd) s.q0 = p.cu_q[b], s.kv0 = p.cu_kv[b], s.sq = p.cu_q[b + 1] - s.q0, s.skv = p.cu_kv[b + 1] - s.kv0;
-  s.off = p.bottom_right ? s.skv - s.sq : 0;
-  return s;
-}
-
-__device__ __forceinline__ int64_t row_index(const AttentionBwdProblem& p, const Seq& s, int64_t b, int64_t h, int64_t i) {
-  return p.thd ? h * p.total_q + s.q0 + i : (b * p.H + h) * p.Sq + i;  // lse / D
-}
-
-__device__ __forceinline__ bool visible(const AttentionBwdProblem& p, const Seq& s, int64_t i, int64_t j) {
-  return !p.causal || j <= i + s.off;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-  return v;
-}
-
-__device__ void write_bf16(uint16_t* base, const AttnTensorView& v, int64_t b, int64_t tok, int64_t h, int64_t d,
-                          float x) {
-  base[b * v.st_b + tok * v.st_s + h * v.st_h + d] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
-}
+using namespace attn_bwd;  // elem, Seq, seq_of, row_index, visible, warp_sum, write_bf16, bf16_round, ...
 
 // D[row] = Σ_d O · dO_row; grid (ceil(Sq / kWarps), H, B), one warp per row.
 __global__ void __launch_bounds__(kThreads) bwd_preprocess(const AttentionBwdProblem p, float* D) {
@@ -241,13 +187,6 @@ size_t dq_smem(const AttentionBwdProblem& p) {
   return sizeof(float) * (2 * kBlk * p.Dqk + kBlk * p.Dv + 2 * p.Dqk + p.Dv + 3 * kBlk);
 }
 
-// A grid extent: x up to 2^31 - 1, y and z up to 65535.
-unsigned grid_dim(int64_t n, bool x, const char* what) {
-  if (n > (x ? int64_t{0x7FFFFFFF} : int64_t{65535}))
-    throw Error(kOp, "q", std::string("has too many ") + what + " for the CUDA kernel's grid");
-  return static_cast<unsigned>(n);
-}
-
 }  // namespace
 
 size_t attention_bwd_cuda_smem(int64_t Dqk, int64_t Dv) {
@@ -256,30 +195,39 @@ size_t attention_bwd_cuda_smem(int64_t Dqk, int64_t Dv) {
   return std::max(dkdv_smem(p), dq_smem(p));
 }
 
-void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
-  auto s = reinterpret_cast<cudaStream_t>(stream);
+std::unique_ptr<StreamScratch> attn_bwd::attention_bwd_prologue(const AttentionBwdProblem& p, cudaStream_t s) {
   if (p.thd) {
     bwd_zero_tail<<<1024, kThreads, 0, s>>>(p);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
-  if (p.B == 0 || p.H == 0) return;
+  if (p.B == 0 || p.H == 0) return nullptr;
+  const unsigned B = grid_dim(kOp, p.B, false, "sequences"), H = grid_dim(kOp, p.H, false, "heads");
   const int64_t rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
   auto D = std::make_unique<StreamScratch>(std::max<int64_t>(rows, 1) * 4, s);
-  const unsigned B = grid_dim(p.B, false, "sequences"), H = grid_dim(p.H, false, "heads"), Hkv = grid_dim(p.Hkv, false, "heads");
-  float* Dp = reinterpret_cast<float*>(D->ptr);
   if (p.Sq > 0) {
-    bwd_preprocess<<<dim3(grid_dim((p.Sq + kWarps - 1) / kWarps, true, "rows"), H, B), kThreads, 0, s>>>(p, Dp);
+    bwd_preprocess<<<dim3(grid_dim(kOp, (p.Sq + kWarps - 1) / kWarps, true, "rows"), H, B), kThreads, 0, s>>>(
+        p, reinterpret_cast<float*>(D->ptr));
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
+  return D;
+}
+
+void attention_bwd_simt_cuda(const AttentionBwdProblem& p, Stream stream) {
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const std::unique_ptr<StreamScratch> D = attn_bwd::attention_bwd_prologue(p, s);
+  if (D == nullptr) return;
+  const unsigned B = grid_dim(kOp, p.B, false, "sequences"), H = grid_dim(kOp, p.H, false, "heads"),
+                 Hkv = grid_dim(kOp, p.Hkv, false, "heads");
+  float* Dp = reinterpret_cast<float*>(D->ptr);
   const size_t kv_smem = dkdv_smem(p), q_smem = dq_smem(p);
   MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kv_smem)));
   MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(q_smem)));
   if (p.Skv > 0) {
-    bwd_dkdv<<<dim3(grid_dim((p.Skv + kBlk - 1) / kBlk, true, "keys"), Hkv, B), kThreads, kv_smem, s>>>(p, Dp);
+    bwd_dkdv<<<dim3(grid_dim(kOp, (p.Skv + kBlk - 1) / kBlk, true, "keys"), Hkv, B), kThreads, kv_smem, s>>>(p, Dp);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
   if (p.Sq > 0) {
-    bwd_dq<<<dim3(grid_dim((p.Sq + kBlk - 1) / kBlk, true, "rows"), H, B), kThreads, q_smem, s>>>(p, Dp);
+    bwd_dq<<<dim3(grid_dim(kOp, (p.Sq + kBlk - 1) / kBlk, true, "rows"), H, B), kThreads, q_smem, s>>>(p, Dp);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
 }

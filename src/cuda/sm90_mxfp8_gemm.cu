@@ -1,12 +1,21 @@
-// mxmla — the MXFP8 GEMM for SM90 (sm_90a): the launcher of sm90_mxfp8_gemm.cuh. The kernel reads
-// both operands K-major with F8_128x4-swizzled scales; an operand given the other way (a columnwise
-// copy: dgrad's W, wgrad's dY and x) or with a row stride TMA cannot take is first repacked into a
-// stream-ordered scratch buffer (codes transposed in 32 x 32 tiles; scales gathered into the swizzled
-// rowwise layout of the transposed matrix). Instantiations: E4M3 and E5M2.
+// mxmla — the MXFP8 GEMM for SM90 (sm_90a): the launcher of both designs (SPEC §7).
+//   design A (sm90_mxfp8_gemm_bf16.cuh): the codes dequantized to bf16 in shared memory, bf16 wgmma;
+//   design B (sm90_mxfp8_gemm.cuh): FP8 wgmma per 32-wide block, an fp32 rescale per block.
+// Design A is the fast one; it holds every dequantized value exactly as a bf16 number unless a block
+// with non-zero codes has a scale byte below min_exact_e (its smallest codes fall below bf16's
+// normal range). The scale gather that every call runs checks for such blocks and sets a flag in
+// device memory; both kernels are launched and the one the flag does not pick returns at once (no
+// host synchronisation). MXMLA_GEMM_DESIGN=B (or A) in the environment forces one design (A/B
+// measurements; A then rounds such values to bf16).
+// Both kernels read the operands K-major with F8_128x4-swizzled scales; an operand given the other
+// way (a columnwise copy: dgrad's W, wgrad's dY and x) or with a row stride TMA cannot take is first
+// repacked into a stream-ordered scratch buffer (codes transposed in 32 x 32 tiles; scales gathered
+// into the swizzled rowwise layout of the transposed matrix). Instantiations: E4M3 and E5M2 of each.
 #include <cuda.h>  // CUtensorMap (types only)
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -15,6 +24,7 @@
 #include "cuda/heuristics.h"
 #include "cuda/launch.h"
 #include "cuda/sm90_mxfp8_gemm.cuh"
+#include "cuda/sm90_mxfp8_gemm_bf16.cuh"
 #include "cuda/stream_scratch.h"
 #include "cuda/tma_desc.h"
 
@@ -45,17 +55,32 @@ __global__ void __launch_bounds__(256) repack_kmajor(const uint8_t* __restrict__
   }
 }
 
+// Whether block j of row i of op(X) = [R, K] holds a non-zero code: X [R, K] (contract_cols) or
+// [K, R], row stride ld bytes.
+__device__ bool block_has_codes(const uint8_t* codes, int64_t ld, bool contract_cols, int64_t i, int64_t j, int64_t K) {
+  const int64_t k1 = (j + 1) * 32 < K ? (j + 1) * 32 : K;
+  uint32_t any = 0;
+  for (int64_t k = j * 32; k < k1; ++k) any |= codes[contract_cols ? i * ld + k : k * ld + i] & 0x7Fu;  // ±0: no
+  return any != 0;
+}
+
 // The swizzled rowwise scales of op(X) = [R, K] (every padded byte written; padding zero) from the
-// operand's scales as stored: rowwise of [R, K] (contract_cols) or columnwise of [K, R].
+// operand's scales as stored: rowwise of [R, K] (contract_cols) or columnwise of [K, R]. Sets
+// *small when a block with a non-zero code has a scale byte below min_e (design A cannot hold its
+// values exactly; the launcher's note).
 __global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__ src, ScaleMap map, bool contract_cols,
                                                      uint8_t* __restrict__ dst, int64_t R, int64_t kb_count,
-                                                     int64_t rows_pad, int64_t cols_pad) {
+                                                     int64_t rows_pad, int64_t cols_pad, const uint8_t* __restrict__ codes,
+                                                     int64_t ld, int64_t K, uint32_t min_e, uint32_t* small) {
   const int64_t n = rows_pad * cols_pad;
   const int64_t tiles_x = cols_pad / 4;
   for (int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; idx < n; idx += int64_t{gridDim.x} * blockDim.x) {
     const int64_t i = idx / cols_pad, j = idx % cols_pad;
     uint8_t v = 0;
-    if (i < R && j < kb_count) v = src[contract_cols ? row_scale_offset(map, 0, i, j) : col_scale_offset(map, 0, j, i)];
+    if (i < R && j < kb_count) {
+      v = src[contract_cols ? row_scale_offset(map, 0, i, j) : col_scale_offset(map, 0, j, i)];
+      if (v < min_e && block_has_codes(codes, ld, contract_cols, i, j, K)) atomicOr(small, 1u);
+    }
     dst[swizzle_offset(i, j, tiles_x)] = v;
   }
 }
@@ -68,7 +93,7 @@ struct KMajor {
 
 // op(X) as the kernel reads it: [R, K] K-major codes and swizzled scales (scratch when needed).
 KMajor kmajor(const GemmOperandView& v, int64_t R, int64_t K, cudaStream_t s, std::unique_ptr<StreamScratch>& codes,
-              std::unique_ptr<StreamScratch>& scales) {
+              std::unique_ptr<StreamScratch>& scales, uint32_t min_e, uint32_t* small) {
   KMajor out{static_cast<const uint8_t*>(v.data), v.ld, nullptr};
   const bool aligned = reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && v.ld % 16 == 0;
   if (!v.contract_cols || !aligned) {
@@ -84,28 +109,47 @@ KMajor kmajor(const GemmOperandView& v, int64_t R, int64_t K, cudaStream_t s, st
   scales = std::make_unique<StreamScratch>(rows_pad * cols_pad, s);
   const int64_t n = rows_pad * cols_pad;
   const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
-  gather_scales<<<blocks, 256, 0, s>>>(v.scales, v.map, v.contract_cols, scales->ptr, R, kb, rows_pad,
-                                            cols_pad);
+  gather_scales<<<blocks, 256, 0, s>>>(v.scales, v.map, v.contract_cols, scales->ptr, R, kb, rows_pad, cols_pad,
+                                       static_cast<const uint8_t*>(v.data), v.ld, K, min_e, small);
   MXMLA_CUDA_CHECK(cudaGetLastError());
   out.scales = scales->ptr;
   return out;
 }
 
-CUtensorMap operand_map(const KMajor& x, int64_t R, int64_t K) {
+// Design B: [128 rows][128 codes] boxes, 128-byte swizzle; design A: [rows][64 codes], 64-byte swizzle.
+CUtensorMap operand_map(const KMajor& x, int64_t R, int64_t K, bool design_a, int rows) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(x.ld)};
-  const cuuint32_t box[2] = {128, 128};
-  return make_tma_desc(x.codes, DType::kUInt8, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+  const cuuint32_t box[2] = {design_a ? 64u : 128u, static_cast<cuuint32_t>(rows)};
+  return make_tma_desc(x.codes, DType::kUInt8, 2, dims, strides, box,
+                       design_a ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 template <ptx::MmaDtype kFmt>
-void launch(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params& p, cudaStream_t s) {
+void launch_b(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params& p, cudaStream_t s) {
   using K = mxgemm::Kernel;
   const void* kernel = reinterpret_cast<const void*>(&mxgemm::sm90_mxfp8_gemm_kernel<K, kFmt>);
   const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
   const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
   mxgemm::sm90_mxfp8_gemm_kernel<K, kFmt><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, p);
   MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+template <bool kE4M3>
+void launch_a(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params& p, cudaStream_t s) {
+  using K = mxgemm_a::Kernel;
+  const void* kernel = reinterpret_cast<const void*>(&mxgemm_a::sm90_mxfp8_gemm_bf16_kernel<K, kE4M3>);
+  const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
+  const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
+  mxgemm_a::sm90_mxfp8_gemm_bf16_kernel<K, kE4M3><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, p);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+// MXMLA_GEMM_DESIGN: 'A' or 'B' forces a design; anything else (or unset): chosen per call. Read at
+// every call (a test can switch it).
+char forced_design() {
+  const char* e = std::getenv("MXMLA_GEMM_DESIGN");
+  return (e != nullptr && (e[0] == 'A' || e[0] == 'B')) ? e[0] : '\0';
 }
 
 }  // namespace
@@ -121,21 +165,41 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
     }
     return;
   }
+  const bool e4m3 = pr.fmt == Fp8Format::kE4M3;
+  const char forced = forced_design();
+  auto flag = std::make_unique<StreamScratch>(4, s);  // set by the gathers: design B does the work
+  uint32_t* small = reinterpret_cast<uint32_t*>(flag->ptr);
+  MXMLA_CUDA_CHECK(cudaMemsetAsync(small, 0, 4, s));
+  const uint32_t min_e = forced != 0 ? 0u : mxgemm_a::min_exact_e(e4m3);  // forced: no check
   std::unique_ptr<StreamScratch> ca, sa, cb, sb;
-  const KMajor a = kmajor(pr.a, pr.M, pr.K, s, ca, sa);
-  const KMajor b = kmajor(pr.b, pr.N, pr.K, s, cb, sb);
+  const KMajor a = kmajor(pr.a, pr.M, pr.K, s, ca, sa, min_e, small);
+  const KMajor b = kmajor(pr.b, pr.N, pr.K, s, cb, sb, min_e, small);
   mxgemm::Params p{};
   p.M = static_cast<int>(pr.M), p.N = static_cast<int>(pr.N), p.K = static_cast<int>(pr.K);
-  p.kblocks = static_cast<int>((pr.K + 127) / 128);
-  p.m_tiles = static_cast<int>((pr.M + 127) / 128), p.n_tiles = static_cast<int>((pr.N + 127) / 128);
-  p.num_tiles = p.m_tiles * p.n_tiles;
-  p.sa = a.scales, p.sb = b.scales, p.tiles_x = p.kblocks;
+  p.sa = a.scales, p.sb = b.scales, p.tiles_x = static_cast<int>((pr.K + 127) / 128);
   p.out = pr.out, p.ld_out = pr.ld_out;
   p.out_f32 = pr.out_t == DType::kFloat32, p.accumulate = pr.accumulate;
   p.alpha = static_cast<float>(pr.alpha);
-  const CUtensorMap ta = operand_map(a, pr.M, pr.K), tb = operand_map(b, pr.N, pr.K);
-  if (pr.fmt == Fp8Format::kE4M3) launch<ptx::MmaDtype::kE4M3>(ta, tb, p, s);
-  else launch<ptx::MmaDtype::kE5M2>(ta, tb, p, s);
+  p.m_tiles = static_cast<int>((pr.M + 127) / 128);
+  p.design_flag = forced != 0 ? nullptr : small;
+  if (forced != 'B') {  // design A: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
+    mxgemm::Params pa = p;
+    pa.kblocks = static_cast<int>((pr.K + 63) / 64);
+    pa.n_tiles = static_cast<int>((pr.N + 255) / 256), pa.num_tiles = pa.m_tiles * pa.n_tiles;
+    pa.run_on_flag = false;
+    const CUtensorMap ta = operand_map(a, pr.M, pr.K, true, 128), tb = operand_map(b, pr.N, pr.K, true, 256);
+    if (e4m3) launch_a<true>(ta, tb, pa, s);
+    else launch_a<false>(ta, tb, pa, s);
+  }
+  if (forced != 'A') {  // design B: 128 x 128 tiles, 128 of K per stage; runs iff the flag is set
+    mxgemm::Params pb = p;
+    pb.kblocks = static_cast<int>((pr.K + 127) / 128);
+    pb.n_tiles = static_cast<int>((pr.N + 127) / 128), pb.num_tiles = pb.m_tiles * pb.n_tiles;
+    pb.run_on_flag = true;
+    const CUtensorMap ta = operand_map(a, pr.M, pr.K, false, 128), tb = operand_map(b, pr.N, pr.K, false, 128);
+    if (e4m3) launch_b<ptx::MmaDtype::kE4M3>(ta, tb, pb, s);
+    else launch_b<ptx::MmaDtype::kE5M2>(ta, tb, pb, s);
+  }
 }
 
 }  // namespace mxmla::detail

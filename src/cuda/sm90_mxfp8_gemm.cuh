@@ -61,6 +61,10 @@ struct Params {
   int64_t ld_out;
   bool out_f32, accumulate;
   float alpha;
+  // Both designs are launched; a kernel whose design the scales' check did not pick returns at once:
+  // it runs iff design_flag is null or (*design_flag != 0) == run_on_flag.
+  const uint32_t* design_flag;
+  bool run_on_flag;
 };
 
 struct Kernel {
@@ -85,11 +89,44 @@ __device__ __forceinline__ float scale_factor(uint32_t e) {
   return e == 255 ? __uint_as_float(0x7FC00000u) : (e == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
 }
 
+// Whether the scales' check picked the other design for this call (the launcher runs both kernels;
+// the one not picked returns at once).
+__device__ __forceinline__ bool other_design(const Params& p) {
+  return p.design_flag != nullptr && (*p.design_flag != 0u) != p.run_on_flag;
+}
+
+// Both designs' epilogue: alpha, (+ D), bf16 or fp32 straight from the registers of an m64nN
+// accumulator (its rows r0 and r0 + 8 of the tile at m0; columns n0 + 8 jj + 2 (lane % 4) + {0, 1}).
+template <int kN>
+__device__ __forceinline__ void store_accumulators(const Params& p, const float (&acc)[kN / 2], int m0, int n0, int r0,
+                                                   int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = m0 + r0 + 8 * h;
+    if (row >= p.M) continue;
+#pragma unroll
+    for (int jj = 0; jj < kN / 8; ++jj) {
+      const int col = n0 + 8 * jj + 2 * (lane % 4);
+      const float v0 = p.alpha * acc[4 * jj + 2 * h], v1 = p.alpha * acc[4 * jj + 2 * h + 1];
+      if (p.out_f32) {
+        float* o = static_cast<float*>(p.out) + row * p.ld_out + col;
+        if (col < p.N) o[0] = p.accumulate ? o[0] + v0 : v0;
+        if (col + 1 < p.N) o[1] = p.accumulate ? o[1] + v1 : v1;
+      } else {
+        uint16_t* o = static_cast<uint16_t*>(p.out) + row * p.ld_out + col;
+        if (col < p.N) o[0] = bf16_out(v0);
+        if (col + 1 < p.N) o[1] = bf16_out(v1);
+      }
+    }
+  }
+}
+
 template <class K, ptx::MmaDtype kFmt>
 __global__ void __launch_bounds__(K::C::kThreads, 1)
     sm90_mxfp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                            const Params p) {
   using C = typename K::C;
+  if (other_design(p)) return;
   extern __shared__ uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
   const int wg = threadIdx.x / 128;
@@ -213,27 +250,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       sm.bars.consumer_release(st.index);
       st.advance();
     }
-    // epilogue: alpha, (+ D), bf16 or fp32 straight from the registers
-    const int m0 = mt * C::kBM, n0 = nt * C::kBN;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = m0 + r0 + 8 * h;
-      if (row >= p.M) continue;
-#pragma unroll
-      for (int jj = 0; jj < 16; ++jj) {
-        const int col = n0 + 8 * jj + 2 * (lane % 4);
-        const float v0 = p.alpha * acc[4 * jj + 2 * h], v1 = p.alpha * acc[4 * jj + 2 * h + 1];
-        if (p.out_f32) {
-          float* o = static_cast<float*>(p.out) + row * p.ld_out + col;
-          if (col < p.N) o[0] = p.accumulate ? o[0] + v0 : v0;
-          if (col + 1 < p.N) o[1] = p.accumulate ? o[1] + v1 : v1;
-        } else {
-          uint16_t* o = static_cast<uint16_t*>(p.out) + row * p.ld_out + col;
-          if (col < p.N) o[0] = bf16_out(v0);
-          if (col + 1 < p.N) o[1] = bf16_out(v1);
-        }
-      }
-    }
+    store_accumulators<C::kBN>(p, acc, mt * C::kBM, nt * C::kBN, r0, lane);
   }
 }
 

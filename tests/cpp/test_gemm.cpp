@@ -486,6 +486,12 @@ std::vector<ECase> exact_cases() {
   v.push_back({100, 96, 64, Fp8Format::kE4M3, true, {DType::kFloat32, true, 0.5, 0}, 0, 0});
   v.push_back({33, 32, 32, Fp8Format::kE5M2, true, {DType::kFloat32, false, -2.0, 0}, -1, 1});
   v.push_back({65, 64, 64, Fp8Format::kE4M3, false, {DType::kBFloat16, false, 0.25, 2}, 6, -6});
+  // scale bytes above the bf16 fast path's range (E4M3 > 134, E5M2 > 142): design A's exact path
+  v.push_back({70, 128, 96, Fp8Format::kE4M3, false, {DType::kFloat32, false, 1.0, 0}, 20, -20});
+  v.push_back({70, 128, 96, Fp8Format::kE5M2, true, {DType::kFloat32, false, 1.0, 0}, -30, 30});
+  // T 300, K 288, N 544: more than one 128 x 256 tile each way, partial tiles whose rows 128..255
+  // hold no data (fprop N = 544 = 2 * 256 + 32; dgrad N = K = 288 = 256 + 32)
+  v.push_back({300, 288, 544, Fp8Format::kE4M3, true, {}, 0, 0});
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Cases, GemmExact, ::testing::ValuesIn(exact_cases()));
@@ -702,10 +708,11 @@ TEST_P(GemmGpuExact, MatchesReferenceBitForBit) {
 }
 INSTANTIATE_TEST_SUITE_P(Cases, GemmGpuExact, ::testing::ValuesIn(exact_cases()));
 
-// Random data (and special scales): within the accumulation bound of the float64 reference. Across
-// the 32-wide blocks the kernel sums in fp32; inside one block the FP8 tensor cores add the 32 exact
-// products with their own adder, which keeps about 14 bits (DeepSeek-V3 §3.3.2, SPEC §7): the bound
-// is 2^-10 * sum |a b| + the output rounding. NaN exactly where the reference has it. (Integer data,
+// Random data (and special scales): within the accumulation bound of the float64 reference. Design A
+// (bf16 wgmma on the dequantized values) sums in fp32 throughout; design B (the fallback for tiny
+// scales) sums across the 32-wide blocks in fp32, but inside one block the FP8 tensor cores add the
+// 32 exact products with their own adder, which keeps about 14 bits (DeepSeek-V3 §3.3.2, SPEC §7):
+// the bound is 2^-10 * sum |a b| + the output rounding. NaN exactly where the reference has it. (Integer data,
 // whose every partial sum fits 14 bits, is compared bit for bit above.)
 struct RndCase {
   int64_t T, K, N;

@@ -432,6 +432,8 @@ def test_decoder_structure_and_shapes():
     assert {"embed", "norm.weight", "head.weight", "layers.0.attn_norm.weight", "layers.0.attn.wq_a.weight",
             "layers.0.ffn_norm.weight", "layers.0.ffn.w1.weight", "layers.1.attn.wo.weight"} <= names
     assert d.embed.shape == (256, 32) and d.head.weight.shape == (256, 32)
+    mx = decoder(hidden=64, recipe="mxfp8", q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32)
+    assert mx.head.recipe == "bf16" and mx.layers[0].ffn.w1.recipe == "mxfp8"  # the output head stays bf16
     t = mnn.byte_tokens("hello, world")
     assert t.dtype == torch.int64 and t.tolist() == list(b"hello, world")
     logits = d(t.view(2, 6))

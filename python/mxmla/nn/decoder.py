@@ -59,8 +59,10 @@ class Decoder(nn.Module):
             mxmla's CUDA RoPE kernel), v_dim (nope_dim), inter_dim (SwiGLU width, 8/3·hidden rounded
             up to 64): MLA's and the MLP's dimensions, in DeepSeek-V3's proportions by default.
         vocab_size: 256 (bytes). max_seq_len: the longest sequence (RoPE tables).
-        recipe: "bf16" (the baseline) or "mxfp8" (every Linear on the MXFP8 GEMM and the attention
-            on MXFP8 Q, K, V; see mxmla.nn.MLA; the embedding, a lookup, stays bf16).
+        recipe: "bf16" (the baseline) or "mxfp8" (every Linear of the blocks on the MXFP8 GEMM and
+            the attention on MXFP8 Q, K, V; see mxmla.nn.MLA). The embedding and the output head stay
+            bf16 under both recipes, as DeepSeek-V3 trains them and as Megatron's output layer is
+            not a TransformerEngine FP8 layer.
         yarn, rope_base, norm_eps, dtype, params_dtype: as for MLA.
         init_std: N(0, init_std) for the embedding and every projection; the projections into the
             residual stream (wo, w2) use init_std / sqrt(2·layers).
@@ -104,7 +106,8 @@ class Decoder(nn.Module):
                   seed=child_seed(g), tp_group=tp_group)
             for _ in range(layers))
         self.norm = RMSNorm(hidden, norm_eps, params_dtype)
-        self.head = Linear(hidden, vocab_size, recipe, dtype, params_dtype, init_std, seed=child_seed(g))
+        # the output head in bf16 under every recipe (DeepSeek-V3 §3.3.1 keeps it in higher precision)
+        self.head = Linear(hidden, vocab_size, "bf16", dtype, params_dtype, init_std, seed=child_seed(g))
         if device is not None:
             self.to(device)
 

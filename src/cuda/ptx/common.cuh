@@ -6,6 +6,7 @@
 //                             ex2.approx, read-only byte loads, 16-byte shared stores
 //   convert.cuh    sm_89+     fp32 -> FP8 pairs, FP8 pairs -> f16x2
 //   cp_async.cuh   sm_80+     cp.async (global -> shared, per thread)
+//   mma_sync.cuh   sm_80+     ldmatrix (.trans), mma.sync m16n8k16 bf16 (warp-level MMAs)
 //   mbarrier.cuh   sm_90+     mbarriers, async-proxy fences
 //   tma.cuh        sm_90+     TMA tensor loads/stores, bulk copies, tensor-map prefetch
 //   warpgroup.cuh  sm_90+     named barriers, stmatrix; setmaxnreg (sm_90a)

@@ -25,16 +25,17 @@ struct PipelineState {
   }
 };
 
-// In shared memory. full[s]: one arrival (the producer's expect_tx) plus the stage's bytes;
-// empty[s]: `consumer_arrivals` arrivals (e.g. lane 0 of every consumer warp).
+// In shared memory. full[s]: `producer_arrivals` arrivals (one: the producer's expect_tx, plus the
+// stage's bytes; or the threads that wrote the stage); empty[s]: `consumer_arrivals` arrivals (e.g.
+// lane 0 of every consumer warp).
 template <int kStages>
 struct StageBarriers {
   uint64_t full[kStages], empty[kStages];
 
   // One thread, before the CTA's first barrier (then fence_barrier_init + __syncthreads).
-  __device__ __forceinline__ void init(uint32_t consumer_arrivals) {
+  __device__ __forceinline__ void init(uint32_t consumer_arrivals, uint32_t producer_arrivals = 1) {
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(&full[s], 1);
+      ptx::mbar_init(&full[s], producer_arrivals);
       ptx::mbar_init(&empty[s], consumer_arrivals);
     }
   }
