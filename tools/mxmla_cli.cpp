@@ -2,7 +2,7 @@
 //   mxmla info                 build, GPUs, which ops run where
 //   mxmla run [options]        the main job: the fused Q up-projection GEMM + RoPE + MXFP8 of a
 //                              DeepSeek-V3 layer (run_qproj.cpp)
-//   mxmla run --op attention   the attention forward of a DeepSeek-V3 layer on MXFP8 Q, K, V
+//   mxmla run --op attention   the attention forward and backward of a DeepSeek-V3 layer on MXFP8 Q, K, V
 //                              (run_attention.cpp); --op quantize is run-quantize
 //   mxmla run-quantize [opts]  MXFP8 quantize of a query tensor [T, NH, D] bf16 (run_quantize.cpp)
 //   mxmla --version | --help | <command> --help
@@ -37,9 +37,9 @@ const char* kOverview =
     "                layer (T 4096, NH 128, K 1536) on the GPU, checked against the CPU reference and\n"
     "                timed against cuBLAS; without a GPU, the CPU reference at T 256, NH 16 (it says so)\n"
     "  run --op attention\n"
-    "                the attention forward of a DeepSeek-V3 layer (h 128, d 192/128, causal, s 4096) on\n"
-    "                MXFP8 Q, K, V, checked against a float64 attention and timed; without a GPU, the\n"
-    "                CPU reference at s 256, h 2\n"
+    "                the attention forward and backward of a DeepSeek-V3 layer (h 128, d 192/128,\n"
+    "                causal, s 4096) on MXFP8 Q, K, V, checked against float64 and timed; without a\n"
+    "                GPU, the CPU reference at s 256, h 2\n"
     "  run-quantize  MXFP8 quantize of a query tensor [T, NH, 192] bf16, rowwise + columnwise: on the\n"
     "                GPU checked bit for bit and timed against a copy; without a GPU, the CPU\n"
     "                reference at T 256\n"
@@ -134,7 +134,9 @@ int cmd_info(int argc, char** argv) {
   std::printf("%-28s %-22s %s\n", "fused_q_uproj_rope_quant", "reference (float64)",
               b.cuda_enabled ? (n ? "CUDA sm_90a wgmma kernel" : "CUDA kernel (no GPU here)") : "not built");
   std::printf("%-28s %-22s %s\n", "attention_forward", "reference", gpu);
-  std::printf("%-28s %-22s %s\n", "gemm (MXFP8 / bf16)", "reference (float64)", "no kernel yet (raises)");
+  std::printf("%-28s %-22s %s\n", "attention_backward", "reference (float64)", gpu);
+  std::printf("%-28s %-22s %s\n", "gemm (MXFP8 operands)", "reference (float64)", gpu);
+  std::printf("%-28s %-22s %s\n", "gemm (bf16 operands)", "reference (float64)", b.cuda_enabled ? "raises (cuBLAS: torch.matmul)" : "not built");
   return 0;
 }
 
@@ -264,20 +266,25 @@ int cmd_run_attention(int argc, char** argv) {
   };
   const Command c{
       cmd,
-      "The attention forward of a DeepSeek-V3 layer on MXFP8 Q, K, V (b 1, h = h_kv, d_qk 192, d_v 128,\n"
-      "s_q = s_kv): q from the fused Q up-projection of x ~ N(0, 1) [s, 1536] (rowwise, BHSD scales,\n"
-      "one kernel), k and v ~ N(0, 1) bf16 quantized by quantize_attention (k rowwise, v columnwise,\n"
-      "BHSD scales), sbhd; softmax scale 192^-0.5; O bf16 and LSE fp32.\n"
+      "The attention forward and backward of a DeepSeek-V3 layer on MXFP8 Q, K, V (b 1, h = h_kv,\n"
+      "d_qk 192, d_v 128, s_q = s_kv): q from the fused Q up-projection of x ~ N(0, 1) [s, 1536] (rowwise,\n"
+      "BHSD scales, one kernel), k and v ~ N(0, 1) bf16 quantized by quantize_attention (k rowwise, v\n"
+      "columnwise, BHSD scales), sbhd; softmax scale 192^-0.5; O bf16 and LSE fp32. The backward takes\n"
+      "dO ~ N(0, 1) bf16 and the forward's O and LSE, the same MXFP8 copies serving every GEMM, P and dS\n"
+      "in bf16; dQ, dK, dV bf16.\n"
       "\n"
       "On a GPU: checks sampled (b, h, row) triples of O and LSE against a float64 attention on the\n"
       "dequantized inputs (P bf16: |err| <= 2^-8 (max|v| + |O|); P E4M3: the reference system's\n"
       "atol 0.12, rtol 0.2), and times the op (median of --iters calls, L2 flushed, 3 rounds) with the\n"
       "same op on the bf16 q, k, v in the same run; TFLOP/s = 2*b*h*(s^2/2)*(d_qk + d_v) / time when\n"
-      "causal. Defaults: s 4096, h 128, causal (one DeepSeek-V3 layer).\n"
+      "causal. The backward likewise: --check-rows rows (dQ) and keys (dK, dV) against the float64\n"
+      "backward on the same inputs, O and LSE (|err| <= 0.02 + 0.05 |ref|), timed with the same op on\n"
+      "the bf16 inputs; TFLOP/s = 2*b*h*(s^2/2)*(3*d_qk + 2*d_v) / time when causal.\n"
+      "Defaults: s 4096, h 128, causal (one DeepSeek-V3 layer).\n"
       "Without a GPU (or with --device cpu): the CPU reference at s 256, h 2 unless --seq / --heads\n"
       "say otherwise, said on the first line, checked the same way.\n",
       {
-          op_option("the attention forward"),
+          op_option("the attention forward and backward"),
           {"--seq", "S", "sequence length (queries = keys), >= 1; default 4096 on the\nGPU, 256 on the CPU",
            count("--seq", a.seq)},
           {"--heads", "H", "heads (query = key/value heads), >= 1; default 128 on the GPU,\n2 on the CPU",

@@ -1,10 +1,13 @@
-// mxmla run --op attention — the attention forward of a DeepSeek-V3 layer (h 128, d_qk 192, d_v 128,
-// b 1, causal) on MXFP8 Q, K, V: Q from the fused Q up-projection (x ~ N(0, 1) [s, 1536], W ~ N(0, 1/K),
-// YaRN tables: q ~ N(0, 1)), quantized rowwise with BHSD scales in the same kernel; K and V random
-// N(0, 1) bf16, quantized by quantize_attention (K rowwise, V columnwise, BHSD scales). The output
-// is checked on sampled (b, h, row) triples against a float64 attention on the dequantized inputs
-// computed here, and on the GPU timed (with the same op on the bf16 q, k, v in the same run).
-// Without a GPU it runs the CPU reference at a smaller size and says so.
+// mxmla run --op attention — the attention forward and backward of a DeepSeek-V3 layer (h 128,
+// d_qk 192, d_v 128, b 1, causal) on MXFP8 Q, K, V: Q from the fused Q up-projection (x ~ N(0, 1)
+// [s, 1536], W ~ N(0, 1/K), YaRN tables: q ~ N(0, 1)), quantized rowwise with BHSD scales in the
+// same kernel; K and V random N(0, 1) bf16, quantized by quantize_attention (K rowwise, V
+// columnwise, BHSD scales). The forward's output is checked on sampled (b, h, row) triples against a
+// float64 attention on the dequantized inputs computed here; the backward (dO ~ N(0, 1) bf16; the
+// rowwise Q, K and columnwise V serve every GEMM) on sampled rows (dQ) and keys (dK, dV) against the
+// float64 backward of SPEC §5 on the same inputs, O and LSE. On the GPU both are timed, each with the
+// same op on the bf16 q, k, v in the same run. Without a GPU it runs the CPU reference at a smaller
+// size and says so.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -216,6 +219,139 @@ bool check(const AttentionRunArgs& a, const Dequantized& d, const uint16_t* o, c
   return ok;
 }
 
+// ------------------------------------------------------------------ the backward and its check
+// FLOPs of the backward's five GEMMs, causal ones on the triangle: 2 b h (s^2 / 2) (3 d_qk + 2 d_v).
+double backward_flop(int64_t S, int64_t H, bool causal) {
+  return 2.0 * H * (causal ? 0.5 : 1.0) * double(S) * double(S) * (3 * kDqk + 2 * kDv);
+}
+const char* backward_flop_formula(bool causal) {
+  return causal ? "FLOPs = 2*b*h*(s^2/2)*(3*d_qk + 2*d_v)" : "FLOPs = 2*b*h*s^2*(3*d_qk + 2*d_v)";
+}
+
+// dO ~ N(0, 1) bf16, sbhd [S, 1, H, 128].
+std::vector<uint16_t> make_dout(const AttentionRunArgs& a, int64_t S, int64_t H) {
+  util::Rng rng(a.seed + 29);
+  std::vector<uint16_t> v(S * H * kDv);
+  for (auto& e : v) e = util::to_bf16(static_cast<float>(rng.normal()));
+  return v;
+}
+
+// The backward keeps P and dS in bf16 (whatever the forward's p_format).
+AttentionOptions bwd_options(const AttentionRunArgs& a) {
+  AttentionOptions o = attn_options(a);
+  o.p_format = PFormat::kBF16;
+  return o;
+}
+
+// Host copies the backward's check reads (b 1; o, dout, dv [S, H, 128], dq, dk [S, H, 192]).
+struct BwdHost {
+  const Dequantized* d;
+  const uint16_t *o, *dout, *dq, *dk, *dv;
+  const float* lse;   // [H, S]
+  std::vector<double> D;  // [H, S]: rowsum(O ⊙ dO)
+};
+
+struct BwdStats {
+  int64_t elements = 0, far = 0;
+  double max_err = 0, sq = 0, ref_sq = 0;
+};
+void merge(BwdStats& into, const BwdStats& st) {
+  into.elements += st.elements, into.far += st.far, into.max_err = std::max(into.max_err, st.max_err);
+  into.sq += st.sq, into.ref_sq += st.ref_sq;
+}
+// The bound of one gradient element against the float64 backward: 0.02 + 0.05·|ref| (the kernel's
+// fp32 sums and the bf16 roundings of P, dS taken at fp32 against float64 values).
+void tally(BwdStats& st, uint16_t got_bits, double ref) {
+  const double err = std::fabs(ref::bf16_to_double(got_bits) - ref);
+  ++st.elements, st.sq += err * err, st.ref_sq += ref * ref, st.max_err = std::max(st.max_err, err);
+  if (!(err <= 0.02 + 0.05 * std::fabs(ref))) ++st.far;  // NaN counts as far
+}
+
+double bf16_round(double v) { return ref::bf16_to_double(ref::double_to_bf16(v)); }
+
+// P_ij (unrounded) and dS_ij (rounded to bf16) of head h as SPEC §5 defines them, in float64.
+struct Pds {
+  double p, ds;
+};
+Pds p_ds(int64_t S, int64_t H, const BwdHost& x, int64_t h, int64_t i, int64_t j) {
+  const double scale = static_cast<float>(1.0 / std::sqrt(double(kDqk)));  // the op's fp32 scale
+  const float *q = &x.d->q[(i * H + h) * kDqk], *k = &x.d->k[(j * H + h) * kDqk];
+  const float* v = &x.d->v[(j * H + h) * kDv];
+  const uint16_t* dout = &x.dout[(i * H + h) * kDv];
+  double s = 0, dp = 0;
+  for (int64_t c = 0; c < kDqk; ++c) s += double(q[c]) * double(k[c]);
+  for (int64_t c = 0; c < kDv; ++c) dp += ref::bf16_to_double(dout[c]) * double(v[c]);
+  const double p = std::exp(s * scale - double(x.lse[h * S + i]));
+  return {p, bf16_round(p * (dp - x.D[h * S + i]) * scale)};
+}
+
+// dQ of row i: Σ_j bf16(dS_ij) K_j over the keys row i sees.
+void check_dq_row(const AttentionRunArgs& a, int64_t S, int64_t H, const BwdHost& x, int64_t h, int64_t i,
+                  BwdStats& st) {
+  std::vector<double> acc(kDqk, 0.0);
+  const int64_t n = a.causal ? i + 1 : S;
+  for (int64_t j = 0; j < n; ++j) {
+    const double ds = p_ds(S, H, x, h, i, j).ds;
+    const float* k = &x.d->k[(j * H + h) * kDqk];
+    for (int64_t c = 0; c < kDqk; ++c) acc[c] += ds * k[c];
+  }
+  for (int64_t c = 0; c < kDqk; ++c) tally(st, x.dq[(i * H + h) * kDqk + c], acc[c]);
+}
+
+// dK, dV of key j: Σ_i bf16(dS_ij) Q_i and Σ_i bf16(P_ij) dO_i over the rows that see key j.
+void check_dkdv_key(const AttentionRunArgs& a, int64_t S, int64_t H, const BwdHost& x, int64_t h, int64_t j,
+                    BwdStats& st) {
+  std::vector<double> dk(kDqk, 0.0), dv(kDv, 0.0);
+  for (int64_t i = a.causal ? j : 0; i < S; ++i) {
+    const Pds r = p_ds(S, H, x, h, i, j);
+    const double p = bf16_round(r.p);
+    const float* q = &x.d->q[(i * H + h) * kDqk];
+    const uint16_t* dout = &x.dout[(i * H + h) * kDv];
+    for (int64_t c = 0; c < kDqk; ++c) dk[c] += r.ds * q[c];
+    for (int64_t c = 0; c < kDv; ++c) dv[c] += p * ref::bf16_to_double(dout[c]);
+  }
+  for (int64_t c = 0; c < kDqk; ++c) tally(st, x.dk[(j * H + h) * kDqk + c], dk[c]);
+  for (int64_t c = 0; c < kDv; ++c) tally(st, x.dv[(j * H + h) * kDv + c], dv[c]);
+}
+
+// Checks a.check_rows sampled (h, row) pairs for dQ and as many (h, key) pairs for dK, dV (every one
+// when that covers them all); prints the result line and returns whether it passed.
+bool check_backward(const AttentionRunArgs& a, BwdHost& x, Progress& progress) {
+  const int64_t S = a.seq, H = a.heads, total = S * H, n = std::min(a.check_rows, total);
+  x.D.assign(total, 0.0);
+  parallel_for(total, cpu_threads(a.threads), [&](int64_t t) {  // t = i * H + h
+    double acc = 0;
+    for (int64_t c = 0; c < kDv; ++c)
+      acc += ref::bf16_to_double(x.o[t * kDv + c]) * ref::bf16_to_double(x.dout[t * kDv + c]);
+    x.D[(t % H) * S + t / H] = acc;
+  });
+  std::vector<int64_t> picked(n);
+  util::Rng pick(a.seed + 31);
+  for (int64_t t = 0; t < n; ++t)
+    picked[t] = n == total ? t : t == 0 ? 0 : t == 1 ? total - 1 : static_cast<int64_t>(pick.uniform() * total);
+  BwdStats dq, dkv;
+  std::mutex m;
+  progress.begin("checking the backward against a float64 backward", 2 * n, "rows and keys");
+  parallel_for(2 * n, cpu_threads(a.threads), [&](int64_t t) {
+    BwdStats st;
+    const int64_t hi = picked[t % n];  // head-major: (h, row or key)
+    if (t < n) check_dq_row(a, S, H, x, hi / S, hi % S, st);
+    else check_dkdv_key(a, S, H, x, hi / S, hi % S, st);
+    std::lock_guard<std::mutex> g(m);
+    merge(t < n ? dq : dkv, st);
+    progress.advance();
+  });
+  progress.end();
+  const bool ok = dq.far == 0 && dkv.far == 0;
+  auto rel = [](const BwdStats& st) { return std::sqrt(st.sq / std::max(st.ref_sq, 1e-300)); };
+  std::printf("check: backward, %lld of %lld rows (dQ) and keys (dK, dV) against a float64 backward (SPEC §5 on the "
+              "dequantized inputs, the kernel's O and LSE): dQ max |err| %.3g (relative RMS %.2g), dK/dV max |err| "
+              "%.3g (relative RMS %.2g); %lld elements beyond 0.02 + 0.05*|ref|: %s\n",
+              (long long)n, (long long)total, dq.max_err, rel(dq), dkv.max_err, rel(dkv),
+              (long long)(dq.far + dkv.far), ok ? "OK" : "FAILED");
+  return ok;
+}
+
 void describe_job(const AttentionRunArgs& a) {
   const int64_t S = a.seq, H = a.heads;
   std::printf("attention forward (DeepSeek-V3 MLA, b 1): q [%lld, 1, %lld, 192] MXFP8 %s rowwise from the fused Q "
@@ -229,7 +365,8 @@ void describe_job(const AttentionRunArgs& a) {
 double host_bytes(int64_t S, int64_t H) {
   const double sh = double(S) * H;
   return 2.0 * S * kQLoraRank + 2.0 * H * kDqk * kQLoraRank + 8.0 * S * 64 + sh * (2 * 192 + 2 * 128) +
-         sh * (192 + 192 + 128) * (1 + 4 + 1.0 / 16) + sh * (2 * 128 + 4);
+         sh * (192 + 192 + 128) * (1 + 4 + 1.0 / 16) + sh * (2 * 128 + 4) +
+         sh * (2 * 128 + 2 * 192 + 2 * 192 + 2 * 128 + 8);  // the backward: dO, dQ, dK, dV, D
 }
 
 // The run's sizes: the device's defaults where the arguments leave them open.
@@ -279,7 +416,23 @@ int run_attention_cpu(const AttentionRunArgs& args, Progress& progress) {
   progress.end();
   std::printf("attention forward in %.3f s on the CPU reference (%.2f GFLOP/s; %s)\n", secs,
               attention_flop(S, H, a.causal) / secs / 1e9, flop_formula(a.causal));
-  return check(a, d, o.data(), lse.data(), progress) ? 0 : 1;
+  const bool ok_fwd = check(a, d, o.data(), lse.data(), progress);
+
+  // the backward on the same inputs, O and LSE
+  std::vector<uint16_t> dout = make_dout(a, S, H), gq(numel(qs)), gk(numel(qs)), gv(numel(vs));
+  const TensorDesc dod(dout.data(), DType::kBFloat16, vs);
+  TensorDesc gqd(gq.data(), DType::kBFloat16, qs), gkd(gk.data(), DType::kBFloat16, qs), gvd(gv.data(), DType::kBFloat16, vs);
+  progress.begin("attention backward (CPU reference)");
+  const auto t1 = std::chrono::steady_clock::now();
+  attention_backward(AttnInput{&dod, nullptr}, AttnInput{nullptr, &mx.q}, AttnInput{nullptr, &mx.k},
+                     AttnInput{nullptr, &mx.v}, od, ld, gqd, gkd, gvd, bwd_options(a));
+  const double bsecs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  progress.end();
+  std::printf("attention backward in %.3f s on the CPU reference (%.2f GFLOP/s; %s)\n", bsecs,
+              backward_flop(S, H, a.causal) / bsecs / 1e9, backward_flop_formula(a.causal));
+  BwdHost x{&d, o.data(), dout.data(), gq.data(), gk.data(), gv.data(), lse.data(), {}};
+  const bool ok_bwd = check_backward(a, x, progress);
+  return ok_fwd && ok_bwd ? 0 : 1;
 }
 
 #if MXMLA_WITH_CUDA
@@ -365,7 +518,63 @@ int run_attention_cuda(const AttentionRunArgs& args, Progress& progress) {
   } else {
     std::printf("bf16 attention  : not timed (%s)\n", bf_error.c_str());
   }
-  return ok ? 0 : 1;
+
+  // the backward: dO ~ N(0, 1); the MXFP8 run's O and LSE (and for the same op on the bf16 inputs,
+  // the bf16 run's)
+  std::vector<uint16_t> dout = make_dout(a, S, H);
+  util::DeviceBuffer ddo(dout.size() * 2), gq(numel(qs) * 2), gk(numel(qs) * 2), gv(numel(vs) * 2);
+  util::DeviceBuffer gq2(numel(qs) * 2), gk2(numel(qs) * 2), gv2(numel(vs) * 2);
+  ddo.upload(dout.data());
+  const TensorDesc dod(ddo.ptr, DType::kBFloat16, vs, dev);
+  TensorDesc gqd(gq.ptr, DType::kBFloat16, qs, dev), gkd(gk.ptr, DType::kBFloat16, qs, dev),
+      gvd(gv.ptr, DType::kBFloat16, vs, dev);
+  TensorDesc gqd2(gq2.ptr, DType::kBFloat16, qs, dev), gkd2(gk2.ptr, DType::kBFloat16, qs, dev),
+      gvd2(gv2.ptr, DType::kBFloat16, vs, dev);
+  const AttentionOptions ob = bwd_options(a);
+  auto bwd_mx = [&] {
+    attention_backward(AttnInput{&dod, nullptr}, AttnInput{nullptr, &mx.q}, AttnInput{nullptr, &mx.k},
+                       AttnInput{nullptr, &mx.v}, od, ld, gqd, gkd, gvd, ob);
+  };
+  auto bwd_bf = [&] {
+    attention_backward(AttnInput{&dod, nullptr}, AttnInput{&q_bf16, nullptr}, AttnInput{&k_bf16, nullptr},
+                       AttnInput{&v_bf16, nullptr}, od2, ld2, gqd2, gkd2, gvd2, ob);
+  };
+  bwd_mx();
+  std::string bwd_bf_error = have_bf ? "" : "no bf16 forward";
+  if (have_bf) {
+    try {
+      bwd_bf();
+    } catch (const Error& e) {
+      bwd_bf_error = e.what();
+    }
+  }
+  MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
+  const bool have_bf_bwd = bwd_bf_error.empty();
+  progress.begin("timing the backward (MXFP8, bf16 inputs; 3 rounds)", have_bf_bwd ? 6 : 3, "measurements");
+  std::vector<float> b_mx, b_bf;
+  for (int rep = 0; rep < 3; ++rep) {
+    b_mx.push_back(timer.median_ms(bwd_mx)), progress.advance();
+    if (have_bf_bwd) b_bf.push_back(timer.median_ms(bwd_bf)), progress.advance();
+  }
+  bwd_mx();  // the gradients to check
+  MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
+  progress.end();
+  const std::vector<uint16_t> hq = gq.download<uint16_t>(), hk = gk.download<uint16_t>(), hv = gv.download<uint16_t>();
+  BwdHost x{&d, out.data(), dout.data(), hq.data(), hk.data(), hv.data(), lse.data(), {}};
+  const bool ok_bwd = check_backward(a, x, progress);
+  const double bflop = backward_flop(S, H, a.causal);
+  const float bms = median(b_mx);
+  std::printf("MXFP8 attention backward : %.4f ms  %.0f TFLOP/s (%s; median of %lld calls, L2 flushed, 3 rounds)\n",
+              bms, bflop / bms / 1e9, backward_flop_formula(a.causal), (long long)a.iters);
+  if (have_bf_bwd) {
+    const float bmb = median(b_bf);
+    std::printf("bf16 attention backward  : %.4f ms  %.0f TFLOP/s (the same op on the bf16 q, k, v; not checked)\n",
+                bmb, bflop / bmb / 1e9);
+    std::printf("ratio backward           : MXFP8 / bf16 inputs = %.3f (time)\n", bms / bmb);
+  } else {
+    std::printf("bf16 attention backward  : not timed (%s)\n", bwd_bf_error.c_str());
+  }
+  return ok && ok_bwd ? 0 : 1;
 }
 #endif
 

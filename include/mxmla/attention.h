@@ -69,7 +69,8 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
 // [b, h, s_q] (thd: [h, total_q]). dq, dk, dv: caller-allocated bf16 with the shapes of q, k, v's
 // codes / data in their formats (any strides, head dim contiguous; thd tokens outside every sequence
 // are written 0). `deterministic` asks for a fixed summation order (the CPU reference always has one).
-// On CUDA: not available yet (an Error naming the missing kernel).
+// On CUDA: a tensor-core kernel for (d_qk, d_v) = (192, 128), (128, 128), (64, 64) and a CUDA-core
+// kernel for other head dims up to 256; neither uses atomics (every run gives the same bits).
 void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInput& k, const AttnInput& v,
                         const TensorDesc& o, const TensorDesc& lse, TensorDesc& dq, TensorDesc& dk, TensorDesc& dv,
                         const AttentionOptions& opts, bool deterministic = false,

@@ -1,7 +1,8 @@
 """The attention backward (SPEC §5): mxmla.attention_backward's CPU reference against an independent
 float64 emulation of the defined semantics (each GEMM's copy, P and dS rounded to bf16), against
 float64 autograd of the forward, MXFP8Attention / nn.DotProductAttention, and the argument checks;
-on a GPU the CUDA-core kernel against the reference."""
+on a GPU the CUDA kernels against the reference; and a seeded sweep of random configurations (both
+the reference against the emulation and, on a GPU, CUDA against the reference)."""
 import math
 
 import numpy as np
@@ -258,6 +259,44 @@ def test_errors_name_the_argument():
         mxmla.nn.DotProductAttention(layout="bshd")(q, k.float(), v)
 
 
+# ----------------------------------------------------------------------------- random configurations
+# A seeded sweep over the space the fixed cases sample (the backward's fuzzer): layouts, b, tails on
+# both sides (s_q > s_kv included: with bottom-right alignment its first rows see no key), heads with
+# GQA, head dims, bf16 / MXFP8 (both copies or rowwise only, dO bf16 or MXFP8), causal alignments.
+RANDOM_DIMS = [(32, 32), (64, 32), (64, 64), (96, 64), (128, 128), (192, 128)]
+RANDOM_LENS = [1, 2, 31, 32, 33, 63, 64, 65, 100, 129]
+
+
+def random_case(seed):
+    r = np.random.default_rng(1000 + seed)
+    h = int(r.choice([1, 2, 3, 4, 6]))
+    hkv = int(r.choice([d for d in (1, 2, 3, 4, 6) if h % d == 0]))
+    dqk, dv = RANDOM_DIMS[int(r.integers(len(RANDOM_DIMS)))]
+    prec = "mxfp8" if r.random() < 0.7 else "bf16"
+    causal = bool(r.random() < 0.6)
+    return (str(r.choice(["sbhd", "bshd", "bhsd"])), int(r.integers(1, 4)), int(r.choice(RANDOM_LENS)),
+            int(r.choice(RANDOM_LENS)), h, hkv, dqk, dv, prec, causal, causal and bool(r.random() < 0.5),
+            "row" if prec == "mxfp8" and r.random() < 0.3 else "both", prec == "mxfp8" and bool(r.random() < 0.3))
+
+
+RANDOM_SEEDS = range(60)
+
+
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_random_configs_reference_matches_the_emulation(seed):
+    case = random_case(seed)
+    fmt, b, sq, skv, h, hkv, dqk, dv, prec, causal, br, dirs, do_mx = case
+    CASE.update(causal=causal, br=br)
+    do, q, k, v, o, lse = make(fmt, b, sq, skv, h, hkv, dqk, dv, prec, seed=seed, dirs=dirs, do_mx=do_mx)
+    got = mxmla.attention_backward(do, q, k, v, o, lse, causal=causal, bottom_right=br, layout=fmt)
+    scale = float(np.float32(dqk ** -0.5))
+    vals = {n: {c: to_bshd(values(t, c), fmt) for c in ("row", "col")} for n, t in (("do", do), ("q", q), ("k", k), ("v", v))}
+    want = emulate(vals["do"], vals["q"], vals["k"], vals["v"], to_bshd(o.to(F64), fmt), lse.reshape(b, h, sq), causal,
+                   br, scale)
+    for name, g_, w in zip(("dq", "dk", "dv"), got, want):
+        close_to(to_bshd(g_.to(F64), fmt), w, f"{name} {case}")
+
+
 def _cuda(t):
     if isinstance(t, mxmla.MXFP8Tensor):
         return mxmla.MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout, *[
@@ -313,6 +352,24 @@ def test_cuda_thd_and_deepseek_dims_and_the_module():
     dpa(qc, kc, vc).float().square().sum().backward()
     for name, a, c in (("dq", qs, qc), ("dk", ks, kc), ("dv", vs, vc)):
         _near(a.grad, c.grad, name, rms=1e-2)  # the forwards differ too (SM90 kernel vs float64 reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_random_configs_cuda_matches_the_reference(seed):
+    case = random_case(seed)
+    fmt, b, sq, skv, h, hkv, dqk, dv, prec, causal, br, dirs, do_mx = case
+    CASE.update(causal=causal, br=br)
+    args = make(fmt, b, sq, skv, h, hkv, dqk, dv, prec, seed=seed, dirs=dirs, do_mx=do_mx)
+    kw = dict(causal=causal, bottom_right=br, layout=fmt)
+    ref = mxmla.attention_backward(*args, **kw)
+    got = mxmla.attention_backward(*(_cuda(t) for t in args), **kw, deterministic=True)
+    for name, g_, r in zip(("dq", "dk", "dv"), got, ref):
+        assert g_.is_cuda and g_.shape == r.shape
+        _near(g_, r, f"{name} {case}")
+    again = mxmla.attention_backward(*(_cuda(t) for t in args), **kw, deterministic=True)
+    for x, y in zip(got, again):
+        assert torch.equal(x, y)
 
 
 def test_torch_compile_traces_forward_and_backward():

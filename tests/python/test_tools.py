@@ -249,7 +249,10 @@ def test_cli_run_attention_cpu(extra):
     assert ("not causal" in out) == ("--no-causal" in extra)
     assert ("P E4M3" in out) == ("e4m3" in extra)
     assert re.search(r"^attention forward in [0-9.]+ s on the CPU reference", out, re.M), out
-    assert re.search(r"^check: 128 of 128 \(b, h, row\) triples .*: OK$", out, re.M) and out.rstrip().endswith("OK")
+    assert re.search(r"^check: 128 of 128 \(b, h, row\) triples .*: OK$", out, re.M)
+    assert re.search(r"^attention backward in [0-9.]+ s on the CPU reference", out, re.M), out
+    assert re.search(r"^check: backward, 128 of 128 rows \(dQ\) and keys \(dK, dV\) .*: OK$", out, re.M)
+    assert out.rstrip().endswith("OK")
 
 
 @needs_cli
@@ -300,6 +303,8 @@ def test_cli_run_attention_on_the_gpu():
     out = r.stdout
     assert out.startswith("mxmla run --op attention: GPU ") and "check: 100 of 2048 (b, h, row) triples" in out, out
     assert re.search(r"^check: .*: OK$", out, re.M) and re.search(r"^MXFP8 attention : [0-9.]+ ms +[0-9]+ TFLOP/s", out, re.M)
+    assert re.search(r"^check: backward, 100 of 2048 rows .*: OK$", out, re.M), out
+    assert re.search(r"^MXFP8 attention backward : [0-9.]+ ms +[0-9]+ TFLOP/s", out, re.M), out
 
 
 @needs_cli
