@@ -98,6 +98,54 @@ def _fused_args(op: str, nope_dim: Any, rope_dim: Any, style: Any, layout: Any, 
     return args
 
 
+def fused_q_mxfp8_weight(x: Any, w8: MXFP8Tensor, cos: Any, sin: Any, nope_dim: int, rope_dim: int, style: str,
+                         layout: str, batch: int, weight_layout: str, rowwise: bool, columnwise: bool,
+                         fp8_format: str, bhsd_scales: bool, return_q: bool) -> Tuple[MXFP8Tensor, Any, MXFP8Tensor]:
+    """The fused op with an MXFP8 weight (the reference system's MXFP8-weight path; arguments checked
+    by the caller): x (bf16, quantized here rowwise + columnwise in one pass in W's FP8 format, or an
+    MXFP8Tensor [T, K] with its rowwise copy) times W [N, K] (rowwise copy: blocks along K) on
+    mxmla.gemm (fp32 accumulation, rounded to bf16), then RoPE in fp32 on that bf16 q (not re-rounded)
+    and the MXFP8 quantization of q for attention — the bf16-weight op's epilogue, run as
+    apply_rope + quantize_attention (the same result bit for bit). Returns (q8, q in bf16 after RoPE
+    or None, x8: x's MXFP8 copies, whose columnwise one the weight gradient reads)."""
+    from .gemm import gemm
+    from .mxfp8 import quantize, quantize_attention
+    from .rope import apply_rope
+
+    op = _OP
+    if weight_layout != "nk":
+        raise ValueError(f"{op}: argument 'weight_layout': an MXFP8 w is [N, K] with its blocks along K "
+                         f"(weight_layout 'nk'), got {weight_layout!r}")
+    if not (isinstance(x, MXFP8Tensor) or is_torch(x)):
+        raise TypeError(f"{op}: argument 'x': with an MXFP8 w, x must be a torch tensor (bf16) or an MXFP8Tensor, "
+                        f"got {type_name(x)}")
+    for arg, t in (("x", x), ("w", w8)):
+        if isinstance(t, MXFP8Tensor) and not is_torch(t.rowwise_data if t.rowwise_data is not None else t.columnwise_data):
+            raise TypeError(f"{op}: argument '{arg}': the MXFP8-weight path takes MXFP8Tensors of torch tensors "
+                            "(numpy: quantize torch tensors instead)")
+    if len(w8.shape) != 2:
+        raise ValueError(f"{op}: argument 'w': an MXFP8 w must be 2-D [N, K], got shape {tuple(w8.shape)}")
+    if isinstance(x, MXFP8Tensor):
+        x8 = x
+    else:
+        if x.dtype != torch.bfloat16 or x.dim() != 2:
+            raise ValueError(f"{op}: argument 'x': must be a 2-D [T, K] bf16 tensor, got {x.dtype} {tuple(x.shape)}")
+        x8 = quantize(x, fp8_format=w8.fp8_format)  # both copies, one pass
+    T, N, D = x8.shape[0], w8.shape[0], nope_dim + rope_dim
+    if N % D:
+        raise ValueError(f"{op}: argument 'w': N = {N} rows is not a multiple of the head dim nope_dim + rope_dim "
+                         f"= {D}")
+    if T % batch:
+        raise ValueError(f"{op}: argument 'batch': x's {T} tokens are not a multiple of batch = {batch}")
+    q = gemm(x8, w8)  # [T, N] bf16 (fp32 accumulation, rounded once)
+    s, heads = T // batch, N // D
+    q4 = q.float().reshape((s, batch, heads, D) if layout == "sbhd" else (batch, s, heads, D))
+    qr = apply_rope(q4, cos, sin, style=style, layout=layout, rope_dim=rope_dim)  # fp32, not re-rounded
+    t = quantize_attention(qr, layout, rowwise=rowwise, columnwise=columnwise, fp8_format=fp8_format,
+                           bhsd_scales=bhsd_scales)
+    return t, (qr.to(torch.bfloat16) if return_q else None), x8
+
+
 def fused_q_uproj_rope_quant(x: Array, w: Array, cos: Array, sin: Array, nope_dim: int = 128, rope_dim: int = 64,
                              style: str = "interleaved_in_halves_out", layout: str = "sbhd", batch: int = 1,
                              weight_layout: str = "nk", rowwise: bool = True, columnwise: bool = True,
@@ -112,12 +160,22 @@ def fused_q_uproj_rope_quant(x: Array, w: Array, cos: Array, sin: Array, nope_di
     (viewed as [T, 1, heads, D]), rowwise scales [T*heads, D/32], columnwise [ceil(T/32), heads*D].
     bhsd_scales=True writes the swizzled BHSD scales attention reads (SPEC §2.2).
     numpy: bf16 as ml_dtypes.bfloat16 or uint16 bits; q comes back in x's flavour.
+
+    MXFP8 weights: w an MXFP8Tensor [N, K] with its rowwise copy (quantize(w)), x a torch bf16 tensor
+    (quantized here rowwise + columnwise in one pass) or an MXFP8Tensor [T, K]: the GEMM is
+    mxmla.gemm on the MXFP8 copies (SPEC §6, fp32 accumulation), then the same RoPE + MXFP8 epilogue
+    (see fused_q_mxfp8_weight; CPU tensors: the references; CUDA: mxmla.gemm's kernel, then the RoPE
+    and quantize_attention kernels, not one fused kernel yet).
     Not differentiable (see the module docstring)."""
     op = _OP
     (nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise, columnwise, fp8_format,
      bhsd_scales) = _fused_args(op, nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise, columnwise,
                                 fp8_format, bhsd_scales)
     return_q = flag(op, "return_q", return_q)
+    if isinstance(w, MXFP8Tensor):
+        t, q, _ = fused_q_mxfp8_weight(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise,
+                                       columnwise, fp8_format, bhsd_scales, return_q)
+        return (t, q) if return_q else t
     torch_kind = kind_of(op, "x", x) == "torch"
     same_kind(op, "x", x, w=w, cos=cos, sin=sin)
     _check_tables(op, style, cos, sin)
@@ -141,7 +199,8 @@ class FusedMLAQUpProjRopeQuant:
     "Q Up-Proj GEMM/RoPE/Quant"): ``run(x, w, cos, sin, s, b)`` -> (query MXFP8Tensor, saved activation).
 
     The saved activation is what the backward needs from the forward: x itself (bf16 weights; the
-    weight gradient is dW = dQ'^T x). x may be [s*b, K] or [s, b, K] / [b, s, K] (flattened).
+    weight gradient is dW = dQ'^T x), or with an MXFP8 w (an MXFP8Tensor) x's columnwise MXFP8 copy
+    (x bf16 is quantized rowwise + columnwise in one pass; the rowwise copy feeds the GEMM). x may be [s*b, K] or [s, b, K] / [b, s, K] (flattened).
     The options are checked here, at construction (the C++ rules included)."""
 
     def __init__(self, nope_dim: int = 128, rope_dim: int = 64, style: str = "interleaved_in_halves_out",
@@ -179,6 +238,11 @@ class FusedMLAQUpProjRopeQuant:
             raise ValueError(f"{op}: argument 'x': must be [s*b, K] or 3-D, got shape {tuple(x.shape)}")
         if x.shape[0] != s * b:
             raise ValueError(f"{op}: argument 'x': {x.shape[0]} tokens, expected s*b = {s * b}")
+        if isinstance(w, MXFP8Tensor):  # the saved activation: x's columnwise copy only (for dW = dQ'ᵀ·x)
+            q, _, x8 = fused_q_mxfp8_weight(x, w, cos, sin, self.nope_dim, self.rope_dim, self.style, self.layout, b,
+                                            "nk", True, True, self.fp8_format, self.bhsd_scales, False)
+            return q, MXFP8Tensor(x8.shape, x8.fp8_format, x8.scale_layout, None, None, x8.columnwise_data,
+                                  x8.columnwise_scale_inv)
         q = fused_q_uproj_rope_quant(x, w, cos, sin, self.nope_dim, self.rope_dim, self.style, self.layout, b,
                                      fp8_format=self.fp8_format, bhsd_scales=self.bhsd_scales)
         return q, x

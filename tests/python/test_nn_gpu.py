@@ -3,7 +3,8 @@
 
 - MXFP8 Linear: on integer-valued data (every fp32 partial sum exact) the CUDA forward, dgrad and
   wgrad equal the CPU path bit for bit.
-- MLAQUpProj: the CUDA fused op and its backward against the same module on the CPU.
+- MLAQUpProj: the CUDA fused op and its backward against the same module on the CPU; with MXFP8
+  weights (mxmla.gemm, RoPE, quantize_attention on the GPU) bit for bit on integer-valued data.
 - MLA, DeepSeek-V3 dims (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, 128 / 64 / 128), T 512:
   the "mxfp8" block against the "bf16" block with the same weights (stated bounds below), and a
   small block's "mxfp8" CUDA run against its CPU run (the same MXFP8 math; fp32 against float64).
@@ -75,6 +76,37 @@ def test_mlaqupproj_cuda_against_cpu():
     (r0, c0, dx0, dw0), (r1, c1, dx1, dw1) = res
     assert (r0 != r1).float().mean() < 0.01 and (c0 != c1).float().mean() < 0.01
     assert rel(dx1, dx0) < 0.01 and rel(dw1, dw0) < 0.01
+
+
+def test_fused_op_with_mxfp8_weights_cuda_equals_cpu_on_integer_data():
+    """The MXFP8-weight fused op on the GPU (mxmla.gemm's kernel, the RoPE and quantize_attention
+    kernels) equals the CPU path bit for bit on integer-valued x and W (every fp32 partial sum exact);
+    and MLAQUpProj(weights="mxfp8")'s forward and backward on the GPU against the CPU."""
+    T, K, H = 96, 128, 2
+    x, w = ints(T, K, seed=4), ints(H * 192, K, seed=5)
+    cos, sin = mxmla.rope_tables(torch.arange(48), 64, yarn="deepseek_v3", style="interleaved")
+    kw = dict(style="interleaved", layout="bshd", batch=2, bhsd_scales=True, return_q=True)
+    a, qa = mxmla.fused_q_uproj_rope_quant(x, mxmla.quantize(w), cos, sin, 128, 64, **kw)
+    b, qb = mxmla.fused_q_uproj_rope_quant(x.cuda(), mxmla.quantize(w.cuda()), cos.cuda(), sin.cuda(), 128, 64, **kw)
+    for f in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        assert torch.equal(getattr(a, f), getattr(b, f).cpu()), f
+    assert torch.equal(qa, qb.cpu())
+    mods = [mnn.MLAQUpProj(K, H, 128, 64, weights="mxfp8", layout="sbhd", max_seq_len=64, seed=3, init_std=0.05)
+            for _ in range(2)]
+    mods[1].load_state_dict(mods[0].state_dict())
+    mods[1].cuda()
+    g = torch.Generator().manual_seed(6)
+    xs = torch.randn(48, 2, K, generator=g).to(torch.bfloat16)
+    dq, res = None, []
+    for m, dev in zip(mods, ("cpu", "cuda")):
+        xi = xs.to(dev).clone().requires_grad_()
+        q8, anchor = m(xi)
+        if dq is None:
+            dq = torch.randn(anchor.shape, generator=g).to(torch.bfloat16)
+        dx, dw = torch.autograd.grad(anchor, (xi, m.weight), dq.to(dev))
+        res.append((q8.rowwise_data.cpu(), dx.cpu(), dw.cpu()))
+    assert (res[0][0] != res[1][0]).float().mean() < 0.01
+    assert rel(res[1][1], res[0][1]) < 0.01 and rel(res[1][2], res[0][2]) < 0.01
 
 
 def _grads(m, x):

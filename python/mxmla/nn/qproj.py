@@ -11,9 +11,13 @@ weight's ``main_grad`` when it has one, as Megatron accumulates gradients). No b
 q is ever stored. Saved for the backward: x (bf16) and W's bf16 copy, as the reference system keeps
 them for bf16 weights.
 
-Weights: ``weights="bf16"`` (bf16 copies of fp32 master weights). ``"mxfp8"`` (an MXFP8 weight in the
-fused op) needs the fused op's MXFP8-weight path, which mxmla does not have yet: it raises
-NotImplementedError saying so.
+Weights: ``weights="bf16"`` (bf16 copies of fp32 master weights). ``"mxfp8"``: the fused op's
+MXFP8-weight path, as the reference system runs it (TransformerEngine's MXFP8 recipe): W quantized
+once per version of the weight (both copies; micro-batches between optimizer steps reuse them), x
+quantized rowwise + columnwise in one pass, fprop X_row·W_rowᵀ on mxmla.gemm, then RoPE and the MXFP8
+quantization of q; saved: x's and W's columnwise copies only. Backward: RoPE backward and the MXFP8
+quantization of dQ' in one pass (``rope_backward_quantize``), dgrad dX = dQ'_row·W_col and wgrad
+dW = dQ'_colᵀ·X_col on mxmla.gemm (SPEC §6).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from .layers import generator, init_normal_
+from .layers import _quantized_weight, generator, init_normal_
 
 _OP = "mxmla.nn.MLAQUpProj"
 
@@ -63,6 +67,48 @@ class _QUpProjFunction(torch.autograd.Function):
         return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype), None, None, None
 
 
+class _QUpProjMXFP8Function(torch.autograd.Function):
+    """The query path with an MXFP8 weight (the module docstring's ``weights="mxfp8"``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: dict):
+        from ..qproj import fused_q_mxfp8_weight
+
+        K = x.shape[-1]
+        xs = x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
+        w8 = _quantized_weight(weight)
+        q8, _, x8 = fused_q_mxfp8_weight(xs, w8, cos, sin, cfg["nope_dim"], cfg["rope_dim"], cfg["style"],
+                                         cfg["layout"], cfg["batch"], "nk", True, True, "e4m3", cfg["bhsd_scales"],
+                                         False)
+        # only the copies the backward reads: x's and W's columnwise ones
+        ctx.save_for_backward(x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data,
+                              w8.columnwise_scale_inv, cos, sin)
+        ctx.cfg, ctx.x_shape, ctx.w_dtype, ctx.weight = cfg, x.shape, weight.dtype, weight
+        ctx.shapes = (x8.shape, w8.shape)
+        anchor = torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(q8.rowwise_data.shape)
+        bufs = (q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data, q8.columnwise_scale_inv)
+        ctx.mark_non_differentiable(*bufs)
+        return (anchor, *bufs)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, *_unused):
+        import mxmla
+
+        xc, xsc, wc, wsc, cos, sin = ctx.saved_tensors
+        cfg = ctx.cfg
+        x8 = mxmla.MXFP8Tensor(ctx.shapes[0], "e4m3", "compact", None, None, xc, xsc)
+        w8 = mxmla.MXFP8Tensor(ctx.shapes[1], "e4m3", "compact", None, None, wc, wsc)
+        dq8 = mxmla.rope_backward_quantize(dq.to(torch.bfloat16).contiguous(), cos, sin, style=cfg["style"],
+                                           layout=cfg["layout"], rope_dim=cfg["rope_dim"])  # dQ' [T, N], both copies
+        dx = mxmla.gemm(dq8, w8, trans_b=False)                                          # [T, K] bf16
+        main_grad = getattr(ctx.weight, "main_grad", None)
+        if main_grad is not None:  # wgrad accumulated into Megatron's fp32 buffer; no .grad
+            mxmla.gemm(dq8, x8, trans_a=True, trans_b=False, out=main_grad, accumulate=True)
+            return dx.reshape(ctx.x_shape), None, None, None, None
+        dw = mxmla.gemm(dq8, x8, trans_a=True, trans_b=False, out_dtype="float32")       # [N, K] fp32
+        return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype), None, None, None
+
+
 class MLAQUpProj(nn.Module):
     """DeepSeek-V3's Q up-projection as a module: q = RoPE(x · Wᵀ) quantized to MXFP8 for attention
     (the fused op, ``mxmla.fused_q_uproj_rope_quant``), with autograd through an anchor (see the
@@ -70,8 +116,8 @@ class MLAQUpProj(nn.Module):
 
     in_features (DeepSeek-V3: q_lora_rank 1536), heads, nope_dim, rope_dim (128, 64), style (RoPE
     style, default DeepSeek's "interleaved"), layout ("sbhd" [s, b, in_features] or "bshd"), tables
-    for positions 0 .. max_seq_len - 1 (rope_base, yarn as for mxmla.rope_tables), weights "bf16",
-    init_std, seed (the weight is drawn from it on the CPU, as mxmla.nn's other modules).
+    for positions 0 .. max_seq_len - 1 (rope_base, yarn as for mxmla.rope_tables), weights "bf16" or
+    "mxfp8" (the module docstring), init_std, seed (the weight is drawn from it on the CPU, as mxmla.nn's other modules).
 
     forward(x) -> (q8, anchor): q8 the MXFP8Tensor of q ([s, b, heads, D] or [b, s, heads, D], both
     copies, BHSD scales); anchor the bf16 autograd edge to pass to ``attention_from_mxfp8_q``."""
@@ -83,12 +129,7 @@ class MLAQUpProj(nn.Module):
         super().__init__()
         import mxmla
 
-        if weights == "mxfp8":
-            raise NotImplementedError(f"{_OP}: weights='mxfp8' needs the fused Q up-projection's MXFP8-weight path "
-                                      "(an MXFP8 W in fused_q_uproj_rope_quant), which mxmla does not have yet; use "
-                                      "weights='bf16', or mxmla.nn.MLA(recipe='mxfp8') (its wq_b Linear runs the MXFP8 "
-                                      "GEMM, then RoPE and a re-quantization)")
-        if weights != "bf16":
+        if weights not in ("bf16", "mxfp8"):
             raise ValueError(f"{_OP}: weights must be 'bf16' or 'mxfp8', got {weights!r}")
         if layout not in ("sbhd", "bshd"):
             raise ValueError(f"{_OP}: layout must be 'sbhd' or 'bshd' (the fused op's token orders), got {layout!r}")
@@ -111,7 +152,8 @@ class MLAQUpProj(nn.Module):
         batch = x.shape[1] if self.layout == "sbhd" else x.shape[0]
         cfg = dict(nope_dim=self.nope_dim, rope_dim=self.rope_dim, style=self.style, layout=self.layout,
                    batch=int(batch), bhsd_scales=True)
-        anchor, rd, rs, cd, cs = _QUpProjFunction.apply(x, self.weight, self.rope_cos, self.rope_sin, cfg)
+        fn = _QUpProjMXFP8Function if self.weights == "mxfp8" else _QUpProjFunction
+        anchor, rd, rs, cd, cs = fn.apply(x, self.weight, self.rope_cos, self.rope_sin, cfg)
         q8 = mxmla.MXFP8Tensor(tuple(rd.shape), "e4m3", "bhsd", rd, rs, cd, cs, layout=self.layout, attention=True)
         return q8, anchor
 
