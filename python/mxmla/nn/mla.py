@@ -86,8 +86,12 @@ class MLA(nn.Module):
         recipe: "bf16" (the baseline: every Linear and the attention in bf16, fp32 accumulation,
             fp32 parameters) or "mxfp8" (every Linear on mxmla's MXFP8 GEMM, MXFP8LinearFunction;
             the attention on MXFP8 Q, K, V with mxmla's backward, MXFP8Attention; RMSNorm and
-            RoPE in bf16 / fp32 as in "bf16"). "mxfp8" needs dtype bf16 and every Linear's
-            dimensions multiples of 32.
+            RoPE in bf16 / fp32 as in "bf16"). Under "mxfp8" with q_lora_rank > 0 and layout bshd
+            or sbhd, the query's up-projection is the fused Q up-projection with an MXFP8 weight,
+            as the reference system runs it (wq_b's MXFP8 GEMM, RoPE and the MXFP8 quantization of
+            q in one op; attention reads that MXFP8 Q; mxmla.nn.MLAQUpProj's autograd); thd runs
+            wq_b's MXFP8 Linear, then RoPE. "mxfp8" needs dtype bf16 and every Linear's dimensions
+            multiples of 32.
         yarn: None (plain RoPE), "deepseek_v3" or a dict of YaRN parameters (mxmla.rope_tables);
             it also sets the softmax scale's mscale² (DeepSeek-V3 trains with YaRN only past 4K).
         rope_base: RoPE's base (10000). max_seq_len: the longest sequence (the tables' length).
@@ -213,6 +217,17 @@ class MLA(nn.Module):
         return _rope.apply_rope(x, self.rope_cos, self.rope_sin, style=ROPE_STYLE, layout=layout,
                                 rope_dim=self.rope_dim, cu_seqlens=cu)
 
+    def _fused_q(self, lat: torch.Tensor, layout: str):
+        """(q8, anchor): the fused Q up-projection of the normalized latent with wq_b's MXFP8 weight
+        (this rank's heads), RoPE'd and quantized for attention (both copies, BHSD scales)."""
+        from .. import MXFP8Tensor
+        from .qproj import _QUpProjMXFP8Function
+
+        cfg = dict(nope_dim=self.nope_dim, rope_dim=self.rope_dim, style=ROPE_STYLE, layout=layout,
+                   batch=int(lat.shape[0] if layout == "bshd" else lat.shape[1]), bhsd_scales=True)
+        anchor, rd, rs, cd, cs = _QUpProjMXFP8Function.apply(lat, self.wq_b.weight, self.rope_cos, self.rope_sin, cfg)
+        return MXFP8Tensor(tuple(rd.shape), "e4m3", "bhsd", rd, rs, cd, cs, layout=layout, attention=True), anchor
+
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """[.., h, s, d] -> [.., h, s, v_dim]: causal (top-left), one sequence per leading index."""
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
@@ -260,18 +275,26 @@ class MLA(nn.Module):
         # (tensor parallel: the latents are replicated, copy_to_tp sums their gradients over the ranks'
         # heads; wq / wq_b and wkv_b hold this rank's heads, wo's partial sums are all-reduced)
         g = self.tp_group
-        if self.q_lora_rank == 0:
-            q = self.wq(copy_to_tp(x, g))
+        fused_q = self.recipe == "mxfp8" and self.q_lora_rank > 0 and layout != "thd"
+        if fused_q:  # the fused Q up-projection with an MXFP8 weight: MXFP8 q and its autograd anchor
+            q8, anchor = self._fused_q(copy_to_tp(self.q_norm(self.wq_a(x)), g), layout)
         else:
-            q = self.wq_b(copy_to_tp(self.q_norm(self.wq_a(x)), g))
-        q = self._rope(q.unflatten(-1, (self.local_heads, self.qk_dim)), layout, cu)
+            if self.q_lora_rank == 0:
+                q = self.wq(copy_to_tp(x, g))
+            else:
+                q = self.wq_b(copy_to_tp(self.q_norm(self.wq_a(x)), g))
+            q = self._rope(q.unflatten(-1, (self.local_heads, self.qk_dim)), layout, cu)
         # key / value: the compressed latent (kv) and the shared rope key (one head)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_pe = copy_to_tp(self._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu), g)
         kv = self.wkv_b(copy_to_tp(self.kv_norm(kv), g)).unflatten(-1, (self.local_heads, self.nope_dim + self.v_dim))
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
-        o = self._attention(q, k, v, layout, cu)
+        if fused_q:
+            from .qproj import attention_from_mxfp8_q
+            o = attention_from_mxfp8_q(q8, anchor, k, v, causal=True, softmax_scale=self.softmax_scale)
+        else:
+            o = self._attention(q, k, v, layout, cu)
         return reduce_from_tp(self.wo(o.flatten(-2)), g)
 
     def extra_repr(self) -> str:

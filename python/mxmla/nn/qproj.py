@@ -84,7 +84,7 @@ class _QUpProjMXFP8Function(torch.autograd.Function):
         ctx.save_for_backward(x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data,
                               w8.columnwise_scale_inv, cos, sin)
         ctx.cfg, ctx.x_shape, ctx.w_dtype, ctx.weight = cfg, x.shape, weight.dtype, weight
-        ctx.shapes = (x8.shape, w8.shape)
+        ctx.shapes, ctx.x_dtype = (x8.shape, w8.shape), x.dtype
         anchor = torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(q8.rowwise_data.shape)
         bufs = (q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data, q8.columnwise_scale_inv)
         ctx.mark_non_differentiable(*bufs)
@@ -104,9 +104,9 @@ class _QUpProjMXFP8Function(torch.autograd.Function):
         main_grad = getattr(ctx.weight, "main_grad", None)
         if main_grad is not None:  # wgrad accumulated into Megatron's fp32 buffer; no .grad
             mxmla.gemm(dq8, x8, trans_a=True, trans_b=False, out=main_grad, accumulate=True)
-            return dx.reshape(ctx.x_shape), None, None, None, None
+            return dx.reshape(ctx.x_shape).to(ctx.x_dtype), None, None, None, None
         dw = mxmla.gemm(dq8, x8, trans_a=True, trans_b=False, out_dtype="float32")       # [N, K] fp32
-        return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype), None, None, None
+        return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None
 
 
 class MLAQUpProj(nn.Module):
