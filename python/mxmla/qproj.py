@@ -139,8 +139,8 @@ def fused_q_mxfp8_weight(x: Any, w8: MXFP8Tensor, cos: Any, sin: Any, nope_dim: 
         raise ValueError(f"{op}: argument 'batch': x's {T} tokens are not a multiple of batch = {batch}")
     q = gemm(x8, w8)  # [T, N] bf16 (fp32 accumulation, rounded once)
     s, heads = T // batch, N // D
-    q4 = q.float().reshape((s, batch, heads, D) if layout == "sbhd" else (batch, s, heads, D))
-    qr = apply_rope(q4, cos, sin, style=style, layout=layout, rope_dim=rope_dim)  # fp32, not re-rounded
+    qr = q.float().reshape((s, batch, heads, D) if layout == "sbhd" else (batch, s, heads, D))
+    apply_rope(qr, cos, sin, style=style, layout=layout, rope_dim=rope_dim, out=qr)  # in place, fp32: not re-rounded
     t = quantize_attention(qr, layout, rowwise=rowwise, columnwise=columnwise, fp8_format=fp8_format,
                            bhsd_scales=bhsd_scales)
     return t, (qr.to(torch.bfloat16) if return_q else None), x8

@@ -245,6 +245,17 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[4][4], uint32_t A, uint32_
   }
 }
 
+// Row g + 8·half of a warp's kNt 8-column accumulator tiles (m16n8 fragments) -> bf16 at columns
+// col0 + 8 nt + 2 t + {0, 1} of token `tok`, head h of an output (its view).
+template <int kNt>
+__device__ __forceinline__ void store_fragment_row(uint16_t* base, const AttnTensorView& v, int64_t b, int64_t tok,
+                                                   int64_t h, int col0, int t, int half, const float (&acc)[kNt][4]) {
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int u = 0; u < 2; ++u) write_bf16(base, v, b, tok, h, col0 + 8 * nt + 2 * t + u, acc[nt][2 * half + u]);
+}
+
 // acc [16 x 8 kNt] += A[m0.., :kTile] · B[:kTile, n0..]: A [.][kLdA] (a score tile, contraction
 // contiguous), B [kTile][kLdB] with the output columns contiguous (dO / Q / K rows): ldmatrix.trans.
 template <int kNt, int kLdA, int kLdB>
@@ -377,16 +388,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_mma(const __grid_constan
     const int jl = 16 * wm + g + 8 * half;
     if (jl >= nj) continue;
     const int64_t tok = s.kv0 + j0 + jl;
-#pragma unroll
-    for (int nt = 0; nt < C::kNtV; ++nt)
-#pragma unroll
-      for (int u = 0; u < 2; ++u)
-        write_bf16(p.dv, p.dv_v, b, tok, hk, (C::kDv / 2) * wn + 8 * nt + 2 * t + u, dv[nt][2 * half + u]);
-#pragma unroll
-    for (int nt = 0; nt < C::kNtQk; ++nt)
-#pragma unroll
-      for (int u = 0; u < 2; ++u)
-        write_bf16(p.dk, p.dk_v, b, tok, hk, (C::kDqk / 2) * wn + 8 * nt + 2 * t + u, dk[nt][2 * half + u]);
+    store_fragment_row<C::kNtV>(p.dv, p.dv_v, b, tok, hk, (C::kDv / 2) * wn, t, half, dv);
+    store_fragment_row<C::kNtQk>(p.dk, p.dk_v, b, tok, hk, (C::kDqk / 2) * wn, t, half, dk);
   }
 }
 
@@ -458,11 +461,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_mma(const __grid_constant_
     const int il = 16 * wm + g + 8 * half;
     if (il >= ni) continue;
     const int64_t tok = s.q0 + i0 + il;
-#pragma unroll
-    for (int nt = 0; nt < C::kNtQk; ++nt)
-#pragma unroll
-      for (int u = 0; u < 2; ++u)
-        write_bf16(p.dq, p.dq_v, b, tok, h, (C::kDqk / 2) * wn + 8 * nt + 2 * t + u, dq[nt][2 * half + u]);
+    store_fragment_row<C::kNtQk>(p.dq, p.dq_v, b, tok, h, (C::kDqk / 2) * wn, t, half, dq);
   }
 }
 
