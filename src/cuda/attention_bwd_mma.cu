@@ -8,31 +8,41 @@
 //   dS_ij = P_ij · (dP_ij − D_i) · scale;  P̂, dŜ = bf16(P), bf16(dS)   (0: invisible keys, padding)
 //   dV_j = Σ_i P̂_ij · dO_col,i,  dK_j = Σ_i dŜ_ij · Q_col,i,  dQ_i = Σ_j dŜ_ij · K_col,j
 //
-// Operands are converted to bf16 on their way into shared memory: a thread takes 16 consecutive
-// values of one token (bf16: copied; FP8: code · 2^(e−127) rounded to nearest even, exact for values
-// in bf16's normal range, through the copy's scale geometry as elem() reads it: one scale per chunk
-// for a rowwise copy, one per column for a columnwise one; cuda/sm90/dequant_mxfp8_bf16.cuh). Rows
-// past a sequence's end are zeros. The GEMMs are mma.sync m16n8k16 bf16 -> fp32 with ldmatrix
-// fragments (FA2 style), every shared tile row padded by 8 bf16 (16 bytes) so the eight rows of an
-// 8x8 ldmatrix land in distinct banks. Two kernels, as in the CUDA-core path, both 8 warps:
+// Three steps, on the caller's stream:
+//
+//   preprocess  (bwd_stage, stage_reads) every read (q_s, q_g, k_s, k_g, v_s, do_s, do_g) that is
+//          FP8, or bf16 without 16-byte aligned data and strides, is converted once to bf16 in
+//          stream-ordered scratch: [B][heads][S][d] (thd [heads][total tokens][d]), valid tokens
+//          only, one thread per 16 consecutive values of a token (bf16: copied; FP8: code · 2^(e−127)
+//          rounded to nearest even, exact for values in bf16's normal range, through the copy's
+//          scale geometry as elem() reads it: one scale per chunk for a rowwise copy, one per
+//          column for a columnwise one; cuda/sm90/dequant_mxfp8_bf16.cuh). Reads with the same
+//          values (q_once, k_once, do_once) share one copy; aligned bf16 reads are used in place.
+//   dK/dV, dQ  the main kernels read only those bf16 views: 16-byte cp.async copies into shared
+//          memory (rows past a sequence's end zero-filled), software-pipelined so that each tile's
+//          loads overlap the previous GEMM phase (below). The GEMMs are mma.sync m16n8k16 bf16 ->
+//          fp32 with ldmatrix fragments (FA2 style), every shared tile row padded by 8 bf16 (16
+//          bytes) so the eight rows of an 8x8 ldmatrix land in distinct banks. Both kernels 8 warps:
 //
 //   dK/dV  CTA = (64 keys j0.., kv head hk, sequence b). K_s [64][d_qk], V_s [64][d_v] stay in
 //          shared memory; for every head h of the GQA group and every 64-row query tile from the
-//          first that sees key j0 (causal):
-//            Q_s, Q_g [64][d_qk], dO_s, dO_g [64][d_v], LSE, D [64]            -> shared
-//            Sᵀ = K_s·Q_sᵀ, dPᵀ = V_s·dO_sᵀ [64 keys][64 rows]: warps 4 (keys) x 2 (rows), 16 x 32
-//            P̂ᵀ, dŜᵀ bf16 [64 keys][64 rows]                                    -> shared
-//            dV += P̂ᵀ·dO_g, dK += dŜᵀ·Q_g: warp = 16 keys x half the columns, fp32 registers
+//          first that sees key j0 (causal), tile t:
+//            phase 1  Sᵀ = K_s·Q_sᵀ, dPᵀ = V_s·dO_sᵀ [64 keys][64 rows]: warps 4 (keys) x 2 (rows),
+//                     16 x 32; P̂ᵀ, dŜᵀ bf16 [64 keys][64 rows] -> shared
+//                     (meanwhile Q_g, dO_g [64][d] of tile t land)
+//            phase 2  dV += P̂ᵀ·dO_g, dK += dŜᵀ·Q_g: warp = 16 keys x half the columns, fp32 registers
+//                     (meanwhile Q_s, dO_s [64][d], LSE, D [64] of tile t + 1 land)
 //          then dK, dV -> bf16 (the dk / dv views).
 //   dQ     CTA = (64 query rows i0.., head h, sequence b). Q_s [64][d_qk], dO_s [64][d_v], LSE, D
-//          stay; for every 64-key tile up to the causal limit: K_s, K_g [64][d_qk], V_s [64][d_v]
-//          -> shared; S, dP [64 rows][64 keys] (warps 4 x 2, 16 x 32); dŜ -> shared [64][64];
-//          dQ += dŜ·K_g (warp = 16 rows x d_qk / 2); then dQ -> bf16.
+//          stay; for every 64-key tile up to the causal limit: phase 1 S, dP [64 rows][64 keys]
+//          (warps 4 x 2, 16 x 32), dŜ -> shared [64][64] (meanwhile K_g [64][d_qk] lands); phase 2
+//          dQ += dŜ·K_g (warp = 16 rows x d_qk / 2; meanwhile the next K_s, V_s land); then dQ -> bf16.
 //
-// bf16 operands (and FP8 ones with a single copy) have one copy for both GEMMs: it is loaded once.
-// Shared memory (d_qk 192, d_v 128): dK/dV 144.5 KB, dQ 118.5 KB, one CTA per SM. Nothing is
-// accumulated across CTAs (no atomics): the result does not depend on scheduling (deterministic).
-// Arch-neutral (mma.sync sm_80+, FP8 decode and bf16x2 multiply sm_90+).
+// One copy for both GEMMs (bf16 operands, FP8 ones with a single copy) is loaded once per tile and
+// alternates between the two buffers of the operand from tile to tile (the next tile's lands while
+// this one's phase 2 reads). Shared memory (d_qk 192, d_v 128): dK/dV 144.5 KB, dQ 118.5 KB, one CTA
+// per SM. Nothing is accumulated across CTAs (no atomics): the result does not depend on scheduling
+// (deterministic). Arch-neutral (mma.sync, cp.async sm_80+; FP8 decode and bf16x2 multiply sm_90+).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -45,6 +55,7 @@
 #include "cuda/attention_bwd_common.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/ptx/common.cuh"
+#include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/mma_sync.cuh"
 #include "cuda/sm90/dequant_mxfp8_bf16.cuh"
 #include "cuda/stream_scratch.h"
@@ -74,8 +85,8 @@ struct Cfg {
   // 8-column MMA tiles of a warp's output half: dK / dQ (d_qk / 2 columns), dV (d_v / 2)
   static constexpr int kNtQk = kDqk / kWarpCols / 8, kNtV = kDv / kWarpCols / 8;
   static_assert(kDqk % 32 == 0 && kDv % 32 == 0, "a warp's column half is whole 16-column ldmatrix.x4 pairs");
-  static_assert((kTile * (kDqk / 16)) % kThreads == 0 && (kTile * (kDv / 16)) % kThreads == 0,
-                "the loader's 16-value chunks of a tile divide among the threads");
+  static_assert((kTile * (kDqk / 8)) % kThreads == 0 && (kTile * (kDv / 8)) % kThreads == 0,
+                "the loader's 16-byte pieces of a tile divide among the threads");
   // 16-byte aligned rows (ldmatrix rows, 16-byte stores); a stride of 16 mod 128 bytes puts the
   // eight rows of an 8x8 ldmatrix in distinct bank groups
   static_assert(kLdQk * 2 % 128 == 16 && kLdV * 2 % 128 == 16 && kLdT * 2 % 128 == 16, "padded rows");
@@ -103,21 +114,22 @@ struct alignas(16) SmemQ {
 enum Read : uint32_t { kQs, kQg, kKs, kKg, kVs, kDOs, kDOg };
 
 struct Params {
-  AttentionBwdProblem p;
-  const float* D;        // [rows] (row_index)
-  uint32_t vec;          // bit r: read r may use 16-byte loads (data pointer and strides 16-byte aligned)
+  AttentionBwdProblem p;  // its seven reads: bf16 views, data and strides 16-byte aligned (stage_reads)
+  const float* D;         // [rows] (row_index)
   bool q_once, k_once, do_once;  // the gradient GEMM's copy holds the score GEMM's values: loaded once
 };
 static_assert(sizeof(Params) <= 4000, "kernel parameter space");
 
-// ---------------------------------------------------------------- loading (global -> bf16 shared)
-// 16 FP8 codes (byte i = element i) with their scale bytes (byte i of e = element i's) -> 16 bf16 at
-// the shared address `at` (32 bytes). Fast path: exact bit construction and one bf16 multiply;
-// NaN / Inf codes and scales beyond the fast range take the exact fp32 path.
+// ---------------------------------------------------------------- the preprocess (reads -> bf16 scratch)
+// 16 FP8 codes (byte i = element i) with their scale bytes (byte i of e = element i's) -> 16 bf16,
+// out[i] = elements 2i, 2i+1 (low half: 2i). Fast path: exact bit construction and one bf16
+// multiply; NaN / Inf codes and scales beyond the fast range take the exact fp32 path
+// (sm90::dequant16_exact_store), through the thread's 32-byte shared slot `stage`.
 template <bool kE4M3>
-__device__ __forceinline__ void store_fp8_chunk(const uint4& codes, const uint4& e, uint32_t at) {
+__device__ __forceinline__ void fp8_chunk_words(const uint4& codes, const uint4& e, uint4 (&stage)[2],
+                                                uint32_t (&out)[8]) {
   const uint32_t ew[4] = {e.x, e.y, e.z, e.w};
-  uint32_t f[8], out[8];
+  uint32_t f[8];
   bool exact = false;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {  // the factors of elements 2i, 2i+1
@@ -127,29 +139,28 @@ __device__ __forceinline__ void store_fp8_chunk(const uint4& codes, const uint4&
   }
   const uint32_t special = sm90::dequant16_fast<kE4M3>(codes, f, out);
   if (exact || special != 0) {
-    sm90::dequant16_exact_store<kE4M3>(codes, e, at, at + 16);
-  } else {
-    ptx::st_shared_v4(at, out[0], out[1], out[2], out[3]);
-    ptx::st_shared_v4(at + 16, out[4], out[5], out[6], out[7]);
+    sm90::dequant16_exact_store<kE4M3>(codes, e, ptx::smem_u32(&stage[0]), ptx::smem_u32(&stage[1]));
+    const uint4 lo = stage[0], hi = stage[1];  // this thread's own stores (the call clobbers memory)
+    out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
+    out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
   }
 }
 
-// Values d0 .. d0 + 15 of token `tok` (packed) of sequence b, head h of read r -> bf16 at `at`.
-__device__ __forceinline__ void load_chunk(const AttnRead& r, bool vec, int64_t b, int64_t h, int64_t tok, int64_t d0,
-                                           uint32_t at) {
+// Values d0 .. d0 + 15 of token `tok` (packed) of sequence b, head h of read r -> 16 bf16 (out[i]:
+// values 2i, 2i+1). bf16: copied; FP8: through the copy's scale geometry as elem() reads it.
+__device__ __forceinline__ void chunk_words(const AttnRead& r, bool vec, int64_t b, int64_t h, int64_t tok,
+                                            int64_t d0, uint4 (&stage)[2], uint32_t (&out)[8]) {
   const int64_t off = b * r.view.st_b + tok * r.view.st_s + h * r.view.st_h + d0;
   if (!r.fp8) {
     const uint16_t* src = static_cast<const uint16_t*>(r.view.data) + off;
     if (vec) {
       const uint4 lo = reinterpret_cast<const uint4*>(src)[0], hi = reinterpret_cast<const uint4*>(src)[1];
-      ptx::st_shared_v4(at, lo.x, lo.y, lo.z, lo.w);
-      ptx::st_shared_v4(at + 16, hi.x, hi.y, hi.z, hi.w);
+      out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
+      out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
     } else {
-      uint32_t w[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) w[i] = static_cast<uint32_t>(src[2 * i]) | (static_cast<uint32_t>(src[2 * i + 1]) << 16);
-      ptx::st_shared_v4(at, w[0], w[1], w[2], w[3]);
-      ptx::st_shared_v4(at + 16, w[4], w[5], w[6], w[7]);
+      for (int i = 0; i < 8; ++i)
+        out[i] = static_cast<uint32_t>(src[2 * i]) | (static_cast<uint32_t>(src[2 * i + 1]) << 16);
     }
     return;
   }
@@ -183,41 +194,77 @@ __device__ __forceinline__ void load_chunk(const AttnRead& r, bool vec, int64_t 
     e = make_uint4(w[0], w[1], w[2], w[3]);
   }
   if (r.fmt == Fp8Format::kE4M3)
-    store_fp8_chunk<true>(codes, e, at);
+    fp8_chunk_words<true>(codes, e, stage, out);
   else
-    store_fp8_chunk<false>(codes, e, at);
+    fp8_chunk_words<false>(codes, e, stage, out);
 }
 
-// Tokens tok0 .. tok0 + 63 (packed) of sequence b, head h of read r -> bf16 rows of dst
-// [kTile][kD + kPad]; rows n and later are zeros. Consecutive threads take consecutive chunks of
-// a row.
+// One read the preprocess converts: src (FP8, or bf16 without 16-byte alignment) -> dst, bf16
+// values of (b, h, tok, d) at dst + b·st_b + tok·st_s + h·st_h + d (view; tok packed, as the main
+// kernels address it): [B][heads][S][d], thd [heads][total tokens][d] (st_b 0).
+struct StageJob {
+  AttnRead src;
+  bool vec;            // src's 16-byte loads (vec_ok)
+  bool kv;             // a key-side read (K, V: cu_kv, Skv) or a query-side one (Q, dO: cu_q, Sq)
+  int32_t d;           // values per token and head (d_qk or d_v; a multiple of 16)
+  uint16_t* dst;
+  AttnTensorView view;  // dst's strides (view.data = dst)
+};
+static_assert(sizeof(AttentionBwdProblem) + sizeof(StageJob) <= 4000, "kernel parameter space");
+
+// grid (ceil(S · d / 16 / kThreads), heads, B): a thread converts one 16-value chunk (values
+// 16c .. 16c + 15 of token i of sequence b, head h); consecutive threads take consecutive chunks of
+// a token, then consecutive tokens (coalesced 16-byte stores). Tokens past the sequence's end are
+// left alone (the main kernels read only the valid ones).
+__global__ void __launch_bounds__(kThreads) bwd_stage(const __grid_constant__ AttentionBwdProblem p,
+                                                      const __grid_constant__ StageJob job) {
+  __shared__ uint4 stage[kThreads][2];  // the exact path's 32 bytes a thread
+  const int64_t b = blockIdx.z, h = blockIdx.y;
+  const Seq s = seq_of(p, b);
+  const int chunks = job.d / 16;
+  const int64_t x = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  const int64_t i = x / chunks;
+  const int c = static_cast<int>(x % chunks);
+  if (i >= (job.kv ? s.skv : s.sq)) return;
+  const int64_t tok = (job.kv ? s.kv0 : s.q0) + i;
+  uint32_t w[8];
+  chunk_words(job.src, job.vec, b, h, tok, int64_t{16} * c, stage[threadIdx.x], w);
+  uint4* dst = reinterpret_cast<uint4*>(job.dst + b * job.view.st_b + tok * job.view.st_s + h * job.view.st_h + 16 * c);
+  dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+// ---------------------------------------------------------------- loading (bf16 global -> shared, cp.async)
+// Tokens tok0 .. tok0 + 63 (packed) of sequence b, head h of a bf16 view whose data and strides
+// are 16-byte aligned -> rows of dst [kTile][kD + kPad], 16 bytes a cp.async; rows n and later are
+// zero-filled (src-size 0: nothing read). Consecutive threads take consecutive 16-byte pieces of a
+// row. The caller commits the group.
 template <int kD>
-__device__ __forceinline__ void load_tile(uint16_t* dst, const AttnRead& r, bool vec, int64_t b, int64_t h,
-                                          int64_t tok0, int n) {
-  constexpr int kChunks = kD / 16, kIters = kTile * kChunks / kThreads;
+__device__ __forceinline__ void load_tile_async(uint16_t* dst, const AttnTensorView& v, int64_t b, int64_t h,
+                                                int64_t tok0, int n) {
+  constexpr int kPieces = kD / 8, kIters = kTile * kPieces / kThreads;
+  static_assert(kD % 8 == 0 && kTile * kPieces % kThreads == 0, "a tile's 16-byte pieces divide among the threads");
+  const uint16_t* src = static_cast<const uint16_t*>(v.data) + b * v.st_b + tok0 * v.st_s + h * v.st_h;
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
     const int x = static_cast<int>(threadIdx.x) + it * kThreads;
-    const int row = x / kChunks, c = x % kChunks;
-    const uint32_t at = ptx::smem_u32(dst + row * (kD + kPad) + c * 16);
-    if (row < n) {
-      load_chunk(r, vec, b, h, tok0 + row, int64_t{c} * 16, at);
-    } else {
-      ptx::st_shared_v4(at, 0, 0, 0, 0);
-      ptx::st_shared_v4(at + 16, 0, 0, 0, 0);
-    }
+    const int row = x / kPieces, c = x % kPieces;
+    const bool in = row < n;
+    const void* from = in ? static_cast<const void*>(src + row * v.st_s + c * 8) : v.data;
+    ptx::cp_async<16>(dst + row * (kD + kPad) + c * 8, from, in ? 16u : 0u);
   }
 }
 
-// LSE and D of rows i0 .. i0 + 63 of head h (0 past the sequence's end: those rows are masked).
-__device__ __forceinline__ void load_rows(float* lse, float* d, const Params& prm, const Seq& s, int64_t b, int64_t h,
-                                          int64_t i0) {
+// LSE and D of rows i0 .. i0 + 63 of head h -> lse, d by cp.async (4 bytes each; zero past the
+// sequence's end: those rows are masked). The caller commits the group.
+__device__ __forceinline__ void load_rows_async(float* lse, float* d, const Params& prm, const Seq& s, int64_t b,
+                                                int64_t h, int64_t i0) {
   const int i = static_cast<int>(threadIdx.x);
   if (i < kTile) {
     const bool in = i0 + i < s.sq;
     const int64_t ri = in ? row_index(prm.p, s, b, h, i0 + i) : 0;
-    lse[i] = in ? prm.p.lse[ri] : 0.f;
-    d[i] = in ? prm.D[ri] : 0.f;
+    ptx::cp_async<4>(lse + i, prm.p.lse + ri, in ? 4u : 0u);
+    ptx::cp_async<4>(d + i, prm.D + ri, in ? 4u : 0u);
   }
 }
 
@@ -315,7 +362,16 @@ __device__ __forceinline__ void p_ds_pair(const float (&sacc)[2], const float (&
 }
 
 // ---------------------------------------------------------------- dK, dV
-// grid (ceil(Skv / 64), Hkv, B).
+// grid (ceil(Skv / 64), Hkv, B). The tiles t = 0 .. tiles − 1 run over the heads h of the GQA group
+// (outer) and the query tiles i0 = i_begin, i_begin + 64, .. (inner). cp.async groups, committed by
+// every thread in this order (empty ones too, so that the wait counts hold):
+//   prologue  K_s, V_s and tile 0's score operands (Q_s, dO_s, LSE, D)
+//   tile t    G_t: tile t's gradient operands (Q_g, dO_g), issued once tile t − 1's GEMMs are done
+//             S_t+1: tile t + 1's score operands, issued once tile t's score GEMMs are done
+// so the score operands of tile t + 1 land under tile t's gradient GEMMs and the gradient operands
+// of tile t under its score GEMMs. A single copy (q_once / do_once) serves both GEMMs of a tile:
+// its tiles alternate between the two buffers (tile t in buffer t % 2), so that tile t + 1's lands
+// while tile t's gradient GEMM still reads.
 template <class C>
 __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_mma(const __grid_constant__ Params prm) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -328,12 +384,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_mma(const __grid_constan
   const int wm = warp % kWarpRows, wn = warp / kWarpRows;  // 16-key block, column half
   const int g = lane / 4, t = lane % 4;
   const int nj = static_cast<int>(imin(kTile, s.skv - j0));
-  const uint32_t ks = ptx::smem_u32(sm.ks), vs = ptx::smem_u32(sm.vs), qs = ptx::smem_u32(sm.qs),
-                 dos = ptx::smem_u32(sm.dos), pt = ptx::smem_u32(sm.pt), dst = ptx::smem_u32(sm.dst);
-  const uint32_t qg = prm.q_once ? qs : ptx::smem_u32(sm.qg), dog = prm.do_once ? dos : ptx::smem_u32(sm.dog);
-
-  load_tile<C::kDqk>(&sm.ks[0][0], p.k_s, (prm.vec >> kKs) & 1, b, hk, s.kv0 + j0, nj);
-  load_tile<C::kDv>(&sm.vs[0][0], p.v_s, (prm.vec >> kVs) & 1, b, hk, s.kv0 + j0, nj);
+  const uint32_t ks = ptx::smem_u32(sm.ks), vs = ptx::smem_u32(sm.vs), pt = ptx::smem_u32(sm.pt),
+                 dst = ptx::smem_u32(sm.dst);
+  // buffer 0: the score GEMM's copy, 1: the gradient GEMM's (one copy: tile t's in buffer t % 2)
+  auto qbuf = [&](int i) { return i == 0 ? &sm.qs[0][0] : &sm.qg[0][0]; };  // (selects: no local arrays)
+  auto dobuf = [&](int i) { return i == 0 ? &sm.dos[0][0] : &sm.dog[0][0]; };
 
   float dk[C::kNtQk][4], dv[C::kNtV][4];
   zero(dk), zero(dv);
@@ -342,45 +397,74 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_mma(const __grid_constan
   // the first row that sees key j0 (causal); its tile is the first with work
   const int64_t i_first = p.causal ? imax(0, j0 - s.off) : 0;
   const int64_t i_begin = i_first < s.sq ? i_first / kTile * kTile : s.sq;
-  for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-    for (int64_t i0 = i_begin; i0 < s.sq; i0 += kTile) {
-      __syncthreads();  // the previous tile's Q, dO, P̂ᵀ, dŜᵀ are consumed
-      const int ni = static_cast<int>(imin(kTile, s.sq - i0));
-      load_tile<C::kDqk>(&sm.qs[0][0], p.q_s, (prm.vec >> kQs) & 1, b, h, s.q0 + i0, ni);
-      if (!prm.q_once) load_tile<C::kDqk>(&sm.qg[0][0], p.q_g, (prm.vec >> kQg) & 1, b, h, s.q0 + i0, ni);
-      load_tile<C::kDv>(&sm.dos[0][0], p.do_s, (prm.vec >> kDOs) & 1, b, h, s.q0 + i0, ni);
-      if (!prm.do_once) load_tile<C::kDv>(&sm.dog[0][0], p.do_g, (prm.vec >> kDOg) & 1, b, h, s.q0 + i0, ni);
-      load_rows(sm.lse, sm.d, prm, s, b, h, i0);
-      __syncthreads();
+  const int64_t tiles = group * ((s.sq - i_begin + kTile - 1) / kTile);
+  // tile (h, i0)'s score operands -> Q_s, dO_s (buffer `buf` of a single copy, else 0), LSE, D
+  auto load_score_operands = [&](int64_t h, int64_t i0, int buf) {
+    const int ni = static_cast<int>(imin(kTile, s.sq - i0));
+    load_tile_async<C::kDqk>(qbuf(prm.q_once ? buf : 0), p.q_s.view, b, h, s.q0 + i0, ni);
+    load_tile_async<C::kDv>(dobuf(prm.do_once ? buf : 0), p.do_s.view, b, h, s.q0 + i0, ni);
+    load_rows_async(sm.lse, sm.d, prm, s, b, h, i0);
+  };
 
-      {  // Sᵀ, dPᵀ: this warp's keys 16 wm.., rows 32 wn..
-        float sacc[4][4], dpacc[4][4];
-        zero(sacc), zero(dpacc);
-        gemm_abt<C::kDqk, C::kLdQk>(sacc, ks, qs, 16 * wm, 32 * wn, lane);
-        gemm_abt<C::kDv, C::kLdV>(dpacc, vs, dos, 16 * wm, 32 * wn, lane);
-        const TileMask mask = tile_mask(p, s, i0, j0);
+  if (tiles > 0) {
+    load_tile_async<C::kDqk>(&sm.ks[0][0], p.k_s.view, b, hk, s.kv0 + j0, nj);
+    load_tile_async<C::kDv>(&sm.vs[0][0], p.v_s.view, b, hk, s.kv0 + j0, nj);
+    load_score_operands(hk * group, i_begin, 0);
+  }
+  ptx::cp_async_commit();
+  int64_t h = hk * group, i0 = i_begin;  // tile t
+  for (int64_t ti = 0; ti < tiles; ++ti) {
+    const int cur = static_cast<int>(ti & 1);
+    const uint32_t qs = ptx::smem_u32(qbuf(prm.q_once ? cur : 0)), qg = ptx::smem_u32(qbuf(prm.q_once ? cur : 1));
+    const uint32_t dos = ptx::smem_u32(dobuf(prm.do_once ? cur : 0)), dog = ptx::smem_u32(dobuf(prm.do_once ? cur : 1));
+    ptx::cp_async_wait<0>();  // S_t (t = 0: and K_s, V_s): nothing else is in flight
+    // tile t's score operands have landed for every thread; tile t − 1's gradient GEMMs are done
+    // (Q_g, dO_g, P̂ᵀ, dŜᵀ and the other buffer of a single copy are free)
+    __syncthreads();
+    const int ni = static_cast<int>(imin(kTile, s.sq - i0));
+    if (!prm.q_once) load_tile_async<C::kDqk>(&sm.qg[0][0], p.q_g.view, b, h, s.q0 + i0, ni);
+    if (!prm.do_once) load_tile_async<C::kDv>(&sm.dog[0][0], p.do_g.view, b, h, s.q0 + i0, ni);
+    ptx::cp_async_commit();  // G_t
+
+    {  // Sᵀ, dPᵀ: this warp's keys 16 wm.., rows 32 wn..
+      float sacc[4][4], dpacc[4][4];
+      zero(sacc), zero(dpacc);
+      gemm_abt<C::kDqk, C::kLdQk>(sacc, ks, qs, 16 * wm, 32 * wn, lane);
+      gemm_abt<C::kDv, C::kLdV>(dpacc, vs, dos, 16 * wm, 32 * wn, lane);
+      const TileMask mask = tile_mask(p, s, i0, j0);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const int il = 32 * wn + 8 * nt + 2 * t;  // rows il, il + 1 (the fragment's columns)
-          const float lse[2] = {sm.lse[il], sm.lse[il + 1]}, dd[2] = {sm.d[il], sm.d[il + 1]};
+      for (int nt = 0; nt < 4; ++nt) {
+        const int il = 32 * wn + 8 * nt + 2 * t;  // rows il, il + 1 (the fragment's columns)
+        const float lse[2] = {sm.lse[il], sm.lse[il + 1]}, dd[2] = {sm.d[il], sm.d[il + 1]};
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int jl = 16 * wm + g + 8 * half;  // the fragment's row: a key
-            const float sv[2] = {sacc[nt][2 * half], sacc[nt][2 * half + 1]};
-            const float dpv[2] = {dpacc[nt][2 * half], dpacc[nt][2 * half + 1]};
-            const bool on[2] = {mask.on(il, jl), mask.on(il + 1, jl)};
-            uint32_t p2, ds2;
-            p_ds_pair(sv, dpv, lse, dd, on, scale, p2, ds2);
-            *reinterpret_cast<uint32_t*>(&sm.pt[jl][il]) = p2;  // il even: 4-byte aligned
-            *reinterpret_cast<uint32_t*>(&sm.dst[jl][il]) = ds2;
-          }
+        for (int half = 0; half < 2; ++half) {
+          const int jl = 16 * wm + g + 8 * half;  // the fragment's row: a key
+          const float sv[2] = {sacc[nt][2 * half], sacc[nt][2 * half + 1]};
+          const float dpv[2] = {dpacc[nt][2 * half], dpacc[nt][2 * half + 1]};
+          const bool on[2] = {mask.on(il, jl), mask.on(il + 1, jl)};
+          uint32_t p2, ds2;
+          p_ds_pair(sv, dpv, lse, dd, on, scale, p2, ds2);
+          *reinterpret_cast<uint32_t*>(&sm.pt[jl][il]) = p2;  // il even: 4-byte aligned
+          *reinterpret_cast<uint32_t*>(&sm.dst[jl][il]) = ds2;
         }
       }
-      __syncthreads();
-      // dV += P̂ᵀ·dO_g, dK += dŜᵀ·Q_g: keys 16 wm.., column half wn
-      gemm_ab<C::kNtV, C::kLdT, C::kLdV>(dv, pt, dog, 16 * wm, (C::kDv / 2) * wn, lane);
-      gemm_ab<C::kNtQk, C::kLdT, C::kLdQk>(dk, dst, qg, 16 * wm, (C::kDqk / 2) * wn, lane);
     }
+    __syncthreads();  // P̂ᵀ, dŜᵀ complete; Q_s, dO_s, LSE, D consumed
+    // the next tile: the next query tile of head h, else head h + 1's first
+    int64_t h_next = h, i0_next = i0 + kTile;
+    if (i0_next >= s.sq) h_next = h + 1, i0_next = i_begin;
+    if (ti + 1 < tiles) load_score_operands(h_next, i0_next, cur ^ 1);
+    ptx::cp_async_commit();  // S_t+1
+    if (!(prm.q_once && prm.do_once)) {  // (uniform) G_t has copies
+      ptx::cp_async_wait<1>();  // G_t (S_t+1 may stay in flight)
+      __syncthreads();
+    }
+    // dV += P̂ᵀ·dO_g, dK += dŜᵀ·Q_g: keys 16 wm.., column half wn
+    gemm_ab<C::kNtV, C::kLdT, C::kLdV>(dv, pt, dog, 16 * wm, (C::kDv / 2) * wn, lane);
+    gemm_ab<C::kNtQk, C::kLdT, C::kLdQk>(dk, dst, qg, 16 * wm, (C::kDqk / 2) * wn, lane);
+    h = h_next, i0 = i0_next;
+  }
+  ptx::cp_async_wait<0>();  // (every group is empty or waited for by now)
 
   // fragment (row g / g + 8: key, columns 2t, 2t + 1) -> bf16
 #pragma unroll
@@ -394,7 +478,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_mma(const __grid_constan
 }
 
 // ---------------------------------------------------------------- dQ
-// grid (ceil(Sq / 64), H, B).
+// grid (ceil(Sq / 64), H, B). Key tiles t = 0 .. tiles − 1 (j0 = 64 t up to the causal limit);
+// cp.async groups as in the dK/dV kernel: prologue Q_s, dO_s, LSE, D and tile 0's K_s, V_s; tile t:
+// G_t = K_g of tile t (issued once tile t − 1's dQ GEMM is done), S_t+1 = K_s, V_s of tile t + 1
+// (issued once tile t's score GEMMs are done). A single K copy (k_once) alternates between the two
+// K buffers.
 template <class C>
 __global__ void __launch_bounds__(kThreads, 1) bwd_dq_mma(const __grid_constant__ Params prm) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -408,26 +496,37 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_mma(const __grid_constant_
   const int wm = warp % kWarpRows, wn = warp / kWarpRows;  // 16-row block, column half
   const int g = lane / 4, t = lane % 4;
   const int ni = static_cast<int>(imin(kTile, s.sq - i0));
-  const uint32_t qs = ptx::smem_u32(sm.qs), dos = ptx::smem_u32(sm.dos), ks = ptx::smem_u32(sm.ks),
-                 vs = ptx::smem_u32(sm.vs), ds = ptx::smem_u32(sm.ds);
-  const uint32_t kg = prm.k_once ? ks : ptx::smem_u32(sm.kg);
-
-  load_tile<C::kDqk>(&sm.qs[0][0], p.q_s, (prm.vec >> kQs) & 1, b, h, s.q0 + i0, ni);
-  load_tile<C::kDv>(&sm.dos[0][0], p.do_s, (prm.vec >> kDOs) & 1, b, h, s.q0 + i0, ni);
-  load_rows(sm.lse, sm.d, prm, s, b, h, i0);
+  const uint32_t qs = ptx::smem_u32(sm.qs), dos = ptx::smem_u32(sm.dos), vs = ptx::smem_u32(sm.vs),
+                 ds = ptx::smem_u32(sm.ds);
+  // buffer 0: the score GEMM's copy, 1: the dQ GEMM's (one copy: tile t's in buffer t % 2)
+  auto kbuf = [&](int i) { return i == 0 ? &sm.ks[0][0] : &sm.kg[0][0]; };  // (selects: no local arrays)
 
   float dq[C::kNtQk][4];
   zero(dq);
   const float scale = p.softmax_scale;
   // keys any row of the tile sees: j <= i0 + ni - 1 + off (causal)
   const int64_t j_end = p.causal ? imin(imax(i0 + ni + s.off, 0), s.skv) : s.skv;
-  for (int64_t j0 = 0; j0 < j_end; j0 += kTile) {
-    __syncthreads();  // the previous tile's K, V, dŜ are consumed
-    const int nj = static_cast<int>(imin(kTile, s.skv - j0));
-    load_tile<C::kDqk>(&sm.ks[0][0], p.k_s, (prm.vec >> kKs) & 1, b, hk, s.kv0 + j0, nj);
-    if (!prm.k_once) load_tile<C::kDqk>(&sm.kg[0][0], p.k_g, (prm.vec >> kKg) & 1, b, hk, s.kv0 + j0, nj);
-    load_tile<C::kDv>(&sm.vs[0][0], p.v_s, (prm.vec >> kVs) & 1, b, hk, s.kv0 + j0, nj);
+  const int64_t tiles = (j_end + kTile - 1) / kTile;
+  if (tiles > 0) {
+    load_tile_async<C::kDqk>(&sm.qs[0][0], p.q_s.view, b, h, s.q0 + i0, ni);
+    load_tile_async<C::kDv>(&sm.dos[0][0], p.do_s.view, b, h, s.q0 + i0, ni);
+    load_rows_async(sm.lse, sm.d, prm, s, b, h, i0);
+    const int nj = static_cast<int>(imin(kTile, s.skv));
+    load_tile_async<C::kDqk>(kbuf(0), p.k_s.view, b, hk, s.kv0, nj);
+    load_tile_async<C::kDv>(&sm.vs[0][0], p.v_s.view, b, hk, s.kv0, nj);
+  }
+  ptx::cp_async_commit();
+  for (int64_t ti = 0; ti < tiles; ++ti) {
+    const int64_t j0 = ti * kTile;
+    const int cur = static_cast<int>(ti & 1);
+    const uint32_t ks = ptx::smem_u32(kbuf(prm.k_once ? cur : 0)), kg = ptx::smem_u32(kbuf(prm.k_once ? cur : 1));
+    ptx::cp_async_wait<0>();  // S_t (t = 0: and Q_s, dO_s, LSE, D): nothing else is in flight
+    // tile t's K_s, V_s have landed for every thread; tile t − 1's dQ GEMM is done (K_g, dŜ and
+    // the other buffer of a single copy are free)
     __syncthreads();
+    if (!prm.k_once)
+      load_tile_async<C::kDqk>(&sm.kg[0][0], p.k_g.view, b, hk, s.kv0 + j0, static_cast<int>(imin(kTile, s.skv - j0)));
+    ptx::cp_async_commit();  // G_t
 
     {  // S, dP: this warp's rows 16 wm.., keys 32 wn..
       float sacc[4][4], dpacc[4][4];
@@ -451,10 +550,21 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_mma(const __grid_constant_
         }
       }
     }
-    __syncthreads();
+    __syncthreads();  // dŜ complete; K_s, V_s consumed
+    if (ti + 1 < tiles) {
+      const int nj = static_cast<int>(imin(kTile, s.skv - j0 - kTile));
+      load_tile_async<C::kDqk>(kbuf(prm.k_once ? cur ^ 1 : 0), p.k_s.view, b, hk, s.kv0 + j0 + kTile, nj);
+      load_tile_async<C::kDv>(&sm.vs[0][0], p.v_s.view, b, hk, s.kv0 + j0 + kTile, nj);
+    }
+    ptx::cp_async_commit();  // S_t+1
+    if (!prm.k_once) {  // (uniform) G_t has copies
+      ptx::cp_async_wait<1>();  // G_t (S_t+1 may stay in flight)
+      __syncthreads();
+    }
     // dQ += dŜ·K_g: rows 16 wm.., column half wn
     gemm_ab<C::kNtQk, C::kLdT, C::kLdQk>(dq, ds, kg, 16 * wm, (C::kDqk / 2) * wn, lane);
   }
+  ptx::cp_async_wait<0>();  // (every group is empty or waited for by now)
 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -489,7 +599,9 @@ void launch(const Params& prm, cudaStream_t s) {
   }
 }
 
-// 16-byte loads of a read: its data pointer and strides (bytes) multiples of 16.
+// 16-byte loads of a read: its data pointer and strides (bytes) multiples of 16 (bf16: the main
+// kernels' cp.async reads it in place; else the preprocess converts it, with 16-byte code loads
+// when FP8).
 bool vec_ok(const AttnRead& r) {
   const int64_t es = r.fp8 ? 1 : 2;
   const AttnTensorView& v = r.view;
@@ -497,7 +609,7 @@ bool vec_ok(const AttnRead& r) {
          v.st_h * es % 16 == 0;
 }
 
-// The loader's scale lookups: a 16-value chunk starts at a column that is a multiple of 16, so it
+// The preprocess's scale lookups: a 16-value chunk starts at a column that is a multiple of 16, so it
 // lies in one rowwise 32-column block; a columnwise chunk stays inside its head (BHSD cursors).
 bool chunk_scales_ok(const AttnRead& r) {
   if (!r.fp8) return true;
@@ -523,6 +635,50 @@ bool shape_instantiated(int64_t Dqk, int64_t Dv) {
   return (Dqk == 192 && Dv == 128) || (Dqk == 128 && Dv == 128) || (Dqk == 64 && Dv == 64);
 }
 
+// The preprocess: every read (Read order) that is FP8, or bf16 without 16-byte alignment, is
+// converted once into bf16 stream-ordered scratch (bwd_stage; owned by keep[r]) and prm.p's read
+// becomes a plain bf16 view of it; a gradient GEMM's read with the score GEMM's values (q_once,
+// k_once, do_once: set before) takes the score read's view. Aligned bf16 reads are read in place.
+void stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
+                 std::unique_ptr<StreamScratch> (&keep)[7]) {
+  const AttnRead* const in[] = {&p.q_s, &p.q_g, &p.k_s, &p.k_g, &p.v_s, &p.do_s, &p.do_g};
+  AttnRead* const out[] = {&prm.p.q_s, &prm.p.q_g, &prm.p.k_s, &prm.p.k_g, &prm.p.v_s, &prm.p.do_s, &prm.p.do_g};
+  static_assert(kQg == kQs + 1 && kKg == kKs + 1 && kDOg == kDOs + 1, "a gradient read follows its score read");
+  for (int r = 0; r < 7; ++r) {
+    if ((r == kQg && prm.q_once) || (r == kKg && prm.k_once) || (r == kDOg && prm.do_once)) {
+      *out[r] = *out[r - 1];
+      continue;
+    }
+    const bool vec = vec_ok(*in[r]);
+    if (!in[r]->fp8 && vec) continue;
+    const bool kv = r == kKs || r == kKg || r == kVs;
+    const int64_t heads = kv ? p.Hkv : p.H, d = (r == kVs || r == kDOs || r == kDOg) ? p.Dv : p.Dqk;
+    const int64_t S = kv ? p.Skv : p.Sq, tokens = p.thd ? (kv ? p.total_kv : p.total_q) : S;
+    // [B][heads][S][d], thd [heads][total tokens][d]
+    keep[r] = std::make_unique<StreamScratch>((p.thd ? 1 : p.B) * heads * tokens * d * 2, s);
+    StageJob job;
+    job.src = *in[r];
+    job.vec = vec;
+    job.kv = kv;
+    job.d = static_cast<int32_t>(d);
+    job.dst = reinterpret_cast<uint16_t*>(keep[r]->ptr);
+    job.view.data = job.dst;
+    job.view.st_b = p.thd ? 0 : heads * tokens * d;
+    job.view.st_s = d;
+    job.view.st_h = tokens * d;
+    const int64_t blocks = (S * (d / 16) + kThreads - 1) / kThreads;
+    if (blocks > 0 && heads > 0 && p.B > 0) {
+      bwd_stage<<<dim3(grid_dim(kOp, blocks, true, "rows"), grid_dim(kOp, heads, false, "heads"),
+                       grid_dim(kOp, p.B, false, "sequences")),
+                  kThreads, 0, s>>>(p, job);
+      MXMLA_CUDA_CHECK(cudaGetLastError());
+    }
+    AttnRead staged;  // bf16 (fp8 = false), no scales
+    staged.view = job.view;
+    *out[r] = staged;
+  }
+}
+
 }  // namespace
 
 // MXMLA_ATTN_BWD=simt in the environment forces the CUDA-core kernel (A/B comparisons and tests);
@@ -541,11 +697,11 @@ void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
   Params prm;
   prm.p = p;
   prm.D = reinterpret_cast<const float*>(D->ptr);
-  prm.vec = 0;
-  for (uint32_t r = 0; r < 7; ++r) prm.vec |= static_cast<uint32_t>(vec_ok(*reads[r])) << r;
   prm.q_once = same_values(p.q_s, p.q_g);
   prm.k_once = same_values(p.k_s, p.k_g);
   prm.do_once = same_values(p.do_s, p.do_g);
+  std::unique_ptr<StreamScratch> staged[7];  // the preprocess's copies: freed on the stream after the kernels
+  stage_reads(prm, p, s, staged);
   if (p.Dqk == 192)
     launch<192, 128>(prm, s);
   else if (p.Dqk == 128)

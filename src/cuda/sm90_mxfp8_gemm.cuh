@@ -97,9 +97,13 @@ __device__ __forceinline__ bool other_design(const Params& p) {
 
 // Both designs' epilogue: alpha, (+ D), bf16 or fp32 straight from the registers of an m64nN
 // accumulator (its rows r0 and r0 + 8 of the tile at m0; columns n0 + 8 jj + 2 (lane % 4) + {0, 1}).
+// A thread's two columns are adjacent: one 4-byte (bf16x2) or 8-byte (fp32 pair) store when the
+// output's pointer and row stride allow it, element by element otherwise (and at column N − 1).
 template <int kN>
 __device__ __forceinline__ void store_accumulators(const Params& p, const float (&acc)[kN / 2], int m0, int n0, int r0,
                                                    int lane) {
+  const uint32_t pair_bytes = p.out_f32 ? 8u : 4u;  // the column (even) pair's alignment
+  const bool pairs = p.ld_out % 2 == 0 && reinterpret_cast<uintptr_t>(p.out) % pair_bytes == 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = m0 + r0 + 8 * h;
@@ -108,14 +112,28 @@ __device__ __forceinline__ void store_accumulators(const Params& p, const float 
     for (int jj = 0; jj < kN / 8; ++jj) {
       const int col = n0 + 8 * jj + 2 * (lane % 4);
       const float v0 = p.alpha * acc[4 * jj + 2 * h], v1 = p.alpha * acc[4 * jj + 2 * h + 1];
+      const bool pair = pairs && col + 1 < p.N;
       if (p.out_f32) {
-        float* o = static_cast<float*>(p.out) + row * p.ld_out + col;
-        if (col < p.N) o[0] = p.accumulate ? o[0] + v0 : v0;
-        if (col + 1 < p.N) o[1] = p.accumulate ? o[1] + v1 : v1;
+        float* o = static_cast<float*>(p.out) + int64_t{row} * p.ld_out + col;
+        if (pair) {
+          float2 w = make_float2(v0, v1);
+          if (p.accumulate) {
+            const float2 d = *reinterpret_cast<const float2*>(o);
+            w.x += d.x, w.y += d.y;
+          }
+          *reinterpret_cast<float2*>(o) = w;
+        } else {
+          if (col < p.N) o[0] = p.accumulate ? o[0] + v0 : v0;
+          if (col + 1 < p.N) o[1] = p.accumulate ? o[1] + v1 : v1;
+        }
       } else {
-        uint16_t* o = static_cast<uint16_t*>(p.out) + row * p.ld_out + col;
-        if (col < p.N) o[0] = bf16_out(v0);
-        if (col + 1 < p.N) o[1] = bf16_out(v1);
+        uint16_t* o = static_cast<uint16_t*>(p.out) + int64_t{row} * p.ld_out + col;
+        if (pair) {
+          *reinterpret_cast<uint32_t*>(o) = bf16x2_out(v0, v1);
+        } else {
+          if (col < p.N) o[0] = bf16_out(v0);
+          if (col + 1 < p.N) o[1] = bf16_out(v1);
+        }
       }
     }
   }

@@ -11,18 +11,21 @@
 // of two bf16 numbers are exact in fp32 and every sum is an fp32 sum: integer data whose partial
 // sums fit fp32's 24 bits comes out exactly.
 //
-// Roles (384 threads, one CTA per SM, persistent over 128 x 256 output tiles, grouped rasterisation):
-//   warpgroup 0  dequantizer and TMA producer. Thread 0 keeps the FP8 ring kStages8 - 1 stages ahead:
-//                per stage A [128 rows][64 codes] and B [256 rows][64 codes] with the 64-byte swizzle
-//                and the stage's 512-byte scale tiles (one of A, two of B) (full: TMA bytes; empty:
-//                the four warps of this warpgroup). Thread t turns rows t of A and t, t + 128 of B of
-//                an FP8 stage into bf16 rows (128-byte swizzle, the wgmma K-major layout) of a
-//                kStages16 ring (full: 128 arrivals after fence.proxy.async; empty: the consumer
-//                warps) — the attention forward's integer bit construction
-//                (sm90/dequant_mxfp8_bf16.cuh), with its exact fp32 path for NaN / Inf codes and
-//                scales above the fast path's range;
+// Roles (384 threads, one CTA per SM, persistent over 128 x 256 output tiles, grouped rasterisation).
+// Every stage is converted by all three warpgroups, one row per thread (A's 128 rows, B's 256):
+//   warpgroup 0  TMA producer and A's converter. Thread 0 keeps the FP8 ring kStages8 - 1 stages
+//                ahead: per stage A [128 rows][64 codes] and B [256 rows][64 codes] with the 64-byte
+//                swizzle and the stage's 512-byte scale tiles (one of A, two of B) (full: TMA bytes;
+//                empty: lane 0 of all 12 warps). Thread r turns row r of A into a bf16 row
+//                (128-byte swizzle, the wgmma K-major layout) of the kStages16 ring (full: all 384
+//                threads, each after fence.proxy.async; empty: the consumer warps);
 //   warpgroups 1, 2  consumers: 64 rows each, m64n256k16 bf16 wgmma (sm90/mainloop_tma_wgmma.cuh's
-//                consumer loop), the epilogue straight from the registers.
+//                consumer loop), the epilogue straight from the registers. Consumer c also converts
+//                B's rows 128 c + r of stage g + 1 while its wgmmas of stage g run (the mainloop's
+//                `overlap` hook): twelve converting warps instead of four, the conversion hidden
+//                behind the tensor cores.
+// The conversion is the attention forward's integer bit construction (sm90/dequant_mxfp8_bf16.cuh),
+// with its exact fp32 path for NaN / Inf codes and scales above the fast path's range.
 // (A separate producer warpgroup would make 512 threads: ptxas then allots 128 registers per thread,
 // too few for the 128 accumulators of an m64n256 wgmma.)
 #pragma once
@@ -47,14 +50,15 @@ namespace mxmla::detail::mxgemm_a {
 struct Cfg {
   static constexpr int kBM = 128, kBN = 256;
   static constexpr int kBK = 64;                 // K per stage: 64 codes (64 FP8 bytes, 128 bf16 bytes)
-  static constexpr int kStages8 = 5, kStages16 = 2;  // FP8 stages cover the load latency
+  // FP8 stages cover the load latency; 3 + 3 measured the same (the converters run kStages16 − 1 ahead)
+  static constexpr int kStages8 = 5, kStages16 = 2;
   static constexpr int kGroupM = 8;
-  static constexpr int kThreads = 384;           // dequantizer + producer, two consumers
+  static constexpr int kThreads = 384;           // producer + A converter, two consumers (+ B converters)
   static constexpr int kRegsDequant = 96, kRegsConsumer = 200;
   static constexpr uint32_t kA8Bytes = kBM * kBK, kB8Bytes = kBN * kBK;  // FP8 tiles per stage
   static constexpr uint32_t kScaleBytes = 512;   // one F8_128x4 tile: 128 rows x 4 blocks (K 128)
   static_assert(kBK == 64, "a stage is one 64-byte swizzle row of codes, one 128-byte row of bf16");
-  static_assert(kBM == 128 && kBN == 256, "dequantizer thread t: row t of A, rows t and t + 128 of B");
+  static_assert(kBM == 128 && kBN == 256, "thread r of warpgroup w converts row r of slab w: A, B's halves");
   // setmaxnreg.inc waits (for ever) for registers that the CTA's launch allocation does not hold
   static_assert(kRegsDequant * 128 + 2 * kRegsConsumer * 128 <= (65536 / kThreads / 8 * 8) * kThreads,
                 "setmaxnreg moves registers inside the CTA's launch allocation");
@@ -82,8 +86,8 @@ struct Kernel {
   static_assert(sizeof(typename Mainloop::SharedStorage) % 1024 == 0, "the FP8 tiles start 1024-aligned");
 };
 
-// Dequantizer thread t's rows: row t of the A tile and rows t, t + 128 of the B tile share the
-// swizzle phase (t + 128 has t's low bits), so one set of byte offsets serves all three.
+// Thread t's row of a 128-row slab (A, B's rows 0..127 or 128..255; t + 128 has t's swizzle phase):
+// its byte offsets in the FP8 and the bf16 tiles.
 struct RowOffsets {
   uint32_t src[4];  // 16-code chunk c of row t in an FP8 tile: t*64 + (c ^ ((t >> 1) & 3))*16 (64-byte swizzle)
   uint32_t dst[8];  // 16-byte chunk h of row t in a bf16 tile: t*128 + (h ^ (t & 7))*16 (128-byte swizzle)
@@ -132,6 +136,44 @@ __device__ __forceinline__ void dequant_row64(const uint4 (&x)[4], const uint8_t
   }
 }
 
+// Position in this CTA's sequence of stages (its tiles' k-blocks in order), as every role walks it.
+struct StageCursor {
+  int t, kb, mt, nt;
+  __device__ __forceinline__ void locate(const mxgemm::Params& p) { grouped_tile<Cfg::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt); }
+};
+
+// One thread's share of a stage: row `r` of slab `slab` (0: A's 128 rows; 1, 2: B's rows 0..127,
+// 128..255) from the FP8 ring into the bf16 ring. Waits for the FP8 stage and the bf16 slot, then
+// releases the FP8 stage (lane 0 of every warp) and marks its bf16 row written (every thread, after
+// fence.proxy.async: the wgmmas read it through the async proxy).
+template <class K, bool kE4M3>
+__device__ __forceinline__ void convert_row(typename K::Smem& sm, const mxgemm::Params& p, const StageCursor& c,
+                                            sm90::PipelineState<K::C::kStages8>& s8,
+                                            sm90::PipelineState<K::C::kStages16>& s16, int slab, int r,
+                                            const RowOffsets& ro) {
+  using C = typename K::C;
+  sm.bars8.consumer_wait(s8);
+  sm.bars16.producer_acquire(s16);
+  const bool valid = slab == 0 ? c.mt * C::kBM + r < p.M : c.nt * C::kBN + 128 * (slab - 1) + r < p.N;
+  const uint8_t* src = slab == 0 ? sm.a8[s8.index] : sm.b8[s8.index] + (slab - 1) * 128 * C::kBK;
+  uint8_t* dst = slab == 0 ? sm.bf.a[s16.index] : sm.bf.b[s16.index] + (slab - 1) * 128 * 2 * C::kBK;
+  const uint8_t* sc = slab == 0 ? sm.sa[s8.index] : sm.sb[s8.index][slab - 1];
+  uint4 x[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = valid ? *reinterpret_cast<const uint4*>(src + ro.src[i]) : make_uint4(0, 0, 0, 0);
+  // byte of (row, block j) in a 512-byte scale tile: (row % 32) * 16 + (row / 32) * 4 + j; this
+  // stage holds blocks 2 (kb % 2) and + 1 of the tile
+  const int j = (r % 32) * 16 + (r / 32) * 4 + 2 * (c.kb % 2);
+  const uint32_t e0 = valid ? sc[j] : 127u, e1 = valid ? sc[j + 1] : 127u;
+  dequant_row64<kE4M3>(x, src, dst, ro, valid, e0, e1);
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) sm.bars8.consumer_release(s8.index);  // this warp is done reading the FP8 stage
+  ptx::fence_proxy_async();  // the bf16 row, written by this thread, for the wgmmas (async proxy)
+  sm.bars16.producer_arrive(s16);
+  s8.advance();
+  s16.advance();
+}
+
 template <class K, bool kE4M3>
 __global__ void __launch_bounds__(K::C::kThreads, 1)
     sm90_mxfp8_gemm_bf16_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
@@ -142,105 +184,81 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   if (mxgemm::other_design(p)) return;
   extern __shared__ uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
-  const int wg = threadIdx.x / 128;
+  const int wg = threadIdx.x / 128, r = threadIdx.x % 128;
   if (threadIdx.x == 0) {
-    sm.bars8.init(4);                   // FP8 stage released by lane 0 of each dequantizer warp
-    sm.bars16.init(ML::kConsumerArrivals, 128);  // bf16 stage: full after all 128 dequantizer threads
+    sm.bars8.init(C::kThreads / 32);                 // FP8 stage released by lane 0 of every warp
+    sm.bars16.init(ML::kConsumerArrivals, C::kThreads);  // bf16 stage: full after every thread's row
     ptx::fence_barrier_init();
   }
   __syncthreads();
   const StaticPersistent sched{p.num_tiles};
-  const int b_row_tiles = (p.N + 127) / 128;  // B's 128-row scale tiles
+  const RowOffsets ro(r);
+  sm90::PipelineState<C::kStages8> s8;   // this thread's conversions: the FP8 stage it reads
+  sm90::PipelineState<C::kStages16> s16;  // ... and the bf16 slot it writes
+  StageCursor cv{sched.first(), 0, 0, 0};  // the next stage this thread converts
+  if (sched.valid(cv.t)) cv.locate(p);
+  const auto next_stage = [&](StageCursor& c) {
+    if (++c.kb == p.kblocks) {
+      c.kb = 0, c.t = sched.next(c.t);
+      if (sched.valid(c.t)) c.locate(p);
+    }
+  };
 
-  if (wg == 0) {  // ------------------------------------------------- dequantizer, TMA producer
+  if (wg == 0) {  // ------------------------------------------------- A's converter, TMA producer
     ptx::setmaxnreg_dec<C::kRegsDequant>();
-    const int t_row = threadIdx.x, lane = threadIdx.x % 32;
-    // thread 0's loads: the (tile, k-block) sequence of this CTA, kStages8 - 1 stages ahead
-    struct Loader {
-      int t, kb;
-      sm90::PipelineState<C::kStages8> st;
-    } ld{sched.first(), 0, {}};
+    // thread 0's loads: the same stage sequence, kStages8 - 1 stages ahead
+    StageCursor ld = cv;
+    sm90::PipelineState<C::kStages8> st;
+    const int b_row_tiles = (p.N + 127) / 128;  // B's 128-row scale tiles
     const auto load_next = [&] {
       if (!sched.valid(ld.t)) return;
-      int mt, nt;
-      grouped_tile<C::kGroupM>(ld.t, p.m_tiles, p.n_tiles, mt, nt);
-      const bool b_hi = 2 * nt + 1 < b_row_tiles;  // rows 128..255 of the B tile exist
-      sm.bars8.producer_acquire(ld.st);               // the four warps are done with the slot
-      uint64_t* full = sm.bars8.producer_expect(ld.st, C::kA8Bytes + C::kB8Bytes + (b_hi ? 3 : 2) * C::kScaleBytes);
-      ptx::tma_load_2d(sm.a8[ld.st.index], &tmap_a, full, ld.kb * C::kBK, mt * C::kBM);
-      ptx::tma_load_2d(sm.b8[ld.st.index], &tmap_b, full, ld.kb * C::kBK, nt * C::kBN);
+      const bool b_hi = 2 * ld.nt + 1 < b_row_tiles;  // rows 128..255 of the B tile exist
+      sm.bars8.producer_acquire(st);                   // every warp is done with the slot
+      uint64_t* full = sm.bars8.producer_expect(st, C::kA8Bytes + C::kB8Bytes + (b_hi ? 3 : 2) * C::kScaleBytes);
+      ptx::tma_load_2d(sm.a8[st.index], &tmap_a, full, ld.kb * C::kBK, ld.mt * C::kBM);
+      ptx::tma_load_2d(sm.b8[st.index], &tmap_b, full, ld.kb * C::kBK, ld.nt * C::kBN);
       const int64_t kt = ld.kb / 2;  // the 512-byte scale tile holding K [128 kt, 128 kt + 128)
-      ptx::bulk_load_g2s(sm.sa[ld.st.index], p.sa + (int64_t{mt} * p.tiles_x + kt) * C::kScaleBytes, C::kScaleBytes,
+      ptx::bulk_load_g2s(sm.sa[st.index], p.sa + (int64_t{ld.mt} * p.tiles_x + kt) * C::kScaleBytes, C::kScaleBytes,
                          full);
-      ptx::bulk_load_g2s(sm.sb[ld.st.index][0], p.sb + (int64_t{2 * nt} * p.tiles_x + kt) * C::kScaleBytes,
+      ptx::bulk_load_g2s(sm.sb[st.index][0], p.sb + (int64_t{2 * ld.nt} * p.tiles_x + kt) * C::kScaleBytes,
                          C::kScaleBytes, full);
       if (b_hi)
-        ptx::bulk_load_g2s(sm.sb[ld.st.index][1], p.sb + (int64_t{2 * nt + 1} * p.tiles_x + kt) * C::kScaleBytes,
+        ptx::bulk_load_g2s(sm.sb[st.index][1], p.sb + (int64_t{2 * ld.nt + 1} * p.tiles_x + kt) * C::kScaleBytes,
                            C::kScaleBytes, full);
-      ld.st.advance();
-      if (++ld.kb == p.kblocks) ld.kb = 0, ld.t = sched.next(ld.t);
+      st.advance();
+      next_stage(ld);
     };
     if (threadIdx.x == 0) {
       ptx::prefetch_tmap(&tmap_a);
       ptx::prefetch_tmap(&tmap_b);
       for (int i = 0; i < C::kStages8 - 1; ++i) load_next();
     }
-    // byte of (row, block j) in a 512-byte scale tile: (row % 32) * 16 + (row / 32) * 4 + j
-    const int s_off = (t_row % 32) * 16 + (t_row / 32) * 4;
-    const RowOffsets ro(t_row);
-    sm90::PipelineState<C::kStages8> s8;
-    sm90::PipelineState<C::kStages16> s16;
-    for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
-      int mt, nt;
-      grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
-      const bool va = mt * C::kBM + t_row < p.M;
-      const bool vb0 = nt * C::kBN + t_row < p.N, vb1 = nt * C::kBN + 128 + t_row < p.N;
-      for (int kb = 0; kb < p.kblocks; ++kb) {
-        if (threadIdx.x == 0) load_next();  // into the slot the four warps released last iteration
-        sm.bars8.consumer_wait(s8);
-        sm.bars16.producer_acquire(s16);
-        const int j = s_off + 2 * (kb % 2);  // blocks 2 (kb % 2) and + 1 of the scale tile
-        const uint8_t* a8 = sm.a8[s8.index];
-        const uint8_t* b8 = sm.b8[s8.index];
-        // the three rows' codes first (twelve 16-byte loads in flight), then their conversions
-        uint4 xa[4], xb[4], xc[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          xa[c] = va ? *reinterpret_cast<const uint4*>(a8 + ro.src[c]) : make_uint4(0, 0, 0, 0);
-          xb[c] = vb0 ? *reinterpret_cast<const uint4*>(b8 + ro.src[c]) : make_uint4(0, 0, 0, 0);
-          xc[c] = vb1 ? *reinterpret_cast<const uint4*>(b8 + 128 * 64 + ro.src[c]) : make_uint4(0, 0, 0, 0);
-        }
-        const uint8_t* sa = sm.sa[s8.index];
-        const uint8_t* sb0 = sm.sb[s8.index][0];
-        const uint8_t* sb1 = sm.sb[s8.index][1];
-        const uint32_t ea0 = sa[j], ea1 = sa[j + 1];
-        const uint32_t eb0 = vb0 ? sb0[j] : 127u, eb1 = vb0 ? sb0[j + 1] : 127u;
-        const uint32_t ec0 = vb1 ? sb1[j] : 127u, ec1 = vb1 ? sb1[j + 1] : 127u;
-        dequant_row64<kE4M3>(xa, a8, sm.bf.a[s16.index], ro, va, ea0, ea1);
-        dequant_row64<kE4M3>(xb, b8, sm.bf.b[s16.index], ro, vb0, eb0, eb1);
-        dequant_row64<kE4M3>(xc, b8 + 128 * 64, sm.bf.b[s16.index] + 128 * 128, ro, vb1, ec0, ec1);
-        __syncwarp();
-        if (lane == 0) sm.bars8.consumer_release(s8.index);  // this warp is done reading the FP8 stage
-        ptx::fence_proxy_async();  // the bf16 rows, written by this thread, for the wgmmas (async proxy)
-        sm.bars16.producer_arrive(s16);
-        s8.advance();
-        s16.advance();
-      }
+    for (; sched.valid(cv.t); next_stage(cv)) {
+      if (threadIdx.x == 0) load_next();  // into the slot every warp released a stage ago
+      convert_row<K, kE4M3>(sm, p, cv, s8, s16, 0, r, ro);
     }
     return;
   }
 
   // ---------------------------------------------------------------- consumers: 64 rows each
+  // Consumer cw converts B's rows 128 cw + r of every stage: stage g + 1 while its wgmmas of stage
+  // g run (the bf16 slot of g + 1 is g − 1's, which both consumers have retired by then).
   ptx::setmaxnreg_inc<C::kRegsConsumer>();
-  const int cw = wg - 1, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int cw = wg - 1, warp = r / 32, lane = r % 32;
   const int r0 = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: + 8)
   const typename ML::Consumer cons(sm.bf, cw);
-  typename ML::State st;
+  typename ML::State m16;  // the slot this warpgroup's wgmmas read
+  const auto convert_next = [&] {  // the next stage's rows, while this stage's wgmmas run
+    if (!sched.valid(cv.t)) return;
+    convert_row<K, kE4M3>(sm, p, cv, s8, s16, 1 + cw, r, ro);
+    next_stage(cv);
+  };
+  for (int i = 0; i < C::kStages16 - 1; ++i) convert_next();  // the converters run kStages16 - 1 stages ahead
   for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
     int mt, nt;
     grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
     float acc[ML::kAcc];
-    cons.template mma<NoProbe>(sm.bars16, st, p.kblocks, acc, false, 0);
+    cons.template mma<NoProbe>(sm.bars16, m16, p.kblocks, acc, false, 0, convert_next);
     store_accumulators<C::kBN>(p, acc, mt * C::kBM, nt * C::kBN, r0, lane);
   }
 }

@@ -42,6 +42,9 @@ struct MainloopTmaWgmma {
     uint8_t b[kStages][kBN * kBK * kElem];  // B tiles [kBN rows][kBK], 128-byte swizzle
   };
   static constexpr int kConsumerArrivals = 4 * kMmaWGs;  // lane 0 of every consumer warp releases a stage
+  struct NoOverlap {
+    __device__ __forceinline__ void operator()() const {}
+  };
 
   // ---------------------------------------------------------------- producer (one thread)
   // The kblocks k-blocks of one tile: issue(a_stage, b_stage, full_barrier, kb) issues the TMA
@@ -72,10 +75,11 @@ struct MainloopTmaWgmma {
         : da0(ptx::wgmma_desc_k_sw128(sm.a[0] + 64 * cw * kBK * kElem)), db0(ptx::wgmma_desc_k_sw128(sm.b[0])) {}
 
     // acc = the tile's product over kblocks k-blocks (overwritten); returns with every wgmma retired
-    // and every stage released.
-    template <class Probe>
+    // and every stage released. `overlap()` runs once per k-block while that k-block's wgmmas are in
+    // flight (after the previous stage is handed back): work that must not wait for them.
+    template <class Probe, class Overlap = NoOverlap>
     __device__ __forceinline__ void mma(Barriers& bars, State& st, int kblocks, float (&acc)[kAcc], bool stamps,
-                                        uint32_t n) const {
+                                        uint32_t n, Overlap&& overlap = {}) const {
       const int lane = threadIdx.x % 32;
       uint32_t prev = 0;
 #pragma unroll
@@ -97,6 +101,7 @@ struct MainloopTmaWgmma {
         }
         prev = st.index;
         st.advance();
+        overlap();
       }
       ptx::wgmma_wait<0>();
       if (stamps) Probe::stamp(n, 1), Probe::stamp_value(n, 15, waited);

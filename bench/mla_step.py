@@ -1,0 +1,70 @@
+"""One MLA block's training step (forward + backward) at DeepSeek-V3 dims, both recipes of
+mxmla.nn.MLA, same weights, same run: "bf16" (torch's GEMMs = cuBLAS, torch SDPA, RoPE in torch) and
+"mxfp8" (mxmla's MXFP8 GEMMs, fused Q up-projection, MXFP8 attention forward and backward).
+hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope / rope / v 128 / 64 / 128, b 1, causal, bshd.
+Times: medians of the calls, L2 flushed before each (bench/timing.py); a step is forward + backward
+with fresh gradients. Peak memory: the most allocated during one step above what was allocated
+before it (weights, input, output gradient).
+Usage: PYTHONPATH=<build>/python python3 bench/mla_step.py [T ...]   (default 4096)"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import flush_buffer, timer  # noqa: E402
+
+import mxmla.nn as mnn  # noqa: E402
+
+
+def measure(m, x, dy, flush):
+    def step():
+        x.grad = None
+        m.zero_grad(set_to_none=True)
+        m(x).backward(dy)
+
+    step()
+    torch.cuda.synchronize()
+    x.grad = None
+    m.zero_grad(set_to_none=True)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    m(x).backward(dy)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    t_step = timer(step, 10, flush)
+    t_fwd = timer(lambda: m(x), 10, flush)
+    return t_step, t_fwd, peak / 2**30
+
+
+def main():
+    seqs = [int(a) for a in sys.argv[1:]] or [4096]
+    flush = flush_buffer(torch.device("cuda"))
+    print("MLA block, DeepSeek-V3 dims (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, 128 / 64 / 128), b 1, causal")
+    print(f"{'T':>6s} {'recipe':>7s} {'step ms':>9s} {'fwd ms':>8s} {'peak GiB':>9s}")
+    for T in seqs:
+        kw = dict(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128,
+                  max_seq_len=T, layout="bshd", seed=11)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(1, T, 7168, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+        dy = torch.randn(1, T, 7168, generator=g).to(torch.bfloat16).cuda()
+        res = {}
+        ref = None
+        for recipe in ("bf16", "mxfp8"):
+            m = mnn.MLA(**kw, recipe=recipe).cuda()
+            if ref is None:
+                ref = m.state_dict()
+            else:
+                m.load_state_dict(ref)
+            res[recipe] = measure(m, x, dy, flush)
+            s, f, p = res[recipe]
+            print(f"{T:6d} {recipe:>7s} {s:9.3f} {f:8.3f} {p:9.2f}")
+            del m
+            torch.cuda.empty_cache()
+        (sb, fb, pb), (sm, fm, pm) = res["bf16"], res["mxfp8"]
+        print(f"{T:6d} ratios: step bf16/mxfp8 {sb / sm:.2f}x (target >= 1.1), forward {fb / fm:.2f}x, "
+              f"peak mxfp8/bf16 {pm / pb:.2f} (target <= 0.75)")
+
+
+if __name__ == "__main__":
+    main()
