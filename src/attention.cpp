@@ -553,7 +553,6 @@ void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInp
                         const TensorDesc& o, const TensorDesc& lse, TensorDesc& dq, TensorDesc& dk, TensorDesc& dv,
                         const AttentionOptions& opts, bool deterministic, const TensorDesc* cu_seqlens_q,
                         const TensorDesc* cu_seqlens_kv, Stream stream) {
-  (void)deterministic;  // the CPU reference has one summation order
   const bool thd = opts.q_format == AttnFormat::kTHD;
   if (thd != (opts.kv_format == AttnFormat::kTHD))
     bfail("kv_format", std::string("q_format and kv_format must both be thd (packed sequences) or neither; got q ") +
@@ -626,7 +625,7 @@ void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInp
   p.do_s = read_of(Ds), p.do_g = read_of(Dg);
   p.o = static_cast<const uint16_t*>(o.data), p.o_st_b = ov.st_b, p.o_st_s = ov.st_s, p.o_st_h = ov.st_h;
   p.lse = static_cast<const float*>(lse.data);
-  p.causal = opts.causal, p.bottom_right = opts.bottom_right;
+  p.causal = opts.causal, p.bottom_right = opts.bottom_right, p.deterministic = deterministic;
   p.softmax_scale = static_cast<float>(opts.softmax_scale != 0.0 ? opts.softmax_scale : 1.0 / std::sqrt(double(dq_.D)));
   p.dq = static_cast<uint16_t*>(dq.data), p.dk = static_cast<uint16_t*>(dk.data), p.dv = static_cast<uint16_t*>(dv.data);
   p.dq_v = dqv, p.dk_v = dkv, p.dv_v = dvv;

@@ -1,6 +1,7 @@
-"""Timing of the attention backward's CUDA path (src/cuda/attention_bwd_mma.cu at these head dims;
-MXMLA_ATTN_BWD=simt: the CUDA-core kernel) against cuDNN's bf16 SDPA backward (torch, cuDNN
-backend) on the dequantized inputs, same run: DeepSeek-V3 head dims (192 / 128), causal, bshd, b 1,
+"""Timing of the attention backward's CUDA path (src/cuda/sm90_attention_bwd.cu at these head dims;
+deterministic=True: the mma.sync kernels of src/cuda/attention_bwd_mma.cu; MXMLA_ATTN_BWD=simt: the
+CUDA-core kernel) against cuDNN's bf16 SDPA backward (torch, cuDNN backend) on the dequantized
+inputs, same run: DeepSeek-V3 head dims (192 / 128), causal, bshd, b 1,
 H heads, s tokens. TFLOP/s on the causal triangle, 2·(3·d_qk + 2·d_v) per causal element; medians, L2 flushed (bench/timing.py).
 Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_bwd_time.py [H] [s ...]   (default 16, 2048)"""
 import os
@@ -19,7 +20,8 @@ def main():
     seqs = [int(x) for x in sys.argv[2:]] or [2048]
     flush = flush_buffer(torch.device("cuda"))
     scale = mxmla.yarn_softmax_scale()
-    print(f"{'s':>6s} {'H':>4s} {'ours ms':>9s} {'TFLOP/s':>8s} {'cuDNN ms':>9s} {'TFLOP/s':>8s} {'ours/cuDNN':>10s}")
+    print(f"{'s':>6s} {'H':>4s} {'ours ms':>9s} {'TFLOP/s':>8s} {'det. ms':>9s} {'TFLOP/s':>8s} {'cuDNN ms':>9s} "
+          f"{'TFLOP/s':>8s} {'ours/cuDNN':>10s} {'det./cuDNN':>10s} {'bf16-in ms':>10s} {'TFLOP/s':>8s}")
     for s in seqs:
         q, k = (torch.randn(1, s, H, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v = torch.randn(1, s, H, 128, device="cuda", dtype=torch.bfloat16)
@@ -28,6 +30,12 @@ def main():
         do = torch.randn_like(o)
         t_ours = timer(lambda: mxmla.attention_backward(do, q8, k8, v8, o, lse, causal=True, softmax_scale=scale), 5,
                        flush)
+        qb, kb, vb = (mxmla.dequantize(t, "bfloat16").view(t.rowwise_data.shape) for t in (q8, k8, v8))
+        t_bf16 = timer(lambda: mxmla.attention_backward(do, qb, kb, vb, o, lse, causal=True, softmax_scale=scale,
+                                                        layout="bshd"), 5,
+                       flush)
+        t_det = timer(lambda: mxmla.attention_backward(do, q8, k8, v8, o, lse, causal=True, softmax_scale=scale,
+                                                       deterministic=True), 5, flush)
         qd, kd, vd = (mxmla.dequantize(t, "bfloat16").view(t.rowwise_data.shape).transpose(1, 2).detach()
                       .requires_grad_() for t in (q8, k8, v8))
         try:
@@ -40,7 +48,8 @@ def main():
             t_cudnn = float("nan")
         flops = 2.0 * (3 * 192 + 2 * 128) * H * s * s / 2
         tf = lambda t: flops / t * 1e-9  # noqa: E731
-        print(f"{s:6d} {H:4d} {t_ours:9.3f} {tf(t_ours):8.1f} {t_cudnn:9.3f} {tf(t_cudnn):8.1f} {t_cudnn / t_ours:10.3f}")
+        print(f"{s:6d} {H:4d} {t_ours:9.3f} {tf(t_ours):8.1f} {t_det:9.3f} {tf(t_det):8.1f} {t_cudnn:9.3f} "
+              f"{tf(t_cudnn):8.1f} {t_cudnn / t_ours:10.3f} {t_cudnn / t_det:10.3f} {t_bf16:10.3f} {tf(t_bf16):8.1f}")
 
 
 if __name__ == "__main__":

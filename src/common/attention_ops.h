@@ -88,6 +88,7 @@ struct AttentionBwdProblem {
 
   bool causal = false, bottom_right = false;
   float softmax_scale = 1.0f;
+  bool deterministic = false;  // a fixed summation order (CUDA: no atomics)
 
   uint16_t *dq = nullptr, *dk = nullptr, *dv = nullptr;  // bf16, in q's / kv's formats
   AttnTensorView dq_v, dk_v, dv_v;
@@ -95,7 +96,8 @@ struct AttentionBwdProblem {
 
 void attention_fwd_cpu(const AttentionProblem& p);
 void attention_bwd_cpu(const AttentionBwdProblem& p);
-// The CUDA backward (src/cuda/attention_bwd_mma.cu): the tensor-core kernel for the head dims it is
+// The CUDA backward (src/cuda/attention_bwd_mma.cu): the preprocess, then the SM90 wgmma kernel
+// (sm90_attention_bwd.cu) where it applies, else the mma.sync kernels for the head dims they are
 // instantiated for, else (or with MXMLA_ATTN_BWD=simt in the environment) the CUDA-core one.
 void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream);
 // The CUDA-core backward (src/cuda/attention_bwd_simt.cu): every format and head dims up to 256;

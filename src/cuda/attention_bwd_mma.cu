@@ -58,6 +58,7 @@
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/mma_sync.cuh"
 #include "cuda/sm90/dequant_mxfp8_bf16.cuh"
+#include "cuda/sm90_attention_bwd.h"
 #include "cuda/stream_scratch.h"
 
 namespace mxmla::detail {
@@ -681,11 +682,14 @@ void stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
 
 }  // namespace
 
-// MXMLA_ATTN_BWD=simt in the environment forces the CUDA-core kernel (A/B comparisons and tests);
-// read at every call.
+// The main kernels: sm90_attention_bwd.cu's (wgmma, dQ by atomics) where it serves the problem (see
+// sm90_attention_bwd_supported: not deterministic, its head dims, one dO copy, an SM90 device), else
+// this file's two mma.sync kernels (deterministic). MXMLA_ATTN_BWD in the environment, read at every
+// call: "simt" forces the CUDA-core kernel, "mma" this file's kernels (A/B comparisons and tests).
 void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
   const char* env = std::getenv("MXMLA_ATTN_BWD");
   const bool force_simt = env != nullptr && std::strcmp(env, "simt") == 0;
+  const bool force_mma = env != nullptr && std::strcmp(env, "mma") == 0;
   const AttnRead* reads[] = {&p.q_s, &p.q_g, &p.k_s, &p.k_g, &p.v_s, &p.do_s, &p.do_g};  // in Read order
   bool scales_ok = true;
   for (const AttnRead* r : reads) scales_ok = scales_ok && chunk_scales_ok(*r);
@@ -702,6 +706,13 @@ void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
   prm.do_once = same_values(p.do_s, p.do_g);
   std::unique_ptr<StreamScratch> staged[7];  // the preprocess's copies: freed on the stream after the kernels
   stage_reads(prm, p, s, staged);
+  if (!force_mma && sm90_attention_bwd_supported(p, prm.do_once)) {
+    Sm90BwdArgs a;
+    a.p = prm.p;
+    a.D = prm.D;
+    a.q_once = prm.q_once, a.k_once = prm.k_once;
+    return sm90_attention_bwd(a, s);
+  }
   if (p.Dqk == 192)
     launch<192, 128>(prm, s);
   else if (p.Dqk == 128)

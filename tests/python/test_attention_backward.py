@@ -124,6 +124,11 @@ CUDA_CASES = CASES + [
     ("bhsd", 1, 65, 129, 2, 2, 192, 128, "mxfp8", False, False, "row", False),
     ("bshd", 2, 200, 200, 2, 1, 192, 128, "mxfp8", True, False, "both", True),
     ("sbhd", 1, 150, 90, 3, 3, 192, 128, "mxfp8", True, True, "both", False),
+    # the SM90 kernel's pipelines over many tiles (several key blocks of 96, query tiles of 64, stages
+    # reused many times, GQA heads walked in turn)
+    ("bshd", 1, 700, 700, 4, 2, 192, 128, "mxfp8", True, False, "both", False),
+    ("bhsd", 2, 333, 250, 2, 1, 128, 128, "bf16", False, False, "both", False),
+    ("sbhd", 1, 260, 400, 2, 2, 192, 128, "mxfp8", True, True, "row", False),
 ]
 
 
@@ -326,10 +331,14 @@ def test_cuda_matches_the_reference(case):
     args = make(fmt, b, sq, skv, h, hkv, dqk, dv, prec, dirs=dirs, do_mx=do_mx)  # o, lse from the CPU forward
     kw = dict(causal=causal, bottom_right=br, layout=fmt)
     ref = mxmla.attention_backward(*args, **kw)
+    # deterministic=False: the SM90 wgmma kernel where it applies (dQ by atomics), else the same
+    # kernels as deterministic=True
+    for det in (True, False):
+        got = mxmla.attention_backward(*(_cuda(t) for t in args), **kw, deterministic=det)
+        for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+            assert g.is_cuda and g.dtype == torch.bfloat16 and g.shape == r.shape
+            _near(g, r, f"{name} deterministic={det}")
     got = mxmla.attention_backward(*(_cuda(t) for t in args), **kw, deterministic=True)
-    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
-        assert g.is_cuda and g.dtype == torch.bfloat16 and g.shape == r.shape
-        _near(g, r, name)
     again = mxmla.attention_backward(*(_cuda(t) for t in args), **kw, deterministic=True)
     for x, y in zip(got, again):
         assert torch.equal(x, y)  # no atomics: bitwise reproducible
@@ -376,10 +385,11 @@ def test_random_configs_cuda_matches_the_reference(seed):
     args = make(fmt, b, sq, skv, h, hkv, dqk, dv, prec, seed=seed, dirs=dirs, do_mx=do_mx)
     kw = dict(causal=causal, bottom_right=br, layout=fmt)
     ref = mxmla.attention_backward(*args, **kw)
-    got = mxmla.attention_backward(*(_cuda(t) for t in args), **kw, deterministic=True)
-    for name, g_, r in zip(("dq", "dk", "dv"), got, ref):
-        assert g_.is_cuda and g_.shape == r.shape
-        _near(g_, r, f"{name} {case}")
+    for det in (False, True):
+        got = mxmla.attention_backward(*(_cuda(t) for t in args), **kw, deterministic=det)
+        for name, g_, r in zip(("dq", "dk", "dv"), got, ref):
+            assert g_.is_cuda and g_.shape == r.shape
+            _near(g_, r, f"{name} {case} deterministic={det}")
     again = mxmla.attention_backward(*(_cuda(t) for t in args), **kw, deterministic=True)
     for x, y in zip(got, again):
         assert torch.equal(x, y)

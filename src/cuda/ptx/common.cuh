@@ -45,6 +45,13 @@ __device__ __forceinline__ uint8_t ld_global_nc_u8(const uint8_t* p) {
   asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
   return static_cast<uint8_t>(v);
 }
+// One fp32 from a shared-window address (ld.shared: a pointer whose window the compiler cannot see
+// would become a generic load, queued behind the thread's global traffic).
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
 // 16 bytes to a shared-window address.
 __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");

@@ -8,7 +8,7 @@ output is committed (the build does not run Python).
 """
 from pathlib import Path
 
-NS = (64, 96, 128, 192, 256)        # N of one instruction (M is 64, one warpgroup)
+NS = (48, 64, 96, 128, 192, 256)        # N of one instruction (M is 64, one warpgroup)
 FP8 = ("e4m3", "e5m2")              # A x B combinations of FP8 inputs: all four
 
 HEADER = """\

@@ -45,6 +45,15 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t row_addr, uint32_t r0, uint
 __device__ __forceinline__ void stmatrix_x4(void* row_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
   stmatrix_x4(smem_u32(row_addr), r0, r1, r2, r3);
 }
+// The same with each matrix stored transposed: the row at lane l's address (row l % 8 of matrix
+// l / 8) receives column l % 8 of the register matrix (an accumulator fragment [rows][cols] lands
+// as [cols][rows]).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t row_addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                  uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(row_addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
 // The inverse: four 8x8 b16 matrices from shared memory into the same register fragment.
 __device__ __forceinline__ void ldmatrix_x4(const void* row_addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                             uint32_t& r3) {

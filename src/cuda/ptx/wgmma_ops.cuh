@@ -25,6 +25,42 @@ struct WgmmaOp;
 // ---------------------------------------------------------------- bf16 x bf16
 
 template <int kTransA = 0, int kTransB = 0>
+__device__ __forceinline__ void wgmma_m64n48k16_f32_bf16_bf16_ss(float (&d)[24], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %26, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23"
+      "}, %24, %25, p, 1, 1, %27, %28;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransA), "n"(kTransB));
+}
+
+template <int kTransB = 0>
+__device__ __forceinline__ void wgmma_m64n48k16_f32_bf16_bf16_rs(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23"
+      "}, {%24, %25, %26, %27}, %28, p, 1, 1, %30;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransB));
+}
+
+template <int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n64k16_f32_bf16_bf16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   asm volatile(
       "{\n"
@@ -294,6 +330,40 @@ __device__ __forceinline__ void wgmma_m64n256k16_f32_bf16_bf16_rs(float (&d)[128
 
 // ---------------------------------------------------------------- e4m3 x e4m3
 
+__device__ __forceinline__ void wgmma_m64n48k32_f32_e4m3_e4m3_ss(float (&d)[24], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %26, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23"
+      "}, %24, %25, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
+
+__device__ __forceinline__ void wgmma_m64n48k32_f32_e4m3_e4m3_rs(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23"
+      "}, {%24, %25, %26, %27}, %28, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
+
 __device__ __forceinline__ void wgmma_m64n64k32_f32_e4m3_e4m3_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   asm volatile(
       "{\n"
@@ -553,6 +623,40 @@ __device__ __forceinline__ void wgmma_m64n256k32_f32_e4m3_e4m3_rs(float (&d)[128
 }
 
 // ---------------------------------------------------------------- e4m3 x e5m2
+
+__device__ __forceinline__ void wgmma_m64n48k32_f32_e4m3_e5m2_ss(float (&d)[24], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %26, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e5m2 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23"
+      "}, %24, %25, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
+
+__device__ __forceinline__ void wgmma_m64n48k32_f32_e4m3_e5m2_rs(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e5m2 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23"
+      "}, {%24, %25, %26, %27}, %28, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
 
 __device__ __forceinline__ void wgmma_m64n64k32_f32_e4m3_e5m2_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   asm volatile(
@@ -814,6 +918,40 @@ __device__ __forceinline__ void wgmma_m64n256k32_f32_e4m3_e5m2_rs(float (&d)[128
 
 // ---------------------------------------------------------------- e5m2 x e4m3
 
+__device__ __forceinline__ void wgmma_m64n48k32_f32_e5m2_e4m3_ss(float (&d)[24], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %26, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e5m2.e4m3 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23"
+      "}, %24, %25, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
+
+__device__ __forceinline__ void wgmma_m64n48k32_f32_e5m2_e4m3_rs(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e5m2.e4m3 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23"
+      "}, {%24, %25, %26, %27}, %28, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
+
 __device__ __forceinline__ void wgmma_m64n64k32_f32_e5m2_e4m3_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   asm volatile(
       "{\n"
@@ -1073,6 +1211,40 @@ __device__ __forceinline__ void wgmma_m64n256k32_f32_e5m2_e4m3_rs(float (&d)[128
 }
 
 // ---------------------------------------------------------------- e5m2 x e5m2
+
+__device__ __forceinline__ void wgmma_m64n48k32_f32_e5m2_e5m2_ss(float (&d)[24], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %26, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e5m2.e5m2 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23"
+      "}, %24, %25, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
+
+__device__ __forceinline__ void wgmma_m64n48k32_f32_e5m2_e5m2_rs(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k32.f32.e5m2.e5m2 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23"
+      "}, {%24, %25, %26, %27}, %28, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
 
 __device__ __forceinline__ void wgmma_m64n64k32_f32_e5m2_e5m2_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
   asm volatile(
@@ -1334,6 +1506,22 @@ __device__ __forceinline__ void wgmma_m64n256k32_f32_e5m2_e5m2_rs(float (&d)[128
 
 // ---------------------------------------------------------------- the table
 template <>
+struct WgmmaOp<48, MmaDtype::kBF16, MmaDtype::kBF16, false> {
+  static constexpr int kK = 16;
+  static __device__ __forceinline__ void mma(float (&d)[24], uint64_t a, uint64_t desc_b, bool accumulate) {
+    wgmma_m64n48k16_f32_bf16_bf16_ss<0, 0>(d, a, desc_b, accumulate);
+  }
+};
+
+template <>
+struct WgmmaOp<48, MmaDtype::kBF16, MmaDtype::kBF16, true> {
+  static constexpr int kK = 16;
+  static __device__ __forceinline__ void mma(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    wgmma_m64n48k16_f32_bf16_bf16_rs<0>(d, a, desc_b, accumulate);
+  }
+};
+
+template <>
 struct WgmmaOp<64, MmaDtype::kBF16, MmaDtype::kBF16, false> {
   static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(float (&d)[32], uint64_t a, uint64_t desc_b, bool accumulate) {
@@ -1410,6 +1598,22 @@ struct WgmmaOp<256, MmaDtype::kBF16, MmaDtype::kBF16, true> {
   static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
     wgmma_m64n256k16_f32_bf16_bf16_rs<0>(d, a, desc_b, accumulate);
+  }
+};
+
+template <>
+struct WgmmaOp<48, MmaDtype::kE4M3, MmaDtype::kE4M3, false> {
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(float (&d)[24], uint64_t a, uint64_t desc_b, bool accumulate) {
+    wgmma_m64n48k32_f32_e4m3_e4m3_ss(d, a, desc_b, accumulate);
+  }
+};
+
+template <>
+struct WgmmaOp<48, MmaDtype::kE4M3, MmaDtype::kE4M3, true> {
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    wgmma_m64n48k32_f32_e4m3_e4m3_rs(d, a, desc_b, accumulate);
   }
 };
 
@@ -1494,6 +1698,22 @@ struct WgmmaOp<256, MmaDtype::kE4M3, MmaDtype::kE4M3, true> {
 };
 
 template <>
+struct WgmmaOp<48, MmaDtype::kE4M3, MmaDtype::kE5M2, false> {
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(float (&d)[24], uint64_t a, uint64_t desc_b, bool accumulate) {
+    wgmma_m64n48k32_f32_e4m3_e5m2_ss(d, a, desc_b, accumulate);
+  }
+};
+
+template <>
+struct WgmmaOp<48, MmaDtype::kE4M3, MmaDtype::kE5M2, true> {
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    wgmma_m64n48k32_f32_e4m3_e5m2_rs(d, a, desc_b, accumulate);
+  }
+};
+
+template <>
 struct WgmmaOp<64, MmaDtype::kE4M3, MmaDtype::kE5M2, false> {
   static constexpr int kK = 32;
   static __device__ __forceinline__ void mma(float (&d)[32], uint64_t a, uint64_t desc_b, bool accumulate) {
@@ -1574,6 +1794,22 @@ struct WgmmaOp<256, MmaDtype::kE4M3, MmaDtype::kE5M2, true> {
 };
 
 template <>
+struct WgmmaOp<48, MmaDtype::kE5M2, MmaDtype::kE4M3, false> {
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(float (&d)[24], uint64_t a, uint64_t desc_b, bool accumulate) {
+    wgmma_m64n48k32_f32_e5m2_e4m3_ss(d, a, desc_b, accumulate);
+  }
+};
+
+template <>
+struct WgmmaOp<48, MmaDtype::kE5M2, MmaDtype::kE4M3, true> {
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    wgmma_m64n48k32_f32_e5m2_e4m3_rs(d, a, desc_b, accumulate);
+  }
+};
+
+template <>
 struct WgmmaOp<64, MmaDtype::kE5M2, MmaDtype::kE4M3, false> {
   static constexpr int kK = 32;
   static __device__ __forceinline__ void mma(float (&d)[32], uint64_t a, uint64_t desc_b, bool accumulate) {
@@ -1650,6 +1886,22 @@ struct WgmmaOp<256, MmaDtype::kE5M2, MmaDtype::kE4M3, true> {
   static constexpr int kK = 32;
   static __device__ __forceinline__ void mma(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
     wgmma_m64n256k32_f32_e5m2_e4m3_rs(d, a, desc_b, accumulate);
+  }
+};
+
+template <>
+struct WgmmaOp<48, MmaDtype::kE5M2, MmaDtype::kE5M2, false> {
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(float (&d)[24], uint64_t a, uint64_t desc_b, bool accumulate) {
+    wgmma_m64n48k32_f32_e5m2_e5m2_ss(d, a, desc_b, accumulate);
+  }
+};
+
+template <>
+struct WgmmaOp<48, MmaDtype::kE5M2, MmaDtype::kE5M2, true> {
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    wgmma_m64n48k32_f32_e5m2_e5m2_rs(d, a, desc_b, accumulate);
   }
 };
 

@@ -1,0 +1,510 @@
+// mxmla — the attention backward's main kernel on SM90 (sm_90a): warp-specialized, bf16 wgmma with
+// fp32 accumulation, dK and dV in registers, dQ summed across key blocks with fp32 atomics
+// (FlashAttention-3's structure). It reads the bf16 views that the launcher's preprocess
+// (attention_bwd_mma.cu) made of every read; the math is the one attention_bwd_mma.cu states:
+//
+//   P_ij = exp(s_ij − LSE_i),  dS_ij = P_ij · (dP_ij − D_i) · scale;  P̂, dŜ = bf16(P), bf16(dS)
+//   dV = P̂ᵀ·dO_g,  dK = dŜᵀ·Q_g,  dQ = dŜ·K_g
+//
+// CTA = (96 keys j0.., kv head hk, sequence b); grid (key blocks, Hkv, B): the CTAs in flight share
+// a head's query-side tiles in L2, the key blocks with the most query rows (causal: the first) start
+// first. 384 threads:
+//   WG0          producer: cp.async copies into shared memory (rows past a sequence's end
+//                zero-filled); once a set has landed, each thread fences (generic -> async proxy)
+//                and arrives on the set's mbarrier:
+//                K_s, K_g, V once; per query tile t (64 rows of head h, for every head of the GQA
+//                group and every tile from the first that sees key j0): Q_s, dO, LSE, D into stage
+//                t % 2, Q_g into its single buffer (once the consumers are done with tile t − 1's).
+//   WG1, WG2     consumers c = 0, 1, keys 48c .. 48c + 47 of the block each; per tile:
+//       S_c = Q_s·K_cᵀ, dP_c = dO·V_cᵀ          [64 rows][48 keys] wgmma m64n48, operands K-major
+//       P̂, dŜ (fp32 registers -> bf16)          -> P̂ᵀ, dŜᵀ [key][row] in shared memory (stmatrix.trans)
+//       dV_cᵀ += dOᵀ·P̂_c, dK_cᵀ += Q_gᵀ·dŜ_c     [d][48 keys] fp32 registers; A = dO / Q_g read M-major
+//       dQ[:, cols_c] = dŜ·K_g[:, cols_c]         [64 rows][128 | 64 columns] over all 96 keys (the two
+//                consumers' dŜᵀ, after a barrier), atomically added into an fp32 dQ accumulator
+//   then dK, dV -> bf16. A postprocess kernel rounds the accumulator to bf16 into dq.
+// Shared memory (d_qk 192): K_s, K_g 36 KB each, V 24 KB, two Q_s / dO stages 80 KB, Q_g 24 KB,
+// P̂ᵀ and dŜᵀ 24 KB: 226 KB, one CTA per SM. Tiles of 64-column blocks [rows][128 bytes] with the
+// 128-byte swizzle. dQ's fp32 additions run in scheduling order: not bitwise reproducible
+// (deterministic requests take attention_bwd_mma.cu's kernels).
+#include "cuda/sm90_attention_bwd.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/attention_bwd_common.cuh"
+#include "cuda/cuda_check.h"
+#include "cuda/ptx/common.cuh"
+#include "cuda/ptx/cp_async.cuh"
+#include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/stream_scratch.h"
+
+namespace mxmla::detail {
+namespace {
+
+using namespace attn_bwd;  // Seq, seq_of, row_index, write_bf16, imin, imax, grid_dim
+
+constexpr const char* kOp = "mxmla.attention_backward";
+
+// ---------------------------------------------------------------- configuration
+template <int kDqk_, int kDv_>
+struct Cfg {
+  static constexpr int kDqk = kDqk_, kDv = kDv_;
+  static constexpr int kBM = 64;            // query rows per tile (the wgmma M of S, dP, dQ)
+  static constexpr int kBN = 96;            // keys per CTA
+  static constexpr int kWN = kBN / 2;       // keys per consumer (the wgmma N of S, dP, dV, dK)
+  static constexpr int kQkBlocks = kDqk / 64, kVBlocks = kDv / 64;  // 64-column blocks
+  static constexpr int kDqN = kDqk / 2;  // dQ columns per consumer (wgmma N; K_g's 32-column blocks)
+  static constexpr int kThreads = 384;
+  static constexpr int kRegsProducer = 40, kRegsConsumer = 232;
+  static constexpr int kBarPair = 1;  // named barriers: both consumers; consumer c's warpgroup: 2 + c
+  static_assert(kDqk % 64 == 0 && kDv % 64 == 0 && kDqk <= 192 && kDv <= 128, "head dims");
+  static_assert(kWN == 48, "consumer tiles are m64n48 (wgmma_m64n48k16)");
+  static_assert(kRegsProducer * 128 + 2 * kRegsConsumer * 128 <= 65536, "register file");
+};
+
+template <class C>
+struct alignas(1024) Smem {
+  uint8_t ks[C::kQkBlocks][C::kBN * 128];  // K_s [key][d] (S)
+  uint8_t kg[2 * C::kQkBlocks][C::kBN * 64];  // K_g [key][d] in 32-column blocks, 64-byte swizzle (dQ)
+  uint8_t vs[C::kVBlocks][C::kBN * 128];   // V [key][d_v] (dP)
+  uint8_t qs[2][C::kQkBlocks][C::kBM * 128];  // Q_s [row][d] per stage (S; dK when q_once)
+  uint8_t dos[2][C::kVBlocks][C::kBM * 128];  // dO [row][d_v] per stage (dP, dV)
+  uint8_t qg[C::kQkBlocks][C::kBM * 128];     // Q_g (dK; unused when q_once)
+  uint8_t pt[C::kBN * 128];                   // P̂ᵀ [key][row]
+  uint8_t dst[C::kBN * 128];                  // dŜᵀ [key][row]
+  float lse[2][C::kBM], dd[2][C::kBM];        // LSE, D of the tile's rows per stage
+  uint64_t kv_full, full[2], empty[2], g_full, g_empty;
+};
+
+struct Params {
+  AttentionBwdProblem p;
+  const float* D;
+  float* dq_acc;  // fp32 [rows][d_qk] (row_index order), zeroed
+  bool q_once, k_once;
+};
+static_assert(sizeof(Params) <= 4000, "kernel parameter space");
+
+// ---------------------------------------------------------------- producer pieces
+// Tokens tok0 .. tok0 + kRows − 1 (packed) of sequence b, head h of a bf16 view -> dst: kD / 64
+// blocks of [kRows][128 bytes], 16-byte chunk c of row r at chunk c ^ (r % 8) (the 128-byte swizzle
+// wgmma reads); rows n and later zero-filled. 128 threads (tid): chunk tid % 8 of rows tid / 8 + 16 i
+// of every block (eight threads read a row's 128 bytes; the swizzled chunk is the same for all i).
+template <int kD, int kRows>
+__device__ __forceinline__ void load_tile(uint8_t* dst, const AttnTensorView& v, int64_t b, int64_t h, int64_t tok0,
+                                          int n, int tid) {
+  static_assert(kD % 64 == 0 && kRows % 16 == 0, "64-column blocks, 16-row passes");
+  const int r = tid / 8, ch = tid % 8;
+  const uint16_t* src = static_cast<const uint16_t*>(v.data) + b * v.st_b + (tok0 + r) * v.st_s + h * v.st_h + ch * 8;
+  uint8_t* to = dst + r * 128 + ((ch ^ (r % 8)) * 16);
+  const int64_t step = 16 * v.st_s;
+#pragma unroll
+  for (int i = 0; i < kRows / 16; ++i, src += step) {
+    const bool in = r + 16 * i < n;
+#pragma unroll
+    for (int blk = 0; blk < kD / 64; ++blk)
+      ptx::cp_async<16>(to + blk * (kRows * 128) + i * (16 * 128), in ? static_cast<const void*>(src + blk * 64) : v.data,
+                        in ? 16u : 0u);
+  }
+}
+
+// The same into kD / 32 blocks of [kRows][64 bytes] with the 64-byte swizzle (chunk c of row r at
+// c ^ ((r / 2) % 4)): K_g, whose dQ GEMM reads it N-major in 32-column steps (each consumer's
+// d_qk / 2 columns start at a block).
+template <int kD, int kRows>
+__device__ __forceinline__ void load_tile_sw64(uint8_t* dst, const AttnTensorView& v, int64_t b, int64_t h,
+                                              int64_t tok0, int n, int tid) {
+  constexpr int kPieces = kD / 8, kIters = kRows * kPieces / 128;
+  static_assert(kRows * kPieces % 128 == 0, "a tile's 16-byte pieces divide among the producer's threads");
+  const uint16_t* src = static_cast<const uint16_t*>(v.data) + b * v.st_b + tok0 * v.st_s + h * v.st_h;
+#pragma unroll 4
+  for (int it = 0; it < kIters; ++it) {
+    const int x = tid + it * 128;
+    const int row = x / kPieces, c = x % kPieces;
+    const bool in = row < n;
+    const void* from = in ? static_cast<const void*>(src + row * v.st_s + c * 8) : v.data;
+    ptx::cp_async<16>(dst + (c / 4) * (kRows * 64) + row * 64 + (((c % 4) ^ ((row >> 1) & 3)) * 16), from,
+                      in ? 16u : 0u);
+  }
+}
+
+// The iteration order both roles follow: for every head of the GQA group, the query tiles from the
+// first one that sees key j0 (causal) to the sequence's end.
+// The query tiles of a head start at tile `rot` (the key block's index modulo their count) and wrap
+// around, so that the CTAs of one head in flight add into different dQ rows.
+struct TileWalk {
+  int64_t h, i_begin, n, rot, k = 0;  // head, first row, query tiles per head, rotation, tile of the head
+  __device__ __forceinline__ int64_t i0() const {
+    const int64_t x = k + rot;
+    return i_begin + (x < n ? x : x - n) * 64;
+  }
+  __device__ __forceinline__ void next() {
+    if (++k == n) ++h, k = 0;
+  }
+};
+
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) ptx::fence_reg(a[i]);
+}
+
+__device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// dQ[:, col0 .. col0 + kN) of a query tile, over the block's 96 keys: A = dŜ (M-major from dŜᵀ:
+// rows of 64 query rows, 8-key groups 1024 bytes apart; 16 keys = 2048 bytes), B = K_g (N-major:
+// 32-column blocks kBN · 64 bytes apart, 8-key groups 512 apart; 16 keys = 1024 bytes). Issued after
+// the dV / dK groups: once those are done, release_g(); once this one is, release_stage(), then the
+// atomic additions into rows i0 + r (r < ni) of the fp32 accumulator.
+template <int kN, class ReleaseG, class ReleaseStage>
+__device__ __forceinline__ void dq_phase(const uint8_t* dst_tile, const uint8_t* kg_block0, ReleaseG&& release_g,
+                                         ReleaseStage&& release_stage, float* acc_base, const AttentionBwdProblem& p,
+                                         const Seq& s, int64_t b, int64_t h, int64_t i0, int ni, int col0, int r0,
+                                         int lane, int dqk) {
+  float acc[kN / 2];
+  const uint64_t da = ptx::wgmma_desc(dst_tile, ptx::SmemSwizzle::k128B, 8192, 1024);
+  const uint64_t db = ptx::wgmma_desc(kg_block0, ptx::SmemSwizzle::k64B, 96 * 64, 512);
+  fence_acc(acc);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 6; ++kk) {
+    if constexpr (kN == 96)
+      ptx::wgmma_m64n96k16_f32_bf16_bf16_ss<1, 1>(acc, da + kk * 128, db + kk * 64, kk > 0);
+    else
+      ptx::wgmma_m64n64k16_f32_bf16_bf16_ss<1, 1>(acc, da + kk * 128, db + kk * 64, kk > 0);
+  }
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<1>();
+  release_g();
+  ptx::wgmma_wait<0>();
+  fence_acc(acc);
+  release_stage();
+  // 8-byte additions straight from the accumulator pairs (16-byte ones would need lane swaps, whose
+  // registers then wait for the memory system to read the previous additions' sources)
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = r0 + 8 * hh;
+    if (r >= ni) continue;
+    float* row = acc_base + row_index(p, s, b, h, i0 + r) * dqk + col0 + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j)
+      atomicAdd(reinterpret_cast<float2*>(row + 8 * j), make_float2(acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1]));
+  }
+}
+
+// ---------------------------------------------------------------- the kernel
+template <int kDqk, int kDv>
+__global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Params prm) {
+  using C = Cfg<kDqk, kDv>;
+  extern __shared__ uint8_t smem_raw[];
+  Smem<C>& sm = *reinterpret_cast<Smem<C>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const AttentionBwdProblem& p = prm.p;
+  const int64_t j0 = int64_t{blockIdx.x} * C::kBN, hk = blockIdx.y, b = blockIdx.z;
+  const Seq s = seq_of(p, b);
+  if (j0 >= s.skv) return;  // (uniform: the whole CTA)
+  const int nj = static_cast<int>(imin(C::kBN, s.skv - j0));
+  const int64_t group = p.H / p.Hkv;
+  const int64_t i_first = p.causal ? imax(0, j0 - s.off) : 0;  // the first row that sees key j0
+  const int64_t i_begin = i_first < s.sq ? i_first / C::kBM * C::kBM : s.sq;
+  const int64_t per_head = (s.sq - i_begin + C::kBM - 1) / C::kBM, tiles = group * per_head;
+  const int64_t rot = per_head > 0 ? int64_t{blockIdx.x} % per_head : 0;
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+
+  if (threadIdx.x == 0) {
+    ptx::mbar_init(&sm.kv_full, 128);
+    ptx::mbar_init(&sm.g_full, 128);
+    ptx::mbar_init(&sm.g_empty, 8);
+    for (int i = 0; i < 2; ++i) ptx::mbar_init(&sm.full[i], 128), ptx::mbar_init(&sm.empty[i], 8);
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---------------------------------------------------------------- producer
+    ptx::setmaxnreg_dec<C::kRegsProducer>();
+    const int tid = static_cast<int>(threadIdx.x);
+    if (tiles == 0) return;
+    // this thread's copies have landed: the proxy fence (cp.async writes through the generic proxy,
+    // wgmma reads through the async one), then the arrival the consumers acquire
+    const auto landed = [](uint64_t* bar) {
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<0>();
+      ptx::fence_proxy_async();
+      ptx::mbar_arrive(bar);
+    };
+    load_tile<kDqk, C::kBN>(sm.ks[0], p.k_s.view, b, hk, s.kv0 + j0, nj, tid);
+    load_tile_sw64<kDqk, C::kBN>(sm.kg[0], p.k_g.view, b, hk, s.kv0 + j0, nj, tid);  // (k_once: K_s again)
+    load_tile<kDv, C::kBN>(sm.vs[0], p.v_s.view, b, hk, s.kv0 + j0, nj, tid);
+    landed(&sm.kv_full);
+    TileWalk w{hk * group, i_begin, per_head, rot};
+    for (int64_t t = 0; t < tiles; ++t, w.next()) {
+      const int st = static_cast<int>(t & 1);
+      const int64_t i0 = w.i0();
+      const int ni = static_cast<int>(imin(C::kBM, s.sq - i0));
+      if (t >= 2) ptx::mbar_wait(&sm.empty[st], static_cast<uint32_t>(((t >> 1) - 1) & 1));
+      load_tile<kDqk, C::kBM>(sm.qs[st][0], p.q_s.view, b, w.h, s.q0 + i0, ni, tid);
+      load_tile<kDv, C::kBM>(sm.dos[st][0], p.do_s.view, b, w.h, s.q0 + i0, ni, tid);
+      {  // LSE (threads 0-63) and D (64-127) of the tile's rows; zero past the sequence's end
+        const int r = tid % 64;
+        const bool in = r < ni;
+        const int64_t ri = in ? row_index(p, s, b, w.h, i0 + r) : 0;
+        if (tid < 64)
+          ptx::cp_async<4>(&sm.lse[st][r], p.lse + ri, in ? 4u : 0u);
+        else
+          ptx::cp_async<4>(&sm.dd[st][r], prm.D + ri, in ? 4u : 0u);
+      }
+      landed(&sm.full[st]);
+      if (!prm.q_once) {
+        if (t >= 1) ptx::mbar_wait(&sm.g_empty, static_cast<uint32_t>((t - 1) & 1));
+        load_tile<kDqk, C::kBM>(sm.qg[0], p.q_g.view, b, w.h, s.q0 + i0, ni, tid);
+        landed(&sm.g_full);
+      }
+    }
+    return;
+  }
+
+  // ---------------------------------------------------------------- consumers
+  ptx::setmaxnreg_inc<C::kRegsConsumer>();
+  const int c = wg - 1, warp = (static_cast<int>(threadIdx.x) / 32) % 4, lane = static_cast<int>(threadIdx.x) % 32;
+  const int r0 = 16 * warp + lane / 4;  // accumulator rows r0, r0 + 8 (of a 64-row wgmma tile)
+  float dk[C::kQkBlocks][24], dv[C::kVBlocks][24];  // dKᵀ, dVᵀ: [64 d of the block][48 keys]
+#pragma unroll
+  for (int m = 0; m < C::kQkBlocks; ++m)
+#pragma unroll
+    for (int i = 0; i < 24; ++i) dk[m][i] = 0.f;
+#pragma unroll
+  for (int m = 0; m < C::kVBlocks; ++m)
+#pragma unroll
+    for (int i = 0; i < 24; ++i) dv[m][i] = 0.f;
+
+  const float scale = p.softmax_scale, scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  const uint32_t pt = ptx::smem_u32(sm.pt), dst = ptx::smem_u32(sm.dst);
+  // descriptor bases (K-major, 128-byte swizzle): this consumer's keys start 48 rows in
+  const uint64_t dk_s = ptx::wgmma_desc_k_sw128(sm.ks[0] + c * C::kWN * 128);
+  const uint64_t dv_s = ptx::wgmma_desc_k_sw128(sm.vs[0] + c * C::kWN * 128);
+  const uint64_t dpt = ptx::wgmma_desc_k_sw128(sm.pt + c * C::kWN * 128);
+  const uint64_t ddst = ptx::wgmma_desc_k_sw128(sm.dst + c * C::kWN * 128);
+  constexpr uint32_t kKeyBlk = C::kBN * 128 / 16, kRowBlk = C::kBM * 128 / 16;  // block strides (descriptor units)
+
+  if (tiles > 0) ptx::mbar_wait(&sm.kv_full, 0);
+  TileWalk w{hk * group, i_begin, per_head, rot};
+  for (int64_t t = 0; t < tiles; ++t, w.next()) {
+    const int st = static_cast<int>(t & 1);
+    const int64_t i0 = w.i0();
+    const int ni = static_cast<int>(imin(C::kBM, s.sq - i0));
+    ptx::mbar_wait(&sm.full[st], static_cast<uint32_t>((t >> 1) & 1));
+
+    // S_c = Q_s·K_cᵀ, dP_c = dO·V_cᵀ: [64 rows][48 keys], two groups (P̂ is computed under dP's)
+    float sacc[24], dpacc[24];
+    fence_acc(sacc), fence_acc(dpacc);
+    ptx::wgmma_fence();
+    {
+      const uint64_t dq_s = ptx::wgmma_desc_k_sw128(sm.qs[st][0]);
+#pragma unroll
+      for (int kk = 0; kk < kDqk / 16; ++kk)
+        ptx::wgmma_m64n48k16_f32_bf16_bf16_ss<0, 0>(sacc, dq_s + (kk / 4) * kRowBlk + 2 * (kk % 4),
+                                                    dk_s + (kk / 4) * kKeyBlk + 2 * (kk % 4), kk > 0);
+      ptx::wgmma_commit();
+      const uint64_t ddo = ptx::wgmma_desc_k_sw128(sm.dos[st][0]);
+#pragma unroll
+      for (int kk = 0; kk < kDv / 16; ++kk)
+        ptx::wgmma_m64n48k16_f32_bf16_bf16_ss<0, 0>(dpacc, ddo + (kk / 4) * kRowBlk + 2 * (kk % 4),
+                                                    dv_s + (kk / 4) * kKeyBlk + 2 * (kk % 4), kk > 0);
+      ptx::wgmma_commit();
+    }
+    ptx::wgmma_wait<1>();  // S
+    fence_acc(sacc);
+
+    // key kw (of the block) is visible to row r iff r < ni, kw < nj, (causal) kw − r <= diag
+    const int diag = static_cast<int>(p.causal ? imin(imax(i0 + s.off - j0, -256), 256) : 256);
+    const auto on = [&](int hh, int j, int e) {
+      const int r = r0 + 8 * hh, kw = c * C::kWN + 8 * j + 2 * (lane % 4) + e;
+      return r < ni && kw < nj && kw - r <= diag;
+    };
+    // P (fp32, in sacc) and P̂ as bf16 pairs: pair 2j + hh = keys 8j + 2(lane % 4) + {0, 1} of row r0 + 8 hh
+    uint32_t pair[12];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float lse2 = ptx::ld_shared_f32(ptx::smem_u32(&sm.lse[st][r0 + 8 * hh])) * 1.4426950408889634f;
+#pragma unroll
+      for (int j = 0; j < 6; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float P = ptx::ex2_approx(fmaf(sacc[4 * j + 2 * hh + e], scale_log2, -lse2));
+          sacc[4 * j + 2 * hh + e] = on(hh, j, e) ? P : 0.f;
+        }
+        pair[2 * j + hh] = bf16x2(sacc[4 * j + 2 * hh], sacc[4 * j + 2 * hh + 1]);
+      }
+    }
+    // 8x8 matrices (hh, j = 2jp + i / 2), i = lane / 8, stored transposed: [key][row]
+    const auto store_t = [&](uint32_t base) {
+#pragma unroll
+      for (int jp = 0; jp < 3; ++jp) {
+        const int i = lane / 8, key = c * C::kWN + 8 * (2 * jp + i / 2) + lane % 8, chunk = 2 * warp + i % 2;
+        ptx::stmatrix_x4_trans(base + key * 128 + ((chunk ^ (lane % 8)) * 16), pair[4 * jp], pair[4 * jp + 1],
+                               pair[4 * jp + 2], pair[4 * jp + 3]);
+      }
+    };
+    store_t(pt);
+    ptx::fence_proxy_async();
+    ptx::named_barrier(2 + c, 128);  // this consumer's P̂ᵀ is complete
+
+    // dV_cᵀ += dOᵀ·P̂_c: A M-major (rows of 64 d_v, 8-row groups 1024 bytes apart), under dŜ's math
+#pragma unroll
+    for (int m = 0; m < C::kVBlocks; ++m) fence_acc(dv[m]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int m = 0; m < C::kVBlocks; ++m) {
+      const uint64_t da = ptx::wgmma_desc(sm.dos[st][m], ptx::SmemSwizzle::k128B, 8192, 1024);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        ptx::wgmma_m64n48k16_f32_bf16_bf16_ss<1, 0>(dv[m], da + kk * 128, dpt + 2 * kk, true);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<1>();  // dP
+    fence_acc(dpacc);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float d_row = ptx::ld_shared_f32(ptx::smem_u32(&sm.dd[st][r0 + 8 * hh]));
+#pragma unroll
+      for (int j = 0; j < 6; ++j) {
+        float ds[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          ds[e] = on(hh, j, e) ? sacc[4 * j + 2 * hh + e] * (dpacc[4 * j + 2 * hh + e] - d_row) * scale : 0.f;
+        pair[2 * j + hh] = bf16x2(ds[0], ds[1]);
+      }
+    }
+    // both consumers are past the previous tile's dQ GEMM (it reads both halves of dŜᵀ)
+    ptx::named_barrier(C::kBarPair, 256);
+    store_t(dst);
+    ptx::fence_proxy_async();
+    ptx::named_barrier(C::kBarPair, 256);  // both consumers' dŜᵀ are complete
+
+    // dK_cᵀ += Q_gᵀ·dŜ_c (A M-major as dV's)
+#pragma unroll
+    for (int m = 0; m < C::kQkBlocks; ++m) fence_acc(dk[m]);
+    if (!prm.q_once) ptx::mbar_wait(&sm.g_full, static_cast<uint32_t>(t & 1));
+    ptx::wgmma_fence();
+    {
+      const uint8_t* qg = prm.q_once ? sm.qs[st][0] : sm.qg[0];
+#pragma unroll
+      for (int m = 0; m < C::kQkBlocks; ++m) {
+        const uint64_t da = ptx::wgmma_desc(qg + m * C::kBM * 128, ptx::SmemSwizzle::k128B, 8192, 1024);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          ptx::wgmma_m64n48k16_f32_bf16_bf16_ss<1, 0>(dk[m], da + kk * 128, ddst + 2 * kk, true);
+      }
+    }
+    ptx::wgmma_commit();
+
+    // dQ[:, cols_c] = dŜ·K_g[:, cols_c]: consumer c the columns c · d_qk / 2 ..
+    const auto release_g = [&] {  // dV, dK done: Q_g is free
+      if (!prm.q_once) {
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(&sm.g_empty);
+      }
+    };
+    const auto release_stage = [&] {  // stage st (Q_s, dO, LSE, D) is free
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(&sm.empty[st]);
+    };
+    dq_phase<C::kDqN>(sm.dst, sm.kg[c * (C::kDqN / 32)], release_g, release_stage, prm.dq_acc, p, s, b, w.h, i0,
+                      ni, c * C::kDqN, r0, lane, kDqk);
+#pragma unroll
+    for (int m = 0; m < C::kVBlocks; ++m) fence_acc(dv[m]);
+#pragma unroll
+    for (int m = 0; m < C::kQkBlocks; ++m) fence_acc(dk[m]);
+  }
+
+  // dKᵀ, dVᵀ [d][key] fragments -> dk, dv (bf16): d = 64 m + r0 + 8 hh, key 48 c + 8 j + 2 (lane % 4) + e
+#pragma unroll
+  for (int j = 0; j < 6; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int kw = c * C::kWN + 8 * j + 2 * (lane % 4) + e;
+      if (kw >= nj) continue;
+      const int64_t tok = s.kv0 + j0 + kw;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+        for (int m = 0; m < C::kVBlocks; ++m)
+          write_bf16(p.dv, p.dv_v, b, tok, hk, 64 * m + r0 + 8 * hh, dv[m][4 * j + 2 * hh + e]);
+#pragma unroll
+        for (int m = 0; m < C::kQkBlocks; ++m)
+          write_bf16(p.dk, p.dk_v, b, tok, hk, 64 * m + r0 + 8 * hh, dk[m][4 * j + 2 * hh + e]);
+      }
+    }
+}
+
+// dq (bf16, its view) from the fp32 accumulator: one thread per value; rows in row_index order
+// (thd: [H][total_q], tokens outside every sequence hold 0).
+__global__ void __launch_bounds__(256) bwd_dq_round(const __grid_constant__ AttentionBwdProblem p, const float* acc) {
+  const int64_t x = int64_t{blockIdx.x} * 256 + threadIdx.x;
+  const int64_t rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
+  if (x >= rows * p.Dqk) return;
+  const int64_t row = x / p.Dqk, d = x % p.Dqk;
+  int64_t b = 0, h, tok;
+  if (p.thd) {
+    h = row / p.total_q, tok = row % p.total_q;
+  } else {
+    tok = row % p.Sq;
+    h = (row / p.Sq) % p.H, b = row / (p.Sq * p.H);
+  }
+  write_bf16(p.dq, p.dq_v, b, tok, h, d, acc[x]);
+}
+
+template <int kDqk, int kDv>
+void launch(const Params& prm, cudaStream_t s) {
+  using C = Cfg<kDqk, kDv>;
+  constexpr size_t kSmem = sizeof(Smem<C>) + 1024;  // + the 1024-byte alignment of the swizzled tiles
+  static_assert(kSmem <= 232448, "227 KB of shared memory per block on SM90");
+  const AttentionBwdProblem& p = prm.p;
+  MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_sm90<kDqk, kDv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kSmem)));
+  // key blocks fastest: the CTAs in flight share a head's Q, dO (and LSE, D) in L2; within a head the
+  // first key blocks (causal: the most query tiles) start first
+  const dim3 grid(grid_dim(kOp, (p.Skv + C::kBN - 1) / C::kBN, true, "keys"), grid_dim(kOp, p.Hkv, false, "heads"),
+                  grid_dim(kOp, p.B, false, "sequences"));
+  bwd_sm90<kDqk, kDv><<<grid, C::kThreads, kSmem, s>>>(prm);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+bool sm90_attention_bwd_supported(const AttentionBwdProblem& p, bool do_once) {
+  if (p.deterministic || !do_once || p.Dv != 128 || (p.Dqk != 192 && p.Dqk != 128)) return false;
+  if (p.Hkv > 65535 || p.B > 65535) return false;  // grid y, z
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    return false;
+  return major == 9;
+}
+
+void sm90_attention_bwd(const Sm90BwdArgs& a, cudaStream_t s) {
+  const AttentionBwdProblem& p = a.p;
+  const int64_t rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
+  if (rows == 0) return;
+  StreamScratch acc(rows * p.Dqk * 4, s);  // freed on the stream after the kernels
+  MXMLA_CUDA_CHECK(cudaMemsetAsync(acc.ptr, 0, rows * p.Dqk * 4, s));
+  Params prm;
+  prm.p = p;
+  prm.D = a.D;
+  prm.dq_acc = reinterpret_cast<float*>(acc.ptr);
+  prm.q_once = a.q_once, prm.k_once = a.k_once;
+  if (p.Skv > 0 && p.B > 0 && p.Hkv > 0) {
+    if (p.Dqk == 192)
+      launch<192, 128>(prm, s);
+    else
+      launch<128, 128>(prm, s);
+  }
+  const int64_t n = rows * p.Dqk;
+  bwd_dq_round<<<grid_dim(kOp, (n + 255) / 256, true, "rows"), 256, 0, s>>>(p, prm.dq_acc);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace mxmla::detail
