@@ -1,17 +1,24 @@
-// mxmla — the MXFP8 GEMM for SM90 (sm_90a): the launcher of both designs (SPEC §7).
-//   design A (sm90_mxfp8_gemm_bf16.cuh): the codes dequantized to bf16 in shared memory, bf16 wgmma;
+// mxmla — the MXFP8 GEMM for SM90 (sm_90a): the launcher of the three designs (SPEC §7).
+//   design C (dequant_bf16 + sm90_bf16_gemm.cuh): each operand dequantized once into a K-major bf16
+//            copy in stream-ordered scratch, then a TMA + bf16 wgmma GEMM on the copies;
+//   design A (sm90_mxfp8_gemm_bf16.cuh): the codes dequantized to bf16 in shared memory for every
+//            tile that reads them, bf16 wgmma;
 //   design B (sm90_mxfp8_gemm.cuh): FP8 wgmma per 32-wide block, an fp32 rescale per block.
-// Design A is the fast one; it holds every dequantized value exactly as a bf16 number unless a block
-// with non-zero codes has a scale byte below min_exact_e (its smallest codes fall below bf16's
-// normal range). The scale gather that every call runs checks for such blocks and sets a flag in
-// device memory; both kernels are launched and the one the flag does not pick returns at once (no
-// host synchronisation). MXMLA_GEMM_DESIGN=B (or A) in the environment forces one design (A/B
-// measurements; A then rounds such values to bf16).
+// C is the default (measured fastest: A converts each code once per tile that reads it, N / 256
+// times for A's rows, and its conversion does not hide behind the tensor cores; docs/performance.md).
+// C and A hold every dequantized value exactly as a bf16 number unless a block with non-zero codes
+// has a scale byte below min_exact_e (its smallest codes fall below bf16's normal range). The scale
+// gather that every call runs checks for such blocks and sets a flag in device memory; both the
+// bf16 design and B are launched and the one the flag does not pick returns at once (no host
+// synchronisation). MXMLA_GEMM_DESIGN=A, B or C in the environment forces one design (A/B
+// measurements; A and C then round such values to bf16).
 // Both kernels read the operands K-major with F8_128x4-swizzled scales; an operand given the other
 // way (a columnwise copy: dgrad's W, wgrad's dY and x) or with a row stride TMA cannot take is first
 // repacked into a stream-ordered scratch buffer (codes transposed in 32 x 32 tiles; scales gathered
 // into the swizzled rowwise layout of the transposed matrix). Instantiations: E4M3 and E5M2 of each.
 #include <cuda.h>  // CUtensorMap (types only)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,6 +31,8 @@
 #include "cuda/heuristics.h"
 #include "cuda/launch.h"
 #include "cuda/sm90_mxfp8_gemm.cuh"
+#include "cuda/ptx/convert.cuh"
+#include "cuda/sm90_bf16_gemm.cuh"
 #include "cuda/sm90_mxfp8_gemm_bf16.cuh"
 #include "cuda/stream_scratch.h"
 #include "cuda/tma_desc.h"
@@ -85,6 +94,45 @@ __global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__
   }
 }
 
+// Design C's copy of op(X): bf16 [R, Kp] (Kp = K rounded up to 16, zeros past K) from the K-major
+// codes and the swizzled scales of kmajor(): code · 2^(e − 127) in fp32 (exact), rounded to bf16
+// (exact unless the scale check sends the call to design B). One thread per 16 codes.
+template <bool kE4M3>
+__global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ codes, int64_t ld,
+                                                    const uint8_t* __restrict__ scales, int64_t tiles_x,
+                                                    uint32_t* __restrict__ dst, int64_t R, int64_t K, int64_t Kp) {
+  const int64_t chunks = Kp / 16, x = int64_t{blockIdx.x} * 256 + threadIdx.x;
+  if (x >= R * chunks) return;
+  const int64_t r = x / chunks, k0 = (x % chunks) * 16;
+  const uint32_t e = scales[swizzle_offset(r, k0 / 32, tiles_x)];
+  const float f = e == 255u ? __uint_as_float(0x7FC00000u) : (e == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
+  uint32_t w[4];
+  if (k0 + 16 <= K) {
+    const uint4 v = *reinterpret_cast<const uint4*>(codes + r * ld + k0);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[i] = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (k0 + 4 * i + j < K) w[i] |= static_cast<uint32_t>(codes[r * ld + k0 + 4 * i + j]) << (8 * j);
+    }
+  }
+  uint32_t out[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // values k0 + 2i, k0 + 2i + 1
+    const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
+    const __half2 h = *reinterpret_cast<const __half2*>(&h2);
+    const float lo = k0 + 2 * i < K ? __low2float(h) * f : 0.f, hi = k0 + 2 * i + 1 < K ? __high2float(h) * f : 0.f;
+    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    out[i] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  uint4* d = reinterpret_cast<uint4*>(dst + (r * Kp + k0) / 2);
+  d[0] = make_uint4(out[0], out[1], out[2], out[3]);
+  d[1] = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
 struct KMajor {
   const uint8_t* codes;
   int64_t ld;             // bytes
@@ -135,6 +183,34 @@ void launch_b(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
+// Design C: op(X)'s bf16 copy (scratch) and its TMA map, box [rows][64 bf16], 128-byte swizzle.
+CUtensorMap bf16_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, int rows, cudaStream_t s,
+                      std::unique_ptr<StreamScratch>& keep) {
+  const int64_t Kp = (K + 15) / 16 * 16, n = R * (Kp / 16);
+  keep = std::make_unique<StreamScratch>(R * Kp * 2, s);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(keep->ptr);
+  const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
+  const int64_t tiles_x = (K + 127) / 128;
+  if (e4m3)
+    dequant_bf16<true><<<blocks, 256, 0, s>>>(x.codes, x.ld, x.scales, tiles_x, dst, R, K, Kp);
+  else
+    dequant_bf16<false><<<blocks, 256, 0, s>>>(x.codes, x.ld, x.scales, tiles_x, dst, R, K, Kp);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(Kp * 2)};
+  const cuuint32_t box[2] = {64u, static_cast<cuuint32_t>(rows)};
+  return make_tma_desc(keep->ptr, DType::kBFloat16, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params& p, cudaStream_t s) {
+  using K = mxgemm_c::Kernel;
+  const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);
+  const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
+  const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
+  mxgemm_c::sm90_bf16_gemm_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, p);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
 template <bool kE4M3>
 void launch_a(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params& p, cudaStream_t s) {
   using K = mxgemm_a::Kernel;
@@ -145,11 +221,11 @@ void launch_a(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
-// MXMLA_GEMM_DESIGN: 'A' or 'B' forces a design; anything else (or unset): chosen per call. Read at
-// every call (a test can switch it).
+// MXMLA_GEMM_DESIGN: 'A', 'B' or 'C' forces a design; anything else (or unset): chosen per call.
+// Read at every call (a test can switch it).
 char forced_design() {
   const char* e = std::getenv("MXMLA_GEMM_DESIGN");
-  return (e != nullptr && (e[0] == 'A' || e[0] == 'B')) ? e[0] : '\0';
+  return (e != nullptr && (e[0] == 'A' || e[0] == 'B' || e[0] == 'C')) ? e[0] : '\0';
 }
 
 }  // namespace
@@ -182,7 +258,16 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
   p.alpha = static_cast<float>(pr.alpha);
   p.m_tiles = static_cast<int>((pr.M + 127) / 128);
   p.design_flag = forced != 0 ? nullptr : small;
-  if (forced != 'B') {  // design A: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
+  if (forced == 0 || forced == 'C') {  // design C: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
+    mxgemm::Params pc = p;
+    pc.kblocks = static_cast<int>((pr.K + 63) / 64);
+    pc.n_tiles = static_cast<int>((pr.N + 255) / 256), pc.num_tiles = pc.m_tiles * pc.n_tiles;
+    pc.run_on_flag = false;
+    std::unique_ptr<StreamScratch> a16, b16;  // freed on the stream after the kernels
+    const CUtensorMap ta = bf16_copy(a, pr.M, pr.K, e4m3, 128, s, a16), tb = bf16_copy(b, pr.N, pr.K, e4m3, 256, s, b16);
+    launch_c(ta, tb, pc, s);
+  }
+  if (forced == 'A') {  // design A: 128 x 256 tiles, 64 of K per stage
     mxgemm::Params pa = p;
     pa.kblocks = static_cast<int>((pr.K + 63) / 64);
     pa.n_tiles = static_cast<int>((pr.N + 255) / 256), pa.num_tiles = pa.m_tiles * pa.n_tiles;
@@ -191,7 +276,7 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
     if (e4m3) launch_a<true>(ta, tb, pa, s);
     else launch_a<false>(ta, tb, pa, s);
   }
-  if (forced != 'A') {  // design B: 128 x 128 tiles, 128 of K per stage; runs iff the flag is set
+  if (forced == 0 || forced == 'B') {  // design B: 128 x 128 tiles, 128 of K per stage; runs iff the flag is set
     mxgemm::Params pb = p;
     pb.kblocks = static_cast<int>((pr.K + 127) / 128);
     pb.n_tiles = static_cast<int>((pr.N + 127) / 128), pb.num_tiles = pb.m_tiles * pb.n_tiles;

@@ -1,0 +1,106 @@
+// mxmla internal — the SM90 bf16 GEMM that design C of the MXFP8 GEMM runs on its operands' bf16
+// copies (SPEC §7; launcher: sm90_mxfp8_gemm.cu, which dequantizes each MXFP8 operand once into a
+// K-major bf16 copy first):
+//
+//   D[M, N] = alpha · A · Bᵀ (+ D),   A [M, K] and B [N, K] bf16, K-major (row stride a multiple of
+//   16 bytes; TMA reads zeros past K and past the last row)
+//
+// Persistent over 128 x 256 output tiles (grouped rasterisation), 384 threads, one CTA per SM:
+//   warpgroup 0  thread 0: TMA producer, the tiles' k-blocks A [128][64] and B [256][64] (128-byte
+//                swizzle) into a kStages ring (sm90/mainloop_tma_wgmma.cuh);
+//   warpgroups 1, 2  consumers: 64 rows each, m64n256k16 bf16 wgmma, fp32 accumulators, the epilogue
+//                (mxgemm::store_accumulators, design A's and B's) straight from the registers while
+//                the producer already fills the ring with the next tile's k-blocks.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (types only)
+
+#include <cstdint>
+
+#include "cuda/probe.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm90/mainloop_tma_wgmma.cuh"
+#include "cuda/sm90/pipeline.cuh"
+#include "cuda/sm90_mxfp8_gemm.cuh"  // Params, other_design, store_accumulators
+#include "cuda/tile_scheduler.h"
+
+namespace mxmla::detail::mxgemm_c {
+
+struct Cfg {
+  static constexpr int kBM = 128, kBN = 256, kBK = 64;  // K per stage: 64 bf16 (one 128-byte swizzle row)
+  static constexpr int kStages = 4;                      // 48 KB a stage
+  static constexpr int kGroupM = 8;
+  static constexpr int kThreads = 384;
+  static constexpr int kRegsProducer = 40, kRegsConsumer = 232;
+  // setmaxnreg.inc waits (for ever) for registers that the CTA's launch allocation does not hold
+  static_assert(kRegsProducer * 128 + 2 * kRegsConsumer * 128 <= (65536 / kThreads / 8 * 8) * kThreads,
+                "setmaxnreg moves registers inside the CTA's launch allocation");
+};
+
+struct Kernel {
+  using C = Cfg;
+  using Mainloop = sm90::MainloopTmaWgmma<C::kBM, C::kBN, C::kBK, C::kStages, 2, ptx::MmaDtype::kBF16,
+                                          ptx::MmaDtype::kBF16>;
+  struct alignas(1024) Smem {
+    typename Mainloop::SharedStorage ring;  // a [128][64], b [256][64] bf16 per stage, 128-byte swizzle
+    typename Mainloop::Barriers bars;
+  };
+  static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+  static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
+};
+
+template <class K>
+__global__ void __launch_bounds__(K::C::kThreads, 1)
+    sm90_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                          const mxgemm::Params p) {
+  using C = typename K::C;
+  using ML = typename K::Mainloop;
+  using mxgemm::store_accumulators;
+  if (mxgemm::other_design(p)) return;
+  extern __shared__ uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
+  const int wg = threadIdx.x / 128, r = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    sm.bars.init(ML::kConsumerArrivals);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  const StaticPersistent sched{p.num_tiles};
+
+  if (wg == 0) {  // ---------------------------------------------------------------- TMA producer
+    ptx::setmaxnreg_dec<C::kRegsProducer>();
+    if (threadIdx.x == 0) {
+      ptx::prefetch_tmap(&tmap_a);
+      ptx::prefetch_tmap(&tmap_b);
+      typename ML::State st;
+      for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
+        int mt, nt;
+        grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
+        ML::template produce<NoProbe>(sm.ring, sm.bars, st, p.kblocks, 0,
+                                      [&](uint8_t* a, uint8_t* b, uint64_t* full, int kb) {
+                                        ptx::tma_load_2d(a, &tmap_a, full, kb * C::kBK, mt * C::kBM);
+                                        ptx::tma_load_2d(b, &tmap_b, full, kb * C::kBK, nt * C::kBN);
+                                      });
+      }
+    }
+    return;
+  }
+
+  // ---------------------------------------------------------------- consumers: 64 rows each
+  ptx::setmaxnreg_inc<C::kRegsConsumer>();
+  const int cw = wg - 1, warp = r / 32, lane = r % 32;
+  const int r0 = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: + 8)
+  const typename ML::Consumer cons(sm.ring, cw);
+  typename ML::State st;
+  for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
+    int mt, nt;
+    grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
+    float acc[ML::kAcc];
+    cons.template mma<NoProbe>(sm.bars, st, p.kblocks, acc, false, 0);
+    store_accumulators<C::kBN>(p, acc, mt * C::kBM, nt * C::kBN, r0, lane);
+  }
+}
+
+}  // namespace mxmla::detail::mxgemm_c
