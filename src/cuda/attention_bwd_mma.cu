@@ -710,7 +710,7 @@ void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
     Sm90BwdArgs a;
     a.p = prm.p;
     a.D = prm.D;
-    a.q_once = prm.q_once, a.k_once = prm.k_once;
+    a.q_once = prm.q_once;
     return sm90_attention_bwd(a, s);
   }
   if (p.Dqk == 192)

@@ -19,13 +19,16 @@
 //       S_c = Q_s·K_cᵀ, dP_c = dO·V_cᵀ          [64 rows][48 keys] wgmma m64n48, operands K-major
 //       P̂, dŜ (fp32 registers -> bf16)          -> P̂ᵀ, dŜᵀ [key][row] in shared memory (stmatrix.trans)
 //       dV_cᵀ += dOᵀ·P̂_c, dK_cᵀ += Q_gᵀ·dŜ_c     [d][48 keys] fp32 registers; A = dO / Q_g read M-major
-//       dQ[:, cols_c] = dŜ·K_g[:, cols_c]         [64 rows][128 | 64 columns] over all 96 keys (the two
-//                consumers' dŜᵀ, after a barrier), atomically added into an fp32 dQ accumulator
-//   then dK, dV -> bf16. A postprocess kernel rounds the accumulator to bf16 into dq.
+//       dQ[:, cols_c] = dŜ·K_g[:, cols_c]         [64 rows][d_qk / 2 columns] over all 96 keys (both
+//                consumers' dŜᵀ, after a barrier), added into an fp32 dQ accumulator with 8-byte
+//                atomic additions
+//   then dK, dV -> bf16. A postprocess kernel rounds the accumulator to bf16 into dq. The query
+//   tiles of a head start at a rotation per key block, so that the CTAs of a head in flight add
+//   into different rows.
 // Shared memory (d_qk 192): K_s, K_g 36 KB each, V 24 KB, two Q_s / dO stages 80 KB, Q_g 24 KB,
 // P̂ᵀ and dŜᵀ 24 KB: 226 KB, one CTA per SM. Tiles of 64-column blocks [rows][128 bytes] with the
-// 128-byte swizzle. dQ's fp32 additions run in scheduling order: not bitwise reproducible
-// (deterministic requests take attention_bwd_mma.cu's kernels).
+// 128-byte swizzle (K_g: 32-column blocks, 64-byte swizzle). dQ's fp32 additions run in scheduling
+// order: not bitwise reproducible (deterministic requests take attention_bwd_mma.cu's kernels).
 #include "cuda/sm90_attention_bwd.h"
 
 #include <cuda_bf16.h>
@@ -63,7 +66,9 @@ struct Cfg {
   static constexpr int kBarPair = 1;  // named barriers: both consumers; consumer c's warpgroup: 2 + c
   static_assert(kDqk % 64 == 0 && kDv % 64 == 0 && kDqk <= 192 && kDv <= 128, "head dims");
   static_assert(kWN == 48, "consumer tiles are m64n48 (wgmma_m64n48k16)");
-  static_assert(kRegsProducer * 128 + 2 * kRegsConsumer * 128 <= 65536, "register file");
+  // setmaxnreg.inc waits (for ever) for registers that the CTA's launch allocation does not hold
+  static_assert(kRegsProducer * 128 + 2 * kRegsConsumer * 128 <= (65536 / kThreads / 8 * 8) * kThreads,
+                "setmaxnreg moves registers inside the CTA's launch allocation");
 };
 
 template <class C>
@@ -84,7 +89,7 @@ struct Params {
   AttentionBwdProblem p;
   const float* D;
   float* dq_acc;  // fp32 [rows][d_qk] (row_index order), zeroed
-  bool q_once, k_once;
+  bool q_once;    // Q_g is Q_s (read from the stage; no Q_g copies)
 };
 static_assert(sizeof(Params) <= 4000, "kernel parameter space");
 
@@ -237,7 +242,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
       ptx::mbar_arrive(bar);
     };
     load_tile<kDqk, C::kBN>(sm.ks[0], p.k_s.view, b, hk, s.kv0 + j0, nj, tid);
-    load_tile_sw64<kDqk, C::kBN>(sm.kg[0], p.k_g.view, b, hk, s.kv0 + j0, nj, tid);  // (k_once: K_s again)
+    load_tile_sw64<kDqk, C::kBN>(sm.kg[0], p.k_g.view, b, hk, s.kv0 + j0, nj, tid);  // (one K copy: read twice)
     load_tile<kDv, C::kBN>(sm.vs[0], p.v_s.view, b, hk, s.kv0 + j0, nj, tid);
     landed(&sm.kv_full);
     TileWalk w{hk * group, i_begin, per_head, rot};
@@ -495,7 +500,7 @@ void sm90_attention_bwd(const Sm90BwdArgs& a, cudaStream_t s) {
   prm.p = p;
   prm.D = a.D;
   prm.dq_acc = reinterpret_cast<float*>(acc.ptr);
-  prm.q_once = a.q_once, prm.k_once = a.k_once;
+  prm.q_once = a.q_once;
   if (p.Skv > 0 && p.B > 0 && p.Hkv > 0) {
     if (p.Dqk == 192)
       launch<192, 128>(prm, s);

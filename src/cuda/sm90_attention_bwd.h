@@ -14,7 +14,7 @@ namespace mxmla::detail {
 struct Sm90BwdArgs {
   AttentionBwdProblem p;  // its reads: bf16 views (data and strides 16-byte aligned)
   const float* D;         // [rows] (attn_bwd::row_index order)
-  bool q_once, k_once;    // the gradient GEMM's Q / K read is the score GEMM's (one copy in shared memory)
+  bool q_once;            // the dK GEMM's Q read is the score GEMM's (one copy in shared memory)
 };
 
 // Whether the kernel serves this problem: (d_qk, d_v) in {(192, 128), (128, 128)}, one dO copy for
