@@ -492,10 +492,9 @@ bool sm90_attention_bwd_supported(const AttentionBwdProblem& p, bool do_once) {
 
 void sm90_attention_bwd(const Sm90BwdArgs& a, cudaStream_t s) {
   const AttentionBwdProblem& p = a.p;
-  const int64_t rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
-  if (rows == 0) return;
+  const int64_t rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;  // none: dK = dV = 0 still to write
   StreamScratch acc(rows * p.Dqk * 4, s);  // freed on the stream after the kernels
-  MXMLA_CUDA_CHECK(cudaMemsetAsync(acc.ptr, 0, rows * p.Dqk * 4, s));
+  if (rows > 0) MXMLA_CUDA_CHECK(cudaMemsetAsync(acc.ptr, 0, rows * p.Dqk * 4, s));
   Params prm;
   prm.p = p;
   prm.D = a.D;
@@ -508,6 +507,7 @@ void sm90_attention_bwd(const Sm90BwdArgs& a, cudaStream_t s) {
       launch<128, 128>(prm, s);
   }
   const int64_t n = rows * p.Dqk;
+  if (n == 0) return;
   bwd_dq_round<<<grid_dim(kOp, (n + 255) / 256, true, "rows"), 256, 0, s>>>(p, prm.dq_acc);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }

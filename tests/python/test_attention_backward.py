@@ -129,6 +129,7 @@ CUDA_CASES = CASES + [
     ("bshd", 1, 700, 700, 4, 2, 192, 128, "mxfp8", True, False, "both", False),
     ("bhsd", 2, 333, 250, 2, 1, 128, 128, "bf16", False, False, "both", False),
     ("sbhd", 1, 260, 400, 2, 2, 192, 128, "mxfp8", True, True, "row", False),
+    ("bshd", 2, 0, 40, 2, 1, 192, 128, "mxfp8", False, False, "both", False),  # no queries: dK = dV = 0
 ]
 
 
