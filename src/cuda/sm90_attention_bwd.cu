@@ -38,6 +38,7 @@
 
 #include "cuda/attention_bwd_common.cuh"
 #include "cuda/cuda_check.h"
+#include "cuda/numerics.cuh"
 #include "cuda/ptx/common.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/mbarrier.cuh"
@@ -137,9 +138,9 @@ __device__ __forceinline__ void load_tile_sw64(uint8_t* dst, const AttnTensorVie
 }
 
 // The iteration order both roles follow: for every head of the GQA group, the query tiles from the
-// first one that sees key j0 (causal) to the sequence's end.
-// The query tiles of a head start at tile `rot` (the key block's index modulo their count) and wrap
-// around, so that the CTAs of one head in flight add into different dQ rows.
+// first one that sees key j0 (causal) to the sequence's end, starting at tile `rot` (the key block's
+// index modulo their count) and wrapping around, so that the CTAs of one head in flight add into
+// different dQ rows.
 struct TileWalk {
   int64_t h, i_begin, n, rot, k = 0;  // head, first row, query tiles per head, rotation, tile of the head
   __device__ __forceinline__ int64_t i0() const {
@@ -155,11 +156,6 @@ template <int N>
 __device__ __forceinline__ void fence_acc(float (&a)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) ptx::fence_reg(a[i]);
-}
-
-__device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // dQ[:, col0 .. col0 + kN) of a query tile, over the block's 96 keys: A = dŜ (M-major from dŜᵀ:
@@ -342,7 +338,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
           const float P = ptx::ex2_approx(fmaf(sacc[4 * j + 2 * hh + e], scale_log2, -lse2));
           sacc[4 * j + 2 * hh + e] = on(hh, j, e) ? P : 0.f;
         }
-        pair[2 * j + hh] = bf16x2(sacc[4 * j + 2 * hh], sacc[4 * j + 2 * hh + 1]);
+        pair[2 * j + hh] = bf16x2_rn(sacc[4 * j + 2 * hh], sacc[4 * j + 2 * hh + 1]);
       }
     }
     // 8x8 matrices (hh, j = 2jp + i / 2), i = lane / 8, stored transposed: [key][row]
@@ -381,7 +377,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
 #pragma unroll
         for (int e = 0; e < 2; ++e)
           ds[e] = on(hh, j, e) ? sacc[4 * j + 2 * hh + e] * (dpacc[4 * j + 2 * hh + e] - d_row) * scale : 0.f;
-        pair[2 * j + hh] = bf16x2(ds[0], ds[1]);
+        pair[2 * j + hh] = bf16x2_rn(ds[0], ds[1]);
       }
     }
     // both consumers are past the previous tile's dQ GEMM (it reads both halves of dŜᵀ)

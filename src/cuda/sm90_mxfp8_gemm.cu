@@ -10,7 +10,7 @@
 // has a scale byte below min_exact_e (its smallest codes fall below bf16's normal range). The scale
 // gather that every call runs checks for such blocks and sets a flag in device memory; both the
 // bf16 design and B are launched and the one the flag does not pick returns at once (no host
-// synchronisation). MXMLA_GEMM_DESIGN=A, B or C in the environment forces one design (A/B
+// synchronisation; C's dequantizing passes run either way). MXMLA_GEMM_DESIGN=A, B or C in the environment forces one design (A/B
 // measurements; A and C then round such values to bf16).
 // Both kernels read the operands K-major with F8_128x4-swizzled scales; an operand given the other
 // way (a columnwise copy: dgrad's W, wgrad's dY and x) or with a row stride TMA cannot take is first
@@ -30,6 +30,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/heuristics.h"
 #include "cuda/launch.h"
+#include "cuda/numerics.cuh"
 #include "cuda/sm90_mxfp8_gemm.cuh"
 #include "cuda/ptx/convert.cuh"
 #include "cuda/sm90_bf16_gemm.cuh"
@@ -125,8 +126,7 @@ __global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ 
     const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
     const __half2 h = *reinterpret_cast<const __half2*>(&h2);
     const float lo = k0 + 2 * i < K ? __low2float(h) * f : 0.f, hi = k0 + 2 * i + 1 < K ? __high2float(h) * f : 0.f;
-    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
-    out[i] = *reinterpret_cast<const uint32_t*>(&b);
+    out[i] = bf16x2_rn(lo, hi);
   }
   uint4* d = reinterpret_cast<uint4*>(dst + (r * Kp + k0) / 2);
   d[0] = make_uint4(out[0], out[1], out[2], out[3]);
