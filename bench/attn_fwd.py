@@ -4,7 +4,9 @@ timed in the same run (bench/timing.py: CUDA events, L2 flushed before each call
 Shape: DeepSeek-V3 MLA, b 1, h 128, d_qk 192, d_v 128, causal, s in {2048, 4096, 8192}; bf16 N(0, 1)
 q, k, v [b, s, h, d] (bshd), quantized by mxmla.quantize_attention(layout="bshd"): Q and K rowwise,
 V columnwise (blocks of 32 keys), E4M3, BHSD scales.
-  ours         mxmla.attention(q_mx, k_mx, v_mx, causal=True)
+  ours         mxmla.attention(q_mx, k_mx, v_mx, causal=True) (its default path: Q, K, V converted to
+               bf16 by a pass, then the kernel on the copies)
+  ours-fused   the same call with MXMLA_ATTN_FWD=fused (dequantization inside the kernel, per tile)
   ours-bf16    the same op on the bf16 q, k, v
   cuDNN        torch SDPA, cuDNN backend (bf16), on the dequantized q, k, v as bhsd views of bshd
   FA4          FlashAttention-4's SM90 path (flash_attn.cute.flash_attn_func), bf16 bshd, the same
@@ -57,6 +59,21 @@ def load_fa4():
     return flash_attn_func, None
 
 
+def _with_env(name: str, value: str, fn):
+    """fn() with the environment variable set (the library reads it at every call), then restored."""
+    import os
+
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
 def cudnn_sdpa(q, k, v):
     """torch SDPA on the cuDNN backend only; q, k, v bshd, passed as bhsd views; output bhsd."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -85,7 +102,8 @@ class Section:
         self.seqs, self.check, self.iters = tuple(seqs), check, iters
         self.attn = getattr(mxmla, "attention", None)
         missing = None if self.attn is not None else "mxmla.attention is missing from this build"
-        self.ours_errors: Dict[str, Optional[str]] = {"ours": missing, "ours-bf16": missing}  # the first error of each
+        # the first error of each
+        self.ours_errors: Dict[str, Optional[str]] = {"ours": missing, "ours-fused": missing, "ours-bf16": missing}
         self.fa4, self.fa4_error = load_fa4()
         self.rows: List[dict] = []
         self.checks: List[str] = []
@@ -175,6 +193,7 @@ class Section:
         attn, fa4 = self.attn, self.fa4
         ours = lambda: attn(q_mx, k_mx, v_mx, causal=True)  # noqa: E731
         ours_bf16 = lambda: attn(q, k, v, causal=True, layout="bshd")  # noqa: E731  (bf16 4-D: sbhd unless told)
+        ours_fused = lambda: _with_env("MXMLA_ATTN_FWD", "fused", ours)  # noqa: E731
         peers = {"cuDNN": lambda qd, kd, vd: cudnn_sdpa(qd, kd, vd)}
         if fa4 is not None:
             peers["FA4"] = lambda qd, kd, vd: _out(fa4(qd, kd, vd, causal=True))
@@ -192,8 +211,8 @@ class Section:
             if t is not None:
                 row["ms"]["dequant+best"], row["best"] = t, best
         if check:  # before ours is timed; a failed check flags its figures and the exit status
-            self._check(s, ours, ours_bf16, peers, (qd, kd, vd), (q, k, v))
-        for name, fn in (("ours", ours), ("ours-bf16", ours_bf16)):
+            self._check(s, ours, ours_fused, ours_bf16, peers, (qd, kd, vd), (q, k, v))
+        for name, fn in (("ours", ours), ("ours-fused", ours_fused), ("ours-bf16", ours_bf16)):
             t = self._ours(name, f"s {s} {name}", lambda fn=fn: self.timer(fn))
             if t is not None:
                 row["ms"][name] = t
@@ -204,14 +223,14 @@ class Section:
                 note += f" (dequantize q, k, v + {row['best']})"
             self.add(f"attn_fwd s {s}", name, t, 0.0, note)
 
-    def _check(self, s, ours, ours_bf16, peers, deq, bf16) -> None:
+    def _check(self, s, ours, ours_fused, ours_bf16, peers, deq, bf16) -> None:
         """Each output against cuDNN's on the same inputs: the dequantized ones (ours, FA4) or the
         bf16 ones (ours-bf16)."""
         refs = {}
         for inputs, tensors in (("dequantized", deq), ("bf16", bf16)):
             refs[inputs] = self._run(f"s {s} check: cuDNN ({inputs} inputs)",
                                      lambda t=tensors: cudnn_sdpa(*t).transpose(1, 2))
-        cases = [("ours", ours, "dequantized"), ("ours-bf16", ours_bf16, "bf16")]
+        cases = [("ours", ours, "dequantized"), ("ours-fused", ours_fused, "dequantized"), ("ours-bf16", ours_bf16, "bf16")]
         if "FA4" in peers:
             cases.append(("FA4", lambda: peers["FA4"](*deq), "dequantized"))
         for name, fn, inputs in cases:
@@ -240,12 +259,11 @@ class Section:
 
     # ------------------------------------------------------------------ report
     def table(self) -> List[str]:
-        cols = ["ours", "ours-bf16", "cuDNN", "FA4", "dequant+best"]
         out = ["", f"attention forward, DeepSeek-V3 MLA (b {B}, h {H}, d_qk {D_QK}, d_v {D_V}, causal), bf16 N(0,1) "
                    f"-> MXFP8 E4M3 (Q, K rowwise; V columnwise; BHSD scales)",
                f"TFLOP/s = {FLOP_FORMULA} / time (the causal triangle); medians of {self.iters} calls, L2 flushed, "
                f"all in this run",
-               f"{'s':>6} {'ours':>7} {'ours-bf16':>9} {'cuDNN':>7} {'FA4':>7} {'dequant+best':>16} "
+               f"{'s':>6} {'ours':>7} {'ours-fused':>10} {'ours-bf16':>9} {'cuDNN':>7} {'FA4':>7} {'dequant+best':>16} "
                f"{'ours/best-bf16-peer':>20} {'ours/(dequant+best)':>20}"]
 
         def tf(row, c):
@@ -259,15 +277,15 @@ class Section:
             vs_pipe = f"{ms['dequant+best'] / ms['ours']:.2f}x" if "dequant+best" in ms and "ours" in ms else "-"
             pipe = f"{tf(r, 'dequant+best')} ({r['best']})" if "dequant+best" in ms else "-"
             flag = " (check FAILED)" if self.check_failed else ""
-            out.append(f"{r['s']:>6} {tf(r, 'ours'):>7} {tf(r, 'ours-bf16'):>9} {tf(r, 'cuDNN'):>7} {tf(r, 'FA4'):>7} "
+            out.append(f"{r['s']:>6} {tf(r, 'ours'):>7} {tf(r, 'ours-fused'):>10} {tf(r, 'ours-bf16'):>9} {tf(r, 'cuDNN'):>7} {tf(r, 'FA4'):>7} "
                        f"{pipe:>16} {vs_peer:>20} {vs_pipe:>20}{flag}")
         out.append("ratios: time of the faster bf16 peer (cuDNN, FA4) / ours; time of dequantize + that peer / ours "
                    "(> 1: ours faster)")
         if self.fa4 is None:
             out.append(f"FA4: skipped: {self.fa4_error}")
         errs = self.ours_errors
-        if errs["ours"] and errs["ours"] == errs["ours-bf16"]:
-            out.append(f"ours, ours-bf16: {errs['ours']}")
+        if errs["ours"] and errs["ours"] == errs["ours-fused"] == errs["ours-bf16"]:
+            out.append(f"ours, ours-fused, ours-bf16: {errs['ours']}")
         else:
             out += [f"{name}: {err}" for name, err in errs.items() if err]
         if self.context_lost:

@@ -10,7 +10,7 @@
 //
 // Three steps, on the caller's stream:
 //
-//   preprocess  (bwd_stage, stage_reads) every read (q_s, q_g, k_s, k_g, v_s, do_s, do_g) that is
+//   preprocess  (stage_reads: cuda/attention_stage.h) every read (q_s, q_g, k_s, k_g, v_s, do_s, do_g) that is
 //          FP8, or bf16 without 16-byte aligned data and strides, is converted once to bf16 in
 //          stream-ordered scratch: [B][heads][S][d] (thd [heads][total tokens][d]), valid tokens
 //          only, one thread per 16 consecutive values of a token (bf16: copied; FP8: code · 2^(e−127)
@@ -53,6 +53,7 @@
 
 #include "common/attention_ops.h"
 #include "cuda/attention_bwd_common.cuh"
+#include "cuda/attention_stage.h"
 #include "cuda/cuda_check.h"
 #include "cuda/ptx/common.cuh"
 #include "cuda/ptx/cp_async.cuh"
@@ -120,120 +121,6 @@ struct Params {
   bool q_once, k_once, do_once;  // the gradient GEMM's copy holds the score GEMM's values: loaded once
 };
 static_assert(sizeof(Params) <= 4000, "kernel parameter space");
-
-// ---------------------------------------------------------------- the preprocess (reads -> bf16 scratch)
-// 16 FP8 codes (byte i = element i) with their scale bytes (byte i of e = element i's) -> 16 bf16,
-// out[i] = elements 2i, 2i+1 (low half: 2i). Fast path: exact bit construction and one bf16
-// multiply; NaN / Inf codes and scales beyond the fast range take the exact fp32 path
-// (sm90::dequant16_exact_store), through the thread's 32-byte shared slot `stage`.
-template <bool kE4M3>
-__device__ __forceinline__ void fp8_chunk_words(const uint4& codes, const uint4& e, uint4 (&stage)[2],
-                                                uint32_t (&out)[8]) {
-  const uint32_t ew[4] = {e.x, e.y, e.z, e.w};
-  uint32_t f[8];
-  bool exact = false;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {  // the factors of elements 2i, 2i+1
-    const uint32_t e0 = (ew[i / 2] >> (16 * (i % 2))) & 0xFFu, e1 = (ew[i / 2] >> (16 * (i % 2) + 8)) & 0xFFu;
-    exact |= (e0 > sm90::Fp8Bf16<kE4M3>::kMaxFastE) | (e1 > sm90::Fp8Bf16<kE4M3>::kMaxFastE);
-    f[i] = sm90::fast_factor_bits<kE4M3>(e0) | (sm90::fast_factor_bits<kE4M3>(e1) << 16);
-  }
-  const uint32_t special = sm90::dequant16_fast<kE4M3>(codes, f, out);
-  if (exact || special != 0) {
-    sm90::dequant16_exact_store<kE4M3>(codes, e, ptx::smem_u32(&stage[0]), ptx::smem_u32(&stage[1]));
-    const uint4 lo = stage[0], hi = stage[1];  // this thread's own stores (the call clobbers memory)
-    out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
-    out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
-  }
-}
-
-// Values d0 .. d0 + 15 of token `tok` (packed) of sequence b, head h of read r -> 16 bf16 (out[i]:
-// values 2i, 2i+1). bf16: copied; FP8: through the copy's scale geometry as elem() reads it.
-__device__ __forceinline__ void chunk_words(const AttnRead& r, bool vec, int64_t b, int64_t h, int64_t tok,
-                                            int64_t d0, uint4 (&stage)[2], uint32_t (&out)[8]) {
-  const int64_t off = b * r.view.st_b + tok * r.view.st_s + h * r.view.st_h + d0;
-  if (!r.fp8) {
-    const uint16_t* src = static_cast<const uint16_t*>(r.view.data) + off;
-    if (vec) {
-      const uint4 lo = reinterpret_cast<const uint4*>(src)[0], hi = reinterpret_cast<const uint4*>(src)[1];
-      out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
-      out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        out[i] = static_cast<uint32_t>(src[2 * i]) | (static_cast<uint32_t>(src[2 * i + 1]) << 16);
-    }
-    return;
-  }
-  const uint8_t* src = static_cast<const uint8_t*>(r.view.data) + off;
-  uint4 codes;
-  if (vec) {
-    codes = *reinterpret_cast<const uint4*>(src);
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      w[i] = static_cast<uint32_t>(src[4 * i]) | (static_cast<uint32_t>(src[4 * i + 1]) << 8) |
-             (static_cast<uint32_t>(src[4 * i + 2]) << 16) | (static_cast<uint32_t>(src[4 * i + 3]) << 24);
-    codes = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-  // the scales, through the geometry elem() uses (column `col` is a multiple of 16: host-checked)
-  const AttnScaleView& sc = r.sc;
-  const int64_t bi = b * sc.bi_b;
-  const int64_t row = tok * sc.row_s + b * sc.row_b + h * sc.row_h + sc.row0;
-  const int64_t col = b * sc.col_b + h * sc.col_h + d0;
-  uint4 e;
-  if (r.rowwise) {  // the 16 columns lie in one 32-column block of the row
-    const uint32_t s = ptx::ld_global_nc_u8(sc.ptr + row_scale_offset(sc.map, bi, row, col / 32)) * 0x01010101u;
-    e = make_uint4(s, s, s, s);
-  } else {  // a block per column (32 rows of it): 16 bytes through one cursor (BHSD: inside col's head)
-    const ScaleCursor cur = col_cursor(sc.map, bi, row / 32, col);
-    uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int k = 0; k < 16; ++k)
-      w[k / 4] |= static_cast<uint32_t>(ptx::ld_global_nc_u8(sc.ptr + cursor_offset(cur, k))) << (8 * (k % 4));
-    e = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-  if (r.fmt == Fp8Format::kE4M3)
-    fp8_chunk_words<true>(codes, e, stage, out);
-  else
-    fp8_chunk_words<false>(codes, e, stage, out);
-}
-
-// One read the preprocess converts: src (FP8, or bf16 without 16-byte alignment) -> dst, bf16
-// values of (b, h, tok, d) at dst + b·st_b + tok·st_s + h·st_h + d (view; tok packed, as the main
-// kernels address it): [B][heads][S][d], thd [heads][total tokens][d] (st_b 0).
-struct StageJob {
-  AttnRead src;
-  bool vec;            // src's 16-byte loads (vec_ok)
-  bool kv;             // a key-side read (K, V: cu_kv, Skv) or a query-side one (Q, dO: cu_q, Sq)
-  int32_t d;           // values per token and head (d_qk or d_v; a multiple of 16)
-  uint16_t* dst;
-  AttnTensorView view;  // dst's strides (view.data = dst)
-};
-static_assert(sizeof(AttentionBwdProblem) + sizeof(StageJob) <= 4000, "kernel parameter space");
-
-// grid (ceil(S · d / 16 / kThreads), heads, B): a thread converts one 16-value chunk (values
-// 16c .. 16c + 15 of token i of sequence b, head h); consecutive threads take consecutive chunks of
-// a token, then consecutive tokens (coalesced 16-byte stores). Tokens past the sequence's end are
-// left alone (the main kernels read only the valid ones).
-__global__ void __launch_bounds__(kThreads) bwd_stage(const __grid_constant__ AttentionBwdProblem p,
-                                                      const __grid_constant__ StageJob job) {
-  __shared__ uint4 stage[kThreads][2];  // the exact path's 32 bytes a thread
-  const int64_t b = blockIdx.z, h = blockIdx.y;
-  const Seq s = seq_of(p, b);
-  const int chunks = job.d / 16;
-  const int64_t x = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  const int64_t i = x / chunks;
-  const int c = static_cast<int>(x % chunks);
-  if (i >= (job.kv ? s.skv : s.sq)) return;
-  const int64_t tok = (job.kv ? s.kv0 : s.q0) + i;
-  uint32_t w[8];
-  chunk_words(job.src, job.vec, b, h, tok, int64_t{16} * c, stage[threadIdx.x], w);
-  uint4* dst = reinterpret_cast<uint4*>(job.dst + b * job.view.st_b + tok * job.view.st_s + h * job.view.st_h + 16 * c);
-  dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-  dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
-}
 
 // ---------------------------------------------------------------- loading (bf16 global -> shared, cp.async)
 // Tokens tok0 .. tok0 + 63 (packed) of sequence b, head h of a bf16 view whose data and strides
@@ -600,27 +487,6 @@ void launch(const Params& prm, cudaStream_t s) {
   }
 }
 
-// 16-byte loads of a read: its data pointer and strides (bytes) multiples of 16 (bf16: the main
-// kernels' cp.async reads it in place; else the preprocess converts it, with 16-byte code loads
-// when FP8).
-bool vec_ok(const AttnRead& r) {
-  const int64_t es = r.fp8 ? 1 : 2;
-  const AttnTensorView& v = r.view;
-  return reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && v.st_b * es % 16 == 0 && v.st_s * es % 16 == 0 &&
-         v.st_h * es % 16 == 0;
-}
-
-// The preprocess's scale lookups: a 16-value chunk starts at a column that is a multiple of 16, so it
-// lies in one rowwise 32-column block; a columnwise chunk stays inside its head (BHSD cursors).
-bool chunk_scales_ok(const AttnRead& r) {
-  if (!r.fp8) return true;
-  const AttnScaleView& sc = r.sc;
-  if (sc.col_b % 16 != 0 || sc.col_h % 16 != 0) return false;
-  if (sc.map.mode == MapMode::kBHSD)
-    return sc.map.D % 16 == 0 && sc.col_b % sc.map.D == 0 && sc.col_h % sc.map.D == 0;
-  return true;
-}
-
 // Two reads that give the same values (bf16: the same tensor; FP8: the same copy).
 bool same_values(const AttnRead& a, const AttnRead& b) {
   const bool view = a.view.data == b.view.data && a.view.st_b == b.view.st_b && a.view.st_s == b.view.st_s &&
@@ -637,7 +503,7 @@ bool shape_instantiated(int64_t Dqk, int64_t Dv) {
 }
 
 // The preprocess: every read (Read order) that is FP8, or bf16 without 16-byte alignment, is
-// converted once into bf16 stream-ordered scratch (bwd_stage; owned by keep[r]) and prm.p's read
+// converted once into bf16 stream-ordered scratch (stage_attn_read; owned by keep[r]) and prm.p's read
 // becomes a plain bf16 view of it; a gradient GEMM's read with the score GEMM's values (q_once,
 // k_once, do_once: set before) takes the score read's view. Aligned bf16 reads are read in place.
 void stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
@@ -645,37 +511,19 @@ void stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
   const AttnRead* const in[] = {&p.q_s, &p.q_g, &p.k_s, &p.k_g, &p.v_s, &p.do_s, &p.do_g};
   AttnRead* const out[] = {&prm.p.q_s, &prm.p.q_g, &prm.p.k_s, &prm.p.k_g, &prm.p.v_s, &prm.p.do_s, &prm.p.do_g};
   static_assert(kQg == kQs + 1 && kKg == kKs + 1 && kDOg == kDOs + 1, "a gradient read follows its score read");
+  StageSeqs seqs;
+  seqs.B = p.B, seqs.Sq = p.Sq, seqs.Skv = p.Skv, seqs.thd = p.thd, seqs.cu_q = p.cu_q, seqs.cu_kv = p.cu_kv;
+  seqs.total_q = p.total_q, seqs.total_kv = p.total_kv;
   for (int r = 0; r < 7; ++r) {
     if ((r == kQg && prm.q_once) || (r == kKg && prm.k_once) || (r == kDOg && prm.do_once)) {
       *out[r] = *out[r - 1];
       continue;
     }
-    const bool vec = vec_ok(*in[r]);
-    if (!in[r]->fp8 && vec) continue;
+    if (!in[r]->fp8 && attn_read_vec_ok(*in[r])) continue;
     const bool kv = r == kKs || r == kKg || r == kVs;
     const int64_t heads = kv ? p.Hkv : p.H, d = (r == kVs || r == kDOs || r == kDOg) ? p.Dv : p.Dqk;
-    const int64_t S = kv ? p.Skv : p.Sq, tokens = p.thd ? (kv ? p.total_kv : p.total_q) : S;
-    // [B][heads][S][d], thd [heads][total tokens][d]
-    keep[r] = std::make_unique<StreamScratch>((p.thd ? 1 : p.B) * heads * tokens * d * 2, s);
-    StageJob job;
-    job.src = *in[r];
-    job.vec = vec;
-    job.kv = kv;
-    job.d = static_cast<int32_t>(d);
-    job.dst = reinterpret_cast<uint16_t*>(keep[r]->ptr);
-    job.view.data = job.dst;
-    job.view.st_b = p.thd ? 0 : heads * tokens * d;
-    job.view.st_s = d;
-    job.view.st_h = tokens * d;
-    const int64_t blocks = (S * (d / 16) + kThreads - 1) / kThreads;
-    if (blocks > 0 && heads > 0 && p.B > 0) {
-      bwd_stage<<<dim3(grid_dim(kOp, blocks, true, "rows"), grid_dim(kOp, heads, false, "heads"),
-                       grid_dim(kOp, p.B, false, "sequences")),
-                  kThreads, 0, s>>>(p, job);
-      MXMLA_CUDA_CHECK(cudaGetLastError());
-    }
     AttnRead staged;  // bf16 (fp8 = false), no scales
-    staged.view = job.view;
+    keep[r] = stage_attn_read(kOp, seqs, *in[r], kv, heads, d, s, &staged.view);
     *out[r] = staged;
   }
 }
@@ -692,7 +540,7 @@ void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
   const bool force_mma = env != nullptr && std::strcmp(env, "mma") == 0;
   const AttnRead* reads[] = {&p.q_s, &p.q_g, &p.k_s, &p.k_g, &p.v_s, &p.do_s, &p.do_g};  // in Read order
   bool scales_ok = true;
-  for (const AttnRead* r : reads) scales_ok = scales_ok && chunk_scales_ok(*r);
+  for (const AttnRead* r : reads) scales_ok = scales_ok && attn_read_chunk_scales_ok(*r);
   if (force_simt || !shape_instantiated(p.Dqk, p.Dv) || !scales_ok) return attention_bwd_simt_cuda(p, stream);
 
   auto s = reinterpret_cast<cudaStream_t>(stream);

@@ -1,19 +1,26 @@
 // mxmla — the attention forward for SM90 (sm_90a): the launcher of the warp-specialized kernel in
-// sm90_attention_fwd.cuh (MXFP8 or bf16 Q, K, V; dequantization to bf16 inside the kernel, bf16
-// wgmma with fp32 accumulation, online softmax). Instantiations: (d_qk, d_v) in {(192, 128),
-// (128, 128)} x codes {E4M3, E5M2}; bf16 inputs run the E4M3 one with the dequantizer idle.
+// sm90_attention_fwd.cuh (MXFP8 or bf16 Q, K, V; bf16 wgmma with fp32 accumulation, online
+// softmax). MXFP8 inputs are converted to bf16 once by a pass before the kernel (staged, the
+// default where it applies) or inside the kernel per tile (fused): attention_fwd_cuda below.
+// Instantiations: (d_qk, d_v) in {(192, 128), (128, 128)} x codes {E4M3, E5M2}; bf16 inputs (and
+// staged copies) run the E4M3 one with the dequantizer idle.
 #include <cuda.h>  // CUtensorMap (types only)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <string>
 
 #include "common/attention_ops.h"
+#include "cuda/attention_stage.h"
 #include "cuda/cuda_check.h"
 #include "cuda/heuristics.h"
 #include "cuda/launch.h"
 #include "cuda/sm90_attention_fwd.cuh"
+#include "cuda/stream_scratch.h"
 #include "cuda/tma_desc.h"
 
 namespace mxmla::detail {
@@ -90,6 +97,38 @@ void launch(const AttentionProblem& pr, cudaStream_t stream) {
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
+
+// The FP8 inputs' path: "staged" (default where it applies) converts Q, K and V once into bf16
+// scratch (cuda/attention_stage.h) and runs the kernel on those copies, the dequantizer warpgroup
+// idle; "fused" dequantizes every K / V tile inside the kernel, once per query block that reads it.
+// Both give the same bits (the same bf16 values into the same consumers). Staged applies to the
+// fixed-length layouts (thd keeps the fused path: its key tiles reach into the next sequence's
+// tokens, which the fused dequantizer zeroes and a staged copy would hold unconverted) whose scale
+// lookups go per 16-value chunk. MXMLA_ATTN_FWD in the environment, read at every call: "fused"
+// forces the fused path, "staged" the staged one (an error where it does not apply); A/B
+// comparisons and tests.
+bool staged_applies(const AttentionProblem& p, const AttnRead (&r)[3]) {
+  const char* env = std::getenv("MXMLA_ATTN_FWD");
+  if (env != nullptr && std::strcmp(env, "fused") == 0) return false;
+  bool ok = p.fp8 && !p.thd;
+  for (const AttnRead& x : r) ok = ok && attn_read_chunk_scales_ok(x);
+  if (!ok && p.fp8 && env != nullptr && std::strcmp(env, "staged") == 0)
+    throw Error(kOp, "q", "MXMLA_ATTN_FWD=staged: the staged path does not apply (thd, or scale lookups that do not "
+                          "go per 16-value chunk)");
+  return ok;
+}
+
+void run(const AttentionProblem& p, cudaStream_t s) {
+  const bool e4m3 = !p.fp8 || p.fmt == Fp8Format::kE4M3;
+  if (p.Dqk == 192) {
+    if (e4m3) launch<192, 128, true>(p, s);
+    else launch<192, 128, false>(p, s);
+  } else {
+    if (e4m3) launch<128, 128, true>(p, s);
+    else launch<128, 128, false>(p, s);
+  }
+}
+
 }  // namespace
 
 bool attention_cuda_supports(int64_t Dqk, int64_t Dv) { return (Dqk == 192 || Dqk == 128) && Dv == 128; }
@@ -100,15 +139,24 @@ void attention_fwd_cuda(const AttentionProblem& p, Stream stream) {
                               std::to_string(p.Dqk) + ", " + std::to_string(p.Dv) + ")");
   if (p.fp8 && p.v_sc.row_s != 1)
     throw Error(kOp, "v", "the CUDA kernel needs V's columnwise scale blocks to run along the keys of a sequence");
-  const bool e4m3 = !p.fp8 || p.fmt == Fp8Format::kE4M3;
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (p.Dqk == 192) {
-    if (e4m3) launch<192, 128, true>(p, s);
-    else launch<192, 128, false>(p, s);
-  } else {
-    if (e4m3) launch<128, 128, true>(p, s);
-    else launch<128, 128, false>(p, s);
+  AttnRead r[3];  // Q, K rowwise; V columnwise
+  const AttnTensorView* views[] = {&p.q, &p.k, &p.v};
+  const AttnScaleView* scales[] = {&p.q_sc, &p.k_sc, &p.v_sc};
+  for (int i = 0; i < 3; ++i) {
+    r[i].view = *views[i], r[i].sc = *scales[i];
+    r[i].fp8 = p.fp8, r[i].rowwise = i < 2, r[i].fmt = p.fmt;
   }
+  if (!staged_applies(p, r)) return run(p, s);
+  StageSeqs g;
+  g.B = p.B, g.Sq = p.Sq, g.Skv = p.Skv;
+  std::unique_ptr<StreamScratch> keep[3];  // freed on the stream after the kernel
+  AttentionProblem b = p;                  // the same problem on the bf16 copies
+  b.fp8 = false, b.fmt = Fp8Format::kE4M3, b.q_sc = b.k_sc = b.v_sc = AttnScaleView{};
+  AttnTensorView* out[] = {&b.q, &b.k, &b.v};
+  for (int i = 0; i < 3; ++i)
+    keep[i] = stage_attn_read(kOp, g, r[i], i > 0, i == 0 ? p.H : p.Hkv, i == 2 ? p.Dv : p.Dqk, s, out[i]);
+  run(b, s);
 }
 
 }  // namespace mxmla::detail

@@ -8,9 +8,14 @@
 // Persistent over 128 x 256 output tiles (grouped rasterisation), 384 threads, one CTA per SM:
 //   warpgroup 0  thread 0: TMA producer, the tiles' k-blocks A [128][64] and B [256][64] (128-byte
 //                swizzle) into a kStages ring (sm90/mainloop_tma_wgmma.cuh);
-//   warpgroups 1, 2  consumers: 64 rows each, m64n256k16 bf16 wgmma, fp32 accumulators, the epilogue
-//                (mxgemm::store_accumulators, design A's and B's) straight from the registers while
-//                the producer already fills the ring with the next tile's k-blocks.
+//   warpgroups 1, 2  consumers: 64 rows each, m64n256k16 bf16 wgmma, fp32 accumulators; the epilogue
+//                runs while the producer already fills the ring with the next tile's k-blocks:
+//                bf16 out without accumulation into rows TMA can take (p.tma_out): each consumer
+//                writes its 64 x 256 results in two halves of 64 x 128 bf16 into its shared
+//                buffer (two [64 rows][128 B] blocks, 128-byte swizzle) and one thread stores them
+//                with TMA (asynchronous: the next tile's mainloop starts at once; the buffer is
+//                reused once the store has read it); otherwise mxgemm::store_accumulators (design
+//                A's and B's) straight from the registers.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only)
@@ -45,16 +50,52 @@ struct Kernel {
                                           ptx::MmaDtype::kBF16>;
   struct alignas(1024) Smem {
     typename Mainloop::SharedStorage ring;  // a [128][64], b [256][64] bf16 per stage, 128-byte swizzle
+    uint8_t epi[2][2][64 * 128];            // per consumer: half a tile's results, 64-column blocks [64][128 B]
     typename Mainloop::Barriers bars;
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
 };
 
+// The TMA epilogue of one consumer: its rows m0 .. m0 + 63, columns n0 .. n0 + 255 (acc: m64n256
+// fragments) through buf (two 64-column blocks [64 rows][128 B], 16-byte chunk c of row r at
+// c ^ (r % 8): the rows of a warp's store land in distinct banks) in two halves of 128 columns.
+// Thread 0 of the warpgroup (r == 0) waits until the previous store has read the buffer, issues the
+// stores (blocks wholly past M or N are skipped; TMA clips the rest) and commits them.
+__device__ __forceinline__ void store_tma(const mxgemm::Params& p, const float (&acc)[128], uint8_t* buf,
+                                          const CUtensorMap* tmap_out, int m0, int n0, int cw, int r, int lane) {
+  const int rl = 16 * (r / 32) + lane / 4;  // local row of half 0 (half 1: + 8)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (r == 0) ptx::bulk_wait_read_all();
+    ptx::named_barrier(2 + cw, 128);
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {
+      const int J = 16 * half + jj, c = 8 * jj + 2 * (lane % 4);  // column in the half
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = rl + 8 * h;
+        uint8_t* at = buf + (c / 64) * (64 * 128) + row * 128 + ((((c % 64) / 8) ^ (row % 8)) * 16) + (c % 8) * 2;
+        ptx::st_shared_u32(ptx::smem_u32(at), bf16x2_out(p.alpha * acc[4 * J + 2 * h], p.alpha * acc[4 * J + 2 * h + 1]));
+      }
+    }
+    ptx::fence_proxy_async();
+    ptx::named_barrier(2 + cw, 128);
+    if (r == 0) {
+      const int n = n0 + 128 * half;
+      if (m0 < p.M) {
+        if (n < p.N) ptx::tma_store_2d(tmap_out, buf, n, m0);
+        if (n + 64 < p.N) ptx::tma_store_2d(tmap_out, buf + 64 * 128, n + 64, m0);
+      }
+      ptx::bulk_commit();
+    }
+  }
+}
+
 template <class K>
 __global__ void __launch_bounds__(K::C::kThreads, 1)
     sm90_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                          const mxgemm::Params p) {
+                          const __grid_constant__ CUtensorMap tmap_out, const mxgemm::Params p) {
   using C = typename K::C;
   using ML = typename K::Mainloop;
   using mxgemm::store_accumulators;
@@ -99,8 +140,12 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
     grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
     float acc[ML::kAcc];
     cons.template mma<NoProbe>(sm.bars, st, p.kblocks, acc, false, 0);
-    store_accumulators<C::kBN>(p, acc, mt * C::kBM, nt * C::kBN, r0, lane);
+    if (p.tma_out)
+      store_tma(p, acc, sm.epi[cw][0], &tmap_out, mt * C::kBM + 64 * cw, nt * C::kBN, cw, r, lane);
+    else
+      store_accumulators<C::kBN>(p, acc, mt * C::kBM, nt * C::kBN, r0, lane);
   }
+  if (p.tma_out && r == 0) ptx::bulk_wait_all();
 }
 
 }  // namespace mxmla::detail::mxgemm_c

@@ -12,10 +12,13 @@
 // bf16 design and B are launched and the one the flag does not pick returns at once (no host
 // synchronisation; C's dequantizing passes run either way). MXMLA_GEMM_DESIGN=A, B or C in the environment forces one design (A/B
 // measurements; A and C then round such values to bf16).
-// Both kernels read the operands K-major with F8_128x4-swizzled scales; an operand given the other
-// way (a columnwise copy: dgrad's W, wgrad's dY and x) or with a row stride TMA cannot take is first
-// repacked into a stream-ordered scratch buffer (codes transposed in 32 x 32 tiles; scales gathered
-// into the swizzled rowwise layout of the transposed matrix). Instantiations: E4M3 and E5M2 of each.
+// The kernels read the operands K-major with F8_128x4-swizzled scales (gathered for every operand
+// into the swizzled rowwise layout of op(X) = [R, K]). An operand given the other way (a columnwise
+// copy: dgrad's W, wgrad's dY and x) goes through design C's dequantizing pass directly (the
+// transposing dequant_bf16_trans: one pass); design B's and A's K-major copy of it (codes
+// transposed in 32 x 32 tiles, scratch) is made only when they run (B per call: gated on the
+// flag). An operand whose rows TMA cannot take (not 16-byte aligned) is repacked for every design.
+// Instantiations: E4M3 and E5M2 of each.
 #include <cuda.h>  // CUtensorMap (types only)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,9 +47,12 @@ namespace {
 constexpr const char* kOp = "mxmla.gemm";
 
 // dst [R, Kp] (K contiguous, zero beyond K) from src: [R, K] row-major (!trans) or [K, R] (trans),
-// row stride ld. 32 x 32 byte tiles through shared memory.
+// row stride ld. 32 x 32 byte tiles through shared memory. run_if: null, or the design flag (the
+// copy only design B reads: returns at once while the flag is clear).
 __global__ void __launch_bounds__(256) repack_kmajor(const uint8_t* __restrict__ src, int64_t ld, bool trans,
-                                                     uint8_t* __restrict__ dst, int64_t R, int64_t K, int64_t Kp) {
+                                                     uint8_t* __restrict__ dst, int64_t R, int64_t K, int64_t Kp,
+                                                     const uint32_t* run_if) {
+  if (run_if != nullptr && *run_if == 0) return;
   __shared__ uint8_t t[32][33];
   const int64_t r0 = int64_t{blockIdx.y} * 32, k0 = int64_t{blockIdx.x} * 32;
   for (int i = threadIdx.y; i < 32; i += 8) {  // load: rows of the source
@@ -95,9 +101,27 @@ __global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__
   }
 }
 
+// 16 codes (byte i of w = value k0 + i) times the block's factor f -> 16 bf16 (out[i]: values
+// k0 + 2i, k0 + 2i + 1): code · 2^(e − 127) in fp32 (exact), rounded to bf16; values at K and past
+// it are 0 (also under a NaN factor).
+template <bool kE4M3>
+__device__ __forceinline__ void dequant16(const uint32_t (&w)[4], float f, int64_t k0, int64_t K, uint32_t (&out)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
+    const __half2 h = *reinterpret_cast<const __half2*>(&h2);
+    const float lo = k0 + 2 * i < K ? __low2float(h) * f : 0.f, hi = k0 + 2 * i + 1 < K ? __high2float(h) * f : 0.f;
+    out[i] = bf16x2_rn(lo, hi);
+  }
+}
+
+__device__ __forceinline__ float e8m0_factor(uint32_t e) {
+  return e == 255u ? __uint_as_float(0x7FC00000u) : (e == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
+}
+
 // Design C's copy of op(X): bf16 [R, Kp] (Kp = K rounded up to 16, zeros past K) from the K-major
-// codes and the swizzled scales of kmajor(): code · 2^(e − 127) in fp32 (exact), rounded to bf16
-// (exact unless the scale check sends the call to design B). One thread per 16 codes.
+// codes and the swizzled scales of kmajor() (exact unless the scale check sends the call to design
+// B). One thread per 16 codes.
 template <bool kE4M3>
 __global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ codes, int64_t ld,
                                                     const uint8_t* __restrict__ scales, int64_t tiles_x,
@@ -105,8 +129,7 @@ __global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ 
   const int64_t chunks = Kp / 16, x = int64_t{blockIdx.x} * 256 + threadIdx.x;
   if (x >= R * chunks) return;
   const int64_t r = x / chunks, k0 = (x % chunks) * 16;
-  const uint32_t e = scales[swizzle_offset(r, k0 / 32, tiles_x)];
-  const float f = e == 255u ? __uint_as_float(0x7FC00000u) : (e == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
+  const float f = e8m0_factor(scales[swizzle_offset(r, k0 / 32, tiles_x)]);
   uint32_t w[4];
   if (k0 + 16 <= K) {
     const uint4 v = *reinterpret_cast<const uint4*>(codes + r * ld + k0);
@@ -121,38 +144,68 @@ __global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ 
     }
   }
   uint32_t out[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {  // values k0 + 2i, k0 + 2i + 1
-    const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
-    const __half2 h = *reinterpret_cast<const __half2*>(&h2);
-    const float lo = k0 + 2 * i < K ? __low2float(h) * f : 0.f, hi = k0 + 2 * i + 1 < K ? __high2float(h) * f : 0.f;
-    out[i] = bf16x2_rn(lo, hi);
-  }
+  dequant16<kE4M3>(w, f, k0, K, out);
   uint4* d = reinterpret_cast<uint4*>(dst + (r * Kp + k0) / 2);
   d[0] = make_uint4(out[0], out[1], out[2], out[3]);
   d[1] = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
+// The same copy straight from a columnwise operand's codes X [K, R] (row stride ld; data and ld
+// multiples of 16 bytes), transposed through shared memory: one pass instead of repack_kmajor +
+// dequant_bf16. Block = 64 of K (blockIdx.x) x 64 of R (blockIdx.y), 256 threads: each loads 16
+// codes of one K row (16-byte loads), then converts 16 consecutive K of one R row (two 16-byte
+// stores; a warp writes 8 rows x 128 bytes). Shared tile [64 k][64 r] with the 16-byte column
+// groups XOR-swizzled by (k / 16) % 4, so the reads down a column (4 K groups x 8 rows a warp)
+// fall in distinct banks.
+template <bool kE4M3>
+__global__ void __launch_bounds__(256) dequant_bf16_trans(const uint8_t* __restrict__ codes, int64_t ld,
+                                                          const uint8_t* __restrict__ scales, int64_t tiles_x,
+                                                          uint32_t* __restrict__ dst, int64_t R, int64_t K, int64_t Kp) {
+  __shared__ __align__(16) uint8_t t[64][80];  // [k][r], 80-byte rows: 20 words, 16 rows = 10 · 32 words
+  const int64_t k0 = int64_t{blockIdx.x} * 64, r0 = int64_t{blockIdx.y} * 64;
+  {
+    const int k = threadIdx.x / 4, q = threadIdx.x % 4;
+    const int64_t gk = k0 + k, gr = r0 + 16 * q;
+    uint32_t w[4] = {0, 0, 0, 0};
+    if (gk < K) {
+      const uint8_t* src = codes + gk * ld + gr;
+      if (gr + 16 <= R) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+          if (gr + i < R) w[i / 4] |= static_cast<uint32_t>(src[i]) << (8 * (i % 4));
+      }
+    }
+    *reinterpret_cast<uint4*>(&t[k][16 * (q ^ ((k / 16) % 4))]) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  __syncthreads();
+  const int r = threadIdx.x / 4, c = threadIdx.x % 4;  // row r0 + r, values k0 + 16c .. + 15
+  const int64_t gr = r0 + r, kc = k0 + 16 * c;
+  if (gr >= R || kc >= Kp) return;
+  const int col = 16 * ((r / 16) ^ c) + r % 16;  // rows 16c .. 16c + 15: (k / 16) % 4 = c
+  uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int j = 0; j < 16; ++j) w[j / 4] |= static_cast<uint32_t>(t[16 * c + j][col]) << (8 * (j % 4));
+  uint32_t out[8];
+  dequant16<kE4M3>(w, e8m0_factor(scales[swizzle_offset(gr, kc / 32, tiles_x)]), kc, K, out);
+  uint4* d = reinterpret_cast<uint4*>(dst + (gr * Kp + kc) / 2);
+  d[0] = make_uint4(out[0], out[1], out[2], out[3]);
+  d[1] = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
 struct KMajor {
-  const uint8_t* codes;
+  const uint8_t* codes;   // [R, K] K-major (the operand's own, or repack_kmajor's copy)
   int64_t ld;             // bytes
   const uint8_t* scales;  // swizzled rowwise, [round_up(R, 128), 4 * ceil(K / 128)]
+  const uint8_t* cols;    // a columnwise operand's own codes [K, R] when design C reads them directly, else null
+  int64_t cols_ld;
 };
 
-// op(X) as the kernel reads it: [R, K] K-major codes and swizzled scales (scratch when needed).
-KMajor kmajor(const GemmOperandView& v, int64_t R, int64_t K, cudaStream_t s, std::unique_ptr<StreamScratch>& codes,
-              std::unique_ptr<StreamScratch>& scales, uint32_t min_e, uint32_t* small) {
-  KMajor out{static_cast<const uint8_t*>(v.data), v.ld, nullptr};
-  const bool aligned = reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && v.ld % 16 == 0;
-  if (!v.contract_cols || !aligned) {
-    const int64_t Kp = (K + 15) / 16 * 16;
-    codes = std::make_unique<StreamScratch>(R * Kp, s);
-    const dim3 grid(static_cast<unsigned>((Kp + 31) / 32), static_cast<unsigned>((R + 31) / 32));
-    repack_kmajor<<<grid, dim3(32, 8), 0, s>>>(static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols, codes->ptr,
-                                                R, K, Kp);
-    MXMLA_CUDA_CHECK(cudaGetLastError());
-    out.codes = codes->ptr, out.ld = Kp;
-  }
+// op(X)'s swizzled scales (scratch; every call: they also run the scale check).
+const uint8_t* gather(const GemmOperandView& v, int64_t R, int64_t K, cudaStream_t s,
+                      std::unique_ptr<StreamScratch>& scales, uint32_t min_e, uint32_t* small) {
   const int64_t kb = (K + 31) / 32, rows_pad = (R + 127) / 128 * 128, cols_pad = (kb + 3) / 4 * 4;
   scales = std::make_unique<StreamScratch>(rows_pad * cols_pad, s);
   const int64_t n = rows_pad * cols_pad;
@@ -160,7 +213,33 @@ KMajor kmajor(const GemmOperandView& v, int64_t R, int64_t K, cudaStream_t s, st
   gather_scales<<<blocks, 256, 0, s>>>(v.scales, v.map, v.contract_cols, scales->ptr, R, kb, rows_pad, cols_pad,
                                        static_cast<const uint8_t*>(v.data), v.ld, K, min_e, small);
   MXMLA_CUDA_CHECK(cudaGetLastError());
-  out.scales = scales->ptr;
+  return scales->ptr;
+}
+
+// op(X) as the kernels read it: [R, K] K-major codes (a repacked copy in scratch when the operand is
+// columnwise or its rows are not 16-byte aligned) and the gathered scales. A columnwise operand with
+// aligned rows: design C converts its codes directly (dequant_bf16_trans), so the repacked copy is
+// only design B's (and A's): queued with run_if (the design flag: the copy is made only when B runs;
+// null: always), or not at all when no such design runs (need_kmajor false).
+KMajor kmajor(const GemmOperandView& v, int64_t R, int64_t K, const uint8_t* scales, cudaStream_t s,
+              std::unique_ptr<StreamScratch>& codes, bool need_kmajor, const uint32_t* run_if) {
+  KMajor out{static_cast<const uint8_t*>(v.data), v.ld, scales, nullptr, 0};
+  const bool aligned = reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && v.ld % 16 == 0;
+  if (v.contract_cols && aligned) return out;
+  if (!v.contract_cols && aligned && (R + 63) / 64 <= 65535)  // dequant_bf16_trans's grid
+    out.cols = static_cast<const uint8_t*>(v.data), out.cols_ld = v.ld;
+  else
+    run_if = nullptr, need_kmajor = true;  // design C reads the repacked copy too
+  const int64_t Kp = (K + 15) / 16 * 16;
+  out.codes = nullptr, out.ld = Kp;
+  if (need_kmajor) {
+    codes = std::make_unique<StreamScratch>(R * Kp, s);
+    out.codes = codes->ptr;
+    const dim3 grid(static_cast<unsigned>((Kp + 31) / 32), static_cast<unsigned>((R + 31) / 32));
+    repack_kmajor<<<grid, dim3(32, 8), 0, s>>>(static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols,
+                                                codes->ptr, R, K, Kp, run_if);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  }
   return out;
 }
 
@@ -189,12 +268,20 @@ CUtensorMap bf16_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, int rows
   const int64_t Kp = (K + 15) / 16 * 16, n = R * (Kp / 16);
   keep = std::make_unique<StreamScratch>(R * Kp * 2, s);
   uint32_t* dst = reinterpret_cast<uint32_t*>(keep->ptr);
-  const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
   const int64_t tiles_x = (K + 127) / 128;
-  if (e4m3)
-    dequant_bf16<true><<<blocks, 256, 0, s>>>(x.codes, x.ld, x.scales, tiles_x, dst, R, K, Kp);
-  else
-    dequant_bf16<false><<<blocks, 256, 0, s>>>(x.codes, x.ld, x.scales, tiles_x, dst, R, K, Kp);
+  if (x.cols != nullptr) {
+    const dim3 grid(static_cast<unsigned>((Kp + 63) / 64), static_cast<unsigned>((R + 63) / 64));
+    if (e4m3)
+      dequant_bf16_trans<true><<<grid, 256, 0, s>>>(x.cols, x.cols_ld, x.scales, tiles_x, dst, R, K, Kp);
+    else
+      dequant_bf16_trans<false><<<grid, 256, 0, s>>>(x.cols, x.cols_ld, x.scales, tiles_x, dst, R, K, Kp);
+  } else {
+    const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
+    if (e4m3)
+      dequant_bf16<true><<<blocks, 256, 0, s>>>(x.codes, x.ld, x.scales, tiles_x, dst, R, K, Kp);
+    else
+      dequant_bf16<false><<<blocks, 256, 0, s>>>(x.codes, x.ld, x.scales, tiles_x, dst, R, K, Kp);
+  }
   MXMLA_CUDA_CHECK(cudaGetLastError());
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(Kp * 2)};
@@ -202,12 +289,23 @@ CUtensorMap bf16_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, int rows
   return make_tma_desc(keep->ptr, DType::kBFloat16, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params& p, cudaStream_t s) {
+// Design C's GEMM. Its epilogue stores by TMA (box [64 rows][64 columns], 128-byte swizzle) when D
+// is bf16 without accumulation and its rows can be described (data and row stride multiples of 16
+// bytes); else from the registers.
+void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
   using K = mxgemm_c::Kernel;
+  p.tma_out = !p.out_f32 && !p.accumulate && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.ld_out * 2 % 16 == 0;
+  CUtensorMap to{};
+  if (p.tma_out) {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.N), static_cast<cuuint64_t>(p.M)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.ld_out * 2)};
+    const cuuint32_t box[2] = {64u, 64u};
+    to = make_tma_desc(p.out, DType::kBFloat16, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+  }
   const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);
   const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
   const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
-  mxgemm_c::sm90_bf16_gemm_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, p);
+  mxgemm_c::sm90_bf16_gemm_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, to, p);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -248,8 +346,14 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
   MXMLA_CUDA_CHECK(cudaMemsetAsync(small, 0, 4, s));
   const uint32_t min_e = forced != 0 ? 0u : mxgemm_a::min_exact_e(e4m3);  // forced: no check
   std::unique_ptr<StreamScratch> ca, sa, cb, sb;
-  const KMajor a = kmajor(pr.a, pr.M, pr.K, s, ca, sa, min_e, small);
-  const KMajor b = kmajor(pr.b, pr.N, pr.K, s, cb, sb, min_e, small);
+  // both gathers (the scale check) before any copy that the design flag gates
+  const uint8_t* a_sc = gather(pr.a, pr.M, pr.K, s, sa, min_e, small);
+  const uint8_t* b_sc = gather(pr.b, pr.N, pr.K, s, sb, min_e, small);
+  // K-major codes: design B reads them when the flag picks it (per call) or when forced, A when forced
+  const bool need_kmajor = forced != 'C';
+  const uint32_t* run_if = forced == 0 ? small : nullptr;
+  const KMajor a = kmajor(pr.a, pr.M, pr.K, a_sc, s, ca, need_kmajor, run_if);
+  const KMajor b = kmajor(pr.b, pr.N, pr.K, b_sc, s, cb, need_kmajor, run_if);
   mxgemm::Params p{};
   p.M = static_cast<int>(pr.M), p.N = static_cast<int>(pr.N), p.K = static_cast<int>(pr.K);
   p.sa = a.scales, p.sb = b.scales, p.tiles_x = static_cast<int>((pr.K + 127) / 128);

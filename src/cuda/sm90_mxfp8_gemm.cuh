@@ -65,6 +65,7 @@ struct Params {
   // it runs iff design_flag is null or (*design_flag != 0) == run_on_flag.
   const uint32_t* design_flag;
   bool run_on_flag;
+  bool tma_out;  // design C: bf16 out, no accumulation, aligned rows: the epilogue stores by TMA
 };
 
 struct Kernel {

@@ -777,6 +777,81 @@ std::vector<ACase> gpu_cases() {
 INSTANTIATE_TEST_SUITE_P(Cases, AttentionFwdGpu, ::testing::ValuesIn(gpu_cases()),
                          [](const ::testing::TestParamInfo<ACase>& i) { return std::to_string(i.index) + "_" + i.param.name(); });
 
+// ---------------------------------------------------------------- CUDA: staged and fused dequantization
+// MXFP8 inputs of the fixed-length layouts take the staged path by default (a conversion pass to
+// bf16, then the kernel on the copies); MXMLA_ATTN_FWD=fused dequantizes inside the kernel. Both
+// put the same bf16 values into the same consumers, so O and LSE must agree bit for bit (NaN with
+// NaN), also with extreme scale bytes (0, 1, the fast path's limits, 254, 255 = NaN) and NaN / max
+// codes spread over Q, K and V.
+class AttentionFwdGpuPaths : public ::testing::TestWithParam<std::tuple<ACase, bool>> {};
+
+// Every 13th scale byte of each copy -> one of the extremes, every 97th code -> NaN or the largest
+// finite code (both signs).
+void poke_specials(Inputs& in, Fp8Format fmt) {
+  const uint8_t scales[] = {0, 1, 2, 120, 127, 134, 135, 142, 143, 200, 253, 254, 255};
+  const uint8_t nan = fmt == Fp8Format::kE4M3 ? 0x7F : 0x7E, big = fmt == Fp8Format::kE4M3 ? 0x7E : 0x7B;
+  const uint8_t codes[] = {nan, big, static_cast<uint8_t>(big | 0x80), static_cast<uint8_t>(nan | 0x80)};
+  for (Op* op : {&in.q, &in.k, &in.v}) {
+    for (TensorDesc* t : {&op->mx.rowwise_scale_inv, &op->mx.columnwise_scale_inv}) {
+      if (t->data == nullptr) continue;
+      auto* b = static_cast<uint8_t*>(t->data);
+      for (int64_t i = 0, n = numel(t->shape), j = 0; i < n; i += 13) b[i] = scales[j++ % sizeof(scales)];
+    }
+    for (TensorDesc* t : {&op->mx.rowwise_data, &op->mx.columnwise_data}) {
+      if (t->data == nullptr) continue;
+      auto* b = static_cast<uint8_t*>(t->data);
+      for (int64_t i = 5, n = numel(t->shape), j = 0; i < n; i += 97) b[i] = codes[j++ % sizeof(codes)];
+    }
+  }
+}
+
+bool same_bf16(uint16_t a, uint16_t b) {
+  const auto nan = [](uint16_t x) { return (x & 0x7F80) == 0x7F80 && (x & 0x7F) != 0; };
+  return a == b || (nan(a) && nan(b));
+}
+
+TEST_P(AttentionFwdGpuPaths, StagedAndFusedAgreeBitwise) {
+  MXMLA_REQUIRE_GPU();
+  const auto& [c, specials] = GetParam();
+  Inputs in = make_inputs(c);
+  if (specials) poke_specials(in, c.fmt);
+  Result staged, fused;
+  {
+    test::ScopedEnv e("MXMLA_ATTN_FWD", "staged");  // an error if the staged path did not apply
+    staged = run_gpu(c, in);
+  }
+  {
+    test::ScopedEnv e("MXMLA_ATTN_FWD", "fused");
+    fused = run_gpu(c, in);
+  }
+  ASSERT_EQ(staged.o.size(), fused.o.size());
+  int64_t o_diff = 0, lse_diff = 0, nonfinite = 0;
+  for (size_t i = 0; i < staged.o.size(); ++i) {
+    o_diff += !same_bf16(staged.o[i], fused.o[i]);
+    nonfinite += (staged.o[i] & 0x7F80) == 0x7F80;
+  }
+  for (size_t i = 0; i < staged.lse.size(); ++i) {
+    const float a = staged.lse[i], b = fused.lse[i];
+    lse_diff += !(std::memcmp(&a, &b, 4) == 0 || (std::isnan(a) && std::isnan(b)));
+  }
+  EXPECT_EQ(o_diff, 0) << "O elements whose bits differ between the staged and the fused path";
+  EXPECT_EQ(lse_diff, 0) << "LSE values whose bits differ";
+  if (specials) EXPECT_GT(nonfinite, 0) << "the special values reached no output (the poke missed)";
+}
+
+std::vector<ACase> fp8_fixed_length_cases() {
+  std::vector<ACase> v;
+  for (const ACase& c : gpu_cases())
+    if (c.in != In::kBF16 && !c.thd() && c.Sq * c.Skv * c.H <= 3000000) v.push_back(c);
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Cases, AttentionFwdGpuPaths,
+                         ::testing::Combine(::testing::ValuesIn(fp8_fixed_length_cases()), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<ACase, bool>>& i) {
+                           return std::to_string(i.index) + "_" + std::get<0>(i.param).name() +
+                                  (std::get<1>(i.param) ? "_specials" : "");
+                         });
+
 // ---------------------------------------------------------------- errors
 void expect_error(const std::function<void()>& fn, const std::string& arg, const std::string& rule) {
   test::expect_error("mxmla.attention", fn, arg, rule);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -21,6 +22,28 @@ bool have_gpu();
     if (!::mxmla::test::have_gpu())                                                            \
       GTEST_SKIP() << "no CUDA device visible (or a CPU-only build): GPU comparison skipped"; \
   } while (0)
+
+// Sets (value) or unsets (nullptr) an environment variable for a scope, restoring it after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    if (value) ::setenv(name, value, 1);
+    else ::unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (had_) ::setenv(name_.c_str(), old_.c_str(), 1);
+    else ::unsetenv(name_.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
 
 uint16_t float_to_fp16(float f);  // round to nearest even
 // Encode fp32 values as `t` (bf16/fp16 round to nearest even).

@@ -1,0 +1,44 @@
+// mxmla internal — the attention kernels' conversion pass: one read of an operand (bf16, or MXFP8
+// codes with the scales of the copy read; common/attention_ops.h: AttnRead) -> a bf16 copy in
+// stream-ordered scratch, once per element. The backward converts every FP8 read before its main
+// kernels (attention_bwd_mma.cu: stage_reads); the SM90 forward converts Q, K, V before a kernel
+// that then runs on bf16 (sm90_attention_fwd.cu). Defined in attention_stage.cu (arch-neutral).
+//
+// The copy: [B][heads][S][d], thd [heads][total tokens][d]; valid tokens only (tokens past a
+// sequence's end, and thd tokens outside every sequence, are left unwritten). Values: bf16 copied;
+// FP8 code · 2^(e−127) rounded to nearest even (cuda/sm90/dequant_mxfp8_bf16.cuh: exact for values
+// in bf16's normal range), through the copy's scale geometry as attn_bwd::elem() reads it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "common/attention_ops.h"
+#include "cuda/stream_scratch.h"
+
+namespace mxmla::detail {
+
+// The sequences a read's tokens belong to (thd: cu_q / cu_kv in device memory, [B + 1]).
+struct StageSeqs {
+  int64_t B = 1, Sq = 0, Skv = 0;  // thd: the max lengths (the grid's extent)
+  bool thd = false;
+  const int32_t* cu_q = nullptr;
+  const int32_t* cu_kv = nullptr;
+  int64_t total_q = 0, total_kv = 0;
+};
+
+// What a staged read needs: 16-byte loads (data pointer and strides multiples of 16 bytes; else
+// element loads), and scale lookups per 16-value chunk (chunks start at columns that are multiples
+// of 16: one rowwise 32-column block; a columnwise chunk inside its head with BHSD scales).
+bool attn_read_vec_ok(const AttnRead& r);
+bool attn_read_chunk_scales_ok(const AttnRead& r);
+
+// Queues the conversion of read r (kv: a key-side read, cu_kv / Skv; else cu_q / Sq) of `heads`
+// heads and d values a token (a multiple of 16) on stream s; returns the scratch (freed on the
+// stream when it goes) and sets *view to the copy's bf16 view. op names the caller in errors.
+std::unique_ptr<StreamScratch> stage_attn_read(const char* op, const StageSeqs& g, const AttnRead& r, bool kv,
+                                               int64_t heads, int64_t d, cudaStream_t s, AttnTensorView* view);
+
+}  // namespace mxmla::detail
