@@ -41,53 +41,64 @@ __device__ __forceinline__ void fp8_chunk_words(const uint4& codes, const uint4&
   }
 }
 
-// Values d0 .. d0 + 15 of token `tok` (packed) of sequence b, head h of read r -> 16 bf16 (out[i]:
-// values 2i, 2i+1). bf16: copied; FP8: through the copy's scale geometry as elem() reads it.
-__device__ __forceinline__ void chunk_words(const AttnRead& r, bool vec, int64_t b, int64_t h, int64_t tok,
-                                            int64_t d0, uint4 (&stage)[2], uint32_t (&out)[8]) {
-  const int64_t off = b * r.view.st_b + tok * r.view.st_s + h * r.view.st_h + d0;
-  if (!r.fp8) {
-    const uint16_t* src = static_cast<const uint16_t*>(r.view.data) + off;
-    if (vec) {
-      const uint4 lo = reinterpret_cast<const uint4*>(src)[0], hi = reinterpret_cast<const uint4*>(src)[1];
-      out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
-      out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        out[i] = static_cast<uint32_t>(src[2 * i]) | (static_cast<uint32_t>(src[2 * i + 1]) << 16);
-    }
-    return;
-  }
-  const uint8_t* src = static_cast<const uint8_t*>(r.view.data) + off;
-  uint4 codes;
+// 16 values d0 .. d0 + 15 of token `tok` (packed) of sequence b, head h of read r: element
+// (b, h, tok, d) at data + b·st_b + tok·st_s + h·st_h + d.
+__device__ __forceinline__ int64_t value_offset(const AttnRead& r, int64_t b, int64_t h, int64_t tok, int64_t d0) {
+  return b * r.view.st_b + tok * r.view.st_s + h * r.view.st_h + d0;
+}
+
+// bf16: the 16 values copied (out[i]: values 2i, 2i + 1).
+__device__ __forceinline__ void bf16_words(const AttnRead& r, bool vec, int64_t off, uint32_t (&out)[8]) {
+  const uint16_t* src = static_cast<const uint16_t*>(r.view.data) + off;
   if (vec) {
-    codes = *reinterpret_cast<const uint4*>(src);
+    const uint4 lo = reinterpret_cast<const uint4*>(src)[0], hi = reinterpret_cast<const uint4*>(src)[1];
+    out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
+    out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
   } else {
-    uint32_t w[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      w[i] = static_cast<uint32_t>(src[4 * i]) | (static_cast<uint32_t>(src[4 * i + 1]) << 8) |
-             (static_cast<uint32_t>(src[4 * i + 2]) << 16) | (static_cast<uint32_t>(src[4 * i + 3]) << 24);
-    codes = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int i = 0; i < 8; ++i)
+      out[i] = static_cast<uint32_t>(src[2 * i]) | (static_cast<uint32_t>(src[2 * i + 1]) << 16);
   }
-  // the scales, through the geometry elem() uses (column `col` is a multiple of 16: host-checked)
+}
+
+// FP8: the 16 codes (byte i = value i).
+__device__ __forceinline__ uint4 fp8_codes(const AttnRead& r, bool vec, int64_t off) {
+  const uint8_t* src = static_cast<const uint8_t*>(r.view.data) + off;
+  if (vec) return *reinterpret_cast<const uint4*>(src);
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = static_cast<uint32_t>(src[4 * i]) | (static_cast<uint32_t>(src[4 * i + 1]) << 8) |
+           (static_cast<uint32_t>(src[4 * i + 2]) << 16) | (static_cast<uint32_t>(src[4 * i + 3]) << 24);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The scale row of token `tok` (its 32-row block for a columnwise copy: row / 32).
+__device__ __forceinline__ int64_t scale_row(const AttnScaleView& sc, int64_t b, int64_t h, int64_t tok) {
+  return tok * sc.row_s + b * sc.row_b + h * sc.row_h + sc.row0;
+}
+
+// The 16 values' scale bytes (byte i of e = value i's), through the geometry elem() uses (d0 is a
+// multiple of 16: host-checked): a rowwise copy's 16 values lie in one 32-column block of the row;
+// a columnwise copy has a block per column (32 rows of it): 16 bytes through one cursor (BHSD:
+// inside d0's head).
+__device__ __forceinline__ uint4 chunk_scales(const AttnRead& r, int64_t b, int64_t h, int64_t row, int64_t d0) {
   const AttnScaleView& sc = r.sc;
-  const int64_t bi = b * sc.bi_b;
-  const int64_t row = tok * sc.row_s + b * sc.row_b + h * sc.row_h + sc.row0;
-  const int64_t col = b * sc.col_b + h * sc.col_h + d0;
-  uint4 e;
-  if (r.rowwise) {  // the 16 columns lie in one 32-column block of the row
+  const int64_t bi = b * sc.bi_b, col = b * sc.col_b + h * sc.col_h + d0;
+  if (r.rowwise) {
     const uint32_t s = ptx::ld_global_nc_u8(sc.ptr + row_scale_offset(sc.map, bi, row, col / 32)) * 0x01010101u;
-    e = make_uint4(s, s, s, s);
-  } else {  // a block per column (32 rows of it): 16 bytes through one cursor (BHSD: inside col's head)
-    const ScaleCursor cur = col_cursor(sc.map, bi, row / 32, col);
-    uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int k = 0; k < 16; ++k)
-      w[k / 4] |= static_cast<uint32_t>(ptx::ld_global_nc_u8(sc.ptr + cursor_offset(cur, k))) << (8 * (k % 4));
-    e = make_uint4(w[0], w[1], w[2], w[3]);
+    return make_uint4(s, s, s, s);
   }
+  const ScaleCursor cur = col_cursor(sc.map, bi, row / 32, col);
+  uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int k = 0; k < 16; ++k)
+    w[k / 4] |= static_cast<uint32_t>(ptx::ld_global_nc_u8(sc.ptr + cursor_offset(cur, k))) << (8 * (k % 4));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ void fp8_words(const AttnRead& r, const uint4& codes, const uint4& e, uint4 (&stage)[2],
+                                          uint32_t (&out)[8]) {
   if (r.fmt == Fp8Format::kE4M3)
     fp8_chunk_words<true>(codes, e, stage, out);
   else
@@ -106,10 +117,16 @@ struct StageJob {
 };
 static_assert(sizeof(StageSeqs) + sizeof(StageJob) <= 4000, "kernel parameter space");
 
-// grid (ceil(S · d / 16 / kThreads), heads, B): a thread converts one 16-value chunk (values
-// 16c .. 16c + 15 of token i of sequence b, head h); consecutive threads take consecutive chunks of
-// a token, then consecutive tokens (coalesced 16-byte stores). Tokens past the sequence's end are
-// left alone (the kernels read only the valid ones, or mask them).
+// Tokens a thread converts: 1, or kColRows consecutive ones for a columnwise FP8 copy (their
+// scale bytes, 16 loads, fetched once per 32-row block instead of once per token).
+constexpr int kColRows = 4;
+__host__ __device__ __forceinline__ int rows_per_thread(const AttnRead& r) { return r.fp8 && !r.rowwise ? kColRows : 1; }
+
+// grid (ceil(ceil(S / rows) · d / 16 / kThreads), heads, B), rows = rows_per_thread: a thread
+// converts one 16-value chunk c (values 16c .. 16c + 15) of `rows` consecutive tokens of sequence
+// b, head h; consecutive threads take consecutive chunks of a token, then the next token group
+// (coalesced 16-byte stores). Tokens past the sequence's end are left alone (the kernels read only
+// the valid ones, or mask them).
 __global__ void __launch_bounds__(kThreads) attn_stage(const __grid_constant__ StageSeqs g,
                                                        const __grid_constant__ StageJob job) {
   __shared__ uint4 stage[kThreads][2];  // the exact path's 32 bytes a thread
@@ -119,17 +136,31 @@ __global__ void __launch_bounds__(kThreads) attn_stage(const __grid_constant__ S
     const int32_t* cu = job.kv ? g.cu_kv : g.cu_q;
     t0 = cu[b], len = cu[b + 1] - t0;
   }
-  const int chunks = job.d / 16;
+  const AttnRead& r = job.src;
+  const int chunks = job.d / 16, rows = rows_per_thread(r);
   const int64_t x = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  const int64_t i = x / chunks;
-  const int c = static_cast<int>(x % chunks);
-  if (i >= len) return;
-  const int64_t tok = t0 + i;
-  uint32_t w[8];
-  chunk_words(job.src, job.vec, b, h, tok, int64_t{16} * c, stage[threadIdx.x], w);
-  uint4* dst = reinterpret_cast<uint4*>(job.dst + b * job.view.st_b + tok * job.view.st_s + h * job.view.st_h + 16 * c);
-  dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-  dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  const int64_t i0 = x / chunks * rows;
+  const int64_t d0 = int64_t{16} * (x % chunks);
+  int64_t cached = -1;  // the scale row (rowwise) or 32-row block (columnwise) whose bytes e holds
+  uint4 e = make_uint4(0, 0, 0, 0);
+  for (int ii = 0; ii < rows; ++ii) {
+    const int64_t i = i0 + ii;
+    if (i >= len) return;
+    const int64_t tok = t0 + i;
+    const int64_t off = value_offset(r, b, h, tok, d0);
+    uint32_t w[8];
+    if (!r.fp8) {
+      bf16_words(r, job.vec, off, w);
+    } else {
+      const uint4 codes = fp8_codes(r, job.vec, off);
+      const int64_t row = scale_row(r.sc, b, h, tok), key = r.rowwise ? row : row / 32;
+      if (key != cached) e = chunk_scales(r, b, h, row, d0), cached = key;
+      fp8_words(r, codes, e, stage[threadIdx.x], w);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(job.dst + b * job.view.st_b + tok * job.view.st_s + h * job.view.st_h + d0);
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
 }
 
 unsigned grid_extent(const char* op, int64_t n, bool x, const char* what) {
@@ -171,7 +202,8 @@ std::unique_ptr<StreamScratch> stage_attn_read(const char* op, const StageSeqs& 
   job.view.st_b = g.thd ? 0 : heads * tokens * d;
   job.view.st_s = d;
   job.view.st_h = tokens * d;
-  const int64_t blocks = (S * (d / 16) + kThreads - 1) / kThreads;
+  const int64_t rows = rows_per_thread(r);
+  const int64_t blocks = ((S + rows - 1) / rows * (d / 16) + kThreads - 1) / kThreads;
   if (blocks > 0 && heads > 0 && g.B > 0) {
     attn_stage<<<dim3(grid_extent(op, blocks, true, "rows"), grid_extent(op, heads, false, "heads"),
                       grid_extent(op, g.B, false, "sequences")),

@@ -32,6 +32,34 @@ inline int64_t queue_grid(int64_t resident, int64_t tiles, int64_t runs) {
   return std::min(persistent_grid(resident, tiles), std::max<int64_t>(1, runs));
 }
 
+// The MXFP8 GEMM's design C: how many parts to split K into. A GEMM with few output tiles and a long
+// K leaves SMs idle in its last wave (dgrad at T 4096: 192 tiles of 128 x 256 on 132 SMs); s splits
+// make s · tiles work units of about kblocks / s k-blocks, whose fp32 partial sums a reduction pass
+// adds. Estimated time (µs) for s = 1 .. 4: waves · (k-blocks per unit + kTileOverhead) · kKBlockUs,
+// plus for s > 1 the partials' traffic (M·N·(8s + 2) bytes: written, read, the result) at
+// kReduceBytesPerUs and kLaunchUs; the fastest wins (ties: fewer splits). A split keeps at least
+// kMinKBlocks k-blocks. tiles, kblocks, resident >= 1.
+inline int gemm_k_splits(int64_t tiles, int64_t kblocks, int64_t mn, int64_t resident) {
+  constexpr double kKBlockUs = 0.55;          // one 128 x 256 x 64 bf16 k-block on one SM (H200)
+  constexpr double kTileOverhead = 2;         // a tile's prologue and epilogue, in k-blocks
+  constexpr double kReduceBytesPerUs = 3e6;   // the reduction pass's bandwidth (3 TB/s)
+  constexpr double kLaunchUs = 5;
+  constexpr int64_t kMinKBlocks = 8;
+  int best = 1;
+  double best_us = 0;
+  for (int s = 1; s <= 4; ++s) {
+    const int64_t per = (kblocks + s - 1) / s;
+    if (s > 1 && per < kMinKBlocks) break;
+    const int64_t parts = (kblocks + per - 1) / per;  // no empty part
+    if (s > 1 && parts != s) continue;
+    const int64_t waves = (tiles * parts + resident - 1) / resident;
+    double us = static_cast<double>(waves) * (static_cast<double>(per) + kTileOverhead) * kKBlockUs;
+    if (s > 1) us += static_cast<double>(mn) * (8.0 * s + 2) / kReduceBytesPerUs + kLaunchUs;
+    if (s == 1 || us < best_us) best = s, best_us = us;
+  }
+  return best;
+}
+
 // Elementwise kernels (RoPE, dequantize, scale re-layout): one thread per work unit.
 inline int64_t elementwise_grid(int64_t units, int threads_per_block) {
   return (units + threads_per_block - 1) / threads_per_block;

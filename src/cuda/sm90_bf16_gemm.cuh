@@ -5,7 +5,9 @@
 //   D[M, N] = alpha · A · Bᵀ (+ D),   A [M, K] and B [N, K] bf16, K-major (row stride a multiple of
 //   16 bytes; TMA reads zeros past K and past the last row)
 //
-// Persistent over 128 x 256 output tiles (grouped rasterisation), 384 threads, one CTA per SM:
+// Persistent over 128 x 256 output tiles (grouped rasterisation; with K split in p.k_splits parts,
+// part s of every tile after part s − 1 of all: the fp32 partial sums go to scratch and the
+// launcher's reduction pass writes D), 384 threads, one CTA per SM:
 //   warpgroup 0  thread 0: TMA producer, the tiles' k-blocks A [128][64] and B [256][64] (128-byte
 //                swizzle) into a kStages ring (sm90/mainloop_tma_wgmma.cuh);
 //   warpgroups 1, 2  consumers: 64 rows each, m64n256k16 bf16 wgmma, fp32 accumulators; the epilogue
@@ -56,6 +58,20 @@ struct Kernel {
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
 };
+
+// A work unit: output tile (mt, nt) over k-blocks kb0 .. kb0 + nkb − 1 (part `split` of K).
+struct Work {
+  int mt, nt, split, kb0, nkb;
+};
+__device__ __forceinline__ Work work_at(const mxgemm::Params& p, int t) {
+  Work w;
+  const int tiles = p.m_tiles * p.n_tiles;
+  w.split = t / tiles;
+  grouped_tile<Cfg::kGroupM>(t - w.split * tiles, p.m_tiles, p.n_tiles, w.mt, w.nt);
+  w.kb0 = w.split * p.kb_per_split;
+  w.nkb = min(p.kb_per_split, p.kblocks - w.kb0);
+  return w;
+}
 
 // The TMA epilogue of one consumer: its rows m0 .. m0 + 63, columns n0 .. n0 + 255 (acc: m64n256
 // fragments) through buf (two 64-column blocks [64 rows][128 B], 16-byte chunk c of row r at
@@ -117,12 +133,11 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       ptx::prefetch_tmap(&tmap_b);
       typename ML::State st;
       for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
-        int mt, nt;
-        grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
-        ML::template produce<NoProbe>(sm.ring, sm.bars, st, p.kblocks, 0,
+        const Work w = work_at(p, t);
+        ML::template produce<NoProbe>(sm.ring, sm.bars, st, w.nkb, 0,
                                       [&](uint8_t* a, uint8_t* b, uint64_t* full, int kb) {
-                                        ptx::tma_load_2d(a, &tmap_a, full, kb * C::kBK, mt * C::kBM);
-                                        ptx::tma_load_2d(b, &tmap_b, full, kb * C::kBK, nt * C::kBN);
+                                        ptx::tma_load_2d(a, &tmap_a, full, (w.kb0 + kb) * C::kBK, w.mt * C::kBM);
+                                        ptx::tma_load_2d(b, &tmap_b, full, (w.kb0 + kb) * C::kBK, w.nt * C::kBN);
                                       });
       }
     }
@@ -136,14 +151,19 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   const typename ML::Consumer cons(sm.ring, cw);
   typename ML::State st;
   for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
-    int mt, nt;
-    grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
+    const Work w = work_at(p, t);
     float acc[ML::kAcc];
-    cons.template mma<NoProbe>(sm.bars, st, p.kblocks, acc, false, 0);
-    if (p.tma_out)
-      store_tma(p, acc, sm.epi[cw][0], &tmap_out, mt * C::kBM + 64 * cw, nt * C::kBN, cw, r, lane);
-    else
-      store_accumulators<C::kBN>(p, acc, mt * C::kBM, nt * C::kBN, r0, lane);
+    cons.template mma<NoProbe>(sm.bars, st, w.nkb, acc, false, 0);
+    if (p.k_splits > 1) {  // this part's fp32 sums -> partial[split] ([M][N])
+      mxgemm::Params q = p;
+      q.out = p.partial + int64_t{w.split} * p.M * p.N, q.ld_out = p.N;
+      q.out_f32 = true, q.accumulate = false, q.alpha = 1.f;
+      store_accumulators<C::kBN>(q, acc, w.mt * C::kBM, w.nt * C::kBN, r0, lane);
+    } else if (p.tma_out) {
+      store_tma(p, acc, sm.epi[cw][0], &tmap_out, w.mt * C::kBM + 64 * cw, w.nt * C::kBN, cw, r, lane);
+    } else {
+      store_accumulators<C::kBN>(p, acc, w.mt * C::kBM, w.nt * C::kBN, r0, lane);
+    }
   }
   if (p.tma_out && r == 0) ptx::bulk_wait_all();
 }

@@ -289,11 +289,53 @@ CUtensorMap bf16_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, int rows
   return make_tma_desc(keep->ptr, DType::kBFloat16, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-// Design C's GEMM. Its epilogue stores by TMA (box [64 rows][64 columns], 128-byte swizzle) when D
-// is bf16 without accumulation and its rows can be described (data and row stride multiples of 16
-// bytes); else from the registers.
+// Design C's split-K reduction: D = alpha · (partial[0] + ... + partial[k_splits − 1]) (+ D for
+// fp32 with accumulate), in that order (deterministic), rounded as store_accumulators rounds. Returns
+// at once when the design flag picked design B (which wrote D itself).
+__global__ void __launch_bounds__(256) reduce_splits(const mxgemm::Params p) {
+  if (mxgemm::other_design(p)) return;
+  const int64_t mn = int64_t{p.M} * p.N;
+  for (int64_t i = int64_t{blockIdx.x} * 256 + threadIdx.x; i < mn; i += int64_t{gridDim.x} * 256) {
+    float v = p.partial[i];
+    for (int k = 1; k < p.k_splits; ++k) v += p.partial[k * mn + i];
+    v *= p.alpha;
+    const int64_t o = i / p.N * p.ld_out + i % p.N;
+    if (p.out_f32) {
+      float* d = static_cast<float*>(p.out) + o;
+      *d = p.accumulate ? *d + v : v;
+    } else {
+      static_cast<uint16_t*>(p.out)[o] = bf16_out(v);
+    }
+  }
+}
+
+// MXMLA_GEMM_SPLITS=1..4 in the environment forces design C's K split (tests); read at every call.
+int forced_splits() {
+  const char* e = std::getenv("MXMLA_GEMM_SPLITS");
+  return (e != nullptr && e[0] >= '1' && e[0] <= '4' && e[1] == '\0') ? e[0] - '0' : 0;
+}
+
+// Design C's GEMM. K is split in parts when that fills the SMs better (heuristics::gemm_k_splits;
+// fp32 partials in stream-ordered scratch, then reduce_splits). Unsplit, its epilogue stores by TMA
+// (box [64 rows][64 columns], 128-byte swizzle) when D is bf16 without accumulation and its rows
+// can be described (data and row stride multiples of 16 bytes); else from the registers.
 void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
   using K = mxgemm_c::Kernel;
+  const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);
+  const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
+  const int64_t tiles = int64_t{p.m_tiles} * p.n_tiles;
+  const int forced = forced_splits();
+  p.k_splits = forced != 0 ? std::min(forced, p.kblocks)
+                           : heuristics::gemm_k_splits(tiles, p.kblocks, int64_t{p.M} * p.N, fit.resident());
+  p.kb_per_split = (p.kblocks + p.k_splits - 1) / p.k_splits;
+  p.k_splits = (p.kblocks + p.kb_per_split - 1) / p.kb_per_split;  // no empty part
+  if (tiles * p.k_splits > 0x7FFFFFFF) throw Error(kOp, "out", "has too many 128 x 256 output tiles");
+  p.num_tiles = static_cast<int>(tiles * p.k_splits);
+  std::unique_ptr<StreamScratch> part;  // freed on the stream after the reduction
+  if (p.k_splits > 1) {
+    part = std::make_unique<StreamScratch>(int64_t{p.k_splits} * p.M * p.N * 4, s);
+    p.partial = reinterpret_cast<float*>(part->ptr);
+  }
   p.tma_out = !p.out_f32 && !p.accumulate && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.ld_out * 2 % 16 == 0;
   CUtensorMap to{};
   if (p.tma_out) {
@@ -302,11 +344,14 @@ void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cu
     const cuuint32_t box[2] = {64u, 64u};
     to = make_tma_desc(p.out, DType::kBFloat16, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
   }
-  const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);
-  const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
   const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
   mxgemm_c::sm90_bf16_gemm_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, to, p);
   MXMLA_CUDA_CHECK(cudaGetLastError());
+  if (p.k_splits > 1) {
+    const int64_t blocks = std::min<int64_t>(heuristics::elementwise_grid(int64_t{p.M} * p.N, 256), 4096);
+    reduce_splits<<<static_cast<unsigned>(blocks), 256, 0, s>>>(p);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 template <bool kE4M3>

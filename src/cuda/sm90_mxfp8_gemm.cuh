@@ -66,6 +66,11 @@ struct Params {
   const uint32_t* design_flag;
   bool run_on_flag;
   bool tma_out;  // design C: bf16 out, no accumulation, aligned rows: the epilogue stores by TMA
+  // design C with K split into k_splits parts (tiles t = split · m_tiles · n_tiles + tile; part s
+  // takes k-blocks [s · kb_per_split, min((s + 1) · kb_per_split, kblocks))): each part's fp32 sums
+  // go to partial + s · M · N ([M][N]), and a reduction pass writes D from them
+  int k_splits, kb_per_split;
+  float* partial;
 };
 
 struct Kernel {

@@ -87,5 +87,15 @@ TEST(Heuristics, PersistentAndQueueGrids) {
   EXPECT_EQ(balanced_grid(4096, 132), 128);
 }
 
+// The MXFP8 GEMM's K split (design C): only where the last wave leaves SMs idle and K is long.
+TEST(Heuristics, GemmKSplits) {
+  using namespace detail::heuristics;
+  EXPECT_EQ(gemm_k_splits(192, 384, int64_t{4096} * 1536, 132), 2);     // dgrad T 4096: 2 waves -> 3 of half the K
+  EXPECT_EQ(gemm_k_splits(64, 512, int64_t{4096} * 512, 132), 2);       // 64 tiles, K 32768: one wave either way
+  EXPECT_EQ(gemm_k_splits(12288, 24, int64_t{16384} * 24576, 132), 1);  // fprop T 16384: 94 full waves
+  EXPECT_EQ(gemm_k_splits(2048, 128, int64_t{8192} * 8192, 132), 1);    // 8192^3
+  EXPECT_EQ(gemm_k_splits(1, 10, 128 * 256, 132), 1);                   // parts of K shorter than 8 k-blocks
+}
+
 }  // namespace
 }  // namespace mxmla::test
