@@ -20,16 +20,12 @@
 #include <string>
 
 #include "common/attention_ops.h"
+#include "cuda/attention_stage.h"  // grid_dim
+#include "cuda/numerics.cuh"
 #include "cuda/ptx/convert.cuh"
 #include "cuda/stream_scratch.h"
 
 namespace mxmla::detail::attn_bwd {
-
-__device__ __forceinline__ float e8m0_to_float(uint8_t e) {
-  if (e == 255) return __uint_as_float(0x7FC00000u);
-  if (e == 0) return __uint_as_float(0x00400000u);  // 2^-127
-  return __uint_as_float(static_cast<uint32_t>(e) << 23);
-}
 
 __device__ __forceinline__ float fp8_to_float(uint8_t c, Fp8Format f) {
   const uint32_t h2 = f == Fp8Format::kE4M3 ? ptx::cvt_f16x2_from_fp8x2<true>(c) : ptx::cvt_f16x2_from_fp8x2<false>(c);
@@ -51,7 +47,7 @@ __device__ inline float elem(const AttnRead& r, const int32_t* cu, int64_t b, in
   const int64_t row = tok * sc.row_s + b * sc.row_b + h * sc.row_h + sc.row0;
   const int64_t c = b * sc.col_b + h * sc.col_h + d;
   const int64_t so = r.rowwise ? row_scale_offset(sc.map, bi, row, c / 32) : col_scale_offset(sc.map, bi, row / 32, c);
-  return fp8_to_float(static_cast<const uint8_t*>(r.view.data)[off], r.fmt) * e8m0_to_float(sc.ptr[so]);
+  return fp8_to_float(static_cast<const uint8_t*>(r.view.data)[off], r.fmt) * e8m0_factor(sc.ptr[so]);
 }
 
 struct Seq {
@@ -83,13 +79,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ void write_bf16(uint16_t* base, const AttnTensorView& v, int64_t b, int64_t tok, int64_t h,
                                            int64_t d, float x) {
   base[b * v.st_b + tok * v.st_s + h * v.st_h + d] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
-}
-
-// A grid extent: x up to 2^31 - 1, y and z up to 65535.
-inline unsigned grid_dim(const char* op, int64_t n, bool x, const char* what) {
-  if (n > (x ? int64_t{0x7FFFFFFF} : int64_t{65535}))
-    throw Error(op, "q", std::string("has too many ") + what + " for the CUDA kernel's grid");
-  return static_cast<unsigned>(n);
 }
 
 // Queues the thd zero tail (dq, dk, dv of the tokens after the last sequence) and, when there are

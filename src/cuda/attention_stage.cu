@@ -163,12 +163,6 @@ __global__ void __launch_bounds__(kThreads) attn_stage(const __grid_constant__ S
   }
 }
 
-unsigned grid_extent(const char* op, int64_t n, bool x, const char* what) {
-  if (n > (x ? int64_t{0x7FFFFFFF} : int64_t{65535}))
-    throw Error(op, "q", std::string("has too many ") + what + " for the CUDA kernel's grid");
-  return static_cast<unsigned>(n);
-}
-
 }  // namespace
 
 bool attn_read_vec_ok(const AttnRead& r) {
@@ -205,8 +199,8 @@ std::unique_ptr<StreamScratch> stage_attn_read(const char* op, const StageSeqs& 
   const int64_t rows = rows_per_thread(r);
   const int64_t blocks = ((S + rows - 1) / rows * (d / 16) + kThreads - 1) / kThreads;
   if (blocks > 0 && heads > 0 && g.B > 0) {
-    attn_stage<<<dim3(grid_extent(op, blocks, true, "rows"), grid_extent(op, heads, false, "heads"),
-                      grid_extent(op, g.B, false, "sequences")),
+    attn_stage<<<dim3(grid_dim(op, blocks, true, "rows"), grid_dim(op, heads, false, "heads"),
+                      grid_dim(op, g.B, false, "sequences")),
                  kThreads, 0, s>>>(g, job);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }

@@ -14,11 +14,20 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "common/attention_ops.h"
 #include "cuda/stream_scratch.h"
 
 namespace mxmla::detail {
+
+// A grid extent of an attention kernel: x up to 2^31 - 1, y and z up to 65535 (an error naming q
+// and `what` beyond).
+inline unsigned grid_dim(const char* op, int64_t n, bool x, const char* what) {
+  if (n > (x ? int64_t{0x7FFFFFFF} : int64_t{65535}))
+    throw Error(op, "q", std::string("has too many ") + what + " for the CUDA kernel's grid");
+  return static_cast<unsigned>(n);
+}
 
 // The sequences a read's tokens belong to (thd: cu_q / cu_kv in device memory, [B + 1]).
 struct StageSeqs {

@@ -1,6 +1,6 @@
 // mxmla internal — the device side of every bit-exact rule, each written once and shared by the
 // kernels (the CPU reference spells the same rules in software, src/cpu/, and the tests compare):
-//   * MXFP8 scales: the E8M0 rule and the quantization multiplier (common/mxfp8_common.h, shared
+//   * MXFP8 scales: the E8M0 rule, the dequantization factor and the quantization multiplier (common/mxfp8_common.h, shared
 //     with the reference), FP8 codes by cvt.rn.satfinite (cuda/ptx/convert.cuh), packed four at a time;
 //   * the RoPE term: fmaf(sign * sin, x_b, cos * x_a) with the product rounded first
 //     (include/mxmla/rope.h);
@@ -19,6 +19,11 @@
 namespace mxmla::detail {
 
 // ---------------------------------------------------------------- MXFP8
+// A block's scale byte as its factor 2^(e − 127) in fp32 (e = 0: 2^-127, a subnormal; e = 255: NaN,
+// 0x7FC00000): what dequantization multiplies a code by.
+__device__ __forceinline__ float e8m0_factor(uint32_t e) {
+  return e == 255u ? __uint_as_float(0x7FC00000u) : (e == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
+}
 template <bool kE4M3>
 __device__ __forceinline__ constexpr uint32_t rcp_max_bits() {
   return kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;

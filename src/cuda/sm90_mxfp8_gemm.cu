@@ -115,10 +115,6 @@ __device__ __forceinline__ void dequant16(const uint32_t (&w)[4], float f, int64
   }
 }
 
-__device__ __forceinline__ float e8m0_factor(uint32_t e) {
-  return e == 255u ? __uint_as_float(0x7FC00000u) : (e == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
-}
-
 // Design C's copy of op(X): bf16 [R, Kp] (Kp = K rounded up to 16, zeros past K) from the K-major
 // codes and the swizzled scales of kmajor() (exact unless the scale check sends the call to design
 // B). One thread per 16 codes.
@@ -410,7 +406,7 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
   if (forced == 0 || forced == 'C') {  // design C: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
     mxgemm::Params pc = p;
     pc.kblocks = static_cast<int>((pr.K + 63) / 64);
-    pc.n_tiles = static_cast<int>((pr.N + 255) / 256), pc.num_tiles = pc.m_tiles * pc.n_tiles;
+    pc.n_tiles = static_cast<int>((pr.N + 255) / 256);  // num_tiles: launch_c (times the K split)
     pc.run_on_flag = false;
     std::unique_ptr<StreamScratch> a16, b16;  // freed on the stream after the kernels
     const CUtensorMap ta = bf16_copy(a, pr.M, pr.K, e4m3, 128, s, a16), tb = bf16_copy(b, pr.N, pr.K, e4m3, 256, s, b16);

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "cuda/ptx/common.cuh"
+#include "cuda/numerics.cuh"
 #include "cuda/ptx/convert.cuh"
 
 namespace mxmla::sm90 {
@@ -92,10 +93,7 @@ __device__ __noinline__ void dequant16_exact_store(uint4 c, uint4 e, uint32_t ds
     for (int k = 0; k < 2; ++k) {
       const int el = 2 * i + k;
       const uint32_t sb = (ew[el / 4] >> (8 * (el % 4))) & 0xFFu;
-      // 2^(sb-127) as fp32: normal for sb >= 1, 2^-127 (subnormal) for sb = 0
-      const float m = sb == 255 ? __uint_as_float(0x7FC00000u)
-                                : (sb == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(sb << 23));
-      v[k] *= m;
+      v[k] *= detail::e8m0_factor(sb);
     }
     const __nv_bfloat162 b = __floats2bfloat162_rn(v[0], v[1]);
     out[i] = *reinterpret_cast<const uint32_t*>(&b);
