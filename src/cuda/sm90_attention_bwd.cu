@@ -1,6 +1,6 @@
 // mxmla — the attention backward's main kernel on SM90 (sm_90a): warp-specialized, bf16 wgmma with
-// fp32 accumulation, dK and dV in registers, dQ summed across key blocks with fp32 atomics
-// (FlashAttention-3's structure). It reads the bf16 views that the launcher's preprocess
+// fp32 accumulation, dK and dV in registers, dQ summed across key blocks by bulk fp32 reductions
+// from shared memory (FlashAttention-3's structure). It reads the bf16 views that the launcher's preprocess
 // (attention_bwd_mma.cu) made of every read; the math is the one attention_bwd_mma.cu states:
 //
 //   P_ij = exp(s_ij − LSE_i),  dS_ij = P_ij · (dP_ij − D_i) · scale;  P̂, dŜ = bf16(P), bf16(dS)
@@ -20,13 +20,19 @@
 //       P̂, dŜ (fp32 registers -> bf16)          -> P̂ᵀ, dŜᵀ [key][row] in shared memory (stmatrix.trans)
 //       dV_cᵀ += dOᵀ·P̂_c, dK_cᵀ += Q_gᵀ·dŜ_c     [d][48 keys] fp32 registers; A = dO / Q_g read M-major
 //       dQ[:, cols_c] = dŜ·K_g[:, cols_c]         [64 rows][d_qk / 2 columns] over all 96 keys (both
-//                consumers' dŜᵀ, after a barrier), added into an fp32 dQ accumulator with 8-byte
-//                atomic additions
+//                consumers' dŜᵀ, after a barrier); once both consumers' GEMMs of the tile are done,
+//                each consumer writes its dQ part to shared memory (rows 0-31 over its own P̂ᵀ / dŜᵀ
+//                halves, rows 32-63 over its half of the stage's Q_s) and one thread adds it into
+//                the fp32 dQ accumulator with two bulk reductions (cp.reduce.async.bulk .add.f32);
+//                the next tile's P̂ᵀ store and the stage's release wait until they have been read
 //   then dK, dV -> bf16. A postprocess kernel rounds the accumulator to bf16 into dq. The query
 //   tiles of a head start at a rotation per key block, so that the CTAs of a head in flight add
 //   into different rows.
+// dQ accumulator: [consumer c][row (row_index order)][d_qk / 2] fp32, each row's 32-byte chunks
+// rotated by row % 8 (chunk j at (j + row) % (d_qk / 16)), so that the consumers' fragment stores
+// to shared memory, whose rows are the accumulator's, meet no bank conflicts.
 // Shared memory (d_qk 192): K_s, K_g 36 KB each, V 24 KB, two Q_s / dO stages 80 KB, Q_g 24 KB,
-// P̂ᵀ and dŜᵀ 24 KB: 226 KB, one CTA per SM. Tiles of 64-column blocks [rows][128 bytes] with the
+// P̂ᵀ and dŜᵀ 24 KB (per consumer, its 48 keys of each: 12 KB): 226 KB, one CTA per SM. Tiles of 64-column blocks [rows][128 bytes] with the
 // 128-byte swizzle (K_g: 32-column blocks, 64-byte swizzle). dQ's fp32 additions run in scheduling
 // order: not bitwise reproducible (deterministic requests take attention_bwd_mma.cu's kernels).
 #include "cuda/sm90_attention_bwd.h"
@@ -42,6 +48,7 @@
 #include "cuda/ptx/common.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/stream_scratch.h"
@@ -80,8 +87,10 @@ struct alignas(1024) Smem {
   uint8_t qs[2][C::kQkBlocks][C::kBM * 128];  // Q_s [row][d] per stage (S; dK when q_once)
   uint8_t dos[2][C::kVBlocks][C::kBM * 128];  // dO [row][d_v] per stage (dP, dV)
   uint8_t qg[C::kQkBlocks][C::kBM * 128];     // Q_g (dK; unused when q_once)
-  uint8_t pt[C::kBN * 128];                   // P̂ᵀ [key][row]
-  uint8_t dst[C::kBN * 128];                  // dŜᵀ [key][row]
+  uint8_t pd[2][2][C::kWN * 128];             // consumer c: P̂ᵀ, dŜᵀ of its keys [key][row]; dQ rows 0-31
+  static_assert(C::kWN * 128 % 1024 == 0, "swizzled tiles start at 1024-byte boundaries");
+  static_assert(32 * C::kDqN * 4 <= 2 * C::kWN * 128, "a consumer's dQ rows 0-31 fit over its P̂ᵀ, dŜᵀ");
+  static_assert(32 * C::kDqN * 4 * 2 == C::kQkBlocks * C::kBM * 128, "both consumers' dQ rows 32-63 fit a Q_s stage");
   float lse[2][C::kBM], dd[2][C::kBM];        // LSE, D of the tile's rows per stage
   uint64_t kv_full, full[2], empty[2], g_full, g_empty;
 };
@@ -89,7 +98,8 @@ struct alignas(1024) Smem {
 struct Params {
   AttentionBwdProblem p;
   const float* D;
-  float* dq_acc;  // fp32 [rows][d_qk] (row_index order), zeroed
+  float* dq_acc;  // fp32 [2][rows][d_qk / 2] (see above), zeroed
+  int64_t dq_rows;
   bool q_once;    // Q_g is Q_s (read from the stage; no Q_g copies)
 };
 static_assert(sizeof(Params) <= 4000, "kernel parameter space");
@@ -159,44 +169,50 @@ __device__ __forceinline__ void fence_acc(float (&a)[N]) {
 }
 
 // dQ[:, col0 .. col0 + kN) of a query tile, over the block's 96 keys: A = dŜ (M-major from dŜᵀ:
-// rows of 64 query rows, 8-key groups 1024 bytes apart; 16 keys = 2048 bytes), B = K_g (N-major:
-// 32-column blocks kBN · 64 bytes apart, 8-key groups 512 apart; 16 keys = 1024 bytes). Issued after
-// the dV / dK groups: once those are done, release_g(); once this one is, release_stage(), then the
-// atomic additions into rows i0 + r (r < ni) of the fp32 accumulator.
-template <int kN, class ReleaseG, class ReleaseStage>
-__device__ __forceinline__ void dq_phase(const uint8_t* dst_tile, const uint8_t* kg_block0, ReleaseG&& release_g,
-                                         ReleaseStage&& release_stage, float* acc_base, const AttentionBwdProblem& p,
-                                         const Seq& s, int64_t b, int64_t h, int64_t i0, int ni, int col0, int r0,
-                                         int lane, int dqk) {
-  float acc[kN / 2];
-  const uint64_t da = ptx::wgmma_desc(dst_tile, ptx::SmemSwizzle::k128B, 8192, 1024);
+// rows of 64 query rows, 8-key groups 1024 bytes apart; 16 keys = 2048 bytes; keys 0-47 in consumer
+// 0's dŜᵀ, 48-95 in consumer 1's), B = K_g (N-major: 32-column blocks kBN · 64 bytes apart, 8-key
+// groups 512 apart; 16 keys = 1024 bytes). Issued after the dV / dK groups: once those are done,
+// release_g(); returns the [64 rows][kN] fp32 fragment once this one is done.
+template <int kN, class ReleaseG>
+__device__ __forceinline__ void dq_gemm(float (&acc)[kN / 2], const uint8_t* dst0, const uint8_t* dst1,
+                                        const uint8_t* kg_block0, ReleaseG&& release_g) {
+  const uint64_t da0 = ptx::wgmma_desc(dst0, ptx::SmemSwizzle::k128B, 8192, 1024);
+  const uint64_t da1 = ptx::wgmma_desc(dst1, ptx::SmemSwizzle::k128B, 8192, 1024);
   const uint64_t db = ptx::wgmma_desc(kg_block0, ptx::SmemSwizzle::k64B, 96 * 64, 512);
   fence_acc(acc);
   ptx::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 6; ++kk) {
+    const uint64_t da = (kk < 3 ? da0 : da1) + (kk % 3) * 128;
     if constexpr (kN == 96)
-      ptx::wgmma_m64n96k16_f32_bf16_bf16_ss<1, 1>(acc, da + kk * 128, db + kk * 64, kk > 0);
+      ptx::wgmma_m64n96k16_f32_bf16_bf16_ss<1, 1>(acc, da, db + kk * 64, kk > 0);
     else
-      ptx::wgmma_m64n64k16_f32_bf16_bf16_ss<1, 1>(acc, da + kk * 128, db + kk * 64, kk > 0);
+      ptx::wgmma_m64n64k16_f32_bf16_bf16_ss<1, 1>(acc, da, db + kk * 64, kk > 0);
   }
   ptx::wgmma_commit();
   ptx::wgmma_wait<1>();
   release_g();
   ptx::wgmma_wait<0>();
   fence_acc(acc);
-  release_stage();
-  // 8-byte additions straight from the accumulator pairs (16-byte ones would need lane swaps, whose
-  // registers then wait for the memory system to read the previous additions' sources)
+}
+
+// The fragment -> shared memory in the accumulator's row layout: rows 0-31 at lo, 32-63 at hi
+// ([32][kN] fp32 each), the 32-byte chunk j of a row at (j + rot) % (kN / 8), rot = the global row
+// index % 8 (the same for this thread's rows r0, r0 + 8: rows 16 apart). The 8 rows of a store meet
+// each bank twice: 2 wavefronts per 256 bytes.
+template <int kN>
+__device__ __forceinline__ void dq_stage(const float (&acc)[kN / 2], uint8_t* lo, uint8_t* hi, int warp, int lane,
+                                         int64_t row0) {
+  constexpr int kChunks = kN / 8;
+  const int rot = static_cast<int>((row0 + lane / 4) % 8);
+  const uint32_t base = ptx::smem_u32(warp < 2 ? lo : hi) + ((16 * warp + lane / 4) % 32) * (kN * 4) + (lane % 4) * 8;
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = r0 + 8 * hh;
-    if (r >= ni) continue;
-    float* row = acc_base + row_index(p, s, b, h, i0 + r) * dqk + col0 + 2 * (lane % 4);
+  for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j)
-      atomicAdd(reinterpret_cast<float2*>(row + 8 * j), make_float2(acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1]));
-  }
+    for (int j = 0; j < kChunks; ++j) {
+      const int jr = j + rot < kChunks ? j + rot : j + rot - kChunks;
+      ptx::st_shared_v2_f32(base + hh * 8 * (kN * 4) + jr * 32, acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1]);
+    }
 }
 
 // ---------------------------------------------------------------- the kernel
@@ -221,7 +237,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     ptx::mbar_init(&sm.kv_full, 128);
     ptx::mbar_init(&sm.g_full, 128);
     ptx::mbar_init(&sm.g_empty, 8);
-    for (int i = 0; i < 2; ++i) ptx::mbar_init(&sm.full[i], 128), ptx::mbar_init(&sm.empty[i], 8);
+    for (int i = 0; i < 2; ++i) ptx::mbar_init(&sm.full[i], 128), ptx::mbar_init(&sm.empty[i], 2);
   }
   __syncthreads();
 
@@ -283,12 +299,13 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     for (int i = 0; i < 24; ++i) dv[m][i] = 0.f;
 
   const float scale = p.softmax_scale, scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  const uint32_t pt = ptx::smem_u32(sm.pt), dst = ptx::smem_u32(sm.dst);
+  const uint32_t pt = ptx::smem_u32(sm.pd[c][0]), dst = ptx::smem_u32(sm.pd[c][1]);
   // descriptor bases (K-major, 128-byte swizzle): this consumer's keys start 48 rows in
   const uint64_t dk_s = ptx::wgmma_desc_k_sw128(sm.ks[0] + c * C::kWN * 128);
   const uint64_t dv_s = ptx::wgmma_desc_k_sw128(sm.vs[0] + c * C::kWN * 128);
-  const uint64_t dpt = ptx::wgmma_desc_k_sw128(sm.pt + c * C::kWN * 128);
-  const uint64_t ddst = ptx::wgmma_desc_k_sw128(sm.dst + c * C::kWN * 128);
+  const uint64_t dpt = ptx::wgmma_desc_k_sw128(sm.pd[c][0]);
+  const uint64_t ddst = ptx::wgmma_desc_k_sw128(sm.pd[c][1]);
+  const bool issuer = threadIdx.x % 128 == 0;  // adds this consumer's dQ parts, releases the stages
   constexpr uint32_t kKeyBlk = C::kBN * 128 / 16, kRowBlk = C::kBM * 128 / 16;  // block strides (descriptor units)
 
   if (tiles > 0) ptx::mbar_wait(&sm.kv_full, 0);
@@ -316,6 +333,13 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
         ptx::wgmma_m64n48k16_f32_bf16_bf16_ss<0, 0>(dpacc, ddo + (kk / 4) * kRowBlk + 2 * (kk % 4),
                                                     dv_s + (kk / 4) * kKeyBlk + 2 * (kk % 4), kk > 0);
       ptx::wgmma_commit();
+    }
+    if (t > 0) {  // the previous tile's bulk reductions have read its dQ parts: P̂ᵀ / dŜᵀ and its stage are free
+      if (issuer) {
+        ptx::bulk_wait_read_all();
+        ptx::mbar_arrive(&sm.empty[st ^ 1]);
+      }
+      ptx::named_barrier(2 + c, 128);
     }
     ptx::wgmma_wait<1>();  // S
     fence_acc(sacc);
@@ -345,7 +369,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     const auto store_t = [&](uint32_t base) {
 #pragma unroll
       for (int jp = 0; jp < 3; ++jp) {
-        const int i = lane / 8, key = c * C::kWN + 8 * (2 * jp + i / 2) + lane % 8, chunk = 2 * warp + i % 2;
+        const int i = lane / 8, key = 8 * (2 * jp + i / 2) + lane % 8, chunk = 2 * warp + i % 2;
         ptx::stmatrix_x4_trans(base + key * 128 + ((chunk ^ (lane % 8)) * 16), pair[4 * jp], pair[4 * jp + 1],
                                pair[4 * jp + 2], pair[4 * jp + 3]);
       }
@@ -380,9 +404,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
         pair[2 * j + hh] = bf16x2_rn(ds[0], ds[1]);
       }
     }
-    // both consumers are past the previous tile's dQ GEMM (it reads both halves of dŜᵀ)
-    ptx::named_barrier(C::kBarPair, 256);
-    store_t(dst);
+    store_t(dst);  // (the other consumer's dQ GEMM of the previous tile is done: the barrier at its end)
     ptx::fence_proxy_async();
     ptx::named_barrier(C::kBarPair, 256);  // both consumers' dŜᵀ are complete
 
@@ -410,18 +432,30 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
         if (lane == 0) ptx::mbar_arrive(&sm.g_empty);
       }
     };
-    const auto release_stage = [&] {  // stage st (Q_s, dO, LSE, D) is free
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&sm.empty[st]);
-    };
-    dq_phase<C::kDqN>(sm.dst, sm.kg[c * (C::kDqN / 32)], release_g, release_stage, prm.dq_acc, p, s, b, w.h, i0,
-                      ni, c * C::kDqN, r0, lane, kDqk);
+    {
+      float acc[C::kDqN / 2];
+      dq_gemm<C::kDqN>(acc, sm.pd[0][1], sm.pd[1][1], sm.kg[c * (C::kDqN / 32)], release_g);
+      // both consumers' GEMMs of this tile are done: P̂ᵀ, dŜᵀ and the stage's Q_s are free
+      ptx::named_barrier(C::kBarPair, 256);
+      const int64_t row0 = row_index(p, s, b, w.h, i0);
+      uint8_t* hi = sm.qs[st][0] + c * (32 * C::kDqN * 4);
+      dq_stage<C::kDqN>(acc, sm.pd[c][0], hi, warp, lane, row0);
+      ptx::fence_proxy_async();
+      ptx::named_barrier(2 + c, 128);
+      if (issuer) {  // rows i0 .. i0 + ni − 1: [2][rows][d_qk / 2] at (c, row0)
+        float* to = prm.dq_acc + (c * prm.dq_rows + row0) * C::kDqN;
+        ptx::bulk_reduce_add_f32_s2g(to, sm.pd[c][0], static_cast<uint32_t>(imin(ni, 32) * C::kDqN * 4));
+        if (ni > 32) ptx::bulk_reduce_add_f32_s2g(to + 32 * C::kDqN, hi, static_cast<uint32_t>((ni - 32) * C::kDqN * 4));
+        ptx::bulk_commit();
+      }
+    }
 #pragma unroll
     for (int m = 0; m < C::kVBlocks; ++m) fence_acc(dv[m]);
 #pragma unroll
     for (int m = 0; m < C::kQkBlocks; ++m) fence_acc(dk[m]);
   }
 
+  if (issuer) ptx::bulk_wait_all();  // (the shared sources stay until read)
   // dKᵀ, dVᵀ [d][key] fragments -> dk, dv (bf16): d = 64 m + r0 + 8 hh, key 48 c + 8 j + 2 (lane % 4) + e
 #pragma unroll
   for (int j = 0; j < 6; ++j)
@@ -442,13 +476,16 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     }
 }
 
-// dq (bf16, its view) from the fp32 accumulator: one thread per value; rows in row_index order
-// (thd: [H][total_q], tokens outside every sequence hold 0).
-__global__ void __launch_bounds__(256) bwd_dq_round(const __grid_constant__ AttentionBwdProblem p, const float* acc) {
+// dq (bf16, its view) from the fp32 accumulator ([2][rows][d_qk / 2], chunks rotated: see above): one
+// thread per value; rows in row_index order (thd: [H][total_q], tokens outside every sequence hold 0).
+__global__ void __launch_bounds__(256) bwd_dq_round(const __grid_constant__ AttentionBwdProblem p, const float* acc,
+                                                    int64_t rows) {
   const int64_t x = int64_t{blockIdx.x} * 256 + threadIdx.x;
-  const int64_t rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
   if (x >= rows * p.Dqk) return;
   const int64_t row = x / p.Dqk, d = x % p.Dqk;
+  const int half = static_cast<int>(p.Dqk / 2), chunks = half / 8, dc = static_cast<int>(d % half);
+  const int jr = (dc / 8 + static_cast<int>(row % 8)) % chunks;
+  const float v = acc[(d / half * rows + row) * half + jr * 8 + dc % 8];
   int64_t b = 0, h, tok;
   if (p.thd) {
     h = row / p.total_q, tok = row % p.total_q;
@@ -456,7 +493,7 @@ __global__ void __launch_bounds__(256) bwd_dq_round(const __grid_constant__ Atte
     tok = row % p.Sq;
     h = (row / p.Sq) % p.H, b = row / (p.Sq * p.H);
   }
-  write_bf16(p.dq, p.dq_v, b, tok, h, d, acc[x]);
+  write_bf16(p.dq, p.dq_v, b, tok, h, d, v);
 }
 
 template <int kDqk, int kDv>
@@ -495,6 +532,7 @@ void sm90_attention_bwd(const Sm90BwdArgs& a, cudaStream_t s) {
   prm.p = p;
   prm.D = a.D;
   prm.dq_acc = reinterpret_cast<float*>(acc.ptr);
+  prm.dq_rows = rows;
   prm.q_once = a.q_once;
   if (p.Skv > 0 && p.B > 0 && p.Hkv > 0) {
     if (p.Dqk == 192)
@@ -504,7 +542,7 @@ void sm90_attention_bwd(const Sm90BwdArgs& a, cudaStream_t s) {
   }
   const int64_t n = rows * p.Dqk;
   if (n == 0) return;
-  bwd_dq_round<<<grid_dim(kOp, (n + 255) / 256, true, "rows"), 256, 0, s>>>(p, prm.dq_acc);
+  bwd_dq_round<<<grid_dim(kOp, (n + 255) / 256, true, "rows"), 256, 0, s>>>(p, prm.dq_acc, rows);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -67,6 +67,13 @@ __device__ __forceinline__ void bulk_store_s2g(void* gdst, const void* ssrc, uin
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gdst), "r"(smem_u32(ssrc)), "r"(bytes)
                : "memory");
 }
+// The same with an fp32 addition into global memory (element-wise atomic, relaxed, gpu scope):
+// `bytes / 4` floats of shared memory added to those at gdst.
+__device__ __forceinline__ void bulk_reduce_add_f32_s2g(float* gdst, const void* ssrc, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gdst),
+               "r"(smem_u32(ssrc)), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 // Wait until every committed bulk group has completed (its global writes done).
