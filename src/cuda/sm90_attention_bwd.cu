@@ -21,10 +21,12 @@
 //       dV_cᵀ += dOᵀ·P̂_c, dK_cᵀ += Q_gᵀ·dŜ_c     [d][48 keys] fp32 registers; A = dO / Q_g read M-major
 //       dQ[:, cols_c] = dŜ·K_g[:, cols_c]         [64 rows][d_qk / 2 columns] over all 96 keys (both
 //                consumers' dŜᵀ, after a barrier); once both consumers' GEMMs of the tile are done,
-//                each consumer writes its dQ part to shared memory (rows 0-31 over its own P̂ᵀ / dŜᵀ
-//                halves, rows 32-63 over its half of the stage's Q_s) and one thread adds it into
-//                the fp32 dQ accumulator with two bulk reductions (cp.reduce.async.bulk .add.f32);
-//                the next tile's P̂ᵀ store and the stage's release wait until they have been read
+//                each consumer writes its dQ part to shared memory (rows 0-15 over its own dŜᵀ half,
+//                16-31 over a third of the stage's dO, 32-63 over half of the stage's Q_s) and one
+//                thread adds it into the fp32 dQ accumulator with three bulk reductions
+//                (cp.reduce.async.bulk .add.f32); the next tile's dŜᵀ store and the stage's release
+//                wait until they have been read (half a tile later: the reductions run under the
+//                next tile's S, dP GEMMs and softmax)
 //   then dK, dV -> bf16. A postprocess kernel rounds the accumulator to bf16 into dq. The query
 //   tiles of a head start at a rotation per key block, so that the CTAs of a head in flight add
 //   into different rows.
@@ -87,10 +89,11 @@ struct alignas(1024) Smem {
   uint8_t qs[2][C::kQkBlocks][C::kBM * 128];  // Q_s [row][d] per stage (S; dK when q_once)
   uint8_t dos[2][C::kVBlocks][C::kBM * 128];  // dO [row][d_v] per stage (dP, dV)
   uint8_t qg[C::kQkBlocks][C::kBM * 128];     // Q_g (dK; unused when q_once)
-  uint8_t pd[2][2][C::kWN * 128];             // consumer c: P̂ᵀ, dŜᵀ of its keys [key][row]; dQ rows 0-31
+  uint8_t pd[2][2][C::kWN * 128];             // consumer c: P̂ᵀ, dŜᵀ of its keys [key][row] (dŜᵀ: dQ rows 0-15)
   static_assert(C::kWN * 128 % 1024 == 0, "swizzled tiles start at 1024-byte boundaries");
-  static_assert(32 * C::kDqN * 4 <= 2 * C::kWN * 128, "a consumer's dQ rows 0-31 fit over its P̂ᵀ, dŜᵀ");
-  static_assert(32 * C::kDqN * 4 * 2 == C::kQkBlocks * C::kBM * 128, "both consumers' dQ rows 32-63 fit a Q_s stage");
+  static_assert(16 * C::kDqN * 4 <= C::kWN * 128, "a consumer's dQ rows 0-15 fit over its dŜᵀ");
+  static_assert(2 * 16 * C::kDqN * 4 <= C::kVBlocks * C::kBM * 128, "both consumers' dQ rows 16-31 fit a dO stage");
+  static_assert(2 * 32 * C::kDqN * 4 == C::kQkBlocks * C::kBM * 128, "both consumers' dQ rows 32-63 fit a Q_s stage");
   float lse[2][C::kBM], dd[2][C::kBM];        // LSE, D of the tile's rows per stage
   uint64_t kv_full, full[2], empty[2], g_full, g_empty;
 };
@@ -196,16 +199,17 @@ __device__ __forceinline__ void dq_gemm(float (&acc)[kN / 2], const uint8_t* dst
   fence_acc(acc);
 }
 
-// The fragment -> shared memory in the accumulator's row layout: rows 0-31 at lo, 32-63 at hi
-// ([32][kN] fp32 each), the 32-byte chunk j of a row at (j + rot) % (kN / 8), rot = the global row
-// index % 8 (the same for this thread's rows r0, r0 + 8: rows 16 apart). The 8 rows of a store meet
-// each bank twice: 2 wavefronts per 256 bytes.
+// The fragment -> shared memory in the accumulator's row layout: rows 0-15 at buf0, 16-31 at
+// buf1, 32-63 at buf2 ([rows][kN] fp32 each; warp w holds rows 16w .. 16w + 15), the 32-byte chunk
+// j of a row at (j + rot) % (kN / 8), rot = the global row index % 8 (the same for this thread's rows
+// r0, r0 + 8). The 8 rows of a store meet each bank twice: 2 wavefronts per 256 bytes.
 template <int kN>
-__device__ __forceinline__ void dq_stage(const float (&acc)[kN / 2], uint8_t* lo, uint8_t* hi, int warp, int lane,
-                                         int64_t row0) {
+__device__ __forceinline__ void dq_stage(const float (&acc)[kN / 2], uint8_t* buf0, uint8_t* buf1, uint8_t* buf2,
+                                         int warp, int lane, int64_t row0) {
   constexpr int kChunks = kN / 8;
   const int rot = static_cast<int>((row0 + lane / 4) % 8);
-  const uint32_t base = ptx::smem_u32(warp < 2 ? lo : hi) + ((16 * warp + lane / 4) % 32) * (kN * 4) + (lane % 4) * 8;
+  uint8_t* const buf = warp == 0 ? buf0 : warp == 1 ? buf1 : buf2;
+  const uint32_t base = ptx::smem_u32(buf) + ((warp == 3 ? 16 : 0) + lane / 4) * (kN * 4) + (lane % 4) * 8;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -334,13 +338,6 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
                                                     dv_s + (kk / 4) * kKeyBlk + 2 * (kk % 4), kk > 0);
       ptx::wgmma_commit();
     }
-    if (t > 0) {  // the previous tile's bulk reductions have read its dQ parts: P̂ᵀ / dŜᵀ and its stage are free
-      if (issuer) {
-        ptx::bulk_wait_read_all();
-        ptx::mbar_arrive(&sm.empty[st ^ 1]);
-      }
-      ptx::named_barrier(2 + c, 128);
-    }
     ptx::wgmma_wait<1>();  // S
     fence_acc(sacc);
 
@@ -404,6 +401,13 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
         pair[2 * j + hh] = bf16x2_rn(ds[0], ds[1]);
       }
     }
+    if (t > 0) {  // the previous tile's bulk reductions have read its dQ part: dŜᵀ and the previous stage are free
+      if (issuer) {
+        ptx::bulk_wait_read_all();
+        ptx::mbar_arrive(&sm.empty[st ^ 1]);
+      }
+      ptx::named_barrier(2 + c, 128);
+    }
     store_t(dst);  // (the other consumer's dQ GEMM of the previous tile is done: the barrier at its end)
     ptx::fence_proxy_async();
     ptx::named_barrier(C::kBarPair, 256);  // both consumers' dŜᵀ are complete
@@ -435,17 +439,21 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     {
       float acc[C::kDqN / 2];
       dq_gemm<C::kDqN>(acc, sm.pd[0][1], sm.pd[1][1], sm.kg[c * (C::kDqN / 32)], release_g);
-      // both consumers' GEMMs of this tile are done: P̂ᵀ, dŜᵀ and the stage's Q_s are free
+      // both consumers' GEMMs of this tile are done: dŜᵀ and the stage's dO, Q_s are free
       ptx::named_barrier(C::kBarPair, 256);
       const int64_t row0 = row_index(p, s, b, w.h, i0);
-      uint8_t* hi = sm.qs[st][0] + c * (32 * C::kDqN * 4);
-      dq_stage<C::kDqN>(acc, sm.pd[c][0], hi, warp, lane, row0);
+      uint8_t* const buf0 = sm.pd[c][1];                              // rows 0-15
+      uint8_t* const buf1 = sm.dos[st][0] + c * (16 * C::kDqN * 4);  // rows 16-31
+      uint8_t* const buf2 = sm.qs[st][0] + c * (32 * C::kDqN * 4);   // rows 32-63
+      dq_stage<C::kDqN>(acc, buf0, buf1, buf2, warp, lane, row0);
       ptx::fence_proxy_async();
       ptx::named_barrier(2 + c, 128);
-      if (issuer) {  // rows i0 .. i0 + ni − 1: [2][rows][d_qk / 2] at (c, row0)
+      if (issuer) {  // rows i0 .. i0 + ni − 1: [2][rows][d_qk / 2] at (c, row0), in pieces of 16, 16, 32 rows
         float* to = prm.dq_acc + (c * prm.dq_rows + row0) * C::kDqN;
-        ptx::bulk_reduce_add_f32_s2g(to, sm.pd[c][0], static_cast<uint32_t>(imin(ni, 32) * C::kDqN * 4));
-        if (ni > 32) ptx::bulk_reduce_add_f32_s2g(to + 32 * C::kDqN, hi, static_cast<uint32_t>((ni - 32) * C::kDqN * 4));
+        constexpr uint32_t kRow = C::kDqN * 4;
+        ptx::bulk_reduce_add_f32_s2g(to, buf0, static_cast<uint32_t>(imin(ni, 16)) * kRow);
+        if (ni > 16) ptx::bulk_reduce_add_f32_s2g(to + 16 * C::kDqN, buf1, static_cast<uint32_t>(imin(ni, 32) - 16) * kRow);
+        if (ni > 32) ptx::bulk_reduce_add_f32_s2g(to + 32 * C::kDqN, buf2, static_cast<uint32_t>(ni - 32) * kRow);
         ptx::bulk_commit();
       }
     }
