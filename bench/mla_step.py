@@ -4,9 +4,14 @@ mxmla.nn.MLA, same weights, same run: "bf16" (torch's GEMMs = cuBLAS, torch SDPA
 hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope / rope / v 128 / 64 / 128, b 1, causal, bshd.
 Times: medians of the calls, L2 flushed before each (bench/timing.py); a step is forward + backward
 with fresh gradients. Peak memory: the most allocated during one step above what was allocated
-before it (weights, input, output gradient).
+before it (weights, input, output gradient), counted in a second process where torch allocates
+from the device's default memory pool (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), the pool
+mxmla's scratch comes from, so that the pool's peak (mxmla.scratch_memory) counts both; "torch
+only" is torch.cuda.max_memory_allocated in the timing process, which leaves mxmla's scratch out.
 Usage: PYTHONPATH=<build>/python python3 bench/mla_step.py [T ...]   (default 4096)"""
+import json
 import os
+import subprocess
 import sys
 
 import torch
@@ -14,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import flush_buffer, timer  # noqa: E402
 
+import mxmla  # noqa: E402
 import mxmla.nn as mnn  # noqa: E402
 
 
@@ -37,33 +43,69 @@ def measure(m, x, dy, flush):
     return t_step, t_fwd, peak / 2**30
 
 
+def setup(T, recipe, ref=None):
+    kw = dict(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128,
+              max_seq_len=T, layout="bshd", seed=11)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, T, 7168, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+    dy = torch.randn(1, T, 7168, generator=g).to(torch.bfloat16).cuda()
+    m = mnn.MLA(**kw, recipe=recipe).cuda()
+    if ref is not None:
+        m.load_state_dict(ref)
+    return m, x, dy
+
+
+def pool_peaks(T):
+    """(In the child process, torch on the cudaMallocAsync backend.) Each recipe's step peak in the
+    default pool above what is in use before it, in GiB."""
+    out, ref = {}, None
+    for recipe in ("bf16", "mxfp8"):
+        m, x, dy = setup(T, recipe, ref)
+        ref = ref if ref is not None else m.state_dict()
+        for _ in range(2):
+            x.grad = None
+            m.zero_grad(set_to_none=True)
+            m(x).backward(dy)
+        torch.cuda.synchronize()
+        x.grad = None
+        m.zero_grad(set_to_none=True)
+        base = mxmla.scratch_memory(reset_peak=True)["in_use"]
+        m(x).backward(dy)
+        torch.cuda.synchronize()
+        out[recipe] = (mxmla.scratch_memory()["peak"] - base) / 2**30
+        del m, x, dy
+    return out
+
+
 def main():
+    if sys.argv[1:2] == ["--pool-peaks"]:
+        print(json.dumps(pool_peaks(int(sys.argv[2]))))
+        return
     seqs = [int(a) for a in sys.argv[1:]] or [4096]
     flush = flush_buffer(torch.device("cuda"))
     print("MLA block, DeepSeek-V3 dims (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, 128 / 64 / 128), b 1, causal")
-    print(f"{'T':>6s} {'recipe':>7s} {'step ms':>9s} {'fwd ms':>8s} {'peak GiB':>9s}")
+    print(f"{'T':>6s} {'recipe':>7s} {'step ms':>9s} {'fwd ms':>8s} {'peak GiB':>9s} {'torch only':>10s}")
     for T in seqs:
-        kw = dict(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128,
-                  max_seq_len=T, layout="bshd", seed=11)
-        g = torch.Generator().manual_seed(5)
-        x = torch.randn(1, T, 7168, generator=g).to(torch.bfloat16).cuda().requires_grad_()
-        dy = torch.randn(1, T, 7168, generator=g).to(torch.bfloat16).cuda()
-        res = {}
-        ref = None
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+        child = subprocess.run([sys.executable, __file__, "--pool-peaks", str(T)], env=env, capture_output=True,
+                               text=True)
+        if child.returncode != 0:
+            print(f"the pool peak child failed: {child.stderr[-2000:]}")
+            peaks = {"bf16": float("nan"), "mxfp8": float("nan")}
+        else:
+            peaks = json.loads(child.stdout.strip().splitlines()[-1])
+        res, ref = {}, None
         for recipe in ("bf16", "mxfp8"):
-            m = mnn.MLA(**kw, recipe=recipe).cuda()
-            if ref is None:
-                ref = m.state_dict()
-            else:
-                m.load_state_dict(ref)
+            m, x, dy = setup(T, recipe, ref)
+            ref = ref if ref is not None else m.state_dict()
             res[recipe] = measure(m, x, dy, flush)
             s, f, p = res[recipe]
-            print(f"{T:6d} {recipe:>7s} {s:9.3f} {f:8.3f} {p:9.2f}")
-            del m
+            print(f"{T:6d} {recipe:>7s} {s:9.3f} {f:8.3f} {peaks[recipe]:9.2f} {p:10.2f}")
+            del m, x, dy
             torch.cuda.empty_cache()
-        (sb, fb, pb), (sm, fm, pm) = res["bf16"], res["mxfp8"]
+        (sb, fb, _), (sm, fm, _) = res["bf16"], res["mxfp8"]
         print(f"{T:6d} ratios: step bf16/mxfp8 {sb / sm:.2f}x (target >= 1.1), forward {fb / fm:.2f}x, "
-              f"peak mxfp8/bf16 {pm / pb:.2f} (target <= 0.75)")
+              f"peak mxfp8/bf16 {peaks['mxfp8'] / peaks['bf16']:.2f} (target <= 0.75)")
 
 
 if __name__ == "__main__":

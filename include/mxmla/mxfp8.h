@@ -111,5 +111,13 @@ BuildInfo build_info();
 // Number of usable CUDA devices (0 when built without CUDA or none present) and a description.
 int cuda_device_count();
 std::string cuda_device_description(int index);
+// The current device's default memory pool (where cudaMallocAsync allocates: mxmla's stream-ordered
+// scratch, and torch's allocations under PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync): bytes in
+// use now and the most in use since the last reset; reset_high resets that high-water mark to the
+// bytes in use now. {0, 0} without CUDA.
+struct PoolUsage {
+  int64_t current = 0, high = 0;
+};
+PoolUsage cuda_pool_usage(bool reset_high);
 
 }  // namespace mxmla

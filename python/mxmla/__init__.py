@@ -73,6 +73,7 @@ __all__ = [
     "qkv_layout",
     "gemm",
     "info",
+    "scratch_memory",
     "apply_rope",
     "rope_backward",
     "rope_backward_quantize",
@@ -116,6 +117,22 @@ def info() -> Dict[str, Any]:
         "gpus": [_core.cuda_device_description(i) for i in range(n)],
         "torch_ops": _torch_available(),
     }
+
+
+def scratch_memory(reset_peak: bool = False) -> Dict[str, int]:
+    """The current CUDA device's default memory pool, where mxmla's kernels take their stream-ordered
+    scratch (cudaMallocAsync: the bf16 copies and fp32 accumulators of the attention backward, the
+    GEMM's converted operands, ...): {"in_use": bytes now, "peak": the most in use since the last
+    reset}; reset_peak=True first resets the peak to what is in use now. torch's caching allocator
+    does not see this memory (``torch.cuda.max_memory_allocated`` leaves it out) unless torch itself
+    allocates from the same pool (``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``): then both are
+    counted here. Zeros without CUDA."""
+    if not isinstance(reset_peak, bool):
+        raise TypeError(f"mxmla.scratch_memory: argument 'reset_peak': must be a bool, got {type(reset_peak).__name__}")
+    if _core.cuda_device_count() == 0:
+        return {"in_use": 0, "peak": 0}
+    cur, high = _core.cuda_pool_usage(reset_peak)
+    return {"in_use": int(cur), "peak": int(max(cur, high))}
 
 
 if _torch_available():

@@ -581,4 +581,8 @@ NB_MODULE(_mxmla_core, m) {
   });
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_device_description", &cuda_device_description);
+  m.def("cuda_pool_usage", [](bool reset_high) {
+    const PoolUsage u = cuda_pool_usage(reset_high);
+    return nb::make_tuple(u.current, u.high);
+  });
 }

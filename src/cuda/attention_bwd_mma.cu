@@ -46,6 +46,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -55,6 +56,7 @@
 #include "cuda/attention_bwd_common.cuh"
 #include "cuda/attention_stage.h"
 #include "cuda/cuda_check.h"
+#include "cuda/heuristics.h"
 #include "cuda/ptx/common.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/mma_sync.cuh"
@@ -506,34 +508,46 @@ bool shape_instantiated(int64_t Dqk, int64_t Dv) {
 // converted once into bf16 stream-ordered scratch (stage_attn_read; owned by keep[r]) and prm.p's read
 // becomes a plain bf16 view of it; a gradient GEMM's read with the score GEMM's values (q_once,
 // k_once, do_once: set before) takes the score read's view. Aligned bf16 reads are read in place.
-void stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
-                 std::unique_ptr<StreamScratch> (&keep)[7]) {
+// Only the KV heads hk0 .. hk0 + n_kv − 1 (and their query heads) are converted (the views address
+// every head; only those may be read); returns the bytes converted (with convert = false: only counts
+// them, changing nothing).
+int64_t stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
+                    std::unique_ptr<StreamScratch> (&keep)[7], int64_t hk0, int64_t n_kv, bool convert = true) {
   const AttnRead* const in[] = {&p.q_s, &p.q_g, &p.k_s, &p.k_g, &p.v_s, &p.do_s, &p.do_g};
   AttnRead* const out[] = {&prm.p.q_s, &prm.p.q_g, &prm.p.k_s, &prm.p.k_g, &prm.p.v_s, &prm.p.do_s, &prm.p.do_g};
   static_assert(kQg == kQs + 1 && kKg == kKs + 1 && kDOg == kDOs + 1, "a gradient read follows its score read");
   StageSeqs seqs;
   seqs.B = p.B, seqs.Sq = p.Sq, seqs.Skv = p.Skv, seqs.thd = p.thd, seqs.cu_q = p.cu_q, seqs.cu_kv = p.cu_kv;
   seqs.total_q = p.total_q, seqs.total_kv = p.total_kv;
+  const int64_t group = p.Hkv > 0 ? p.H / p.Hkv : 1;
+  int64_t bytes = 0;
   for (int r = 0; r < 7; ++r) {
     if ((r == kQg && prm.q_once) || (r == kKg && prm.k_once) || (r == kDOg && prm.do_once)) {
-      *out[r] = *out[r - 1];
+      if (convert) *out[r] = *out[r - 1];
       continue;
     }
     if (!in[r]->fp8 && attn_read_vec_ok(*in[r])) continue;
     const bool kv = r == kKs || r == kKg || r == kVs;
-    const int64_t heads = kv ? p.Hkv : p.H, d = (r == kVs || r == kDOs || r == kDOg) ? p.Dv : p.Dqk;
+    const int64_t h0 = kv ? hk0 : hk0 * group, heads = kv ? n_kv : n_kv * group;
+    const int64_t d = (r == kVs || r == kDOs || r == kDOg) ? p.Dv : p.Dqk;
+    bytes += stage_attn_bytes(seqs, kv, heads, d);
+    if (!convert) continue;
     AttnRead staged;  // bf16 (fp8 = false), no scales
-    keep[r] = stage_attn_read(kOp, seqs, *in[r], kv, heads, d, s, &staged.view);
+    keep[r] = stage_attn_read(kOp, seqs, *in[r], kv, heads, d, s, &staged.view, h0);
     *out[r] = staged;
   }
+  return bytes;
 }
 
 }  // namespace
 
-// The main kernels: sm90_attention_bwd.cu's (wgmma, dQ by atomics) where it serves the problem (see
-// sm90_attention_bwd_supported: not deterministic, its head dims, one dO copy, an SM90 device), else
-// this file's two mma.sync kernels (deterministic). MXMLA_ATTN_BWD in the environment, read at every
-// call: "simt" forces the CUDA-core kernel, "mma" this file's kernels (A/B comparisons and tests).
+// The main kernels: sm90_attention_bwd.cu's (wgmma, dQ by fp32 reductions) where it serves the
+// problem (see sm90_attention_bwd_supported: not deterministic, its head dims, one dO copy, an SM90
+// device), in groups of KV heads whose bf16 copies are made, read and freed one group after the
+// other (heuristics::attn_bwd_head_groups; MXMLA_ATTN_BWD_GROUPS=n in the environment forces n, for
+// tests), else this file's two mma.sync kernels (deterministic). MXMLA_ATTN_BWD in the environment,
+// read at every call: "simt" forces the CUDA-core kernel, "mma" this file's kernels (A/B comparisons
+// and tests).
 void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
   const char* env = std::getenv("MXMLA_ATTN_BWD");
   const bool force_simt = env != nullptr && std::strcmp(env, "simt") == 0;
@@ -552,15 +566,31 @@ void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
   prm.q_once = same_values(p.q_s, p.q_g);
   prm.k_once = same_values(p.k_s, p.k_g);
   prm.do_once = same_values(p.do_s, p.do_g);
-  std::unique_ptr<StreamScratch> staged[7];  // the preprocess's copies: freed on the stream after the kernels
-  stage_reads(prm, p, s, staged);
   if (!force_mma && sm90_attention_bwd_supported(p, prm.do_once)) {
-    Sm90BwdArgs a;
-    a.p = prm.p;
-    a.D = prm.D;
-    a.q_once = prm.q_once;
-    return sm90_attention_bwd(a, s);
+    std::unique_ptr<StreamScratch> none[7];
+    const int64_t per_kv_head = p.Hkv > 0 ? stage_reads(prm, p, s, none, 0, 1, false) : 0;
+    int64_t groups = p.Hkv > 0 ? heuristics::attn_bwd_head_groups(per_kv_head, p.Hkv) : 1;
+    if (const char* g = std::getenv("MXMLA_ATTN_BWD_GROUPS"); g != nullptr && p.Hkv > 0) {  // tests: forced
+      const long n = std::strtol(g, nullptr, 10);
+      if (n >= 1) groups = std::min<int64_t>(n, p.Hkv);
+    }
+    const int64_t per = p.Hkv > 0 ? (p.Hkv + groups - 1) / groups : 0;
+    const Sm90DqAcc acc = sm90_attention_bwd_acc(p, s);
+    for (int64_t hk0 = 0; hk0 < p.Hkv; hk0 += per) {
+      const int64_t n = std::min(per, p.Hkv - hk0);
+      std::unique_ptr<StreamScratch> staged[7];  // this group's copies: freed on the stream after its kernel
+      Params g = prm;
+      stage_reads(g, p, s, staged, hk0, n);
+      Sm90BwdArgs a;
+      a.p = g.p;
+      a.D = prm.D;
+      a.q_once = prm.q_once;
+      sm90_attention_bwd_heads(a, acc, hk0, n, s);
+    }
+    return sm90_attention_bwd_finish(p, acc, s);
   }
+  std::unique_ptr<StreamScratch> staged[7];  // the preprocess's copies: freed on the stream after the kernels
+  stage_reads(prm, p, s, staged, 0, p.Hkv);
   if (p.Dqk == 192)
     launch<192, 128>(prm, s);
   else if (p.Dqk == 128)

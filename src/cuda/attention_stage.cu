@@ -112,7 +112,8 @@ struct StageJob {
   bool vec;            // src's 16-byte loads (attn_read_vec_ok)
   bool kv;             // a key-side read (cu_kv, Skv) or a query-side one (cu_q, Sq)
   int32_t d;           // values per token and head (a multiple of 16)
-  uint16_t* dst;
+  int64_t h0;          // the first head converted (blockIdx.y = head − h0)
+  uint16_t* dst;       // addressed with src's head indices: the scratch lies h0 heads in
   AttnTensorView view;  // dst's strides (view.data = dst)
 };
 static_assert(sizeof(StageSeqs) + sizeof(StageJob) <= 4000, "kernel parameter space");
@@ -124,13 +125,13 @@ __host__ __device__ __forceinline__ int rows_per_thread(const AttnRead& r) { ret
 
 // grid (ceil(ceil(S / rows) · d / 16 / kThreads), heads, B), rows = rows_per_thread: a thread
 // converts one 16-value chunk c (values 16c .. 16c + 15) of `rows` consecutive tokens of sequence
-// b, head h; consecutive threads take consecutive chunks of a token, then the next token group
+// b, head h = h0 + blockIdx.y; consecutive threads take consecutive chunks of a token, then the next token group
 // (coalesced 16-byte stores). Tokens past the sequence's end are left alone (the kernels read only
 // the valid ones, or mask them).
 __global__ void __launch_bounds__(kThreads) attn_stage(const __grid_constant__ StageSeqs g,
                                                        const __grid_constant__ StageJob job) {
   __shared__ uint4 stage[kThreads][2];  // the exact path's 32 bytes a thread
-  const int64_t b = blockIdx.z, h = blockIdx.y;
+  const int64_t b = blockIdx.z, h = job.h0 + blockIdx.y;
   int64_t len = job.kv ? g.Skv : g.Sq, t0 = 0;
   if (g.thd) {
     const int32_t* cu = job.kv ? g.cu_kv : g.cu_q;
@@ -181,21 +182,30 @@ bool attn_read_chunk_scales_ok(const AttnRead& r) {
   return true;
 }
 
+int64_t stage_attn_bytes(const StageSeqs& g, bool kv, int64_t heads, int64_t d) {
+  const int64_t S = kv ? g.Skv : g.Sq, tokens = g.thd ? (kv ? g.total_kv : g.total_q) : S;
+  return (g.thd ? 1 : g.B) * heads * tokens * d * 2;
+}
+
 std::unique_ptr<StreamScratch> stage_attn_read(const char* op, const StageSeqs& g, const AttnRead& r, bool kv,
-                                               int64_t heads, int64_t d, cudaStream_t s, AttnTensorView* view) {
+                                               int64_t heads, int64_t d, cudaStream_t s, AttnTensorView* view,
+                                               int64_t h0) {
   const int64_t S = kv ? g.Skv : g.Sq, tokens = g.thd ? (kv ? g.total_kv : g.total_q) : S;
   // [B][heads][S][d], thd [heads][total tokens][d]
-  auto keep = std::make_unique<StreamScratch>((g.thd ? 1 : g.B) * heads * tokens * d * 2, s);
+  auto keep = std::make_unique<StreamScratch>(stage_attn_bytes(g, kv, heads, d), s);
   StageJob job;
   job.src = r;
   job.vec = attn_read_vec_ok(r);
   job.kv = kv;
   job.d = static_cast<int32_t>(d);
-  job.dst = reinterpret_cast<uint16_t*>(keep->ptr);
-  job.view.data = job.dst;
+  job.h0 = h0;
   job.view.st_b = g.thd ? 0 : heads * tokens * d;
   job.view.st_s = d;
   job.view.st_h = tokens * d;
+  // head h of r at scratch + (h − h0)·st_h (integer arithmetic: the pointer may lie before the scratch)
+  job.dst = reinterpret_cast<uint16_t*>(reinterpret_cast<uintptr_t>(keep->ptr) -
+                                        static_cast<uintptr_t>(h0 * job.view.st_h * 2));
+  job.view.data = job.dst;
   const int64_t rows = rows_per_thread(r);
   const int64_t blocks = ((S + rows - 1) / rows * (d / 16) + kThreads - 1) / kThreads;
   if (blocks > 0 && heads > 0 && g.B > 0) {

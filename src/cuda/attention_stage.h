@@ -4,7 +4,7 @@
 // kernels (attention_bwd_mma.cu: stage_reads); the SM90 forward converts Q, K, V before a kernel
 // that then runs on bf16 (sm90_attention_fwd.cu). Defined in attention_stage.cu (arch-neutral).
 //
-// The copy: [B][heads][S][d], thd [heads][total tokens][d]; valid tokens only (tokens past a
+// The copy: [B][heads][S][d], thd [heads][total tokens][d] (the heads converted); valid tokens only (tokens past a
 // sequence's end, and thd tokens outside every sequence, are left unwritten). Values: bf16 copied;
 // FP8 code · 2^(e−127) rounded to nearest even (cuda/sm90/dequant_mxfp8_bf16.cuh: exact for values
 // in bf16's normal range), through the copy's scale geometry as attn_bwd::elem() reads it.
@@ -45,9 +45,15 @@ bool attn_read_vec_ok(const AttnRead& r);
 bool attn_read_chunk_scales_ok(const AttnRead& r);
 
 // Queues the conversion of read r (kv: a key-side read, cu_kv / Skv; else cu_q / Sq) of `heads`
-// heads and d values a token (a multiple of 16) on stream s; returns the scratch (freed on the
-// stream when it goes) and sets *view to the copy's bf16 view. op names the caller in errors.
+// heads from head h0 (h0 .. h0 + heads − 1 of r) and d values a token (a multiple of 16) on stream
+// s; returns the scratch (freed on the stream when it goes) and sets *view to the copy's bf16 view,
+// addressed with r's head indices (its data pointer lies h0 heads before the scratch; only heads
+// h0 .. h0 + heads − 1 may be read through it). op names the caller in errors.
 std::unique_ptr<StreamScratch> stage_attn_read(const char* op, const StageSeqs& g, const AttnRead& r, bool kv,
-                                               int64_t heads, int64_t d, cudaStream_t s, AttnTensorView* view);
+                                               int64_t heads, int64_t d, cudaStream_t s, AttnTensorView* view,
+                                               int64_t h0 = 0);
+// The bytes of that copy: 2 per value of B (thd: 1) x heads x tokens (kv ? Skv or total_kv : Sq or
+// total_q) x d.
+int64_t stage_attn_bytes(const StageSeqs& g, bool kv, int64_t heads, int64_t d);
 
 }  // namespace mxmla::detail

@@ -1,6 +1,7 @@
 // mxmla — CUDA device queries and pointer checks (host code, CUDA runtime).
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "common/device.h"
@@ -51,6 +52,18 @@ int cuda_device_count() {
     return 0;
   }
   return n;
+}
+
+PoolUsage cuda_pool_usage(bool reset_high) {
+  int dev = 0;
+  MXMLA_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaMemPool_t pool;
+  MXMLA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t cur = 0, high = 0;  // (cuuint64_t)
+  if (reset_high) MXMLA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));  // (0: now)
+  MXMLA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &cur));
+  MXMLA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+  return {static_cast<int64_t>(cur), static_cast<int64_t>(high)};
 }
 
 std::string cuda_device_description(int index) {

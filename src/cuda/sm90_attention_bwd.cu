@@ -103,6 +103,7 @@ struct Params {
   const float* D;
   float* dq_acc;  // fp32 [2][rows][d_qk / 2] (see above), zeroed
   int64_t dq_rows;
+  int64_t hk0;  // the first KV head of the launch (blockIdx.y = hk − hk0)
   bool q_once;    // Q_g is Q_s (read from the stage; no Q_g copies)
 };
 static_assert(sizeof(Params) <= 4000, "kernel parameter space");
@@ -226,7 +227,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
   extern __shared__ uint8_t smem_raw[];
   Smem<C>& sm = *reinterpret_cast<Smem<C>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const AttentionBwdProblem& p = prm.p;
-  const int64_t j0 = int64_t{blockIdx.x} * C::kBN, hk = blockIdx.y, b = blockIdx.z;
+  const int64_t j0 = int64_t{blockIdx.x} * C::kBN, hk = prm.hk0 + blockIdx.y, b = blockIdx.z;
   const Seq s = seq_of(p, b);
   if (j0 >= s.skv) return;  // (uniform: the whole CTA)
   const int nj = static_cast<int>(imin(C::kBN, s.skv - j0));
@@ -505,7 +506,7 @@ __global__ void __launch_bounds__(256) bwd_dq_round(const __grid_constant__ Atte
 }
 
 template <int kDqk, int kDv>
-void launch(const Params& prm, cudaStream_t s) {
+void launch(const Params& prm, int64_t n_kv, cudaStream_t s) {
   using C = Cfg<kDqk, kDv>;
   constexpr size_t kSmem = sizeof(Smem<C>) + 1024;  // + the 1024-byte alignment of the swizzled tiles
   static_assert(kSmem <= 232448, "227 KB of shared memory per block on SM90");
@@ -514,7 +515,7 @@ void launch(const Params& prm, cudaStream_t s) {
                                         static_cast<int>(kSmem)));
   // key blocks fastest: the CTAs in flight share a head's Q, dO (and LSE, D) in L2; within a head the
   // first key blocks (causal: the most query tiles) start first
-  const dim3 grid(grid_dim(kOp, (p.Skv + C::kBN - 1) / C::kBN, true, "keys"), grid_dim(kOp, p.Hkv, false, "heads"),
+  const dim3 grid(grid_dim(kOp, (p.Skv + C::kBN - 1) / C::kBN, true, "keys"), grid_dim(kOp, n_kv, false, "heads"),
                   grid_dim(kOp, p.B, false, "sequences"));
   bwd_sm90<kDqk, kDv><<<grid, C::kThreads, kSmem, s>>>(prm);
   MXMLA_CUDA_CHECK(cudaGetLastError());
@@ -531,26 +532,36 @@ bool sm90_attention_bwd_supported(const AttentionBwdProblem& p, bool do_once) {
   return major == 9;
 }
 
-void sm90_attention_bwd(const Sm90BwdArgs& a, cudaStream_t s) {
-  const AttentionBwdProblem& p = a.p;
-  const int64_t rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;  // none: dK = dV = 0 still to write
-  StreamScratch acc(rows * p.Dqk * 4, s);  // freed on the stream after the kernels
-  if (rows > 0) MXMLA_CUDA_CHECK(cudaMemsetAsync(acc.ptr, 0, rows * p.Dqk * 4, s));
+Sm90DqAcc sm90_attention_bwd_acc(const AttentionBwdProblem& p, cudaStream_t s) {
+  Sm90DqAcc acc;
+  acc.rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
+  acc.mem = std::make_unique<StreamScratch>(acc.rows * p.Dqk * 4, s);  // freed on the stream after the kernels
+  if (acc.rows > 0) MXMLA_CUDA_CHECK(cudaMemsetAsync(acc.mem->ptr, 0, acc.rows * p.Dqk * 4, s));
+  return acc;
+}
+
+void sm90_attention_bwd_heads(const Sm90BwdArgs& a, const Sm90DqAcc& acc, int64_t hk0, int64_t n_kv, cudaStream_t s) {
+  const AttentionBwdProblem& p = a.p;  // none: dK = dV = 0 still to write
   Params prm;
   prm.p = p;
   prm.D = a.D;
-  prm.dq_acc = reinterpret_cast<float*>(acc.ptr);
-  prm.dq_rows = rows;
+  prm.dq_acc = reinterpret_cast<float*>(acc.mem->ptr);
+  prm.dq_rows = acc.rows;
+  prm.hk0 = hk0;
   prm.q_once = a.q_once;
-  if (p.Skv > 0 && p.B > 0 && p.Hkv > 0) {
+  if (p.Skv > 0 && p.B > 0 && n_kv > 0) {
     if (p.Dqk == 192)
-      launch<192, 128>(prm, s);
+      launch<192, 128>(prm, n_kv, s);
     else
-      launch<128, 128>(prm, s);
+      launch<128, 128>(prm, n_kv, s);
   }
-  const int64_t n = rows * p.Dqk;
+}
+
+void sm90_attention_bwd_finish(const AttentionBwdProblem& p, const Sm90DqAcc& acc, cudaStream_t s) {
+  const int64_t n = acc.rows * p.Dqk;
   if (n == 0) return;
-  bwd_dq_round<<<grid_dim(kOp, (n + 255) / 256, true, "rows"), 256, 0, s>>>(p, prm.dq_acc, rows);
+  bwd_dq_round<<<grid_dim(kOp, (n + 255) / 256, true, "rows"), 256, 0, s>>>(
+      p, reinterpret_cast<const float*>(acc.mem->ptr), acc.rows);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -6,8 +6,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "common/attention_ops.h"
+#include "cuda/stream_scratch.h"
 
 namespace mxmla::detail {
 
@@ -17,11 +19,23 @@ struct Sm90BwdArgs {
   bool q_once;            // the dK GEMM's Q read is the score GEMM's (one copy in shared memory)
 };
 
+// The fp32 dQ accumulator (stream-ordered scratch, zeroed; [2][rows][d_qk / 2], see the kernel).
+struct Sm90DqAcc {
+  std::unique_ptr<StreamScratch> mem;
+  int64_t rows = 0;  // attn_bwd::row_index rows: B·H·Sq, thd H·total_q
+};
+
 // Whether the kernel serves this problem: (d_qk, d_v) in {(192, 128), (128, 128)}, one dO copy for
-// both of its GEMMs (do_s and do_g the same values), not deterministic (dQ is summed with atomics),
-// and the current device is an SM90 part.
+// both of its GEMMs (do_s and do_g the same values), not deterministic (dQ's fp32 sums run in
+// scheduling order), and the current device is an SM90 part.
 bool sm90_attention_bwd_supported(const AttentionBwdProblem& p, bool do_once);
-// dQ, dK, dV of the problem (the thd zero tail is the prologue's).
-void sm90_attention_bwd(const Sm90BwdArgs& a, cudaStream_t stream);
+// dQ, dK, dV of the problem (the thd zero tail is the prologue's) in three steps on one stream: the
+// accumulator; the kernel for KV heads hk0 .. hk0 + n_kv − 1 (dK, dV of those heads, their query
+// heads' dQ sums; a.p's reads need to hold only those heads), once per group of heads; dq rounded
+// from the accumulator.
+Sm90DqAcc sm90_attention_bwd_acc(const AttentionBwdProblem& p, cudaStream_t stream);
+void sm90_attention_bwd_heads(const Sm90BwdArgs& a, const Sm90DqAcc& acc, int64_t hk0, int64_t n_kv,
+                              cudaStream_t stream);
+void sm90_attention_bwd_finish(const AttentionBwdProblem& p, const Sm90DqAcc& acc, cudaStream_t stream);
 
 }  // namespace mxmla::detail

@@ -97,5 +97,18 @@ TEST(Heuristics, GemmKSplits) {
   EXPECT_EQ(gemm_k_splits(1, 10, 128 * 256, 132), 1);                   // parts of K shorter than 8 k-blocks
 }
 
+// The attention backward's groups of KV heads: the bf16 copies of one group within 512 MiB.
+TEST(Heuristics, AttnBwdHeadGroups) {
+  using namespace detail::heuristics;
+  // DeepSeek-V3, s 4096, b 1, MXFP8 with both copies of Q and K: (2·192 + 2·192 + 128) values a token
+  // and head, 2 bytes each -> 7.3 MB a head, 0.94 GB for 128 heads: two groups of 64
+  const int64_t per_head = int64_t{4096} * (4 * 192 + 128) * 2;
+  EXPECT_EQ(attn_bwd_head_groups(per_head, 128), 2);
+  EXPECT_EQ(attn_bwd_head_groups(per_head * 2, 128), 4);  // s 8192
+  EXPECT_EQ(attn_bwd_head_groups(per_head / 2, 128), 1);  // s 2048: 0.47 GB fits
+  EXPECT_EQ(attn_bwd_head_groups(0, 128), 1);             // nothing converted (aligned bf16 inputs)
+  EXPECT_EQ(attn_bwd_head_groups(int64_t{1} << 40, 3), 3);  // never more groups than heads
+}
+
 }  // namespace
 }  // namespace mxmla::test

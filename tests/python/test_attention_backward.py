@@ -414,3 +414,33 @@ def test_torch_compile_traces_forward_and_backward():
     f(q, k, v).backward()
     for a, t in zip(got, (q, k, v)):
         assert torch.equal(a, t.grad)
+
+
+def test_scratch_memory_without_a_gpu_and_bad_argument():
+    if not torch.cuda.is_available():
+        assert mxmla.scratch_memory() == {"in_use": 0, "peak": 0}
+    with pytest.raises(TypeError, match="reset_peak"):
+        mxmla.scratch_memory(reset_peak=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+def test_cuda_backward_scratch_follows_the_head_groups():
+    """DeepSeek-V3 head dims, s 4096, 128 heads, MXFP8 Q, K (both copies) and V: the bf16 copies take
+    896 MiB, so the SM90 path converts and runs two groups of 64 KV heads; its scratch peak is one
+    group's copies (448 MiB) + the fp32 dQ accumulator (384 MiB) + D (2 MiB), not all the copies."""
+    s, h = 4096, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(1, s, h, 192, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q8, k8, v8 = (mxmla.quantize_attention(t, "bshd") for t in (q, k, v))
+    o, lse = mxmla.attention(q8, k8, v8, causal=True, return_lse=True)
+    do = torch.randn_like(o)
+    torch.cuda.synchronize()
+    base = mxmla.scratch_memory(reset_peak=True)["in_use"]
+    dq, dk, dv = mxmla.attention_backward(do, q8, k8, v8, o, lse, causal=True)
+    torch.cuda.synchronize()
+    peak = mxmla.scratch_memory()["peak"] - base
+    MiB = 1 << 20
+    want = 448 * MiB + 384 * MiB + 2 * MiB
+    assert want - 8 * MiB <= peak <= want + 32 * MiB, peak / MiB
+    assert bool(torch.isfinite(dq.float()).all()) and bool(torch.isfinite(dk.float()).all())
