@@ -1,7 +1,8 @@
 // mxmla — the attention backward's main kernel on SM90 (sm_90a): warp-specialized, bf16 wgmma with
 // fp32 accumulation, dK and dV in registers, dQ summed across key blocks by bulk fp32 reductions
-// from shared memory (FlashAttention-3's structure). It reads the bf16 views that the launcher's preprocess
-// (attention_bwd_mma.cu) made of every read; the math is the one attention_bwd_mma.cu states:
+// from shared memory (FlashAttention-3's structure). It reads the bf16 views that the launcher's
+// preprocess (attention_bwd_mma.cu) made of every read; the math is the one attention_bwd_mma.cu
+// states:
 //
 //   P_ij = exp(s_ij − LSE_i),  dS_ij = P_ij · (dP_ij − D_i) · scale;  P̂, dŜ = bf16(P), bf16(dS)
 //   dV = P̂ᵀ·dO_g,  dK = dŜᵀ·Q_g,  dQ = dŜ·K_g
@@ -31,12 +32,13 @@
 //   tiles of a head start at a rotation per key block, so that the CTAs of a head in flight add
 //   into different rows.
 // dQ accumulator: [consumer c][row (row_index order)][d_qk / 2] fp32, each row's 32-byte chunks
-// rotated by row % 8 (chunk j at (j + row) % (d_qk / 16)), so that the consumers' fragment stores
-// to shared memory, whose rows are the accumulator's, meet no bank conflicts.
+// rotated by row % 8 (chunk j at (j + row % 8) % (d_qk / 16)), so that the consumers' fragment
+// stores to shared memory, whose rows are the accumulator's, meet no bank conflicts.
 // Shared memory (d_qk 192): K_s, K_g 36 KB each, V 24 KB, two Q_s / dO stages 80 KB, Q_g 24 KB,
-// P̂ᵀ and dŜᵀ 24 KB (per consumer, its 48 keys of each: 12 KB): 226 KB, one CTA per SM. Tiles of 64-column blocks [rows][128 bytes] with the
-// 128-byte swizzle (K_g: 32-column blocks, 64-byte swizzle). dQ's fp32 additions run in scheduling
-// order: not bitwise reproducible (deterministic requests take attention_bwd_mma.cu's kernels).
+// P̂ᵀ and dŜᵀ 24 KB (per consumer, its 48 keys of each: 12 KB): 226 KB, one CTA per SM. Tiles of
+// 64-column blocks [rows][128 bytes] with the 128-byte swizzle (K_g: 32-column blocks, 64-byte
+// swizzle). dQ's fp32 additions run in scheduling order: not bitwise reproducible (deterministic
+// requests take attention_bwd_mma.cu's kernels).
 #include "cuda/sm90_attention_bwd.h"
 
 #include <cuda_bf16.h>
