@@ -125,8 +125,8 @@ __host__ __device__ __forceinline__ int rows_per_thread(const AttnRead& r) { ret
 
 // grid (ceil(ceil(S / rows) · d / 16 / kThreads), heads, B), rows = rows_per_thread: a thread
 // converts one 16-value chunk c (values 16c .. 16c + 15) of `rows` consecutive tokens of sequence
-// b, head h = h0 + blockIdx.y; consecutive threads take consecutive chunks of a token, then the next token group
-// (coalesced 16-byte stores). Tokens past the sequence's end are left alone (the kernels read only
+// b, head h = h0 + blockIdx.y; consecutive threads take consecutive chunks of a token, then the
+// next token group (coalesced 16-byte stores). Tokens past the sequence's end are left alone (the kernels read only
 // the valid ones, or mask them).
 __global__ void __launch_bounds__(kThreads) attn_stage(const __grid_constant__ StageSeqs g,
                                                        const __grid_constant__ StageJob job) {
