@@ -6,7 +6,10 @@ outputs, so that builds which must be bit-identical can be seen to be.
 
 Cases: quantize bf16 [16384, 24576] (both directions; rowwise only), apply_rope / rope_backward
 bf16 [16384, 128, 192] thd (fp32 YaRN tables, out of place), rope_backward_quantize of the same,
-the fused Q up-projection at T x NH = 16384 x 128, 4096 x 128, 16384 x 16 (K 1536).
+the fused Q up-projection at T x NH = 16384 x 128, 4096 x 128, 16384 x 16 (K 1536); with --only
+attnbwd (not in the default set) the attention backward at DeepSeek-V3 dims (b 1, h 128, 192 / 128,
+causal, bshd, s 4096 and 8192) on MXFP8 Q, K, V from quantize_attention and on their dequantized
+bf16 tensors (its checksum covers dK and dV: dQ's fp32 sums run in scheduling order).
 Usage: PYTHONPATH=<build>/python python3 dev/bench/ab_kernels.py [--iters 30] [--only quant,rope,ropeq,qproj]"""
 from __future__ import annotations
 
@@ -80,6 +83,21 @@ def main() -> int:
             c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
             case(f"fused Q {T} x {NH}", lambda: mxmla.fused_q_uproj_rope_quant(x, w, c, s),
                  lambda: q_bufs(mxmla.fused_q_uproj_rope_quant(x, w, c, s)))
+    if "attnbwd" in only:
+        scale = mxmla.yarn_softmax_scale()
+        for S in (4096, 8192):
+            q, k = (torch.randn(1, S, 128, 192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+            v = torch.randn(1, S, 128, 128, device=dev, dtype=torch.bfloat16)
+            q8, k8, v8 = (mxmla.quantize_attention(t, "bshd") for t in (q, k, v))
+            o, lse = mxmla.attention(q8, k8, v8, causal=True, softmax_scale=scale, return_lse=True)
+            do = torch.randn_like(o)
+            qb, kb, vb = (mxmla.dequantize(t, "bfloat16").view(t.rowwise_data.shape) for t in (q8, k8, v8))
+            for name, args, kw in ((f"attention bwd mxfp8 {S}", (q8, k8, v8), {}),
+                                   (f"attention bwd bf16 {S}", (qb, kb, vb), {"layout": "bshd"})):
+                def run(args=args, kw=kw):
+                    return mxmla.attention_backward(do, *args, o, lse, causal=True, softmax_scale=scale, **kw)
+                case(name, run, lambda run=run: run()[1:])
+            del q, k, v, q8, k8, v8, qb, kb, vb, o, lse, do
     for r in out:
         print(json.dumps(r))
     return 0

@@ -568,13 +568,11 @@ void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
   prm.do_once = same_values(p.do_s, p.do_g);
   if (!force_mma && sm90_attention_bwd_supported(p, prm.do_once)) {
     std::unique_ptr<StreamScratch> none[7];
-    const int64_t per_kv_head = p.Hkv > 0 ? stage_reads(prm, p, s, none, 0, 1, false) : 0;
-    int64_t groups = p.Hkv > 0 ? heuristics::attn_bwd_head_groups(per_kv_head, p.Hkv) : 1;
-    if (const char* g = std::getenv("MXMLA_ATTN_BWD_GROUPS"); g != nullptr && p.Hkv > 0) {  // tests: forced
-      const long n = std::strtol(g, nullptr, 10);
-      if (n >= 1) groups = std::min<int64_t>(n, p.Hkv);
-    }
-    const int64_t per = p.Hkv > 0 ? (p.Hkv + groups - 1) / groups : 0;
+    const int64_t forced = heuristics::env_forced("MXMLA_ATTN_BWD_GROUPS", int64_t{1} << 30);
+    const int64_t groups = forced != 0 ? std::min(forced, std::max<int64_t>(p.Hkv, 1))
+                                       : heuristics::attn_bwd_head_groups(stage_reads(prm, p, s, none, 0, 1, false),
+                                                                          std::max<int64_t>(p.Hkv, 1));
+    const int64_t per = (p.Hkv + groups - 1) / groups;  // (no group without KV heads)
     const Sm90DqAcc acc = sm90_attention_bwd_acc(p, s);
     for (int64_t hk0 = 0; hk0 < p.Hkv; hk0 += per) {
       const int64_t n = std::min(per, p.Hkv - hk0);

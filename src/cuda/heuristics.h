@@ -6,8 +6,19 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 namespace mxmla::detail::heuristics {
+
+// A choice below forced through the environment variable `name` (tests, A/B runs): its value when
+// it is a whole number in 1 .. max, else 0 (not forced). Read at every call.
+inline int64_t env_forced(const char* name, int64_t max) {
+  const char* e = std::getenv(name);
+  if (e == nullptr || *e == '\0') return 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(e, &end, 10);
+  return *end == '\0' && v >= 1 && v <= max ? v : 0;
+}
 
 // A persistent grid: one wave of resident CTAs, never more CTAs than work units (and at least one).
 // The quantize and rope_backward_quantize kernels.

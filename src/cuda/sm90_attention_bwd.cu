@@ -174,6 +174,19 @@ __device__ __forceinline__ void fence_acc(float (&a)[N]) {
   for (int i = 0; i < N; ++i) ptx::fence_reg(a[i]);
 }
 
+// acc [64 rows][48 keys] = A·Bᵀ over kD columns, both K-major in 64-column blocks with the 128-byte
+// swizzle: A a stage's tile (blocks kBM · 128 bytes apart), B this consumer's keys of a key-side tile
+// (blocks kBN · 128 bytes apart); one commit group. (S = Q_s·K_cᵀ, dP = dO·V_cᵀ.)
+template <class C, int kD>
+__device__ __forceinline__ void gemm_rows_keys(float (&acc)[24], uint64_t desc_a, uint64_t desc_b) {
+  constexpr uint32_t kRowBlk = C::kBM * 128 / 16, kKeyBlk = C::kBN * 128 / 16;  // block strides (descriptor units)
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk)
+    ptx::wgmma_m64n48k16_f32_bf16_bf16_ss<0, 0>(acc, desc_a + (kk / 4) * kRowBlk + 2 * (kk % 4),
+                                                desc_b + (kk / 4) * kKeyBlk + 2 * (kk % 4), kk > 0);
+  ptx::wgmma_commit();
+}
+
 // dQ[:, col0 .. col0 + kN) of a query tile, over the block's 96 keys: A = dŜ (M-major from dŜᵀ:
 // rows of 64 query rows, 8-key groups 1024 bytes apart; 16 keys = 2048 bytes; keys 0-47 in consumer
 // 0's dŜᵀ, 48-95 in consumer 1's), B = K_g (N-major: 32-column blocks kBN · 64 bytes apart, 8-key
@@ -313,7 +326,6 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
   const uint64_t dpt = ptx::wgmma_desc_k_sw128(sm.pd[c][0]);
   const uint64_t ddst = ptx::wgmma_desc_k_sw128(sm.pd[c][1]);
   const bool issuer = threadIdx.x % 128 == 0;  // adds this consumer's dQ parts, releases the stages
-  constexpr uint32_t kKeyBlk = C::kBN * 128 / 16, kRowBlk = C::kBM * 128 / 16;  // block strides (descriptor units)
 
   if (tiles > 0) ptx::mbar_wait(&sm.kv_full, 0);
   TileWalk w{hk * group, i_begin, per_head, rot};
@@ -327,20 +339,8 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     float sacc[24], dpacc[24];
     fence_acc(sacc), fence_acc(dpacc);
     ptx::wgmma_fence();
-    {
-      const uint64_t dq_s = ptx::wgmma_desc_k_sw128(sm.qs[st][0]);
-#pragma unroll
-      for (int kk = 0; kk < kDqk / 16; ++kk)
-        ptx::wgmma_m64n48k16_f32_bf16_bf16_ss<0, 0>(sacc, dq_s + (kk / 4) * kRowBlk + 2 * (kk % 4),
-                                                    dk_s + (kk / 4) * kKeyBlk + 2 * (kk % 4), kk > 0);
-      ptx::wgmma_commit();
-      const uint64_t ddo = ptx::wgmma_desc_k_sw128(sm.dos[st][0]);
-#pragma unroll
-      for (int kk = 0; kk < kDv / 16; ++kk)
-        ptx::wgmma_m64n48k16_f32_bf16_bf16_ss<0, 0>(dpacc, ddo + (kk / 4) * kRowBlk + 2 * (kk % 4),
-                                                    dv_s + (kk / 4) * kKeyBlk + 2 * (kk % 4), kk > 0);
-      ptx::wgmma_commit();
-    }
+    gemm_rows_keys<C, kDqk>(sacc, ptx::wgmma_desc_k_sw128(sm.qs[st][0]), dk_s);
+    gemm_rows_keys<C, kDv>(dpacc, ptx::wgmma_desc_k_sw128(sm.dos[st][0]), dv_s);
     ptx::wgmma_wait<1>();  // S
     fence_acc(sacc);
 

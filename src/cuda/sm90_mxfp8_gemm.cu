@@ -305,12 +305,6 @@ __global__ void __launch_bounds__(256) reduce_splits(const mxgemm::Params p) {
   }
 }
 
-// MXMLA_GEMM_SPLITS=1..4 in the environment forces design C's K split (tests); read at every call.
-int forced_splits() {
-  const char* e = std::getenv("MXMLA_GEMM_SPLITS");
-  return (e != nullptr && e[0] >= '1' && e[0] <= '4' && e[1] == '\0') ? e[0] - '0' : 0;
-}
-
 // Design C's GEMM. K is split in parts when that fills the SMs better (heuristics::gemm_k_splits;
 // fp32 partials in stream-ordered scratch, then reduce_splits). Unsplit, its epilogue stores by TMA
 // (box [64 rows][64 columns], 128-byte swizzle) when D is bf16 without accumulation and its rows
@@ -320,7 +314,8 @@ void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cu
   const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);
   const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
   const int64_t tiles = int64_t{p.m_tiles} * p.n_tiles;
-  const int forced = forced_splits();
+  // MXMLA_GEMM_SPLITS=1..4 in the environment forces the K split (tests)
+  const int forced = static_cast<int>(heuristics::env_forced("MXMLA_GEMM_SPLITS", 4));
   p.k_splits = forced != 0 ? std::min(forced, p.kblocks)
                            : heuristics::gemm_k_splits(tiles, p.kblocks, int64_t{p.M} * p.N, fit.resident());
   p.kb_per_split = (p.kblocks + p.k_splits - 1) / p.k_splits;

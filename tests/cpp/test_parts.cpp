@@ -3,8 +3,12 @@
 // tests are in test_rope.cpp (TileQueue), the fused kernel's grid in test_qproj.cpp.
 #include <gtest/gtest.h>
 
+#include <stdlib.h>  // setenv, unsetenv (POSIX)
+
 #include <algorithm>
+#include <cstdint>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "cuda/heuristics.h"
@@ -95,6 +99,22 @@ TEST(Heuristics, GemmKSplits) {
   EXPECT_EQ(gemm_k_splits(12288, 24, int64_t{16384} * 24576, 132), 1);  // fprop T 16384: 94 full waves
   EXPECT_EQ(gemm_k_splits(2048, 128, int64_t{8192} * 8192, 132), 1);    // 8192^3
   EXPECT_EQ(gemm_k_splits(1, 10, 128 * 256, 132), 1);                   // parts of K shorter than 8 k-blocks
+}
+
+// The environment's forced choices (MXMLA_GEMM_SPLITS, MXMLA_ATTN_BWD_GROUPS): whole numbers in range.
+TEST(Heuristics, EnvForced) {
+  using namespace detail::heuristics;
+  const char* name = "MXMLA_TEST_ENV_FORCED";
+  unsetenv(name);
+  EXPECT_EQ(env_forced(name, 4), 0);
+  for (const auto& [text, want] : {std::pair<const char*, int64_t>{"3", 3}, {"4", 4}, {"5", 0}, {"0", 0}, {"-1", 0},
+                                   {"2x", 0}, {"", 0}, {"x", 0}}) {
+    setenv(name, text, 1);
+    EXPECT_EQ(env_forced(name, 4), want) << text;
+  }
+  setenv(name, "64", 1);
+  EXPECT_EQ(env_forced(name, int64_t{1} << 30), 64);
+  unsetenv(name);
 }
 
 // The attention backward's groups of KV heads: the bf16 copies of one group within 512 MiB.
