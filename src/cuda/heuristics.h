@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 namespace mxmla::detail::heuristics {
 
@@ -18,6 +19,17 @@ inline int64_t env_forced(const char* name, int64_t max) {
   char* end = nullptr;
   const long long v = std::strtoll(e, &end, 10);
   return *end == '\0' && v >= 1 && v <= max ? v : 0;
+}
+
+// The attention forward's tile order: dynamic (tiles claimed from a counter) where the tiles differ
+// in length — causal, or packed sequences — and outnumber the CTAs, else static (CTA b: tiles b,
+// b + grid, ...). MXMLA_ATTN_FWD_ORDER in the environment ("static" / "dynamic", read at every
+// call) forces one (A/B runs, tests).
+inline bool attn_fwd_dynamic_order(bool causal, bool varlen, int64_t tiles, int64_t grid) {
+  const char* e = std::getenv("MXMLA_ATTN_FWD_ORDER");
+  if (e != nullptr && std::string(e) == "static") return false;
+  if (e != nullptr && std::string(e) == "dynamic") return true;
+  return (causal || varlen) && tiles > grid;
 }
 
 // A persistent grid: one wave of resident CTAs, never more CTAs than work units (and at least one).

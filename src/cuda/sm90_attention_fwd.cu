@@ -70,7 +70,8 @@ void launch(const AttentionProblem& pr, cudaStream_t stream) {
   p.heads_per_group = static_cast<int>(std::clamp<int64_t>((20ll << 20) / kv_bytes, 1, BH));
   const int64_t tiles = BH * p.num_mblocks;
   if (tiles == 0) return;
-  if (tiles > (int64_t{1} << 31) - 1) throw Error(kOp, "q", "has too many (sequence, head, 128-row) tiles");
+  // tile indices, and the dynamic order's claims (up to tiles + the grid), fit 31 bits
+  if (tiles > (int64_t{1} << 30)) throw Error(kOp, "q", "has too many (sequence, head, 128-row) tiles (at most 2^30)");
   p.num_tiles = static_cast<int>(tiles);
 
   const int64_t q_tokens = pr.thd ? pr.total_q : pr.Sq, kv_tokens = pr.thd ? pr.total_kv : pr.Skv;
@@ -93,6 +94,11 @@ void launch(const AttentionProblem& pr, cudaStream_t stream) {
   const void* kernel = reinterpret_cast<const void*>(&attn::sm90_attention_fwd_kernel<K>);
   const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
   const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), tiles));
+  // the dynamic order's counter, zero at launch (stream-ordered: each launch, also in a graph, its own)
+  const bool dynamic = heuristics::attn_fwd_dynamic_order(pr.causal, pr.thd, tiles, grid);
+  StreamScratch counter(dynamic ? static_cast<int64_t>(sizeof(int)) : 0, stream);
+  if (dynamic) MXMLA_CUDA_CHECK(cudaMemsetAsync(counter.ptr, 0, sizeof(int), stream));
+  p.tile_counter = reinterpret_cast<int*>(counter.ptr);
   attn::sm90_attention_fwd_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, stream>>>(tq, tk, tv, p);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }

@@ -7,7 +7,9 @@
 //               one thread per tile row (cuda/sm90/dequant_mxfp8_bf16.cuh), scales read from global
 //               memory through the operand's scale geometry while the codes are in flight;
 //   WG2, WG3    consumers: 64 query rows each; S = Q·Kᵀ (wgmma bf16, Q and K from shared memory),
-//               online softmax in fp32, O += P·V (P from registers, V from shared memory N-major).
+//               online softmax in fp32, O += P·V (P from registers, V from shared memory N-major);
+//               the softmax of S_j runs while O += P_{j-1}·V_{j-1} is on the tensor cores
+//               (FlashAttention-3's intra-warpgroup overlap).
 // Shared memory (d_qk 192, d_v 128): Q bf16 48 KB, K and V bf16 (48 + 32 KB), and either two FP8
 // stages (K codes 24 KB, also Q's, + V codes 16 KB; FP8 inputs) or second K / V slots (bf16 inputs),
 // the V scale factors. bf16 tiles are 64-column blocks of
@@ -17,7 +19,8 @@
 // (P = 0), FP8 rows outside the sequence are dequantized to zeros, bf16 rows are read as they are
 // (so ±Inf / NaN there would give 0·Inf = NaN: documented in the README).
 // Work order: heads in groups whose K/V fit in L2 together; inside a group the query blocks with
-// the most keys first (causal), all heads of the group per query block.
+// the most keys first (causal), all heads of the group per query block; causal and thd launches
+// claim their tiles in that order from a counter (TileFeed below), others take every G-th.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only)
@@ -65,6 +68,7 @@ struct Params {
   uint16_t* o;
   int64_t o_st_b, o_st_s, o_st_h;
   float* lse;
+  int* tile_counter;  // non-null: tiles claimed from this counter (zero at launch), else t = b, b + G, ...
 };
 
 template <int kDqk, int kDv, bool kE4M3Codes>
@@ -90,6 +94,8 @@ struct Kernel {
     uint16_t vf[C::kMaxVScaleRows][128];     // V fast factors (bf16 bits) per 32-key scale row and column
     uint8_t vf_raw[C::kMaxVScaleRows][128];  // the scale bytes (exact path)
     sm90::Handoff fp8_stage[2], q_tile, k_tile[2], v_tile[2];
+    sm90::Handoff feed[2];  // the producer's claimed tiles, handed to the other roles (dynamic order)
+    int feed_tile[2];
   };
   // K / V slot s (FP8 inputs use slot 0 only: the FP8 stages take the second slots' memory)
   __device__ __forceinline__ static uint8_t* k_slot(Smem& sm, int s) { return s ? sm.x.bf16.k[0] : sm.k0[0]; }
@@ -252,6 +258,42 @@ __device__ __forceinline__ uint32_t p_e4m3_bf16x2(float lo, float hi) {
   return bf16x2_rn(__low2float(hv) * (1.0f / 256.0f), __high2float(hv) * (1.0f / 256.0f));
 }
 
+// ---------------------------------------------------------------- tile order
+// Static: CTA b takes tiles b, b + G, ... (G CTAs). Dynamic (p.tile_counter): the producer claims
+// its next tile from the launch's counter (G + the counter's old value: the first tile is b), so
+// that a CTA that drew short tiles takes more; it hands each tile index (num_tiles or more: done)
+// to the other roles through a two-slot ring. A causal launch's tiles differ in length by up to
+// s / 128 times: the static order left the CTAs' loads 26 % apart at s 2048 (the longest over the
+// mean), the dynamic one 2 %.
+template <class Smem>
+struct TileFeed {
+  Smem& sm;
+  const Params& p;
+  uint32_t n = 0;
+  // A reading warp's next tile: lane 0 waits, reads and releases the slot, the warp gets its value.
+  __device__ __forceinline__ int next(int t, int lane) {
+    if (p.tile_counter == nullptr) return t < 0 ? static_cast<int>(blockIdx.x) : t + static_cast<int>(gridDim.x);
+    const int slot = n & 1;
+    int r = 0;
+    if (lane == 0) {
+      sm.feed[slot].consumer_wait(n >> 1);
+      r = *reinterpret_cast<volatile const int*>(&sm.feed_tile[slot]);
+      sm.feed[slot].consumer_release();
+    }
+    ++n;
+    return __shfl_sync(0xffffffffu, r, 0);
+  }
+  // The producer: publish tile t (dynamic order).
+  __device__ __forceinline__ void publish(int t) {
+    if (p.tile_counter == nullptr) return;
+    const int slot = n & 1;
+    sm.feed[slot].producer_wait(n >> 1);
+    *reinterpret_cast<volatile int*>(&sm.feed_tile[slot]) = t;
+    sm.feed[slot].producer_commit();
+    ++n;
+  }
+};
+
 // ---------------------------------------------------------------- the kernel
 template <class K>
 __global__ void __launch_bounds__(512, 1)
@@ -272,6 +314,7 @@ __global__ void __launch_bounds__(512, 1)
       sm.v_tile[i].init(filled_by, 8);
     }
     sm.q_tile.init(filled_by, 8);
+    for (int i = 0; i < 2; ++i) sm.feed[i].init(1, p.fp8 ? 12 : 8);  // consumer (+ dequantizer) warps
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -283,7 +326,13 @@ __global__ void __launch_bounds__(512, 1)
     ptx::prefetch_tmap(&tmap_k);
     ptx::prefetch_tmap(&tmap_v);
     uint32_t n_fp8 = 0, n_q = 0, n_k = 0, n_v = 0;
-    for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+    TileFeed<typename K::Smem> feed{sm, p};
+    const int G = static_cast<int>(gridDim.x);
+    // the next tile is claimed as this one starts and read once its loads are issued
+    for (int t = blockIdx.x, claim = 0;; t = p.tile_counter != nullptr ? G + claim : t + G) {
+      feed.publish(t);
+      if (t >= p.num_tiles) break;
+      if (p.tile_counter != nullptr) claim = atomicAdd(p.tile_counter, 1);
       const Tile w = tile_at(p, t);
       if (!w.valid || w.n_blocks == 0) continue;
       const int qs = w.q0 + w.m * 128;
@@ -332,7 +381,8 @@ __global__ void __launch_bounds__(512, 1)
     constexpr bool kE4 = K::kE4M3;
     const int row = threadIdx.x - 128, lane = threadIdx.x % 32;
     uint32_t n_fp8 = 0, n_q = 0, n_k = 0, n_v = 0;
-    for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+    TileFeed<typename K::Smem> feed{sm, p};
+    for (int t = feed.next(-1, lane); t < p.num_tiles; t = feed.next(t, lane)) {
       const Tile w = tile_at(p, t);
       if (!w.valid || w.n_blocks == 0) continue;
       {  // Q
@@ -432,106 +482,172 @@ __global__ void __launch_bounds__(512, 1)
   const int cw = wg - 2, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   const int r_in = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: +8)
   uint32_t n_q = 0, n_k = 0, n_v = 0;
-  const uint64_t dq0 = ptx::wgmma_desc_k_sw128(sm.q[0] + 64 * cw * 128);
+  // Q's and K's descriptors differ in their low word only (the start address; the high word is the
+  // 128-byte swizzle's constant): the S GEMM's descriptors are that word plus a constant
+  const uint32_t dq_lo = static_cast<uint32_t>(ptx::wgmma_desc_k_sw128(sm.q[0] + 64 * cw * 128));
   const uint64_t dk0 = ptx::wgmma_desc_k_sw128(K::k_slot(sm, 0)), dk1 = ptx::wgmma_desc_k_sw128(K::k_slot(sm, 1));
+  const uint32_t dk_hi = static_cast<uint32_t>(dk0 >> 32);
   // V as the N-major B operand: 64-column blocks LBO apart, 8-key groups SBO = 1024 bytes apart
   const uint64_t dv0 = ptx::wgmma_desc(K::v_slot(sm, 0), ptx::SmemSwizzle::k128B, C::kBN * 128, 1024),
                  dv1 = ptx::wgmma_desc(K::v_slot(sm, 1), ptx::SmemSwizzle::k128B, C::kBN * 128, 1024);
   constexpr uint32_t kQBlk = sizeof(sm.q[0]) / 16, kKBlk = C::kBN * 128 / 16;
-  for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+  // softmax_scale > 0 (the usual case): the row maximum of S·scale is (row maximum of S)·scale, and
+  // the scale folds into the exponent's FFMA; otherwise S is scaled first
+  const bool pos_scale = p.scale_log2 > 0.f;
+  const float c = pos_scale ? p.scale_log2 : 1.f;
+  TileFeed<typename K::Smem> feed{sm, p};
+  for (int t = feed.next(-1, lane); t < p.num_tiles; t = feed.next(t, lane)) {
     const Tile w = tile_at(p, t);
     if (!w.valid) continue;
     float o[kDv / 2];
     float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < kDv / 2; ++i) o[i] = 0.f;
-    if (w.n_blocks > 0) {
-      sm.q_tile.consumer_wait(n_q++);
-      for (int j = 0; j < w.n_blocks; ++j) {
-        const int slot = n_k & kv_mask;
-        sm.k_tile[slot].consumer_wait(n_k++ >> kv_shift);
-        const uint64_t dks = slot ? dk1 : dk0;
-        float s[64];
+    // S = Q·K_jᵀ into s (this thread's 2 rows x 32 keys, accumulator layout): one wgmma group
+    const auto issue_s = [&](float(&s)[64], int kslot) {
+      const uint32_t dk_lo = static_cast<uint32_t>(kslot ? dk1 : dk0);
 #pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
-        ptx::wgmma_fence();
+      for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
+      ptx::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kDqk / 16; ++kk)
-          ptx::WgmmaOp<128, ptx::MmaDtype::kBF16, ptx::MmaDtype::kBF16, false>::mma(
-              s, dq0 + (kk / 4) * kQBlk + 2 * (kk % 4), dks + (kk / 4) * kKBlk + 2 * (kk % 4), kk > 0);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
+      for (int kk = 0; kk < kDqk / 16; ++kk)
+        ptx::WgmmaOp<128, ptx::MmaDtype::kBF16, ptx::MmaDtype::kBF16, false>::mma(
+            s, ptx::desc_pack(dq_lo + (kk / 4) * kQBlk + 2 * (kk % 4), dk_hi),
+            ptx::desc_pack(dk_lo + (kk / 4) * kKBlk + 2 * (kk % 4), dk_hi), kk > 0);
+      ptx::wgmma_commit();
+    };
+    // O += P·V_j: one wgmma group (P from registers: k-step kk holds key columns 16kk .. 16kk+15)
+    const auto issue_pv = [&](const uint32_t(&pa)[8][4], int vslot) {
+      const uint64_t dvs = vslot ? dv1 : dv0;
 #pragma unroll
-        for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
-        if (lane == 0) {
-          sm.k_tile[slot].consumer_release();
-          if (j == w.n_blocks - 1) sm.q_tile.consumer_release();
+      for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {  // 16 keys = 16 rows of 128 bytes per step
+        if constexpr (kDv == 128)
+          ptx::wgmma_m64n128k16_f32_bf16_bf16_rs<1>(o, pa[kk], dvs + kk * (16 * 128 / 16), true);
+        else
+          ptx::wgmma_m64n64k16_f32_bf16_bf16_rs<1>(o, pa[kk], dvs + kk * (16 * 128 / 16), true);
+      }
+      ptx::wgmma_commit();
+    };
+    // masks (keys past the sequence, causal), then the online softmax in place (log2 domain): s
+    // becomes P, the row statistics move on, alpha is the factor O has to take
+    const auto softmax = [&](float(&s)[64], int j, float(&alpha)[2]) {
+      const int kb = j * 128, row0 = w.m * 128 + r_in;
+      const bool tail = kb + 128 > w.len_kv;
+      const bool diag = p.causal && kb + 127 > w.m * 128 + 64 * cw + w.key_off;
+      if (tail || diag) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+          const int key = kb + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+          const int qrow = row0 + 8 * ((i / 2) % 2);
+          if (key >= w.len_kv || (p.causal && key > qrow + w.key_off)) s[i] = -INFINITY;
         }
-        // masks: keys past the sequence, causal
-        const int kb = j * 128, row0 = w.m * 128 + r_in;
-        const bool tail = kb + 128 > w.len_kv;
-        const bool diag = p.causal && kb + 127 > w.m * 128 + 64 * cw + w.key_off;
-        if (tail || diag) {
+      }
+      if (!pos_scale) {
 #pragma unroll
-          for (int i = 0; i < 64; ++i) {
-            const int key = kb + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-            const int qrow = row0 + 8 * ((i / 2) % 2);
-            if (key >= w.len_kv || (p.causal && key > qrow + w.key_off)) s[i] = -INFINITY;
-          }
+        for (int i = 0; i < 64; ++i) s[i] *= p.scale_log2;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // row h's values: s[4jj + 2h], s[4jj + 2h + 1]
+        float m4[4];                  // four independent chains
+#pragma unroll
+        for (int q = 0; q < 4; ++q) m4[q] = fmaxf(s[4 * q + 2 * h], s[4 * q + 2 * h + 1]);
+#pragma unroll
+        for (int jj = 4; jj < 16; ++jj) m4[jj % 4] = fmaxf(m4[jj % 4], fmaxf(s[4 * jj + 2 * h], s[4 * jj + 2 * h + 1]));
+        float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(mrow[h], mx * c);
+        const float base = m_new == -INFINITY ? 0.f : m_new;
+        alpha[h] = ptx::ex2_approx(mrow[h] - base);
+        mrow[h] = m_new;
+        float l4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj) {
+          s[4 * jj + 2 * h] = ptx::ex2_approx(fmaf(s[4 * jj + 2 * h], c, -base));
+          s[4 * jj + 2 * h + 1] = ptx::ex2_approx(fmaf(s[4 * jj + 2 * h + 1], c, -base));
+          l4[jj % 4] += s[4 * jj + 2 * h] + s[4 * jj + 2 * h + 1];
         }
-        // online softmax (log2 domain)
+        lrow[h] = lrow[h] * alpha[h] + ((l4[0] + l4[1]) + (l4[2] + l4[3]));
+      }
+    };
+    // O's rescale, skipped when no row of the warp has a new maximum (alpha = 1 exactly)
+    const auto rescale_o = [&](const float(&alpha)[2]) {
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float mx = -INFINITY;
+        for (int jj = 0; jj < kDv / 8; ++jj)
 #pragma unroll
-          for (int jj = 0; jj < 16; ++jj) {
-            s[4 * jj + 2 * h] *= p.scale_log2, s[4 * jj + 2 * h + 1] *= p.scale_log2;
-            mx = fmaxf(mx, fmaxf(s[4 * jj + 2 * h], s[4 * jj + 2 * h + 1]));
-          }
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(mrow[h], mx);
-          const float base = m_new == -INFINITY ? 0.f : m_new;
-          const float alpha = ptx::ex2_approx(mrow[h] - base);
-          mrow[h] = m_new;
-          float sum = 0.f;
-#pragma unroll
-          for (int jj = 0; jj < 16; ++jj) {
-            s[4 * jj + 2 * h] = ptx::ex2_approx(s[4 * jj + 2 * h] - base);
-            s[4 * jj + 2 * h + 1] = ptx::ex2_approx(s[4 * jj + 2 * h + 1] - base);
-            sum += s[4 * jj + 2 * h] + s[4 * jj + 2 * h + 1];
-          }
-          lrow[h] = lrow[h] * alpha + sum;
-#pragma unroll
-          for (int jj = 0; jj < kDv / 8; ++jj) o[4 * jj + 2 * h] *= alpha, o[4 * jj + 2 * h + 1] *= alpha;
-        }
-        // P as the A operand: k-step kk holds accumulator columns 16kk .. 16kk+15
-        uint32_t pa[8][4];
+          for (int h = 0; h < 2; ++h) o[4 * jj + 2 * h] *= alpha[h], o[4 * jj + 2 * h + 1] *= alpha[h];
+      }
+    };
+    // P as the A operand: k-step kk holds accumulator columns 16kk .. 16kk+15
+    const auto to_p = [&](const float(&s)[64], uint32_t(&pa)[8][4]) {
+      if (p.e4m3_p) {
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
-          for (int r = 0; r < 4; ++r)
-            pa[kk][r] = p.e4m3_p ? p_e4m3_bf16x2(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1])
-                                 : bf16x2_rn(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-        const int vslot = n_v & kv_mask;
-        sm.v_tile[vslot].consumer_wait(n_v++ >> kv_shift);
-        const uint64_t dvs = vslot ? dv1 : dv0;
+          for (int r = 0; r < 4; ++r) pa[kk][r] = p_e4m3_bf16x2(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+      } else {
 #pragma unroll
-        for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
-        ptx::wgmma_fence();
+        for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {  // 16 keys = 16 rows of 128 bytes per step
-          if constexpr (kDv == 128)
-            ptx::wgmma_m64n128k16_f32_bf16_bf16_rs<1>(o, pa[kk], dvs + kk * (16 * 128 / 16), true);
-          else
-            ptx::wgmma_m64n64k16_f32_bf16_bf16_rs<1>(o, pa[kk], dvs + kk * (16 * 128 / 16), true);
-        }
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
-        if (lane == 0) sm.v_tile[vslot].consumer_release();
+          for (int r = 0; r < 4; ++r) pa[kk][r] = bf16x2_rn(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
       }
+    };
+    const auto wait_k = [&]() {
+      const int slot = n_k & kv_mask;
+      sm.k_tile[slot].consumer_wait(n_k++ >> kv_shift);
+      return slot;
+    };
+    const auto wait_v = [&]() {
+      const int slot = n_v & kv_mask;
+      sm.v_tile[slot].consumer_wait(n_v++ >> kv_shift);
+      return slot;
+    };
+    const auto s_landed = [&](float(&s)[64], int kslot, int j) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) ptx::fence_reg(s[i]);
+      if (lane == 0) {
+        sm.k_tile[kslot].consumer_release();
+        if (j == w.n_blocks - 1) sm.q_tile.consumer_release();
+      }
+    };
+    const auto pv_landed = [&](int vslot) {
+#pragma unroll
+      for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
+      if (lane == 0) sm.v_tile[vslot].consumer_release();
+    };
+    if (w.n_blocks > 0) {
+      // intra-warpgroup overlap: the softmax of S_j runs while O += P_{j-1}·V_{j-1} is on the
+      // tensor cores; O takes S_j's rescale once that product has landed
+      float s[64], alpha[2];
+      uint32_t pa[8][4];
+      sm.q_tile.consumer_wait(n_q++);
+      int kslot = wait_k();
+      issue_s(s, kslot);
+      ptx::wgmma_wait<0>();
+      s_landed(s, kslot, 0);
+      softmax(s, 0, alpha);  // O is zero: nothing to rescale
+      to_p(s, pa);
+      for (int j = 1; j < w.n_blocks; ++j) {
+        kslot = wait_k();
+        issue_s(s, kslot);
+        const int vslot = wait_v();
+        issue_pv(pa, vslot);
+        ptx::wgmma_wait<1>();  // S_j has landed
+        s_landed(s, kslot, j);
+        softmax(s, j, alpha);
+        ptx::wgmma_wait<0>();
+        pv_landed(vslot);
+        rescale_o(alpha);
+        to_p(s, pa);
+      }
+      const int vslot = wait_v();
+      issue_pv(pa, vslot);
+      ptx::wgmma_wait<0>();
+      pv_landed(vslot);
     }
     // epilogue: O / l -> bf16, LSE
 #pragma unroll

@@ -852,6 +852,51 @@ INSTANTIATE_TEST_SUITE_P(Cases, AttentionFwdGpuPaths,
                                   (std::get<1>(i.param) ? "_specials" : "");
                          });
 
+// ---------------------------------------------------------------- CUDA: the tile order
+// Causal and thd launches whose tiles outnumber the CTAs claim them from a counter (dynamic order),
+// others deal them round-robin; MXMLA_ATTN_FWD_ORDER forces either. A tile's arithmetic does not
+// depend on the CTA or the order, so both give the same bits. The dynamic order also with fewer
+// tiles than CTAs (forced), and with many more (a causal launch of 512 tiles, thd with FP8 inputs
+// and their dequantizing warpgroup, which reads the claimed tiles too).
+class AttentionFwdGpuOrder : public ::testing::TestWithParam<ACase> {};
+
+TEST_P(AttentionFwdGpuOrder, StaticAndDynamicAgreeBitwise) {
+  MXMLA_REQUIRE_GPU();
+  const ACase& c = GetParam();
+  Inputs in = make_inputs(c);
+  Result stat, dyn;
+  {
+    test::ScopedEnv e("MXMLA_ATTN_FWD_ORDER", "static");
+    stat = run_gpu(c, in);
+  }
+  {
+    test::ScopedEnv e("MXMLA_ATTN_FWD_ORDER", "dynamic");
+    dyn = run_gpu(c, in);
+  }
+  ASSERT_EQ(stat.o.size(), dyn.o.size());
+  EXPECT_EQ(std::memcmp(stat.o.data(), dyn.o.data(), stat.o.size() * 2), 0) << "O differs between the orders";
+  EXPECT_EQ(std::memcmp(stat.lse.data(), dyn.lse.data(), stat.lse.size() * 4), 0) << "LSE differs between the orders";
+}
+
+std::vector<ACase> order_cases() {
+  std::vector<ACase> v;
+  for (const ACase& c : gpu_cases())
+    if ((c.causal || c.thd()) && c.Sq * c.Skv * c.H <= 3000000) v.push_back(c);
+  ACase big;  // 2 x 16 heads x 16 query blocks = 512 tiles
+  big.B = 2, big.H = big.Hkv = 16, big.Sq = big.Skv = 2048, big.Dqk = 192, big.Dv = 128, big.causal = true;
+  big.qf = big.kvf = AttnFormat::kBSHD, big.seed = 7;
+  v.push_back(big);
+  ACase thd = big;  // FP8 thd: the fused path (dequantizer warpgroup), 8 sequences of 1..1500 tokens
+  thd.qf = thd.kvf = AttnFormat::kTHD, thd.in = In::kTokens, thd.H = thd.Hkv = 8;
+  thd.lq = {1500, 3, 700, 0, 1024, 129, 900, 1};
+  thd.lkv = thd.lq;
+  thd.B = static_cast<int64_t>(thd.lq.size()), thd.seed = 8;
+  v.push_back(thd);
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Cases, AttentionFwdGpuOrder, ::testing::ValuesIn(order_cases()),
+                         [](const ::testing::TestParamInfo<ACase>& i) { return std::to_string(i.index) + "_" + i.param.name(); });
+
 // ---------------------------------------------------------------- errors
 void expect_error(const std::function<void()>& fn, const std::string& arg, const std::string& rule) {
   test::expect_error("mxmla.attention", fn, arg, rule);

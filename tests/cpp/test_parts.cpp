@@ -117,6 +117,25 @@ TEST(Heuristics, EnvForced) {
   unsetenv(name);
 }
 
+// The attention forward's tile order: dynamic for tiles of different lengths (causal, thd) that
+// outnumber the CTAs; MXMLA_ATTN_FWD_ORDER forces either.
+TEST(Heuristics, AttnFwdDynamicOrder) {
+  using namespace detail::heuristics;
+  const char* name = "MXMLA_ATTN_FWD_ORDER";
+  unsetenv(name);
+  EXPECT_TRUE(attn_fwd_dynamic_order(true, false, 4096, 132));    // DeepSeek-V3 causal, s 4096
+  EXPECT_TRUE(attn_fwd_dynamic_order(false, true, 4096, 132));    // packed sequences
+  EXPECT_FALSE(attn_fwd_dynamic_order(false, false, 4096, 132));  // every tile the same length
+  EXPECT_FALSE(attn_fwd_dynamic_order(true, false, 100, 100));    // one tile per CTA
+  setenv(name, "dynamic", 1);
+  EXPECT_TRUE(attn_fwd_dynamic_order(false, false, 1, 1));
+  setenv(name, "static", 1);
+  EXPECT_FALSE(attn_fwd_dynamic_order(true, true, 4096, 132));
+  setenv(name, "other", 1);
+  EXPECT_TRUE(attn_fwd_dynamic_order(true, false, 4096, 132));
+  unsetenv(name);
+}
+
 // The attention backward's groups of KV heads: the bf16 copies of one group within 512 MiB.
 TEST(Heuristics, AttnBwdHeadGroups) {
   using namespace detail::heuristics;

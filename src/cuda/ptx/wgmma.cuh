@@ -37,6 +37,10 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_sw128(const void* smem) {
   return ((addr & 0x3FFFFull) >> 4) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
+// A descriptor from its two words (the high word, constant in a loop, stays put while the low
+// word, the start address, moves: 32-bit arithmetic).
+__device__ __forceinline__ uint64_t desc_pack(uint32_t lo, uint32_t hi) { return (uint64_t{hi} << 32) | lo; }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
