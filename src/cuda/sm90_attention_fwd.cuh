@@ -270,18 +270,16 @@ struct TileFeed {
   Smem& sm;
   const Params& p;
   uint32_t n = 0;
-  // A reading warp's next tile: lane 0 waits, reads and releases the slot, the warp gets its value.
-  __device__ __forceinline__ int next(int t, int lane) {
+  // A reading thread's next tile: it waits for the slot, reads it and releases it (every reading
+  // thread arrives on `empty`).
+  __device__ __forceinline__ int next(int t) {
     if (p.tile_counter == nullptr) return t < 0 ? static_cast<int>(blockIdx.x) : t + static_cast<int>(gridDim.x);
     const int slot = n & 1;
-    int r = 0;
-    if (lane == 0) {
-      sm.feed[slot].consumer_wait(n >> 1);
-      r = *reinterpret_cast<volatile const int*>(&sm.feed_tile[slot]);
-      sm.feed[slot].consumer_release();
-    }
+    sm.feed[slot].consumer_wait(n >> 1);
+    const int r = *reinterpret_cast<volatile const int*>(&sm.feed_tile[slot]);
+    sm.feed[slot].consumer_release();
     ++n;
-    return __shfl_sync(0xffffffffu, r, 0);
+    return r;
   }
   // The producer: publish tile t (dynamic order).
   __device__ __forceinline__ void publish(int t) {
@@ -314,7 +312,7 @@ __global__ void __launch_bounds__(512, 1)
       sm.v_tile[i].init(filled_by, 8);
     }
     sm.q_tile.init(filled_by, 8);
-    for (int i = 0; i < 2; ++i) sm.feed[i].init(1, p.fp8 ? 12 : 8);  // consumer (+ dequantizer) warps
+    for (int i = 0; i < 2; ++i) sm.feed[i].init(1, p.fp8 ? 384 : 256);  // consumer (+ dequantizer) threads
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -382,7 +380,7 @@ __global__ void __launch_bounds__(512, 1)
     const int row = threadIdx.x - 128, lane = threadIdx.x % 32;
     uint32_t n_fp8 = 0, n_q = 0, n_k = 0, n_v = 0;
     TileFeed<typename K::Smem> feed{sm, p};
-    for (int t = feed.next(-1, lane); t < p.num_tiles; t = feed.next(t, lane)) {
+    for (int t = feed.next(-1); t < p.num_tiles; t = feed.next(t)) {
       const Tile w = tile_at(p, t);
       if (!w.valid || w.n_blocks == 0) continue;
       {  // Q
@@ -496,7 +494,7 @@ __global__ void __launch_bounds__(512, 1)
   const bool pos_scale = p.scale_log2 > 0.f;
   const float c = pos_scale ? p.scale_log2 : 1.f;
   TileFeed<typename K::Smem> feed{sm, p};
-  for (int t = feed.next(-1, lane); t < p.num_tiles; t = feed.next(t, lane)) {
+  for (int t = feed.next(-1); t < p.num_tiles; t = feed.next(t)) {
     const Tile w = tile_at(p, t);
     if (!w.valid) continue;
     float o[kDv / 2];
