@@ -263,8 +263,8 @@ __device__ __forceinline__ uint32_t p_e4m3_bf16x2(float lo, float hi) {
 // its next tile from the launch's counter (G + the counter's old value: the first tile is b), so
 // that a CTA that drew short tiles takes more; it hands each tile index (num_tiles or more: done)
 // to the other roles through a two-slot ring. A causal launch's tiles differ in length by up to
-// s / 128 times: the static order left the CTAs' loads 26 % apart at s 2048 (the longest over the
-// mean), the dynamic one 2 %.
+// s / 128 times: counted in key blocks, the static order gives the busiest CTA 26 % more than the
+// mean at s 2048 (h 128), a greedy dynamic one 2 %.
 template <class Smem>
 struct TileFeed {
   Smem& sm;
