@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <string>
+#include <cstring>
 
 namespace mxmla::detail::heuristics {
 
@@ -27,8 +27,8 @@ inline int64_t env_forced(const char* name, int64_t max) {
 // call) forces one (A/B runs, tests).
 inline bool attn_fwd_dynamic_order(bool causal, bool varlen, int64_t tiles, int64_t grid) {
   const char* e = std::getenv("MXMLA_ATTN_FWD_ORDER");
-  if (e != nullptr && std::string(e) == "static") return false;
-  if (e != nullptr && std::string(e) == "dynamic") return true;
+  if (e != nullptr && std::strcmp(e, "static") == 0) return false;
+  if (e != nullptr && std::strcmp(e, "dynamic") == 0) return true;
   return (causal || varlen) && tiles > grid;
 }
 

@@ -890,7 +890,7 @@ std::vector<ACase> order_cases() {
   thd.qf = thd.kvf = AttnFormat::kTHD, thd.in = In::kTokens, thd.H = thd.Hkv = 8;
   thd.lq = {1500, 3, 700, 0, 1024, 129, 900, 1};
   thd.lkv = thd.lq;
-  thd.B = static_cast<int64_t>(thd.lq.size()), thd.seed = 8;
+  thd.seed = 8;  // (B: the number of sequences, from lq)
   v.push_back(thd);
   return v;
 }
