@@ -9,7 +9,9 @@ bf16 [16384, 128, 192] thd (fp32 YaRN tables, out of place), rope_backward_quant
 the fused Q up-projection at T x NH = 16384 x 128, 4096 x 128, 16384 x 16 (K 1536); with --only
 attnbwd (not in the default set) the attention backward at DeepSeek-V3 dims (b 1, h 128, 192 / 128,
 causal, bshd, s 4096 and 8192) on MXFP8 Q, K, V from quantize_attention and on their dequantized
-bf16 tensors (its checksum covers dK and dV: dQ's fp32 sums run in scheduling order).
+bf16 tensors (its checksum covers dK and dV: dQ's fp32 sums run in scheduling order); with --only
+attnfwd the attention forward at the same dims, s 2048 / 4096 / 8192, on the MXFP8 tensors (the
+default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors.
 Usage: PYTHONPATH=<build>/python python3 dev/bench/ab_kernels.py [--iters 30] [--only quant,rope,ropeq,qproj]"""
 from __future__ import annotations
 
@@ -98,6 +100,27 @@ def main() -> int:
                     return mxmla.attention_backward(do, *args, o, lse, causal=True, softmax_scale=scale, **kw)
                 case(name, run, lambda run=run: run()[1:])
             del q, k, v, q8, k8, v8, qb, kb, vb, o, lse, do
+    if "attnfwd" in only:
+        import os
+        scale = mxmla.yarn_softmax_scale()
+        for S in (2048, 4096, 8192):
+            q, k = (torch.randn(1, S, 128, 192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+            v = torch.randn(1, S, 128, 128, device=dev, dtype=torch.bfloat16)
+            q8, k8, v8 = (mxmla.quantize_attention(t, "bshd") for t in (q, k, v))
+            qb, kb, vb = (mxmla.dequantize(t, "bfloat16").view(t.rowwise_data.shape) for t in (q8, k8, v8))
+            del q, k, v
+            runs = [(f"attention fwd mxfp8 {S}", (q8, k8, v8), {}, None),
+                    (f"attention fwd bf16 {S}", (qb, kb, vb), {"layout": "bshd"}, None)]
+            if S == 4096:
+                runs.append((f"attention fwd fused {S}", (q8, k8, v8), {}, "fused"))
+            for name, args, kw, path in runs:
+                def run(args=args, kw=kw):
+                    return mxmla.attention(*args, causal=True, softmax_scale=scale, **kw)
+                if path:
+                    os.environ["MXMLA_ATTN_FWD"] = path
+                case(name, run, lambda run=run: [run()])
+                os.environ.pop("MXMLA_ATTN_FWD", None)
+            del q8, k8, v8, qb, kb, vb
     for r in out:
         print(json.dumps(r))
     return 0

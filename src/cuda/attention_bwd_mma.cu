@@ -505,7 +505,7 @@ bool shape_instantiated(int64_t Dqk, int64_t Dv) {
 }
 
 // The preprocess: every read (Read order) that is FP8, or bf16 without 16-byte alignment, is
-// converted once into bf16 stream-ordered scratch (stage_attn_read; owned by keep[r]) and prm.p's read
+// converted once into bf16 stream-ordered scratch (stage_attn_reads, one launch; owned by keep[r]) and prm.p's read
 // becomes a plain bf16 view of it; a gradient GEMM's read with the score GEMM's values (q_once,
 // k_once, do_once: set before) takes the score read's view. Aligned bf16 reads are read in place.
 // Only the KV heads hk0 .. hk0 + n_kv − 1 (and their query heads) are converted (the views address
@@ -521,20 +521,27 @@ int64_t stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
   seqs.total_q = p.total_q, seqs.total_kv = p.total_kv;
   const int64_t group = p.Hkv > 0 ? p.H / p.Hkv : 1;
   int64_t bytes = 0;
+  StageRequest req[7];
+  AttnRead staged[7];  // bf16 (fp8 = false), no scales
+  bool converted[7] = {};
+  int n = 0;
   for (int r = 0; r < 7; ++r) {
-    if ((r == kQg && prm.q_once) || (r == kKg && prm.k_once) || (r == kDOg && prm.do_once)) {
-      if (convert) *out[r] = *out[r - 1];
-      continue;
-    }
+    if ((r == kQg && prm.q_once) || (r == kKg && prm.k_once) || (r == kDOg && prm.do_once)) continue;
     if (!in[r]->fp8 && attn_read_vec_ok(*in[r])) continue;
     const bool kv = r == kKs || r == kKg || r == kVs;
     const int64_t h0 = kv ? hk0 : hk0 * group, heads = kv ? n_kv : n_kv * group;
     const int64_t d = (r == kVs || r == kDOs || r == kDOg) ? p.Dv : p.Dqk;
     bytes += stage_attn_bytes(seqs, kv, heads, d);
-    if (!convert) continue;
-    AttnRead staged;  // bf16 (fp8 = false), no scales
-    keep[r] = stage_attn_read(kOp, seqs, *in[r], kv, heads, d, s, &staged.view, h0);
-    *out[r] = staged;
+    req[n].src = in[r], req[n].kv = kv, req[n].heads = heads, req[n].d = d, req[n].h0 = h0;
+    req[n].view = &staged[r].view, req[n].keep = &keep[r];
+    converted[r] = true, ++n;
+  }
+  if (!convert) return bytes;
+  stage_attn_reads(kOp, seqs, req, n, s);
+  for (int r = 0; r < 7; ++r) {
+    if ((r == kQg && prm.q_once) || (r == kKg && prm.k_once) || (r == kDOg && prm.do_once))
+      *out[r] = *out[r - 1];  // in Read order: the score read's (converted) view is set before
+    else if (converted[r]) *out[r] = staged[r];
   }
   return bytes;
 }

@@ -1,5 +1,5 @@
-// mxmla — the attention kernels' conversion pass (cuda/attention_stage.h): one thread per 16
-// consecutive values of a token. Arch-neutral (FP8 decode sm_89+, bf16x2 multiply sm_90+).
+// mxmla — the attention kernels' conversion pass (cuda/attention_stage.h): one launch for every
+// read of a call, a thread per 4 chunks of 16 consecutive values of a token. Arch-neutral (FP8 decode sm_89+, bf16x2 multiply sm_90+).
 #include "cuda/attention_stage.h"
 
 #include <cuda_bf16.h>
@@ -16,25 +16,35 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// 16 FP8 codes (byte i = element i) with their scale bytes (byte i of e = element i's) -> 16 bf16,
-// out[i] = elements 2i, 2i+1 (low half: 2i). Fast path: exact bit construction and one bf16
-// multiply; NaN / Inf codes and scales beyond the fast range take the exact fp32 path
-// (sm90::dequant16_exact_store), through the thread's 32-byte shared slot `stage`.
-template <bool kE4M3>
+// 16 FP8 codes (byte i = element i) with their scale bytes (byte i of e = element i's; kUniform:
+// one scale byte e.x for all 16, a rowwise copy's chunk) -> 16 bf16, out[i] = elements 2i, 2i+1
+// (low half: 2i). Fast path: exact bit construction and one bf16 multiply; NaN / Inf codes and
+// scales beyond the fast range take the exact fp32 path (sm90::dequant16_exact_store), through the
+// thread's 32-byte shared slot `stage`.
+template <bool kE4M3, bool kUniform>
 __device__ __forceinline__ void fp8_chunk_words(const uint4& codes, const uint4& e, uint4 (&stage)[2],
                                                 uint32_t (&out)[8]) {
-  const uint32_t ew[4] = {e.x, e.y, e.z, e.w};
   uint32_t f[8];
   bool exact = false;
+  if constexpr (kUniform) {
+    const uint32_t e0 = e.x & 0xFFu, f0 = sm90::fast_factor_bits<kE4M3>(e0);
+    exact = e0 > sm90::Fp8Bf16<kE4M3>::kMaxFastE;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {  // the factors of elements 2i, 2i+1
-    const uint32_t e0 = (ew[i / 2] >> (16 * (i % 2))) & 0xFFu, e1 = (ew[i / 2] >> (16 * (i % 2) + 8)) & 0xFFu;
-    exact |= (e0 > sm90::Fp8Bf16<kE4M3>::kMaxFastE) | (e1 > sm90::Fp8Bf16<kE4M3>::kMaxFastE);
-    f[i] = sm90::fast_factor_bits<kE4M3>(e0) | (sm90::fast_factor_bits<kE4M3>(e1) << 16);
+    for (int i = 0; i < 8; ++i) f[i] = f0 | (f0 << 16);
+  } else {
+    const uint32_t ew[4] = {e.x, e.y, e.z, e.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {  // the factors of elements 2i, 2i+1
+      const uint32_t e0 = (ew[i / 2] >> (16 * (i % 2))) & 0xFFu, e1 = (ew[i / 2] >> (16 * (i % 2) + 8)) & 0xFFu;
+      exact |= (e0 > sm90::Fp8Bf16<kE4M3>::kMaxFastE) | (e1 > sm90::Fp8Bf16<kE4M3>::kMaxFastE);
+      f[i] = sm90::fast_factor_bits<kE4M3>(e0) | (sm90::fast_factor_bits<kE4M3>(e1) << 16);
+    }
   }
   const uint32_t special = sm90::dequant16_fast<kE4M3>(codes, f, out);
   if (exact || special != 0) {
-    sm90::dequant16_exact_store<kE4M3>(codes, e, ptx::smem_u32(&stage[0]), ptx::smem_u32(&stage[1]));
+    const uint4 ee = kUniform ? make_uint4(e.x * 0x01010101u, e.x * 0x01010101u, e.x * 0x01010101u, e.x * 0x01010101u)
+                              : e;
+    sm90::dequant16_exact_store<kE4M3>(codes, ee, ptx::smem_u32(&stage[0]), ptx::smem_u32(&stage[1]));
     const uint4 lo = stage[0], hi = stage[1];  // this thread's own stores (the call clobbers memory)
     out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
     out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
@@ -78,89 +88,157 @@ __device__ __forceinline__ int64_t scale_row(const AttnScaleView& sc, int64_t b,
   return tok * sc.row_s + b * sc.row_b + h * sc.row_h + sc.row0;
 }
 
-// The 16 values' scale bytes (byte i of e = value i's), through the geometry elem() uses (d0 is a
-// multiple of 16: host-checked): a rowwise copy's 16 values lie in one 32-column block of the row;
-// a columnwise copy has a block per column (32 rows of it): 16 bytes through one cursor (BHSD:
-// inside d0's head).
-__device__ __forceinline__ uint4 chunk_scales(const AttnRead& r, int64_t b, int64_t h, int64_t row, int64_t d0) {
+// The scale cursors of a thread block's chunks (one sequence b and head h: elem()'s geometry), made
+// once per block so that no thread divides per value: chunk c's values (columns col = b·col_b +
+// h·col_h + 16c .. + 15; host-checked: col_b, col_h multiples of 16, of D for BHSD) lie in one
+// 32-column block of a rowwise copy (its cursor is indexed by the scale row); a columnwise copy's
+// cursor is that of row block 0 and column col (shift_rows moves it to row block rb; its 16
+// columns' bytes lie `step` apart: swizzled and BHSD layouts keep 16 columns of a 32-aligned group
+// 16 bytes apart, compact ones 1).
+constexpr int kMaxChunks = 32;  // d <= 512 (host-checked)
+__device__ __forceinline__ ScaleCursor chunk_cursor(const AttnRead& r, int64_t b, int64_t h, int c) {
   const AttnScaleView& sc = r.sc;
-  const int64_t bi = b * sc.bi_b, col = b * sc.col_b + h * sc.col_h + d0;
-  if (r.rowwise) {
-    const uint32_t s = ptx::ld_global_nc_u8(sc.ptr + row_scale_offset(sc.map, bi, row, col / 32)) * 0x01010101u;
-    return make_uint4(s, s, s, s);
-  }
-  const ScaleCursor cur = col_cursor(sc.map, bi, row / 32, col);
+  const int64_t bi = b * sc.bi_b, col = b * sc.col_b + h * sc.col_h + 16 * c;
+  return r.rowwise ? row_cursor(sc.map, bi, col / 32) : col_cursor(sc.map, bi, 0, col);
+}
+__device__ __forceinline__ int64_t col_scale_base(const ScaleCursor& c0, int64_t cols, int64_t rb) {
+  ScaleCursor c = c0;  // row block rb: compact bases step by a block row of bytes, swizzled ones by j
+  if (c.compact) c.base += rb * cols;
+  else c.j += rb;
+  return cursor_offset(c, 0);
+}
+__device__ __forceinline__ uint4 col_scales(const uint8_t* ptr, const ScaleCursor& c0, int64_t cols, int64_t rb) {
+  const uint8_t* p = ptr + col_scale_base(c0, cols, rb);
+  const int64_t step = c0.compact ? c0.stride : 16;
   uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int k = 0; k < 16; ++k)
-    w[k / 4] |= static_cast<uint32_t>(ptx::ld_global_nc_u8(sc.ptr + cursor_offset(cur, k))) << (8 * (k % 4));
+  for (int k = 0; k < 16; ++k) w[k / 4] |= static_cast<uint32_t>(ptx::ld_global_nc_u8(p + k * step)) << (8 * (k % 4));
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+template <bool kUniform>
 __device__ __forceinline__ void fp8_words(const AttnRead& r, const uint4& codes, const uint4& e, uint4 (&stage)[2],
                                           uint32_t (&out)[8]) {
   if (r.fmt == Fp8Format::kE4M3)
-    fp8_chunk_words<true>(codes, e, stage, out);
+    fp8_chunk_words<true, kUniform>(codes, e, stage, out);
   else
-    fp8_chunk_words<false>(codes, e, stage, out);
+    fp8_chunk_words<false, kUniform>(codes, e, stage, out);
 }
 
 // One conversion: src -> dst (values of (b, h, tok, d) at dst + b·st_b + tok·st_s + h·st_h + d;
-// tok packed, as the kernels address it).
+// tok packed, as the kernels address it), over blocks [x0, x0 + blocks·heads) of the launch.
 struct StageJob {
   AttnRead src;
   bool vec;            // src's 16-byte loads (attn_read_vec_ok)
   bool kv;             // a key-side read (cu_kv, Skv) or a query-side one (cu_q, Sq)
-  int32_t d;           // values per token and head (a multiple of 16)
-  int64_t h0;          // the first head converted (blockIdx.y = head − h0)
+  int32_t d;           // values per token and head (a multiple of 16, at most 16·kMaxChunks)
+  int64_t h0;          // the first head converted
+  int64_t blocks;      // thread blocks per head (and sequence)
+  int64_t x0;          // the job's first block (blockIdx.x)
   uint16_t* dst;       // addressed with src's head indices: the scratch lies h0 heads in
   AttnTensorView view;  // dst's strides (view.data = dst)
 };
-static_assert(sizeof(StageSeqs) + sizeof(StageJob) <= 4000, "kernel parameter space");
+// Every conversion of one call in one launch (the forward's Q, K, V; a backward group's reads).
+constexpr int kMaxJobs = 7;
+struct StageJobs {
+  StageJob job[kMaxJobs];
+  int n;
+};
+static_assert(sizeof(StageSeqs) + sizeof(StageJobs) <= 4000, "kernel parameter space");
 
-// Tokens a thread converts: 1, or kColRows consecutive ones for a columnwise FP8 copy (their
-// scale bytes, 16 loads, fetched once per 32-row block instead of once per token).
-constexpr int kColRows = 4;
-__host__ __device__ __forceinline__ int rows_per_thread(const AttnRead& r) { return r.fp8 && !r.rowwise ? kColRows : 1; }
+// Chunks a thread converts, their loads issued together: kItems consecutive tokens of one chunk
+// for a columnwise FP8 copy (their scale bytes, 16 loads, fetched once: the tokens lie in one
+// 32-row block but where thd's packing starts a block among them), else kItems chunks one block's
+// width apart.
+constexpr int kItems = 4;
+// Thread blocks a head (and sequence) takes: S tokens of `chunks` chunks (host-checked:
+// S·chunks < 2^31, so that a thread's index within the head is a 32-bit number).
+__host__ __device__ __forceinline__ int64_t stage_blocks(const AttnRead& r, int64_t S, int64_t chunks) {
+  if (r.fp8 && !r.rowwise) return ((S + kItems - 1) / kItems * chunks + kThreads - 1) / kThreads;
+  return (S * chunks + int64_t{kThreads} * kItems - 1) / (int64_t{kThreads} * kItems);
+}
 
-// grid (ceil(ceil(S / rows) · d / 16 / kThreads), heads, B), rows = rows_per_thread: a thread
-// converts one 16-value chunk c (values 16c .. 16c + 15) of `rows` consecutive tokens of sequence
-// b, head h = h0 + blockIdx.y; consecutive threads take consecutive chunks of a token, then the
-// next token group (coalesced 16-byte stores). Tokens past the sequence's end are left alone (the kernels read only
-// the valid ones, or mask them).
+// grid (Σ jobs blocks·heads, 1, B): block x belongs to the job j with x0 <= x < x0 + blocks·heads,
+// head h = h0 + (x - x0) / blocks. A thread converts kItems 16-value chunks (values 16c .. 16c + 15
+// of a token) of sequence b, head h: for a columnwise FP8 copy chunk c of kItems consecutive
+// tokens, else the chunks x, x + kThreads, … of the block's kThreads·kItems (consecutive threads:
+// consecutive chunks of a token, then the next token; coalesced). Tokens past the sequence's end
+// are left alone (the kernels read only the valid ones, or mask them).
 __global__ void __launch_bounds__(kThreads) attn_stage(const __grid_constant__ StageSeqs g,
-                                                       const __grid_constant__ StageJob job) {
+                                                       const __grid_constant__ StageJobs jobs) {
   __shared__ uint4 stage[kThreads][2];  // the exact path's 32 bytes a thread
-  const int64_t b = blockIdx.z, h = job.h0 + blockIdx.y;
+  __shared__ ScaleCursor cursor[kMaxChunks];
+  int j = 0;
+  while (j + 1 < jobs.n && int64_t{blockIdx.x} >= jobs.job[j + 1].x0) ++j;
+  const StageJob& job = jobs.job[j];
+  const int64_t local = int64_t{blockIdx.x} - job.x0;
+  const int64_t b = blockIdx.z, h = job.h0 + local / job.blocks;
+  const uint32_t blk = static_cast<uint32_t>(local % job.blocks);
   int64_t len = job.kv ? g.Skv : g.Sq, t0 = 0;
   if (g.thd) {
     const int32_t* cu = job.kv ? g.cu_kv : g.cu_q;
     t0 = cu[b], len = cu[b + 1] - t0;
   }
   const AttnRead& r = job.src;
-  const int chunks = job.d / 16, rows = rows_per_thread(r);
-  const int64_t x = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  const int64_t i0 = x / chunks * rows;
-  const int64_t d0 = int64_t{16} * (x % chunks);
-  int64_t cached = -1;  // the scale row (rowwise) or 32-row block (columnwise) whose bytes e holds
-  uint4 e = make_uint4(0, 0, 0, 0);
-  for (int ii = 0; ii < rows; ++ii) {
-    const int64_t i = i0 + ii;
-    if (i >= len) return;
-    const int64_t tok = t0 + i;
-    const int64_t off = value_offset(r, b, h, tok, d0);
-    uint32_t w[8];
-    if (!r.fp8) {
-      bf16_words(r, job.vec, off, w);
-    } else {
-      const uint4 codes = fp8_codes(r, job.vec, off);
-      const int64_t row = scale_row(r.sc, b, h, tok), key = r.rowwise ? row : row / 32;
-      if (key != cached) e = chunk_scales(r, b, h, row, d0), cached = key;
-      fp8_words(r, codes, e, stage[threadIdx.x], w);
+  const uint32_t chunks = static_cast<uint32_t>(job.d / 16);
+  const bool col = r.fp8 && !r.rowwise;
+  if (r.fp8) {
+    if (threadIdx.x < chunks) cursor[threadIdx.x] = chunk_cursor(r, b, h, static_cast<int>(threadIdx.x));
+    __syncthreads();
+  }
+  int64_t tok[kItems];
+  uint32_t c[kItems];
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const uint32_t x = col ? blk * kThreads + threadIdx.x : (blk * kItems + k) * kThreads + threadIdx.x;
+    tok[k] = col ? int64_t{x / chunks} * kItems + k : int64_t{x / chunks};
+    c[k] = x % chunks;
+  }
+  // tok[k] < len: item k is valid (columnwise: a prefix of the items)
+  uint16_t* const dst = job.dst + b * job.view.st_b + h * job.view.st_h;
+  if (!r.fp8) {
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      if (tok[k] >= len) continue;
+      uint32_t w[8];
+      bf16_words(r, job.vec, value_offset(r, b, h, t0 + tok[k], 16 * c[k]), w);
+      uint4* o = reinterpret_cast<uint4*>(dst + (t0 + tok[k]) * job.view.st_s + 16 * c[k]);
+      o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+      o[1] = make_uint4(w[4], w[5], w[6], w[7]);
     }
-    uint4* dst = reinterpret_cast<uint4*>(job.dst + b * job.view.st_b + tok * job.view.st_s + h * job.view.st_h + d0);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    return;
+  }
+  uint4 codes[kItems], ec = make_uint4(0, 0, 0, 0);
+  uint32_t sb[kItems];  // rowwise: each item's scale byte
+  int64_t cached = -1;  // columnwise: the 32-row block whose bytes ec holds
+#pragma unroll
+  for (int k = 0; k < kItems; ++k)  // every load first
+    if (tok[k] < len) codes[k] = fp8_codes(r, job.vec, value_offset(r, b, h, t0 + tok[k], 16 * c[k]));
+  if (col) {
+    if (tok[0] < len) {
+      const int64_t rb = scale_row(r.sc, b, h, t0 + tok[0]) / 32;
+      ec = col_scales(r.sc.ptr, cursor[c[0]], r.sc.map.cols, rb), cached = rb;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kItems; ++k)
+      if (tok[k] < len)
+        sb[k] = ptx::ld_global_nc_u8(r.sc.ptr + cursor_offset(cursor[c[k]], scale_row(r.sc, b, h, t0 + tok[k])));
+  }
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    if (tok[k] >= len) continue;
+    uint32_t w[8];
+    if (col) {
+      const int64_t rb = scale_row(r.sc, b, h, t0 + tok[k]) / 32;
+      if (rb != cached) ec = col_scales(r.sc.ptr, cursor[c[k]], r.sc.map.cols, rb), cached = rb;
+      fp8_words<false>(r, codes[k], ec, stage[threadIdx.x], w);
+    } else {
+      fp8_words<true>(r, codes[k], make_uint4(sb[k], 0, 0, 0), stage[threadIdx.x], w);
+    }
+    uint4* o = reinterpret_cast<uint4*>(dst + (t0 + tok[k]) * job.view.st_s + 16 * c[k]);
+    o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    o[1] = make_uint4(w[4], w[5], w[6], w[7]);
   }
 }
 
@@ -187,35 +265,47 @@ int64_t stage_attn_bytes(const StageSeqs& g, bool kv, int64_t heads, int64_t d) 
   return (g.thd ? 1 : g.B) * heads * tokens * d * 2;
 }
 
-std::unique_ptr<StreamScratch> stage_attn_read(const char* op, const StageSeqs& g, const AttnRead& r, bool kv,
-                                               int64_t heads, int64_t d, cudaStream_t s, AttnTensorView* view,
-                                               int64_t h0) {
-  const int64_t S = kv ? g.Skv : g.Sq, tokens = g.thd ? (kv ? g.total_kv : g.total_q) : S;
-  // [B][heads][S][d], thd [heads][total tokens][d]
-  auto keep = std::make_unique<StreamScratch>(stage_attn_bytes(g, kv, heads, d), s);
-  StageJob job;
-  job.src = r;
-  job.vec = attn_read_vec_ok(r);
-  job.kv = kv;
-  job.d = static_cast<int32_t>(d);
-  job.h0 = h0;
-  job.view.st_b = g.thd ? 0 : heads * tokens * d;
-  job.view.st_s = d;
-  job.view.st_h = tokens * d;
-  // head h of r at scratch + (h − h0)·st_h (integer arithmetic: the pointer may lie before the scratch)
-  job.dst = reinterpret_cast<uint16_t*>(reinterpret_cast<uintptr_t>(keep->ptr) -
-                                        static_cast<uintptr_t>(h0 * job.view.st_h * 2));
-  job.view.data = job.dst;
-  const int64_t rows = rows_per_thread(r);
-  const int64_t blocks = ((S + rows - 1) / rows * (d / 16) + kThreads - 1) / kThreads;
-  if (blocks > 0 && heads > 0 && g.B > 0) {
-    attn_stage<<<dim3(grid_dim(op, blocks, true, "rows"), grid_dim(op, heads, false, "heads"),
-                      grid_dim(op, g.B, false, "sequences")),
-                 kThreads, 0, s>>>(g, job);
+void stage_attn_reads(const char* op, const StageSeqs& g, const StageRequest* reqs, int n, cudaStream_t s) {
+  if (n < 0 || n > kMaxJobs) throw Error(op, "q", "internal: more reads to convert than one launch takes");
+  StageJobs jobs{};
+  jobs.n = 0;
+  int64_t x = 0;
+  for (int k = 0; k < n; ++k) {
+    const StageRequest& q = reqs[k];
+    const AttnRead& r = *q.src;
+    const int64_t S = q.kv ? g.Skv : g.Sq, tokens = g.thd ? (q.kv ? g.total_kv : g.total_q) : S;
+    if (q.d % 16 != 0 || q.d > 16 * kMaxChunks)
+      throw Error(op, "q", "the conversion pass needs head dims that are multiples of 16, at most " +
+                               std::to_string(16 * kMaxChunks) + ", got " + std::to_string(q.d));
+    if (S * (q.d / 16) >= (int64_t{1} << 31))
+      throw Error(op, "q", "has too many tokens a sequence for the conversion pass (" + std::to_string(S) + ")");
+    // [B][heads][S][d], thd [heads][total tokens][d]
+    *q.keep = std::make_unique<StreamScratch>(stage_attn_bytes(g, q.kv, q.heads, q.d), s);
+    StageJob job;
+    job.src = r;
+    job.vec = attn_read_vec_ok(r);
+    job.kv = q.kv;
+    job.d = static_cast<int32_t>(q.d);
+    job.h0 = q.h0;
+    job.view.st_b = g.thd ? 0 : q.heads * tokens * q.d;
+    job.view.st_s = q.d;
+    job.view.st_h = tokens * q.d;
+    // head h of r at scratch + (h − h0)·st_h (integer arithmetic: the pointer may lie before the scratch)
+    job.dst = reinterpret_cast<uint16_t*>(reinterpret_cast<uintptr_t>((*q.keep)->ptr) -
+                                          static_cast<uintptr_t>(q.h0 * job.view.st_h * 2));
+    job.view.data = job.dst;
+    *q.view = job.view;
+    job.blocks = stage_blocks(r, S, q.d / 16);
+    job.x0 = x;
+    if (job.blocks <= 0 || q.heads <= 0) continue;
+    x += job.blocks * q.heads;
+    jobs.job[jobs.n++] = job;
+  }
+  if (jobs.n > 0 && g.B > 0) {
+    attn_stage<<<dim3(grid_dim(op, x, true, "rows"), 1, grid_dim(op, g.B, false, "sequences")), kThreads, 0, s>>>(
+        g, jobs);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
-  *view = job.view;
-  return keep;
 }
 
 }  // namespace mxmla::detail

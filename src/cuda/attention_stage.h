@@ -44,14 +44,21 @@ struct StageSeqs {
 bool attn_read_vec_ok(const AttnRead& r);
 bool attn_read_chunk_scales_ok(const AttnRead& r);
 
-// Queues the conversion of read r (kv: a key-side read, cu_kv / Skv; else cu_q / Sq) of `heads`
-// heads from head h0 (h0 .. h0 + heads − 1 of r) and d values a token (a multiple of 16) on stream
-// s; returns the scratch (freed on the stream when it goes) and sets *view to the copy's bf16 view,
-// addressed with r's head indices (its data pointer lies h0 heads before the scratch; only heads
-// h0 .. h0 + heads − 1 may be read through it). op names the caller in errors.
-std::unique_ptr<StreamScratch> stage_attn_read(const char* op, const StageSeqs& g, const AttnRead& r, bool kv,
-                                               int64_t heads, int64_t d, cudaStream_t s, AttnTensorView* view,
-                                               int64_t h0 = 0);
+// One read to convert: `src` (kv: a key-side read, cu_kv / Skv; else cu_q / Sq), `heads` heads from
+// head h0 (h0 .. h0 + heads − 1 of src), d values a token (a multiple of 16). The conversion sets
+// *view to the copy's bf16 view, addressed with src's head indices (its data pointer lies h0 heads
+// before the scratch; only heads h0 .. h0 + heads − 1 may be read through it), and *keep to the
+// scratch (freed on the stream when it goes).
+struct StageRequest {
+  const AttnRead* src = nullptr;
+  bool kv = false;
+  int64_t heads = 0, d = 0, h0 = 0;
+  AttnTensorView* view = nullptr;
+  std::unique_ptr<StreamScratch>* keep = nullptr;
+};
+// Queues the conversions of reqs[0 .. n) (n <= 7) on stream s, in one kernel launch. op names the
+// caller in errors.
+void stage_attn_reads(const char* op, const StageSeqs& g, const StageRequest* reqs, int n, cudaStream_t s);
 // The bytes of that copy: 2 per value of B (thd: 1) x heads x tokens (kv ? Skv or total_kv : Sq or
 // total_q) x d.
 int64_t stage_attn_bytes(const StageSeqs& g, bool kv, int64_t heads, int64_t d);

@@ -160,8 +160,12 @@ void attention_fwd_cuda(const AttentionProblem& p, Stream stream) {
   AttentionProblem b = p;                  // the same problem on the bf16 copies
   b.fp8 = false, b.fmt = Fp8Format::kE4M3, b.q_sc = b.k_sc = b.v_sc = AttnScaleView{};
   AttnTensorView* out[] = {&b.q, &b.k, &b.v};
-  for (int i = 0; i < 3; ++i)
-    keep[i] = stage_attn_read(kOp, g, r[i], i > 0, i == 0 ? p.H : p.Hkv, i == 2 ? p.Dv : p.Dqk, s, out[i]);
+  StageRequest req[3];
+  for (int i = 0; i < 3; ++i) {
+    req[i].src = &r[i], req[i].kv = i > 0, req[i].heads = i == 0 ? p.H : p.Hkv, req[i].d = i == 2 ? p.Dv : p.Dqk;
+    req[i].view = out[i], req[i].keep = &keep[i];
+  }
+  stage_attn_reads(kOp, g, req, 3, s);
   run(b, s);
 }
 
