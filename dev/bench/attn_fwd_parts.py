@@ -28,20 +28,25 @@ def kernel_times(fn, iters, flush):
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    per = defaultdict(list)
+    per = defaultdict(list)  # name, or "name #k" for its k-th launch in a call (k > 1)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(iters):
             flush.fill_(i & 0xFF)
             torch.cuda._sleep(2_000_000)
             fn()
         torch.cuda.synchronize()
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+    seen = defaultdict(int)  # launches of each kernel since the call began (a spin kernel starts each)
+    for ev in sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start):
         name = ev.name
-        if "fill" in name or "sleep" in name.lower() or "elementwise_kernel" in name:
+        if "fill" in name or "elementwise_kernel" in name:
             continue
-        per[name].append(ev.device_time / 1000.0 if hasattr(ev, "device_time") else ev.cuda_time / 1000.0)
+        if "spin_kernel" in name or "sleep" in name.lower():
+            seen.clear()
+            continue
+        seen[name] += 1
+        key = name if seen[name] == 1 else f"{name} #{seen[name]}"
+        per[key].append(ev.device_time / 1000.0 if hasattr(ev, "device_time") else ev.cuda_time / 1000.0)
     return per
 
 

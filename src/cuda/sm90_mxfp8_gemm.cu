@@ -47,27 +47,34 @@ namespace {
 constexpr const char* kOp = "mxmla.gemm";
 
 // dst [R, Kp] (K contiguous, zero beyond K) from src: [R, K] row-major (!trans) or [K, R] (trans),
-// row stride ld. 32 x 32 byte tiles through shared memory. run_if: null, or the design flag (the
-// copy only design B reads: returns at once while the flag is clear).
+// row stride ld. 32 x 32 byte tiles through shared memory, a block taking tiles blockIdx.x,
+// blockIdx.x + gridDim.x, … (a grid of at most kRepackBlocks: a launch the flag turns away costs
+// little). run_if: null, or the design flag (the copy only design B reads: returns at once while
+// the flag is clear).
+constexpr int64_t kRepackBlocks = 2048;
 __global__ void __launch_bounds__(256) repack_kmajor(const uint8_t* __restrict__ src, int64_t ld, bool trans,
                                                      uint8_t* __restrict__ dst, int64_t R, int64_t K, int64_t Kp,
                                                      const uint32_t* run_if) {
   if (run_if != nullptr && *run_if == 0) return;
   __shared__ uint8_t t[32][33];
-  const int64_t r0 = int64_t{blockIdx.y} * 32, k0 = int64_t{blockIdx.x} * 32;
-  for (int i = threadIdx.y; i < 32; i += 8) {  // load: rows of the source
-    if (trans) {
-      const int64_t k = k0 + i, r = r0 + threadIdx.x;
-      t[i][threadIdx.x] = (k < K && r < R) ? src[k * ld + r] : uint8_t{0};
-    } else {
-      const int64_t r = r0 + i, k = k0 + threadIdx.x;
-      t[threadIdx.x][i] = (k < K && r < R) ? src[r * ld + k] : uint8_t{0};
+  const int64_t tiles_k = (Kp + 31) / 32, tiles = tiles_k * ((R + 31) / 32);
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t r0 = tile / tiles_k * 32, k0 = tile % tiles_k * 32;
+    __syncthreads();  // the previous tile's reads of t
+    for (int i = threadIdx.y; i < 32; i += 8) {  // load: rows of the source
+      if (trans) {
+        const int64_t k = k0 + i, r = r0 + threadIdx.x;
+        t[i][threadIdx.x] = (k < K && r < R) ? src[k * ld + r] : uint8_t{0};
+      } else {
+        const int64_t r = r0 + i, k = k0 + threadIdx.x;
+        t[threadIdx.x][i] = (k < K && r < R) ? src[r * ld + k] : uint8_t{0};
+      }
     }
-  }
-  __syncthreads();
-  for (int i = threadIdx.y; i < 32; i += 8) {  // store: rows of dst (t[k][r])
-    const int64_t r = r0 + i, k = k0 + threadIdx.x;
-    if (r < R && k < Kp) dst[r * Kp + k] = t[threadIdx.x][i];
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += 8) {  // store: rows of dst (t[k][r])
+      const int64_t r = r0 + i, k = k0 + threadIdx.x;
+      if (r < R && k < Kp) dst[r * Kp + k] = t[threadIdx.x][i];
+    }
   }
 }
 
@@ -83,21 +90,45 @@ __device__ bool block_has_codes(const uint8_t* codes, int64_t ld, bool contract_
 // The swizzled rowwise scales of op(X) = [R, K] (every padded byte written; padding zero) from the
 // operand's scales as stored: rowwise of [R, K] (contract_cols) or columnwise of [K, R]. Sets
 // *small when a block with a non-zero code has a scale byte below min_e (design A cannot hold its
-// values exactly; the launcher's note).
+// values exactly; the launcher's note). A block takes groups of 128 rows x 16 block columns (four
+// 512-byte swizzle tiles, contiguous in dst) through shared memory: reads along the source's
+// contiguous direction (16 block columns of a row, or 128 rows of a block column), 4-byte stores.
+constexpr int64_t kGatherBlocks = 4096;
 __global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__ src, ScaleMap map, bool contract_cols,
                                                      uint8_t* __restrict__ dst, int64_t R, int64_t kb_count,
                                                      int64_t rows_pad, int64_t cols_pad, const uint8_t* __restrict__ codes,
                                                      int64_t ld, int64_t K, uint32_t min_e, uint32_t* small) {
-  const int64_t n = rows_pad * cols_pad;
-  const int64_t tiles_x = cols_pad / 4;
-  for (int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; idx < n; idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = idx / cols_pad, j = idx % cols_pad;
-    uint8_t v = 0;
-    if (i < R && j < kb_count) {
-      v = src[contract_cols ? row_scale_offset(map, 0, i, j) : col_scale_offset(map, 0, j, i)];
-      if (v < min_e && block_has_codes(codes, ld, contract_cols, i, j, K)) atomicOr(small, 1u);
+  __shared__ uint8_t t[128][20];  // [row][block column of the group]
+  const int64_t tiles_x = cols_pad / 4, groups_x = (cols_pad + 15) / 16, groups = rows_pad / 128 * groups_x;
+  const int tid = threadIdx.x;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const int64_t i0 = g / groups_x * 128, j0 = g % groups_x * 16;
+    __syncthreads();  // the previous group's reads of t
+#pragma unroll
+    for (int pass = 0; pass < 8; ++pass) {
+      // rowwise source: 16 threads a row (consecutive block columns); columnwise: 128 a block column
+      const int li = contract_cols ? pass * 16 + tid / 16 : tid % 128;
+      const int lj = contract_cols ? tid % 16 : pass * 2 + tid / 128;
+      const int64_t i = i0 + li, j = j0 + lj;
+      uint8_t v = 0;
+      if (i < R && j < kb_count) {
+        v = src[contract_cols ? row_scale_offset(map, 0, i, j) : col_scale_offset(map, 0, j, i)];
+        if (v < min_e && block_has_codes(codes, ld, contract_cols, i, j, K)) atomicOr(small, 1u);
+      }
+      t[li][lj] = v;
     }
-    dst[swizzle_offset(i, j, tiles_x)] = v;
+    __syncthreads();
+    // word w of the group (512 words): tile q = w / 128 (block columns j0 + 4q .. + 3), at byte
+    // 4·(w % 128) of the tile: swizzle_offset puts row i at (i % 32)·16 + ((i % 128) / 32)·4
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int w = h * 256 + tid, q = w / 128, o = 4 * (w % 128);
+      if (j0 + 4 * q >= cols_pad) continue;
+      const int li = (o % 512) / 16 + 32 * ((o % 16) / 4);
+      const uint32_t word = uint32_t{t[li][4 * q]} | (uint32_t{t[li][4 * q + 1]} << 8) |
+                            (uint32_t{t[li][4 * q + 2]} << 16) | (uint32_t{t[li][4 * q + 3]} << 24);
+      *reinterpret_cast<uint32_t*>(dst + (i0 / 128 * tiles_x + j0 / 4 + q) * 512 + o) = word;
+    }
   }
 }
 
@@ -204,8 +235,8 @@ const uint8_t* gather(const GemmOperandView& v, int64_t R, int64_t K, cudaStream
                       std::unique_ptr<StreamScratch>& scales, uint32_t min_e, uint32_t* small) {
   const int64_t kb = (K + 31) / 32, rows_pad = (R + 127) / 128 * 128, cols_pad = (kb + 3) / 4 * 4;
   scales = std::make_unique<StreamScratch>(rows_pad * cols_pad, s);
-  const int64_t n = rows_pad * cols_pad;
-  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
+  const int64_t groups = rows_pad / 128 * ((cols_pad + 15) / 16);
+  const int blocks = static_cast<int>(std::min<int64_t>(groups, kGatherBlocks));
   gather_scales<<<blocks, 256, 0, s>>>(v.scales, v.map, v.contract_cols, scales->ptr, R, kb, rows_pad, cols_pad,
                                        static_cast<const uint8_t*>(v.data), v.ld, K, min_e, small);
   MXMLA_CUDA_CHECK(cudaGetLastError());
@@ -231,8 +262,8 @@ KMajor kmajor(const GemmOperandView& v, int64_t R, int64_t K, const uint8_t* sca
   if (need_kmajor) {
     codes = std::make_unique<StreamScratch>(R * Kp, s);
     out.codes = codes->ptr;
-    const dim3 grid(static_cast<unsigned>((Kp + 31) / 32), static_cast<unsigned>((R + 31) / 32));
-    repack_kmajor<<<grid, dim3(32, 8), 0, s>>>(static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols,
+    const int64_t tiles = (Kp + 31) / 32 * ((R + 31) / 32);
+    repack_kmajor<<<static_cast<unsigned>(std::min(tiles, kRepackBlocks)), dim3(32, 8), 0, s>>>(static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols,
                                                 codes->ptr, R, K, Kp, run_if);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
