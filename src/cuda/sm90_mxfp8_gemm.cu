@@ -104,18 +104,26 @@ __global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__
   for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
     const int64_t i0 = g / groups_x * 128, j0 = g % groups_x * 16;
     __syncthreads();  // the previous group's reads of t
+    // rowwise source: 16 threads a row (consecutive block columns); columnwise: 128 a block column.
+    // Every load first (the check's atomic would otherwise order them one after the other).
+    uint8_t v[8];
 #pragma unroll
     for (int pass = 0; pass < 8; ++pass) {
-      // rowwise source: 16 threads a row (consecutive block columns); columnwise: 128 a block column
       const int li = contract_cols ? pass * 16 + tid / 16 : tid % 128;
       const int lj = contract_cols ? tid % 16 : pass * 2 + tid / 128;
       const int64_t i = i0 + li, j = j0 + lj;
-      uint8_t v = 0;
-      if (i < R && j < kb_count) {
-        v = src[contract_cols ? row_scale_offset(map, 0, i, j) : col_scale_offset(map, 0, j, i)];
-        if (v < min_e && block_has_codes(codes, ld, contract_cols, i, j, K)) atomicOr(small, 1u);
-      }
-      t[li][lj] = v;
+      v[pass] = (i < R && j < kb_count)
+                    ? src[contract_cols ? row_scale_offset(map, 0, i, j) : col_scale_offset(map, 0, j, i)]
+                    : uint8_t{0};
+    }
+#pragma unroll
+    for (int pass = 0; pass < 8; ++pass) {
+      const int li = contract_cols ? pass * 16 + tid / 16 : tid % 128;
+      const int lj = contract_cols ? tid % 16 : pass * 2 + tid / 128;
+      const int64_t i = i0 + li, j = j0 + lj;
+      if (v[pass] < min_e && i < R && j < kb_count && block_has_codes(codes, ld, contract_cols, i, j, K))
+        atomicOr(small, 1u);
+      t[li][lj] = v[pass];
     }
     __syncthreads();
     // word w of the group (512 words): tile q = w / 128 (block columns j0 + 4q .. + 3), at byte
@@ -179,47 +187,63 @@ __global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ 
 
 // The same copy straight from a columnwise operand's codes X [K, R] (row stride ld; data and ld
 // multiples of 16 bytes), transposed through shared memory: one pass instead of repack_kmajor +
-// dequant_bf16. Block = 64 of K (blockIdx.x) x 64 of R (blockIdx.y), 256 threads: each loads 16
-// codes of one K row (16-byte loads), then converts 16 consecutive K of one R row (two 16-byte
-// stores; a warp writes 8 rows x 128 bytes). Shared tile [64 k][64 r] with the 16-byte column
-// groups XOR-swizzled by (k / 16) % 4, so the reads down a column (4 K groups x 8 rows a warp)
-// fall in distinct banks.
+// dequant_bf16. Block = 128 of K (blockIdx.x) x 64 of R (blockIdx.y), 256 threads: each loads 16
+// codes of two K rows (16-byte loads, both issued before either is used), then converts 16
+// consecutive K of one R row, twice (two 16-byte stores each; a warp writes 8 rows x 128 bytes).
+// Shared tile [128 k][64 r] with the 16-byte column groups XOR-swizzled by (k / 16) % 4, so the
+// reads down a column (4 K groups x 8 rows a warp) fall in distinct banks.
 template <bool kE4M3>
 __global__ void __launch_bounds__(256) dequant_bf16_trans(const uint8_t* __restrict__ codes, int64_t ld,
                                                           const uint8_t* __restrict__ scales, int64_t tiles_x,
                                                           uint32_t* __restrict__ dst, int64_t R, int64_t K, int64_t Kp) {
-  __shared__ __align__(16) uint8_t t[64][80];  // [k][r], 80-byte rows: 20 words, 16 rows = 10 · 32 words
-  const int64_t k0 = int64_t{blockIdx.x} * 64, r0 = int64_t{blockIdx.y} * 64;
+  __shared__ __align__(16) uint8_t t[128][80];  // [k][r], 80-byte rows: 20 words, 16 rows = 10 · 32 words
+  const int64_t k0 = int64_t{blockIdx.x} * 128, r0 = int64_t{blockIdx.y} * 64;
   {
-    const int k = threadIdx.x / 4, q = threadIdx.x % 4;
-    const int64_t gk = k0 + k, gr = r0 + 16 * q;
-    uint32_t w[4] = {0, 0, 0, 0};
-    if (gk < K) {
-      const uint8_t* src = codes + gk * ld + gr;
-      if (gr + 16 <= R) {
-        const uint4 v = *reinterpret_cast<const uint4*>(src);
-        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-      } else {
+    const int q = threadIdx.x % 4;
+    const int64_t gr = r0 + 16 * q;
+    uint32_t w[2][4] = {};
 #pragma unroll
-        for (int i = 0; i < 16; ++i)
-          if (gr + i < R) w[i / 4] |= static_cast<uint32_t>(src[i]) << (8 * (i % 4));
+    for (int h = 0; h < 2; ++h) {
+      const int k = h * 64 + threadIdx.x / 4;
+      const int64_t gk = k0 + k;
+      if (gk < K) {
+        const uint8_t* src = codes + gk * ld + gr;
+        if (gr + 16 <= R) {
+          const uint4 v = *reinterpret_cast<const uint4*>(src);
+          w[h][0] = v.x, w[h][1] = v.y, w[h][2] = v.z, w[h][3] = v.w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 16; ++i)
+            if (gr + i < R) w[h][i / 4] |= static_cast<uint32_t>(src[i]) << (8 * (i % 4));
+        }
       }
     }
-    *reinterpret_cast<uint4*>(&t[k][16 * (q ^ ((k / 16) % 4))]) = make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = h * 64 + threadIdx.x / 4;
+      *reinterpret_cast<uint4*>(&t[k][16 * (q ^ ((k / 16) % 4))]) = make_uint4(w[h][0], w[h][1], w[h][2], w[h][3]);
+    }
   }
   __syncthreads();
-  const int r = threadIdx.x / 4, c = threadIdx.x % 4;  // row r0 + r, values k0 + 16c .. + 15
-  const int64_t gr = r0 + r, kc = k0 + 16 * c;
-  if (gr >= R || kc >= Kp) return;
-  const int col = 16 * ((r / 16) ^ c) + r % 16;  // rows 16c .. 16c + 15: (k / 16) % 4 = c
-  uint32_t w[4] = {0, 0, 0, 0};
+  const int r = threadIdx.x / 4;  // row r0 + r
+  const int64_t gr = r0 + r;
+  if (gr >= R) return;
+  const int col_lo = r % 16;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) w[j / 4] |= static_cast<uint32_t>(t[16 * c + j][col]) << (8 * (j % 4));
-  uint32_t out[8];
-  dequant16<kE4M3>(w, e8m0_factor(scales[swizzle_offset(gr, kc / 32, tiles_x)]), kc, K, out);
-  uint4* d = reinterpret_cast<uint4*>(dst + (gr * Kp + kc) / 2);
-  d[0] = make_uint4(out[0], out[1], out[2], out[3]);
-  d[1] = make_uint4(out[4], out[5], out[6], out[7]);
+  for (int h = 0; h < 2; ++h) {
+    const int c = h * 4 + threadIdx.x % 4;  // values k0 + 16c .. + 15
+    const int64_t kc = k0 + 16 * c;
+    if (kc >= Kp) continue;
+    const int col = 16 * ((r / 16) ^ (c % 4)) + col_lo;  // rows 16c .. 16c + 15: (k / 16) % 4 = c % 4
+    uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) w[j / 4] |= static_cast<uint32_t>(t[16 * c + j][col]) << (8 * (j % 4));
+    uint32_t out[8];
+    dequant16<kE4M3>(w, e8m0_factor(scales[swizzle_offset(gr, kc / 32, tiles_x)]), kc, K, out);
+    uint4* d = reinterpret_cast<uint4*>(dst + (gr * Kp + kc) / 2);
+    d[0] = make_uint4(out[0], out[1], out[2], out[3]);
+    d[1] = make_uint4(out[4], out[5], out[6], out[7]);
+  }
 }
 
 struct KMajor {
@@ -297,7 +321,7 @@ CUtensorMap bf16_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, int rows
   uint32_t* dst = reinterpret_cast<uint32_t*>(keep->ptr);
   const int64_t tiles_x = (K + 127) / 128;
   if (x.cols != nullptr) {
-    const dim3 grid(static_cast<unsigned>((Kp + 63) / 64), static_cast<unsigned>((R + 63) / 64));
+    const dim3 grid(static_cast<unsigned>((Kp + 127) / 128), static_cast<unsigned>((R + 63) / 64));
     if (e4m3)
       dequant_bf16_trans<true><<<grid, 256, 0, s>>>(x.cols, x.cols_ld, x.scales, tiles_x, dst, R, K, Kp);
     else
