@@ -45,10 +45,11 @@ bool attn_read_vec_ok(const AttnRead& r);
 bool attn_read_chunk_scales_ok(const AttnRead& r);
 
 // One read to convert: `src` (kv: a key-side read, cu_kv / Skv; else cu_q / Sq), `heads` heads from
-// head h0 (h0 .. h0 + heads − 1 of src), d values a token (a multiple of 16). The conversion sets
-// *view to the copy's bf16 view, addressed with src's head indices (its data pointer lies h0 heads
-// before the scratch; only heads h0 .. h0 + heads − 1 may be read through it), and *keep to the
-// scratch (freed on the stream when it goes).
+// head h0 (h0 .. h0 + heads − 1 of src), d values a token (a multiple of 16, at most 512, and
+// S·d / 16 below 2^31: else an error naming q). The conversion sets *view to the copy's bf16 view,
+// addressed with src's head indices (its data pointer lies h0 heads before the scratch; only heads
+// h0 .. h0 + heads − 1 may be read through it), and *keep to the scratch (freed on the stream when
+// it goes).
 struct StageRequest {
   const AttnRead* src = nullptr;
   bool kv = false;
