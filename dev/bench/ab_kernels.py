@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from timing import flush_buffer, timer  # noqa: E402  (bench/timing.py, the harness's timer)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from parts import attention_inputs  # noqa: E402
 
 import mxmla  # noqa: E402
 
@@ -88,27 +90,22 @@ def main() -> int:
     if "attnbwd" in only:
         scale = mxmla.yarn_softmax_scale()
         for S in (4096, 8192):
-            q, k = (torch.randn(1, S, 128, 192, device=dev, dtype=torch.bfloat16) for _ in range(2))
-            v = torch.randn(1, S, 128, 128, device=dev, dtype=torch.bfloat16)
-            q8, k8, v8 = (mxmla.quantize_attention(t, "bshd") for t in (q, k, v))
-            o, lse = mxmla.attention(q8, k8, v8, causal=True, softmax_scale=scale, return_lse=True)
-            do = torch.randn_like(o)
-            qb, kb, vb = (mxmla.dequantize(t, "bfloat16").view(t.rowwise_data.shape) for t in (q8, k8, v8))
+            t = attention_inputs(S, dev, backward=True, scale=scale)
+            q8, k8, v8, qb, kb, vb, o, lse, do = (t[n] for n in ("q8", "k8", "v8", "qb", "kb", "vb", "o", "lse", "do"))
+            del t
             for name, args, kw in ((f"attention bwd mxfp8 {S}", (q8, k8, v8), {}),
                                    (f"attention bwd bf16 {S}", (qb, kb, vb), {"layout": "bshd"})):
                 def run(args=args, kw=kw):
                     return mxmla.attention_backward(do, *args, o, lse, causal=True, softmax_scale=scale, **kw)
                 case(name, run, lambda run=run: run()[1:])
-            del q, k, v, q8, k8, v8, qb, kb, vb, o, lse, do
+            del q8, k8, v8, qb, kb, vb, o, lse, do
     if "attnfwd" in only:
         import os
         scale = mxmla.yarn_softmax_scale()
         for S in (2048, 4096, 8192):
-            q, k = (torch.randn(1, S, 128, 192, device=dev, dtype=torch.bfloat16) for _ in range(2))
-            v = torch.randn(1, S, 128, 128, device=dev, dtype=torch.bfloat16)
-            q8, k8, v8 = (mxmla.quantize_attention(t, "bshd") for t in (q, k, v))
-            qb, kb, vb = (mxmla.dequantize(t, "bfloat16").view(t.rowwise_data.shape) for t in (q8, k8, v8))
-            del q, k, v
+            t = attention_inputs(S, dev)
+            q8, k8, v8, qb, kb, vb = (t[n] for n in ("q8", "k8", "v8", "qb", "kb", "vb"))
+            del t
             runs = [(f"attention fwd mxfp8 {S}", (q8, k8, v8), {}, None),
                     (f"attention fwd bf16 {S}", (qb, kb, vb), {"layout": "bshd"}, None)]
             if S == 4096:

@@ -8,7 +8,6 @@ time for the bytes the conversions move (1 read + 2 written per value of both op
 Usage: PYTHONPATH=<build>/python python3 dev/bench/gemm_parts.py [case ...]   (e.g. dgrad16384)"""
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import flush_buffer, timer  # noqa: E402
-from attn_fwd_parts import kernel_times  # noqa: E402
+from parts import kernel_times, print_kernels  # noqa: E402
 
 import mxmla  # noqa: E402
 
@@ -48,15 +47,7 @@ def main() -> int:
             dyd = dy.clone()
             call = lambda: mxmla.gemm(dy8, x8, trans_a=True, trans_b=False)  # noqa: E731
             bf16, vals = (lambda: dyd.t() @ xd), T * N + T * K
-        per = kernel_times(call, 20, flush)
-        total = 0.0
-        for kname, ts in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
-            m = statistics.median(ts) * len(ts) / 20
-            total += m
-            base = kname.replace("(anonymous namespace)::", "").split("(")[0].replace("void ", "")
-            short = base.split("<")[0].split("::")[-1] + ("<" + base.split("<", 1)[1][:12] if "<" in base else "")
-            tag = kname.rsplit(" #", 1)[1] if " #" in kname else "1"
-            print(f"{name:10s} {short[:40] + ' #' + tag:44s} {statistics.median(ts):8.4f} x{len(ts) / 20:g}")
+        total = print_kernels(f"{name:10s}", kernel_times(call, 20, flush), 20)
         t_call, t_bf16 = timer(call, 20, flush), timer(bf16, 20, flush)
         buf = torch.empty(3 * vals // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(buf)

@@ -1,0 +1,70 @@
+"""What the parts scripts (attn_fwd_parts.py, attn_bwd_parts.py, gemm_parts.py) and ab_kernels.py
+share: per-kernel GPU times of a call under torch.profiler, their printout, and the DeepSeek-V3
+attention inputs (b 1, h 128, d_qk 192, d_v 128, bshd, MXFP8 from quantize_attention and their
+dequantized bf16 tensors)."""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+import torch
+
+import mxmla
+
+
+def kernel_times(fn, iters, flush):
+    """{kernel name, or "name #k" for its k-th launch in a call (k > 1): [GPU ms of each call]} over
+    `iters` calls, L2 flushed before each (the flush's fill and the sleep kernels left out)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    per = defaultdict(list)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            flush.fill_(i & 0xFF)
+            torch.cuda._sleep(2_000_000)
+            fn()
+        torch.cuda.synchronize()
+    seen = defaultdict(int)  # launches of each kernel since the call began (a spin kernel starts each)
+    for ev in sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start):
+        name = ev.name
+        if "fill" in name or "elementwise_kernel" in name:
+            continue
+        if "spin_kernel" in name or "sleep" in name.lower():
+            seen.clear()
+            continue
+        seen[name] += 1
+        key = name if seen[name] == 1 else f"{name} #{seen[name]}"
+        per[key].append(ev.device_time / 1000.0 if hasattr(ev, "device_time") else ev.cuda_time / 1000.0)
+    return per
+
+
+def print_kernels(label: str, per, iters: int) -> float:
+    """One line per kernel (short name, launch number, median ms, launches per call), longest first;
+    returns the sum of the medians weighted by launches per call."""
+    total = 0.0
+    for kname, ts in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
+        m = statistics.median(ts)
+        total += m * len(ts) / iters
+        base = kname.replace("(anonymous namespace)::", "").split("(")[0].replace("void ", "")
+        short = base.split("<")[0].split("::")[-1] + ("<" + base.split("<", 1)[1][:12] if "<" in base else "")
+        tag = kname.rsplit(" #", 1)[1] if " #" in kname else "1"
+        print(f"{label} {short[:40] + ' #' + tag:46s} {m:8.4f} x{len(ts) / iters:g}")
+    return total
+
+
+def attention_inputs(S: int, dev, backward: bool = False, scale=None):
+    """MXFP8 q8, k8, v8 of bf16 N(0, 1) [1, S, 128, 192 / 128] and their dequantized bf16 tensors
+    (qb, kb, vb); with backward, also o, lse of the causal MXFP8 forward and a random do."""
+    q, k = (torch.randn(1, S, 128, 192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, S, 128, 128, device=dev, dtype=torch.bfloat16)
+    q8, k8, v8 = (mxmla.quantize_attention(t, "bshd") for t in (q, k, v))
+    del q, k, v
+    qb, kb, vb = (mxmla.dequantize(t, "bfloat16").view(t.rowwise_data.shape) for t in (q8, k8, v8))
+    out = {"q8": q8, "k8": k8, "v8": v8, "qb": qb, "kb": kb, "vb": vb}
+    if backward:
+        o, lse = mxmla.attention(q8, k8, v8, causal=True, softmax_scale=scale, return_lse=True)
+        out.update(o=o, lse=lse, do=torch.randn_like(o))
+    return out
