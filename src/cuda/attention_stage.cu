@@ -1,5 +1,6 @@
 // mxmla — the attention kernels' conversion pass (cuda/attention_stage.h): one launch for every
-// read of a call, a thread per 4 chunks of 16 consecutive values of a token. Arch-neutral (FP8 decode sm_89+, bf16x2 multiply sm_90+).
+// read of a call, a thread per 4 chunks of 16 consecutive values of a token. Arch-neutral (FP8
+// decode sm_89+, bf16x2 multiply sm_90+).
 #include "cuda/attention_stage.h"
 
 #include <cuda_bf16.h>
@@ -92,7 +93,7 @@ __device__ __forceinline__ int64_t scale_row(const AttnScaleView& sc, int64_t b,
 // once per block so that no thread divides per value: chunk c's values (columns col = b·col_b +
 // h·col_h + 16c .. + 15; host-checked: col_b, col_h multiples of 16, of D for BHSD) lie in one
 // 32-column block of a rowwise copy (its cursor is indexed by the scale row); a columnwise copy's
-// cursor is that of row block 0 and column col (shift_rows moves it to row block rb; its 16
+// cursor is that of row block 0 and column col (col_scale_base moves it to row block rb; its 16
 // columns' bytes lie `step` apart: swizzled and BHSD layouts keep 16 columns of a 32-aligned group
 // 16 bytes apart, compact ones 1).
 constexpr int kMaxChunks = 32;  // d <= 512 (host-checked)
