@@ -505,9 +505,9 @@ bool shape_instantiated(int64_t Dqk, int64_t Dv) {
 }
 
 // The preprocess: every read (Read order) that is FP8, or bf16 without 16-byte alignment, is
-// converted once into bf16 stream-ordered scratch (stage_attn_reads, one launch; owned by keep[r]) and prm.p's read
-// becomes a plain bf16 view of it; a gradient GEMM's read with the score GEMM's values (q_once,
-// k_once, do_once: set before) takes the score read's view. Aligned bf16 reads are read in place.
+// converted once into bf16 stream-ordered scratch (stage_attn_reads, one launch; owned by keep[r])
+// and prm.p's read becomes a plain bf16 view of it; a gradient GEMM's read with the score GEMM's
+// values (q_once, k_once, do_once: set before) takes the score read's view. Aligned bf16 reads are read in place.
 // Only the KV heads hk0 .. hk0 + n_kv − 1 (and their query heads) are converted (the views address
 // every head; only those may be read); returns the bytes converted (with convert = false: only counts
 // them, changing nothing).
@@ -525,8 +525,12 @@ int64_t stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
   AttnRead staged[7];  // bf16 (fp8 = false), no scales
   bool converted[7] = {};
   int n = 0;
+  // a gradient GEMM's read that takes its score read's values (and view)
+  const auto once = [&](int r) {
+    return (r == kQg && prm.q_once) || (r == kKg && prm.k_once) || (r == kDOg && prm.do_once);
+  };
   for (int r = 0; r < 7; ++r) {
-    if ((r == kQg && prm.q_once) || (r == kKg && prm.k_once) || (r == kDOg && prm.do_once)) continue;
+    if (once(r)) continue;
     if (!in[r]->fp8 && attn_read_vec_ok(*in[r])) continue;
     const bool kv = r == kKs || r == kKg || r == kVs;
     const int64_t h0 = kv ? hk0 : hk0 * group, heads = kv ? n_kv : n_kv * group;
@@ -539,7 +543,7 @@ int64_t stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
   if (!convert) return bytes;
   stage_attn_reads(kOp, seqs, req, n, s);
   for (int r = 0; r < 7; ++r) {
-    if ((r == kQg && prm.q_once) || (r == kKg && prm.k_once) || (r == kDOg && prm.do_once))
+    if (once(r))
       *out[r] = *out[r - 1];  // in Read order: the score read's (converted) view is set before
     else if (converted[r]) *out[r] = staged[r];
   }

@@ -126,6 +126,13 @@ __device__ __forceinline__ void fp8_words(const AttnRead& r, const uint4& codes,
     fp8_chunk_words<false, kUniform>(codes, e, stage, out);
 }
 
+// A converted chunk's 32 bytes (out[i]: values 2i, 2i + 1) to its place in the copy.
+__device__ __forceinline__ void store_chunk(uint16_t* dst, const uint32_t (&w)[8]) {
+  uint4* o = reinterpret_cast<uint4*>(dst);
+  o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
 // One conversion: src -> dst (values of (b, h, tok, d) at dst + b·st_b + tok·st_s + h·st_h + d;
 // tok packed, as the kernels address it), over blocks [x0, x0 + blocks·heads) of the launch.
 struct StageJob {
@@ -203,9 +210,7 @@ __global__ void __launch_bounds__(kThreads) attn_stage(const __grid_constant__ S
       if (tok[k] >= len) continue;
       uint32_t w[8];
       bf16_words(r, job.vec, value_offset(r, b, h, t0 + tok[k], 16 * c[k]), w);
-      uint4* o = reinterpret_cast<uint4*>(dst + (t0 + tok[k]) * job.view.st_s + 16 * c[k]);
-      o[0] = make_uint4(w[0], w[1], w[2], w[3]);
-      o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+      store_chunk(dst + (t0 + tok[k]) * job.view.st_s + 16 * c[k], w);
     }
     return;
   }
@@ -237,9 +242,7 @@ __global__ void __launch_bounds__(kThreads) attn_stage(const __grid_constant__ S
     } else {
       fp8_words<true>(r, codes[k], make_uint4(sb[k], 0, 0, 0), stage[threadIdx.x], w);
     }
-    uint4* o = reinterpret_cast<uint4*>(dst + (t0 + tok[k]) * job.view.st_s + 16 * c[k]);
-    o[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    store_chunk(dst + (t0 + tok[k]) * job.view.st_s + 16 * c[k], w);
   }
 }
 

@@ -104,26 +104,25 @@ __global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__
   for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
     const int64_t i0 = g / groups_x * 128, j0 = g % groups_x * 16;
     __syncthreads();  // the previous group's reads of t
-    // rowwise source: 16 threads a row (consecutive block columns); columnwise: 128 a block column.
-    // Every load first (the check's atomic would otherwise order them one after the other).
+    // this thread's byte of pass `pass` (group row li, block column lj): rowwise source, 16 threads a
+    // row (consecutive block columns); columnwise, 128 a block column
+    const auto li = [&](int pass) { return contract_cols ? pass * 16 + tid / 16 : tid % 128; };
+    const auto lj = [&](int pass) { return contract_cols ? tid % 16 : pass * 2 + tid / 128; };
+    // every load first (the check's atomic would otherwise order them one after the other)
     uint8_t v[8];
 #pragma unroll
     for (int pass = 0; pass < 8; ++pass) {
-      const int li = contract_cols ? pass * 16 + tid / 16 : tid % 128;
-      const int lj = contract_cols ? tid % 16 : pass * 2 + tid / 128;
-      const int64_t i = i0 + li, j = j0 + lj;
+      const int64_t i = i0 + li(pass), j = j0 + lj(pass);
       v[pass] = (i < R && j < kb_count)
                     ? src[contract_cols ? row_scale_offset(map, 0, i, j) : col_scale_offset(map, 0, j, i)]
                     : uint8_t{0};
     }
 #pragma unroll
     for (int pass = 0; pass < 8; ++pass) {
-      const int li = contract_cols ? pass * 16 + tid / 16 : tid % 128;
-      const int lj = contract_cols ? tid % 16 : pass * 2 + tid / 128;
-      const int64_t i = i0 + li, j = j0 + lj;
+      const int64_t i = i0 + li(pass), j = j0 + lj(pass);
       if (v[pass] < min_e && i < R && j < kb_count && block_has_codes(codes, ld, contract_cols, i, j, K))
         atomicOr(small, 1u);
-      t[li][lj] = v[pass];
+      t[li(pass)][lj(pass)] = v[pass];
     }
     __syncthreads();
     // word w of the group (512 words): tile q = w / 128 (block columns j0 + 4q .. + 3), at byte
@@ -287,8 +286,8 @@ KMajor kmajor(const GemmOperandView& v, int64_t R, int64_t K, const uint8_t* sca
     codes = std::make_unique<StreamScratch>(R * Kp, s);
     out.codes = codes->ptr;
     const int64_t tiles = (Kp + 31) / 32 * ((R + 31) / 32);
-    repack_kmajor<<<static_cast<unsigned>(std::min(tiles, kRepackBlocks)), dim3(32, 8), 0, s>>>(static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols,
-                                                codes->ptr, R, K, Kp, run_if);
+    repack_kmajor<<<static_cast<unsigned>(std::min(tiles, kRepackBlocks)), dim3(32, 8), 0, s>>>(
+        static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols, codes->ptr, R, K, Kp, run_if);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
   return out;
