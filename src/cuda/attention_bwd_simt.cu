@@ -39,8 +39,10 @@ constexpr int kBlk = 32;       // keys (dK/dV kernel) or query rows (dQ kernel) 
 
 using namespace attn_bwd;  // elem, Seq, seq_of, row_index, visible, warp_sum, write_bf16, bf16_round, ...
 
-// D[row] = Σ_d O · dO_row; grid (ceil(Sq / kWarps), H, B), one warp per row.
-__global__ void __launch_bounds__(kThreads) bwd_preprocess(const AttentionBwdProblem p, float* D) {
+// D[row] = Σ_d O · dO_row; grid (ceil(Sq / kWarps), H, B), one warp per row. vec (bf16 dO; O's and
+// dO's data 8-byte aligned, their strides and d_v multiples of 4): four values a lane per 8-byte
+// load of each (the element path's 2-byte loads and per-element addressing left HBM idle).
+__global__ void __launch_bounds__(kThreads) bwd_preprocess(const AttentionBwdProblem p, float* D, bool vec) {
   const int64_t b = blockIdx.z, h = blockIdx.y, i = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const Seq s = seq_of(p, b);
@@ -48,8 +50,18 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess(const AttentionBwdPro
   const uint16_t* o = p.o + b * p.o_st_b + (s.q0 + i) * p.o_st_s + h * p.o_st_h;
   const int32_t* cq = p.thd ? p.cu_q : nullptr;
   float acc = 0.f;
-  for (int64_t d = lane; d < p.Dv; d += 32)
-    acc += __uint_as_float(static_cast<uint32_t>(o[d]) << 16) * elem(p.do_s, cq, b, h, i, d);
+  if (vec) {
+    const AttnTensorView& g = p.do_s.view;
+    const uint16_t* go = static_cast<const uint16_t*>(g.data) + b * g.st_b + (s.q0 + i) * g.st_s + h * g.st_h;
+    for (int64_t d = 4 * lane; d < p.Dv; d += 128) {
+      const uint2 x = *reinterpret_cast<const uint2*>(o + d), y = *reinterpret_cast<const uint2*>(go + d);
+      acc += bf16_lo(x.x) * bf16_lo(y.x) + bf16_hi(x.x) * bf16_hi(y.x) + bf16_lo(x.y) * bf16_lo(y.y) +
+             bf16_hi(x.y) * bf16_hi(y.y);
+    }
+  } else {
+    for (int64_t d = lane; d < p.Dv; d += 32)
+      acc += __uint_as_float(static_cast<uint32_t>(o[d]) << 16) * elem(p.do_s, cq, b, h, i, d);
+  }
   acc = warp_sum(acc);
   if (lane == 0) D[row_index(p, s, b, h, i)] = acc;
 }
@@ -205,8 +217,12 @@ std::unique_ptr<StreamScratch> attn_bwd::attention_bwd_prologue(const AttentionB
   const int64_t rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
   auto D = std::make_unique<StreamScratch>(std::max<int64_t>(rows, 1) * 4, s);
   if (p.Sq > 0) {
+    const AttnTensorView& g = p.do_s.view;
+    const bool vec = !p.do_s.fp8 && p.Dv % 4 == 0 && reinterpret_cast<uintptr_t>(p.o) % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(g.data) % 8 == 0 && p.o_st_b % 4 == 0 && p.o_st_s % 4 == 0 &&
+                     p.o_st_h % 4 == 0 && g.st_b % 4 == 0 && g.st_s % 4 == 0 && g.st_h % 4 == 0;
     bwd_preprocess<<<dim3(grid_dim(kOp, (p.Sq + kWarps - 1) / kWarps, true, "rows"), H, B), kThreads, 0, s>>>(
-        p, reinterpret_cast<float*>(D->ptr));
+        p, reinterpret_cast<float*>(D->ptr), vec);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
   return D;

@@ -487,24 +487,35 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     }
 }
 
-// dq (bf16, its view) from the fp32 accumulator ([2][rows][d_qk / 2], chunks rotated: see above): one
-// thread per value; rows in row_index order (thd: [H][total_q], tokens outside every sequence hold 0).
-__global__ void __launch_bounds__(256) bwd_dq_round(const __grid_constant__ AttentionBwdProblem p, const float* acc,
-                                                    int64_t rows) {
-  const int64_t x = int64_t{blockIdx.x} * 256 + threadIdx.x;
-  if (x >= rows * p.Dqk) return;
-  const int64_t row = x / p.Dqk, d = x % p.Dqk;
-  const int half = static_cast<int>(p.Dqk / 2), chunks = half / 8, dc = static_cast<int>(d % half);
-  const int jr = (dc / 8 + static_cast<int>(row % 8)) % chunks;
-  const float v = acc[(d / half * rows + row) * half + jr * 8 + dc % 8];
-  int64_t b = 0, h, tok;
-  if (p.thd) {
-    h = row / p.total_q, tok = row % p.total_q;
+// dq (bf16, its view) from the fp32 accumulator ([2][rows][d_qk / 2], chunks rotated: see above),
+// rows in row_index order (thd: [H][total_q], tokens outside every sequence hold 0). Grid
+// (ceil(tokens / 8), H, B) (thd: tokens = total_q, B 1), block (d_qk / 8, 8): a thread rounds 8
+// consecutive values of one row — one rotated 32-byte chunk of the accumulator, two 16-byte loads;
+// one 16-byte store where dq's data and strides allow it (vec), else 8 element stores. No division
+// by a runtime value (they made this pass instruction-bound).
+__global__ void __launch_bounds__(192) bwd_dq_round(const __grid_constant__ AttentionBwdProblem p, const float* acc,
+                                                    int64_t rows, bool vec) {
+  const int64_t tok = int64_t{blockIdx.x} * 8 + threadIdx.y;
+  if (tok >= (p.thd ? p.total_q : p.Sq)) return;
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t row = p.thd ? h * p.total_q + tok : (b * p.H + h) * p.Sq + tok;
+  const int half = static_cast<int>(p.Dqk / 2), d0 = 8 * static_cast<int>(threadIdx.x);
+  const int c = d0 >= half, dc = d0 - c * half;
+  const int jr = (dc / 8 + static_cast<int>(row % 8)) % (half / 8);
+  const float4* src = reinterpret_cast<const float4*>(acc + (c * rows + row) * half + jr * 8);
+  const float4 lo = src[0], hi = src[1];
+  const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  uint16_t* dst = p.dq + b * p.dq_v.st_b + tok * p.dq_v.st_s + h * p.dq_v.st_h + d0;
+  uint16_t o[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) o[k] = __bfloat16_as_ushort(__float2bfloat16_rn(v[k]));
+  if (vec) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(o[0] | (uint32_t{o[1]} << 16), o[2] | (uint32_t{o[3]} << 16),
+                                                o[4] | (uint32_t{o[5]} << 16), o[6] | (uint32_t{o[7]} << 16));
   } else {
-    tok = row % p.Sq;
-    h = (row / p.Sq) % p.H, b = row / (p.Sq * p.H);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) dst[k] = o[k];
   }
-  write_bf16(p.dq, p.dq_v, b, tok, h, d, v);
 }
 
 template <int kDqk, int kDv>
@@ -560,10 +571,14 @@ void sm90_attention_bwd_heads(const Sm90BwdArgs& a, const Sm90DqAcc& acc, int64_
 }
 
 void sm90_attention_bwd_finish(const AttentionBwdProblem& p, const Sm90DqAcc& acc, cudaStream_t s) {
-  const int64_t n = acc.rows * p.Dqk;
-  if (n == 0) return;
-  bwd_dq_round<<<grid_dim(kOp, (n + 255) / 256, true, "rows"), 256, 0, s>>>(
-      p, reinterpret_cast<const float*>(acc.mem->ptr), acc.rows);
+  const int64_t tokens = p.thd ? p.total_q : p.Sq, batches = p.thd ? 1 : p.B;
+  if (acc.rows == 0 || tokens == 0 || p.H == 0 || batches == 0) return;
+  const bool vec = reinterpret_cast<uintptr_t>(p.dq) % 16 == 0 && p.dq_v.st_b % 8 == 0 && p.dq_v.st_s % 8 == 0 &&
+                   p.dq_v.st_h % 8 == 0;  // (element strides: 16 bytes = 8 values)
+  const dim3 grid(grid_dim(kOp, (tokens + 7) / 8, true, "rows"), grid_dim(kOp, p.H, false, "heads"),
+                  grid_dim(kOp, batches, false, "sequences"));
+  bwd_dq_round<<<grid, dim3(static_cast<unsigned>(p.Dqk / 8), 8), 0, s>>>(p, reinterpret_cast<const float*>(acc.mem->ptr),
+                                                                           acc.rows, vec);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
