@@ -584,9 +584,15 @@ void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
                                        : heuristics::attn_bwd_head_groups(stage_reads(prm, p, s, none, 0, 1, false),
                                                                           std::max<int64_t>(p.Hkv, 1));
     const int64_t per = (p.Hkv + groups - 1) / groups;  // (no group without KV heads)
-    const Sm90DqAcc acc = sm90_attention_bwd_acc(p, s);
+    // one accumulator, or with b = 1 or thd (a group's query rows contiguous) one per group: made
+    // before the group's kernel, rounded into dq and freed on the stream after it
+    const bool acc_per_group = per < p.Hkv && (p.thd || p.B == 1);
+    const int64_t group = p.H / std::max<int64_t>(p.Hkv, 1);
+    Sm90DqAcc acc;
+    if (!acc_per_group) acc = sm90_attention_bwd_acc(p, s, 0, p.H);
     for (int64_t hk0 = 0; hk0 < p.Hkv; hk0 += per) {
       const int64_t n = std::min(per, p.Hkv - hk0);
+      if (acc_per_group) acc = sm90_attention_bwd_acc(p, s, hk0 * group, n * group);
       std::unique_ptr<StreamScratch> staged[7];  // this group's copies: freed on the stream after its kernel
       Params g = prm;
       stage_reads(g, p, s, staged, hk0, n);
@@ -595,8 +601,10 @@ void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
       a.D = prm.D;
       a.q_once = prm.q_once;
       sm90_attention_bwd_heads(a, acc, hk0, n, s);
+      if (acc_per_group) sm90_attention_bwd_finish(p, acc, s);
     }
-    return sm90_attention_bwd_finish(p, acc, s);
+    if (!acc_per_group) sm90_attention_bwd_finish(p, acc, s);
+    return;
   }
   std::unique_ptr<StreamScratch> staged[7];  // the preprocess's copies: freed on the stream after the kernels
   stage_reads(prm, p, s, staged, 0, p.Hkv);

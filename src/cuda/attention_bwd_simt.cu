@@ -66,6 +66,41 @@ __global__ void __launch_bounds__(kThreads) bwd_preprocess(const AttentionBwdPro
   if (lane == 0) D[row_index(p, s, b, h, i)] = acc;
 }
 
+// The same for d_v 128 with 16-byte loads (bf16 dO; O's and dO's data 16-byte aligned, their
+// strides multiples of 8 values): grid (ceil(Sq / 32), H, B), warp w rows 4w .. 4w + 3 of the
+// block's 32, half a warp a row (8 values a lane), all four loads of a lane issued before the sums
+// (one row a warp kept too few bytes in flight to reach HBM's rate).
+constexpr int kPreRows = 4 * kWarps;  // rows per block
+__global__ void __launch_bounds__(kThreads) bwd_preprocess_d128(const AttentionBwdProblem p, float* D) {
+  const int64_t b = blockIdx.z, h = blockIdx.y;
+  const int lane = threadIdx.x % 32, half = lane / 16, seg = lane % 16;
+  const int64_t i_first = int64_t{blockIdx.x} * kPreRows + 4 * (threadIdx.x / 32) + half;  // rows i_first, + 2
+  const Seq s = seq_of(p, b);
+  const AttnTensorView& g = p.do_s.view;
+  const uint16_t* go = static_cast<const uint16_t*>(g.data);
+  uint4 x[2], y[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int64_t i = i_first + 2 * k;
+    x[k] = y[k] = make_uint4(0, 0, 0, 0);
+    if (i < s.sq) {
+      x[k] = *reinterpret_cast<const uint4*>(p.o + b * p.o_st_b + (s.q0 + i) * p.o_st_s + h * p.o_st_h + 8 * seg);
+      y[k] = *reinterpret_cast<const uint4*>(go + b * g.st_b + (s.q0 + i) * g.st_s + h * g.st_h + 8 * seg);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t xw[4] = {x[k].x, x[k].y, x[k].z, x[k].w}, yw[4] = {y[k].x, y[k].y, y[k].z, y[k].w};
+    float acc = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc += bf16_lo(xw[e]) * bf16_lo(yw[e]) + bf16_hi(xw[e]) * bf16_hi(yw[e]);
+#pragma unroll
+    for (int o = 8; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);  // (within each half)
+    const int64_t i = i_first + 2 * k;
+    if (seg == 0 && i < s.sq) D[row_index(p, s, b, h, i)] = acc;
+  }
+}
+
 // dK, dV of kBlk keys of kv head hk; grid (ceil(Skv / kBlk), Hkv, B).
 // Shared: Ks, dK [kBlk][Dqk]; Vs, dV [kBlk][Dv]; q_s, q_g [Dqk]; do_s, do_g [Dv]; P̂, dŜ [kBlk].
 __global__ void __launch_bounds__(kThreads) bwd_dkdv(const AttentionBwdProblem p, const float* D) {
@@ -218,6 +253,15 @@ std::unique_ptr<StreamScratch> attn_bwd::attention_bwd_prologue(const AttentionB
   auto D = std::make_unique<StreamScratch>(std::max<int64_t>(rows, 1) * 4, s);
   if (p.Sq > 0) {
     const AttnTensorView& g = p.do_s.view;
+    const bool vec16 = !p.do_s.fp8 && p.Dv == 128 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(g.data) % 16 == 0 && p.o_st_b % 8 == 0 && p.o_st_s % 8 == 0 &&
+                       p.o_st_h % 8 == 0 && g.st_b % 8 == 0 && g.st_s % 8 == 0 && g.st_h % 8 == 0;
+    if (vec16) {
+      bwd_preprocess_d128<<<dim3(grid_dim(kOp, (p.Sq + kPreRows - 1) / kPreRows, true, "rows"), H, B), kThreads, 0,
+                            s>>>(p, reinterpret_cast<float*>(D->ptr));
+      MXMLA_CUDA_CHECK(cudaGetLastError());
+      return D;
+    }
     const bool vec = !p.do_s.fp8 && p.Dv % 4 == 0 && reinterpret_cast<uintptr_t>(p.o) % 8 == 0 &&
                      reinterpret_cast<uintptr_t>(g.data) % 8 == 0 && p.o_st_b % 4 == 0 && p.o_st_s % 4 == 0 &&
                      p.o_st_h % 4 == 0 && g.st_b % 4 == 0 && g.st_s % 4 == 0 && g.st_h % 4 == 0;

@@ -103,8 +103,8 @@ struct alignas(1024) Smem {
 struct Params {
   AttentionBwdProblem p;
   const float* D;
-  float* dq_acc;  // fp32 [2][rows][d_qk / 2] (see above), zeroed
-  int64_t dq_rows;
+  float* dq_acc;  // fp32 [2][dq_rows][d_qk / 2] (see above), zeroed: rows dq_row0 .. dq_row0 + dq_rows − 1
+  int64_t dq_rows, dq_row0;
   int64_t hk0;  // the first KV head of the launch (blockIdx.y = hk − hk0)
   bool q_once;    // Q_g is Q_s (read from the stage; no Q_g copies)
 };
@@ -452,7 +452,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
       ptx::fence_proxy_async();
       ptx::named_barrier(2 + c, 128);
       if (issuer) {  // rows i0 .. i0 + ni − 1: [2][rows][d_qk / 2] at (c, row0), in pieces of 16, 16, 32 rows
-        float* to = prm.dq_acc + (c * prm.dq_rows + row0) * C::kDqN;
+        float* to = prm.dq_acc + (c * prm.dq_rows + row0 - prm.dq_row0) * C::kDqN;
         constexpr uint32_t kRow = C::kDqN * 4;
         ptx::bulk_reduce_add_f32_s2g(to, buf0, static_cast<uint32_t>(imin(ni, 16)) * kRow);
         if (ni > 16) ptx::bulk_reduce_add_f32_s2g(to + 16 * C::kDqN, buf1, static_cast<uint32_t>(imin(ni, 32) - 16) * kRow);
@@ -494,15 +494,15 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
 // one 16-byte store where dq's data and strides allow it (vec), else 8 element stores. No division
 // by a runtime value (they made this pass instruction-bound).
 __global__ void __launch_bounds__(192) bwd_dq_round(const __grid_constant__ AttentionBwdProblem p, const float* acc,
-                                                    int64_t rows, bool vec) {
+                                                    int64_t rows, int64_t row_first, int64_t h0, bool vec) {
   const int64_t tok = int64_t{blockIdx.x} * 8 + threadIdx.y;
   if (tok >= (p.thd ? p.total_q : p.Sq)) return;
-  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t h = h0 + blockIdx.y, b = blockIdx.z;
   const int64_t row = p.thd ? h * p.total_q + tok : (b * p.H + h) * p.Sq + tok;
   const int half = static_cast<int>(p.Dqk / 2), d0 = 8 * static_cast<int>(threadIdx.x);
   const int c = d0 >= half, dc = d0 - c * half;
   const int jr = (dc / 8 + static_cast<int>(row % 8)) % (half / 8);
-  const float4* src = reinterpret_cast<const float4*>(acc + (c * rows + row) * half + jr * 8);
+  const float4* src = reinterpret_cast<const float4*>(acc + (c * rows + row - row_first) * half + jr * 8);
   const float4 lo = src[0], hi = src[1];
   const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
   uint16_t* dst = p.dq + b * p.dq_v.st_b + tok * p.dq_v.st_s + h * p.dq_v.st_h + d0;
@@ -545,9 +545,16 @@ bool sm90_attention_bwd_supported(const AttentionBwdProblem& p, bool do_once) {
   return major == 9;
 }
 
-Sm90DqAcc sm90_attention_bwd_acc(const AttentionBwdProblem& p, cudaStream_t s) {
+Sm90DqAcc sm90_attention_bwd_acc(const AttentionBwdProblem& p, cudaStream_t s, int64_t h0, int64_t heads) {
   Sm90DqAcc acc;
-  acc.rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
+  const int64_t tokens = p.thd ? p.total_q : p.Sq;
+  if (heads == p.H) {
+    acc.rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
+  } else {  // the rows of heads h0 .. h0 + heads − 1: contiguous for one sequence (bshd, sbhd, bhsd) or thd
+    if (!p.thd && p.B != 1) throw Error(kOp, "q", "internal: a dQ accumulator for a range of heads needs b = 1 or thd");
+    acc.h0 = h0, acc.row0 = h0 * tokens, acc.rows = heads * tokens;
+  }
+  acc.heads = heads;
   acc.mem = std::make_unique<StreamScratch>(acc.rows * p.Dqk * 4, s);  // freed on the stream after the kernels
   if (acc.rows > 0) MXMLA_CUDA_CHECK(cudaMemsetAsync(acc.mem->ptr, 0, acc.rows * p.Dqk * 4, s));
   return acc;
@@ -559,7 +566,7 @@ void sm90_attention_bwd_heads(const Sm90BwdArgs& a, const Sm90DqAcc& acc, int64_
   prm.p = p;
   prm.D = a.D;
   prm.dq_acc = reinterpret_cast<float*>(acc.mem->ptr);
-  prm.dq_rows = acc.rows;
+  prm.dq_rows = acc.rows, prm.dq_row0 = acc.row0;
   prm.hk0 = hk0;
   prm.q_once = a.q_once;
   if (p.Skv > 0 && p.B > 0 && n_kv > 0) {
@@ -572,13 +579,13 @@ void sm90_attention_bwd_heads(const Sm90BwdArgs& a, const Sm90DqAcc& acc, int64_
 
 void sm90_attention_bwd_finish(const AttentionBwdProblem& p, const Sm90DqAcc& acc, cudaStream_t s) {
   const int64_t tokens = p.thd ? p.total_q : p.Sq, batches = p.thd ? 1 : p.B;
-  if (acc.rows == 0 || tokens == 0 || p.H == 0 || batches == 0) return;
+  if (acc.rows == 0 || tokens == 0 || acc.heads == 0 || batches == 0) return;
   const bool vec = reinterpret_cast<uintptr_t>(p.dq) % 16 == 0 && p.dq_v.st_b % 8 == 0 && p.dq_v.st_s % 8 == 0 &&
                    p.dq_v.st_h % 8 == 0;  // (element strides: 16 bytes = 8 values)
-  const dim3 grid(grid_dim(kOp, (tokens + 7) / 8, true, "rows"), grid_dim(kOp, p.H, false, "heads"),
+  const dim3 grid(grid_dim(kOp, (tokens + 7) / 8, true, "rows"), grid_dim(kOp, acc.heads, false, "heads"),
                   grid_dim(kOp, batches, false, "sequences"));
   bwd_dq_round<<<grid, dim3(static_cast<unsigned>(p.Dqk / 8), 8), 0, s>>>(p, reinterpret_cast<const float*>(acc.mem->ptr),
-                                                                           acc.rows, vec);
+                                                                           acc.rows, acc.row0, acc.h0, vec);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 

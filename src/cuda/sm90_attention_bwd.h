@@ -19,10 +19,12 @@ struct Sm90BwdArgs {
   bool q_once;            // the dK GEMM's Q read is the score GEMM's (one copy in shared memory)
 };
 
-// The fp32 dQ accumulator (stream-ordered scratch, zeroed; [2][rows][d_qk / 2], see the kernel).
+// The fp32 dQ accumulator (stream-ordered scratch, zeroed; [2][rows][d_qk / 2], see the kernel) of
+// query heads h0 .. h0 + heads − 1: attn_bwd::row_index rows row0 .. row0 + rows − 1 (all heads:
+// B·H·Sq rows, thd H·total_q; a range of heads, b = 1 or thd: heads·Sq or heads·total_q rows).
 struct Sm90DqAcc {
   std::unique_ptr<StreamScratch> mem;
-  int64_t rows = 0;  // attn_bwd::row_index rows: B·H·Sq, thd H·total_q
+  int64_t rows = 0, row0 = 0, h0 = 0, heads = 0;
 };
 
 // Whether the kernel serves this problem: (d_qk, d_v) in {(192, 128), (128, 128)}, one dO copy for
@@ -30,10 +32,11 @@ struct Sm90DqAcc {
 // scheduling order), and the current device is an SM90 part.
 bool sm90_attention_bwd_supported(const AttentionBwdProblem& p, bool do_once);
 // dQ, dK, dV of the problem (the thd zero tail is the prologue's) in three steps on one stream: the
-// accumulator; the kernel for KV heads hk0 .. hk0 + n_kv − 1 (dK, dV of those heads, their query
-// heads' dQ sums; a.p's reads need to hold only those heads), once per group of heads; dq rounded
-// from the accumulator.
-Sm90DqAcc sm90_attention_bwd_acc(const AttentionBwdProblem& p, cudaStream_t stream);
+// accumulator (of query heads h0 .. h0 + heads − 1: all of them, or with b = 1 or thd a group's);
+// the kernel for KV heads hk0 .. hk0 + n_kv − 1 (dK, dV of those heads, their query heads' dQ sums,
+// which the accumulator must hold; a.p's reads need to hold only those heads), once per group of
+// heads; dq of the accumulator's heads rounded from it.
+Sm90DqAcc sm90_attention_bwd_acc(const AttentionBwdProblem& p, cudaStream_t stream, int64_t h0, int64_t heads);
 void sm90_attention_bwd_heads(const Sm90BwdArgs& a, const Sm90DqAcc& acc, int64_t hk0, int64_t n_kv,
                               cudaStream_t stream);
 void sm90_attention_bwd_finish(const AttentionBwdProblem& p, const Sm90DqAcc& acc, cudaStream_t stream);
