@@ -185,7 +185,7 @@ def bench_qproj(iters, flush, dev, add, compile_peer: bool):
         t_u = timer(unfused, iters, flush)
         add(case, "mxmla fused", t_f, 0.0, f"{tf(t_f)}; {t_f / t_g:.3f}x the GEMM alone (target <= 1.00)")
         add(case, "cuBLAS GEMM alone", t_g, 0.0, tf(t_g))
-        w8 = mxmla.quantize(w, columnwise=False)  # the MXFP8-weight op: x quantized inside, mxmla.gemm, RoPE, quantize
+        w8 = mxmla.quantize(w, columnwise=False)  # the MXFP8-weight op: x quantized inside, bf16 copies, the fused kernel
         t_m = timer(lambda: mxmla.fused_q_uproj_rope_quant(x, w8, c, s), iters, flush)
         add(case, "mxmla, MXFP8 W", t_m, 0.0, f"{tf(t_m)}; {t_m / t_g:.3f}x the bf16 GEMM alone (target <= 1.15)")
         add(case, "GEMM + mxmla RoPE + quant", t_u, 0.0, f"{tf(t_u)}; fused {t_u / t_f:.2f}x faster (mxmla's own kernels)")

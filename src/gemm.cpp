@@ -29,8 +29,11 @@ namespace mxmla {
 namespace {
 
 constexpr const char* kOp = "mxmla.gemm";
+// The op that errors name: mxmla.gemm, or another op checking its MXFP8 operands through
+// detail::gemm_rowwise_operand (for the duration of that call).
+thread_local const char* t_op = kOp;
 
-[[noreturn]] void fail(const std::string& arg, const std::string& rule) { throw Error(kOp, arg, rule); }
+[[noreturn]] void fail(const std::string& arg, const std::string& rule) { throw Error(t_op, arg, rule); }
 
 using detail::MapMode;
 using detail::shape_str;
@@ -39,6 +42,7 @@ std::string flag_str(bool v) { return v ? "true" : "false"; }
 
 // Why an operand is read through the copy it is: the GEMM's view and the Linear's GEMMs that read it.
 std::string copy_reason(bool is_a, bool contract_cols) {
+  if (t_op != kOp) return std::string(t_op) + " reads its rowwise copy: blocks of 32 along K, the contraction axis";
   if (is_a)
     return contract_cols
                ? "with trans_a = false A is [M, K] and the contraction runs along its last dim, so the GEMM reads A's "
@@ -108,6 +112,10 @@ Operand read_operand(const char* name, const GemmInput& in, bool contract_cols) 
   const int64_t rows = mx.shape[0], cols = mx.shape[1];
   if (rows < 0) fail(op.name + ".shape", shape_str(mx.shape) + " has a negative size");
   if (cols <= 0 || cols % 32 != 0) {
+    if (contract_cols && t_op != kOp)
+      fail(op.name + ".shape", "contraction length K = " + std::to_string(cols) + " (the last dim of " +
+                                   shape_str(mx.shape) + ") must be a positive multiple of 32: the rowwise copy has "
+                                   "blocks of 32 along K");
     if (contract_cols)
       fail(op.name + ".shape",
            "contraction length K = " + std::to_string(cols) + " (the last dim of " + shape_str(mx.shape) +
@@ -168,6 +176,16 @@ detail::GemmOperandView view_of(const Operand& op) {
 }
 
 }  // namespace
+
+detail::GemmOperandView detail::gemm_rowwise_operand(const char* op, const char* name, const MXFP8Tensor& t) {
+  struct Restore {
+    ~Restore() { t_op = kOp; }
+  } restore;
+  t_op = op;
+  GemmInput in;
+  in.mx = &t;
+  return view_of(read_operand(name, in, true));
+}
 
 void gemm(const GemmInput& a, const GemmInput& b, TensorDesc& out, const GemmOptions& opts, Stream stream) {
   if (!std::isfinite(opts.alpha)) fail("alpha", "must be finite, got " + std::to_string(opts.alpha));

@@ -2,6 +2,7 @@
 #include <string>
 
 #include "common/device.h"
+#include "common/gemm_ops.h"
 #include "common/ops.h"
 #include "common/qproj_ops.h"
 #include "common/text.h"
@@ -48,21 +49,14 @@ MXFP8Shapes qproj_shapes(int64_t tokens, int64_t num_heads, const QProjOptions& 
   return attention_shapes(qproj_q_shape(tokens, num_heads, o), o.layout, o.bhsd_scales);
 }
 
-void fused_q_uproj_rope_quant(const TensorDesc& x, const TensorDesc& w, const TensorDesc& cos, const TensorDesc& sin,
-                              MXFP8Tensor& out, TensorDesc* q, const QProjOptions& o, Stream stream) {
+namespace {
+
+// What both front ends check and fill: options, head geometry, tables, q, the outputs; x's T tokens
+// of K values and W's N rows on device `dev` (x, w and the CUDA-only rules are the callers').
+detail::QProjProblem common_problem(int64_t T, int64_t K, int64_t N, const Device& dev, const TensorDesc& cos,
+                                    const TensorDesc& sin, MXFP8Tensor& out, TensorDesc* q, const QProjOptions& o) {
   if (!o.rowwise && !o.columnwise) fail("options", "at least one of rowwise / columnwise must be set");
   const int64_t D = head_dim(o);
-  check_2d("x", x);
-  check_2d("w", w);
-  if (x.dtype != DType::kBFloat16) fail("x", std::string("dtype ") + dtype_name(x.dtype) + " must be bfloat16");
-  if (w.dtype != DType::kBFloat16) fail("w", std::string("dtype ") + dtype_name(w.dtype) + " must be bfloat16");
-  const int64_t T = x.shape[0], K = x.shape[1];
-  if (K < 1) fail("x", "needs K >= 1 columns");
-  const bool kn = o.weight_layout == WeightLayout::kKN;
-  const int64_t wK = kn ? w.shape[0] : w.shape[1], N = kn ? w.shape[1] : w.shape[0];
-  if (wK != K)
-    fail("w", "shape " + detail::shape_str(w.shape) + " does not match K = " + std::to_string(K) + " of x (layout " +
-                  (kn ? "[K, N]" : "[N, K]") + ")");
   if (N < D || N % D != 0)
     fail("w", "N = " + std::to_string(N) + " must be a positive multiple of the head dim " + std::to_string(D));
   const int64_t NH = N / D;
@@ -76,42 +70,88 @@ void fused_q_uproj_rope_quant(const TensorDesc& x, const TensorDesc& w, const Te
     if (t->shape[0] < S) fail(n, "has " + std::to_string(t->shape[0]) + " rows; " + std::to_string(S) + " positions are needed");
     if (t->dtype != DType::kFloat32 && t->dtype != DType::kBFloat16)
       fail(n, std::string("dtype ") + dtype_name(t->dtype) + " must be float32 or bfloat16");
+    if (t->device != dev) fail(n, "is on another device than x");
   }
   if (sin.shape != cos.shape || sin.dtype != cos.dtype || sin.stride(0) != cos.stride(0))
     fail("sin", "must match cos in shape, dtype and strides");
-  for (const TensorDesc* t : {&w, &cos, &sin})
-    if (t->device != x.device) fail(t == &w ? "w" : t == &cos ? "cos" : "sin", "is on another device than x");
   if (q != nullptr) {
     if (q->shape != qshape) fail("q", "shape " + detail::shape_str(q->shape) + " must be " + detail::shape_str(qshape));
     if (q->dtype != DType::kBFloat16) fail("q", std::string("dtype ") + dtype_name(q->dtype) + " must be bfloat16");
     if (!q->is_contiguous()) fail("q", "must be contiguous");
     if (q->numel() > 0 && q->data == nullptr) fail("q", "data pointer is null");
-    if (q->device != x.device) fail("q", "is on another device than x");
+    if (q->device != dev) fail("q", "is on another device than x");
   }
   AttentionQuantizeOptions ao;
   ao.layout = o.layout, ao.rowwise = o.rowwise, ao.columnwise = o.columnwise, ao.format = o.format;
   ao.bhsd_scales = o.bhsd_scales;
-  const detail::QuantizeProblem qp = detail::attention_outputs(kOp, qshape, out, ao, x.device);
+  const detail::QuantizeProblem qp = detail::attention_outputs(kOp, qshape, out, ao, dev);
 
   detail::QProjProblem p;
-  p.x = x.data, p.B = o.batch, p.S = S, p.K = K;
-  const int64_t xr = x.stride(0);
-  p.x_st_s = o.layout == QKVLayout::kSBHD ? o.batch * xr : xr;
-  p.x_st_b = o.layout == QKVLayout::kSBHD ? xr : S * xr;
-  p.w = w.data, p.w_st = w.stride(0), p.w_kn = kn;
+  p.B = o.batch, p.S = S, p.K = K;
   p.NH = NH, p.D = D, p.R = o.rope_dim;
   p.cos = cos.data, p.sin = sin.data, p.tab_t = cos.dtype, p.tab_st = cos.stride(0);
   p.style = o.style, p.sbhd = o.layout == QKVLayout::kSBHD, p.fmt = o.format;
   p.row_codes = qp.row_codes, p.row_scales = qp.row_scales, p.col_codes = qp.col_codes, p.col_scales = qp.col_scales;
   p.row_map = qp.row_map, p.col_map = qp.col_map;
   p.q = q != nullptr ? static_cast<uint16_t*>(q->data) : nullptr;
+  return p;
+}
+
+#if MXMLA_WITH_CUDA
+// The CUDA path's rules beyond x and W: the kernel's head dims, tile indices, 16-byte table rows,
+// the output pointers' alignment and device.
+void check_cuda(const detail::QProjProblem& p, const TensorDesc& cos, const TensorDesc& sin, const MXFP8Tensor& out,
+                const TensorDesc* q, const QProjOptions& o, int device) {
+  if (!detail::qproj_cuda_supports(p.D, o.rope_dim))
+    fail("nope_dim", "the SM90 kernel is built for heads of nope 128 + rope 64 (got nope " + std::to_string(o.nope_dim) +
+                         ", rope " + std::to_string(o.rope_dim) + "); use CPU tensors for the reference");
+  const int64_t T = p.B * p.S;
+  if (T >= (int64_t{1} << 31) || (p.S + 127) / 128 * p.B * p.NH >= (int64_t{1} << 31))
+    fail("x", "has too many tokens x heads for the kernel's 32-bit tile indices");
+  for (const TensorDesc* t : {&cos, &sin}) {
+    const char* n = t == &cos ? "cos" : "sin";
+    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0 || (t->stride(0) * dtype_size(t->dtype)) % 16 != 0)
+      fail(n, "rows must be 16-byte aligned and 16-byte strided on the CUDA path");
+    detail::check_cuda_pointer(kOp, n, t->data, device);
+  }
+  if (o.columnwise && reinterpret_cast<uintptr_t>(out.columnwise_scale_inv.data) % 4 != 0)
+    fail("columnwise_scale_inv", "data pointer must be 4-byte aligned on the CUDA path");
+  if (q != nullptr) {
+    if (reinterpret_cast<uintptr_t>(q->data) % 16 != 0) fail("q", "data pointer must be 16-byte aligned");
+    detail::check_cuda_pointer(kOp, "q", q->data, device);
+  }
+}
+#endif
+
+}  // namespace
+
+void fused_q_uproj_rope_quant(const TensorDesc& x, const TensorDesc& w, const TensorDesc& cos, const TensorDesc& sin,
+                              MXFP8Tensor& out, TensorDesc* q, const QProjOptions& o, Stream stream) {
+  if (!o.rowwise && !o.columnwise) fail("options", "at least one of rowwise / columnwise must be set");
+  (void)head_dim(o);
+  check_2d("x", x);
+  check_2d("w", w);
+  if (x.dtype != DType::kBFloat16) fail("x", std::string("dtype ") + dtype_name(x.dtype) + " must be bfloat16");
+  if (w.dtype != DType::kBFloat16) fail("w", std::string("dtype ") + dtype_name(w.dtype) + " must be bfloat16");
+  const int64_t T = x.shape[0], K = x.shape[1];
+  if (K < 1) fail("x", "needs K >= 1 columns");
+  const bool kn = o.weight_layout == WeightLayout::kKN;
+  const int64_t wK = kn ? w.shape[0] : w.shape[1], N = kn ? w.shape[1] : w.shape[0];
+  if (wK != K)
+    fail("w", "shape " + detail::shape_str(w.shape) + " does not match K = " + std::to_string(K) + " of x (layout " +
+                  (kn ? "[K, N]" : "[N, K]") + ")");
+  if (w.device != x.device) fail("w", "is on another device than x");
+  detail::QProjProblem p = common_problem(T, K, N, x.device, cos, sin, out, q, o);
+  p.x = x.data;
+  const int64_t xr = x.stride(0);
+  p.x_st_s = o.layout == QKVLayout::kSBHD ? o.batch * xr : xr;
+  p.x_st_b = o.layout == QKVLayout::kSBHD ? xr : p.S * xr;
+  p.w = w.data, p.w_st = w.stride(0), p.w_kn = kn;
   if (T == 0) return;
   if (x.device.type == DeviceType::kCPU) return detail::qproj_cpu(p);
 
 #if MXMLA_WITH_CUDA
-  if (!detail::qproj_cuda_supports(D, o.rope_dim))
-    fail("nope_dim", "the SM90 kernel is built for heads of nope 128 + rope 64 (got nope " + std::to_string(o.nope_dim) +
-                         ", rope " + std::to_string(o.rope_dim) + "); use CPU tensors for the reference");
+  check_cuda(p, cos, sin, out, q, o, x.device.index);
   if (K % 8 != 0) fail("x", "K = " + std::to_string(K) + " must be a multiple of 8 on the CUDA path (TMA: 16-byte rows)");
   for (const TensorDesc* t : {&x, &w}) {
     const char* n = t == &x ? "x" : "w";
@@ -121,22 +161,47 @@ void fused_q_uproj_rope_quant(const TensorDesc& x, const TensorDesc& w, const Te
     detail::check_cuda_pointer(kOp, n, t->data, x.device.index);
   }
   if (p.x_st_b * 2 >= (int64_t{1} << 40) || p.x_st_s * 2 >= (int64_t{1} << 40)) fail("x", "is too large for a TMA descriptor");
-  if (T >= (int64_t{1} << 31) || (T / o.batch + 127) / 128 * o.batch * NH >= (int64_t{1} << 31))
-    fail("x", "has too many tokens x heads for the kernel's 32-bit tile indices");
-  for (const TensorDesc* t : {&cos, &sin}) {
-    const char* n = t == &cos ? "cos" : "sin";
-    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0 || (t->stride(0) * dtype_size(t->dtype)) % 16 != 0)
-      fail(n, "rows must be 16-byte aligned and 16-byte strided on the CUDA path");
-    detail::check_cuda_pointer(kOp, n, t->data, x.device.index);
-  }
-  if (o.columnwise && reinterpret_cast<uintptr_t>(out.columnwise_scale_inv.data) % 4 != 0)
-    fail("columnwise_scale_inv", "data pointer must be 4-byte aligned on the CUDA path");
-  if (q != nullptr) {
-    if (reinterpret_cast<uintptr_t>(q->data) % 16 != 0) fail("q", "data pointer must be 16-byte aligned");
-    detail::check_cuda_pointer(kOp, "q", q->data, x.device.index);
-  }
   detail::CudaDeviceGuard guard(x.device.index);
   detail::qproj_cuda(p, stream);
+#else
+  (void)stream;
+  fail("x", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
+#endif
+}
+
+void fused_q_uproj_rope_quant(const MXFP8Tensor& x, const MXFP8Tensor& w, const TensorDesc& cos,
+                              const TensorDesc& sin, MXFP8Tensor& out, TensorDesc* q, const QProjOptions& o,
+                              Stream stream) {
+  if (o.weight_layout != WeightLayout::kNK)
+    fail("weight_layout", "an MXFP8 w is [N, K] with its blocks along K: weight_layout must be nk");
+  detail::GemmProblem g;
+  g.fp8 = true;
+  g.a = detail::gemm_rowwise_operand(kOp, "x", x);
+  g.b = detail::gemm_rowwise_operand(kOp, "w", w);
+  if (w.format != x.format)
+    fail("w", std::string("FP8 format ") + (w.format == Fp8Format::kE4M3 ? "e4m3" : "e5m2") + " differs from x's " +
+                  (x.format == Fp8Format::kE4M3 ? "e4m3" : "e5m2") + ": both must share one format");
+  g.fmt = x.format;
+  g.M = g.a.rows, g.N = g.b.rows, g.K = g.a.cols;
+  if (g.b.cols != g.K)
+    fail("w", "shape " + detail::shape_str(w.shape) + " does not match K = " + std::to_string(g.K) + " of x ([N, K])");
+  const Device dev = x.rowwise_data.device;
+  for (const TensorDesc* t : {&x.rowwise_scale_inv, &w.rowwise_data, &w.rowwise_scale_inv})
+    if (t->device != dev)
+      fail(t == &x.rowwise_scale_inv ? "x.rowwise_scale_inv" : t == &w.rowwise_data ? "w.rowwise_data" : "w.rowwise_scale_inv",
+           "is on another device than x.rowwise_data");
+  detail::QProjProblem p = common_problem(g.M, g.K, g.N, dev, cos, sin, out, q, o);
+  if (g.M == 0) return;
+  if (dev.type == DeviceType::kCPU) return detail::qproj_mxfp8_cpu(p, g);
+
+#if MXMLA_WITH_CUDA
+  check_cuda(p, cos, sin, out, q, o, dev.index);
+  for (const TensorDesc* t : {&x.rowwise_data, &x.rowwise_scale_inv, &w.rowwise_data, &w.rowwise_scale_inv})
+    detail::check_cuda_pointer(kOp, t == &x.rowwise_data ? "x.rowwise_data" : t == &x.rowwise_scale_inv ? "x.rowwise_scale_inv"
+                                     : t == &w.rowwise_data ? "w.rowwise_data" : "w.rowwise_scale_inv",
+                               t->data, dev.index);
+  detail::CudaDeviceGuard guard(dev.index);
+  detail::qproj_mxfp8_cuda(p, g, stream);
 #else
   (void)stream;
   fail("x", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");

@@ -49,4 +49,15 @@ void fused_q_uproj_rope_quant(const TensorDesc& x, const TensorDesc& w, const Te
                               const TensorDesc& sin, MXFP8Tensor& out, TensorDesc* q, const QProjOptions& opts,
                               Stream stream = nullptr);
 
+// The same op with MXFP8 x and W (the reference system's MXFP8-weight path, SPEC §4 and §6): x
+// [T, K] and w [N, K] MXFP8Tensors from quantize (compact or swizzled scales, one FP8 format) with
+// their rowwise copies (blocks of 32 along K), opts.weight_layout kNK. The GEMM runs on the
+// exactly dequantized copies with fp32 accumulation (the CPU reference in float64, rounded as the
+// bf16 op's), then the same RoPE + MXFP8 epilogue. CUDA: the bf16 op's kernel on bf16 copies of
+// both (exact unless some scale byte puts values below bf16's normal range; then an exact fp32
+// path inside the same kernel, much slower, takes over: decided on the device, no synchronisation).
+void fused_q_uproj_rope_quant(const MXFP8Tensor& x, const MXFP8Tensor& w, const TensorDesc& cos,
+                              const TensorDesc& sin, MXFP8Tensor& out, TensorDesc* q, const QProjOptions& opts,
+                              Stream stream = nullptr);
+
 }  // namespace mxmla

@@ -305,6 +305,32 @@ def _(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch, fp8_format, bhsd
 _no_gradient(fused_q_uproj_rope_quant, "mxmla.fused_q_uproj_rope_quant", _qp._NOT_DIFF, ["x", "w", "cos", "sin"])
 
 
+@torch.library.custom_op("mxmla::fused_q_uproj_rope_quant_mx", mutates_args=())
+def fused_q_uproj_rope_quant_mx(x_codes: Optional[Tensor], x_scales: Optional[Tensor], w_codes: Optional[Tensor],
+                                w_scales: Optional[Tensor], x_mx: str, w_mx: str, cos: Tensor, sin: Tensor,
+                                nope_dim: int, rope_dim: int, style: str, layout: str, batch: int, fp8_format: str,
+                                bhsd_scales: bool, rowwise: bool = True, columnwise: bool = True,
+                                return_q: bool = False) -> _T5:
+    """The MXFP8-weight op: x's and W's rowwise codes and scales (None where absent: the core names the
+    missing copy) with their descriptions (attention's "<fp8 format>:<scale layout>:-:<shape>") ->
+    (rowwise codes, rowwise scales, columnwise codes, columnwise scales, q) as fused_q_uproj_rope_quant."""
+    res = _qp._fused_mx_impl(x_codes, x_scales, w_codes, w_scales, x_mx, w_mx, cos, sin, nope_dim, rope_dim, style,
+                             layout, batch, rowwise, columnwise, fp8_format, bhsd_scales, return_q)
+    return (*(_placeholder(cos, o) for o in res[:4]), _placeholder(cos, res[4], torch.bfloat16))
+
+
+@fused_q_uproj_rope_quant_mx.register_fake
+def _(x_codes, x_scales, w_codes, w_scales, x_mx, w_mx, cos, sin, nope_dim, rope_dim, style, layout, batch,
+      fp8_format, bhsd_scales, rowwise=True, columnwise=True, return_q=False):
+    from .attention import _parse_spec
+    o = _qp._qproj_options(nope_dim, rope_dim, style, layout, batch, "nk", rowwise, columnwise, fp8_format,
+                           bhsd_scales)
+    tokens, heads = _qp._heads(_parse_spec(x_mx)[3], _parse_spec(w_mx)[3], nope_dim, rope_dim, "nk")
+    qshape, data, rs, cs = _qp._qproj_shapes(tokens, heads, o)
+    q = cos.new_empty(tuple(qshape) if return_q else (0,), dtype=torch.bfloat16)
+    return (*_fake4(cos, (data, rs, cs), rowwise, columnwise), q)
+
+
 # ----------------------------------------------------------------------------- attention
 @torch.library.custom_op("mxmla::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, q_scale: Optional[Tensor], k_scale: Optional[Tensor],

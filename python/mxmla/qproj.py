@@ -98,16 +98,39 @@ def _fused_args(op: str, nope_dim: Any, rope_dim: Any, style: Any, layout: Any, 
     return args
 
 
+def _fused_mx_impl(xc: Any, xs: Any, wc: Any, ws: Any, x_mx: str, w_mx: str, cos: Any, sin: Any, nope_dim: int,
+                   rope_dim: int, style: str, layout: str, batch: int, rowwise: bool, columnwise: bool,
+                   fp8_format: str, bhsd_scales: bool, return_q: bool) -> tuple:
+    """The compiled op on MXFP8 x and W: their rowwise codes and scales with their descriptions
+    (attention._mx_spec). Returns (*outputs, q or None, q's shape)."""
+    from .attention import _core_operand, _parse_spec
+    be = Backend(_OP, "x", xc if xc is not None else cos)  # (no rowwise codes: the core names the missing copy)
+    o = _qproj_options(nope_dim, rope_dim, style, layout, batch, "nk", rowwise, columnwise, fp8_format, bhsd_scales)
+    xo = _core_operand(be, _OP, "x", xc, xs, x_mx, True)
+    wo = _core_operand(be, _OP, "w", wc, ws, w_mx, True)
+    tokens, heads = _heads(_parse_spec(x_mx)[3], _parse_spec(w_mx)[3], nope_dim, rope_dim, "nk")
+    qshape, data, rs, cs = _qproj_shapes(tokens, heads, o)
+    outs = alloc_outputs(be, (data, rs, cs), rowwise, columnwise)
+    q = be.empty(qshape, "bfloat16") if return_q else None
+    _core.fused_q_uproj_rope_quant_mx(xo, wo, be.desc("cos", cos, bf16=True), be.desc("sin", sin, bf16=True),
+                                      *output_descs(be, outs), be.opt_desc("q", q, bf16=True), o, be.stream())
+    return (*outs, q, qshape)
+
+
 def fused_q_mxfp8_weight(x: Any, w8: MXFP8Tensor, cos: Any, sin: Any, nope_dim: int, rope_dim: int, style: str,
                          layout: str, batch: int, weight_layout: str, rowwise: bool, columnwise: bool,
                          fp8_format: str, bhsd_scales: bool, return_q: bool) -> Tuple[MXFP8Tensor, Any, MXFP8Tensor]:
     """The fused op with an MXFP8 weight (the reference system's MXFP8-weight path; arguments checked
     by the caller): x (bf16, quantized here rowwise + columnwise in one pass in W's FP8 format, or an
-    MXFP8Tensor [T, K] with its rowwise copy) times W [N, K] (rowwise copy: blocks along K) on
-    mxmla.gemm (fp32 accumulation, rounded to bf16), then RoPE in fp32 on that bf16 q (not re-rounded)
-    and the MXFP8 quantization of q for attention — the bf16-weight op's epilogue, run as
-    apply_rope + quantize_attention (the same result bit for bit). Returns (q8, q in bf16 after RoPE
-    or None, x8: x's MXFP8 copies, whose columnwise one the weight gradient reads)."""
+    MXFP8Tensor [T, K] with its rowwise copy) times W [N, K] (rowwise copy: blocks along K) with fp32
+    accumulation on the exactly dequantized codes, rounded to bf16, then RoPE in fp32 on that bf16 q
+    (not re-rounded) and the MXFP8 quantization of q for attention — the bf16-weight op's epilogue.
+    CPU tensors, and CUDA ones with the kernel's head dims (nope 128, rope 64): the compiled op
+    (torch.ops.mxmla.fused_q_uproj_rope_quant_mx; on CUDA the bf16 op's kernel on bf16 copies of x
+    and W, with an exact fallback for scales that put values outside bf16's normal range); other head
+    dims on CUDA: mxmla.gemm, then apply_rope and quantize_attention (the same result). Returns (q8,
+    q in bf16 after RoPE or None, x8: x's MXFP8 copies, whose columnwise one the weight gradient
+    reads)."""
     from .gemm import gemm
     from .mxfp8 import quantize, quantize_attention
     from .rope import apply_rope
@@ -137,6 +160,17 @@ def fused_q_mxfp8_weight(x: Any, w8: MXFP8Tensor, cos: Any, sin: Any, nope_dim: 
                          f"= {D}")
     if T % batch:
         raise ValueError(f"{op}: argument 'batch': x's {T} tokens are not a multiple of batch = {batch}")
+    if x8.rowwise_data is None or x8.rowwise_data.device.type == "cpu" or (nope_dim, rope_dim) == (128, 64):
+        from .attention import _mx_spec
+        _check_tables(op, style, cos, sin)
+        res = torch.ops.mxmla.fused_q_uproj_rope_quant_mx(
+            x8.rowwise_data, x8.rowwise_scale_inv, w8.rowwise_data, w8.rowwise_scale_inv, _mx_spec(x8), _mx_spec(w8),
+            cos, sin, nope_dim, rope_dim, style, layout, batch, fp8_format, bhsd_scales, rowwise, columnwise, return_q)
+        outs = _present(res[:4], rowwise, columnwise)
+        qshape = res[0].shape if rowwise else res[2].shape  # the codes have q's shape
+        t = MXFP8Tensor(tuple(qshape), fp8_format, "bhsd" if bhsd_scales else "compact", *outs, layout=layout,
+                        attention=True)
+        return t, (res[4] if return_q else None), x8
     q = gemm(x8, w8)  # [T, N] bf16 (fp32 accumulation, rounded once)
     s, heads = T // batch, N // D
     qr = q.float().reshape((s, batch, heads, D) if layout == "sbhd" else (batch, s, heads, D))

@@ -522,6 +522,28 @@ NB_MODULE(_mxmla_core, m) {
       nb::arg("rowwise_scale_inv").none(), nb::arg("columnwise_data").none(), nb::arg("columnwise_scale_inv").none(),
       nb::arg("q").none(), nb::arg("options"), nb::arg("stream"));
 
+  // x, w: MXFP8 operand tuples (see MxOperand; their rowwise copies are read) -- the MXFP8-weight path
+  m.def(
+      "fused_q_uproj_rope_quant_mx",
+      [](const AttnOperand& x, const AttnOperand& w, const Desc& cos, const Desc& sin, const OptDesc& rd,
+         const OptDesc& rs, const OptDesc& cd, const OptDesc& cs, const OptDesc& q, const QProjOptions& o,
+         uintptr_t stream) {
+        renamed({{"options", "rowwise"}}, [&] {
+          const HeldOperand hx(x), hw(w);
+          if (hx.in.mx == nullptr || hw.in.mx == nullptr)
+            throw Error("mxmla.fused_q_uproj_rope_quant", hx.in.mx == nullptr ? "x" : "w",
+                        "must be an MXFP8 tensor on this path");
+          MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
+          const TensorDesc c = to_desc(cos), s = to_desc(sin);
+          TensorDesc qd = opt_desc(q);
+          nb::gil_scoped_release release;
+          fused_q_uproj_rope_quant(*hx.in.mx, *hw.in.mx, c, s, t, q ? &qd : nullptr, o, to_stream(stream));
+        });
+      },
+      nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"), nb::arg("rowwise_data").none(),
+      nb::arg("rowwise_scale_inv").none(), nb::arg("columnwise_data").none(), nb::arg("columnwise_scale_inv").none(),
+      nb::arg("q").none(), nb::arg("options"), nb::arg("stream"));
+
   // ------------------------------------------------------------------ attention
   // q, k, v: each a bf16 descriptor or an MXFP8 operand tuple (see MxOperand); o: bf16 in q's format
   // with d_v columns; lse: float32 [b, h, s_q] (thd: [h, t]) or None; cu_seqlens_*: int32 [b + 1]

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "common/mxfp8_common.h"
 #include "mxmla/gemm.h"
@@ -34,6 +35,12 @@ struct GemmProblem {
 };
 
 void gemm_cpu(const GemmProblem& p);
+// The CPU reference's exact decode of one operand: op(X) [n_out, K] in float64, K contiguous
+// (code · 2^(e − 127) for MXFP8, the values for bf16).
+std::vector<double> gemm_decode(const GemmProblem& p, const GemmOperandView& v, int64_t n_out);
+// An MXFP8 operand [rows, cols] read along its cols (its rowwise copy), with mxmla.gemm's checks of
+// it (shape, copy present, dtypes, scale shapes); errors name `op` and the argument `name`.
+GemmOperandView gemm_rowwise_operand(const char* op, const char* name, const MXFP8Tensor& t);
 // The SM90 kernel (MXFP8 operands; src/cuda/sm90_mxfp8_gemm.cu).
 void mxfp8_gemm_cuda(const GemmProblem& p, Stream stream);
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "common/gemm_ops.h"
 #include "common/mxfp8_common.h"
 #include "mxmla/qproj.h"
 
@@ -41,6 +42,12 @@ struct QProjProblem {
 
 void qproj_cpu(const QProjProblem& p);
 void qproj_cuda(const QProjProblem& p, Stream stream);
+// MXFP8 x and W: g.a = x [T, K] and g.b = W [N, K], both read along K (rowwise copies; T, N, K,
+// fmt as in g); p's x and w fields are unused. The CPU reference decodes them exactly (float64);
+// the CUDA path feeds the kernel design C's bf16 copies, with an exact fallback (see
+// cuda/mxfp8_bf16_operands.h).
+void qproj_mxfp8_cpu(const QProjProblem& p, const GemmProblem& g);
+void qproj_mxfp8_cuda(const QProjProblem& p, const GemmProblem& g, Stream stream);
 // Whether the SM90 kernel has an instantiation for these head dims (D, R). W as [K, N] is
 // transposed into a scratch buffer first.
 bool qproj_cuda_supports(int64_t D, int64_t R);

@@ -42,8 +42,10 @@ int threads_for(double work, int64_t tasks) {
   return static_cast<int>(std::min<int64_t>(cpu_threads(0), tasks));
 }
 
+}  // namespace
+
 // op(A) [M, K] (or op(B)ᵀ [N, K]) in float64, row i holding the contraction k = 0..K-1 contiguous.
-std::vector<double> decode(const GemmProblem& p, const GemmOperandView& v, int64_t n_out) {
+std::vector<double> gemm_decode(const GemmProblem& p, const GemmOperandView& v, int64_t n_out) {
   const int64_t K = p.K;
   std::vector<double> d(static_cast<size_t>(n_out * K));
   std::array<double, 256> code{}, scale{};
@@ -74,11 +76,9 @@ std::vector<double> decode(const GemmProblem& p, const GemmOperandView& v, int64
   return d;
 }
 
-}  // namespace
-
 void gemm_cpu(const GemmProblem& p) {
   const int64_t M = p.M, N = p.N, K = p.K;
-  const std::vector<double> a = decode(p, p.a, M), b = decode(p, p.b, N);
+  const std::vector<double> a = gemm_decode(p, p.a, M), b = gemm_decode(p, p.b, N);
   const int64_t tasks = ceil_div(M, kRowBlock);
   parallel_for(tasks, threads_for(double(M) * double(N) * double(K), tasks), [&](int64_t t) {
     const int64_t m0 = t * kRowBlock, m1 = std::min(M, m0 + kRowBlock);

@@ -5,6 +5,7 @@
 // fp32 accumulation equal to this one, so its codes and scales compare bit for bit.
 #include <vector>
 
+#include "common/gemm_ops.h"
 #include "common/ops.h"
 #include "common/qproj_ops.h"
 #include "common/rope_ops.h"
@@ -12,20 +13,19 @@
 
 namespace mxmla::detail {
 
-void qproj_cpu(const QProjProblem& p) {
+namespace {
+
+// The op from x's rows xrow(b, s, t, buf) -> K doubles (token t = (b, s); buf: K doubles to fill) and W's rows wd [N][K] (float64 values).
+template <class XRow>
+void qproj_decoded(const QProjProblem& p, XRow&& xrow, const std::vector<double>& wd) {
   const int64_t N = p.NH * p.D, tokens = p.B * p.S;
-  const auto* x = static_cast<const uint16_t*>(p.x);
-  const auto* w = static_cast<const uint16_t*>(p.w);
-  // q = bf16(fp32(x . W^T)) [tokens, NH, D] in token order; W decoded once, as rows of K doubles
+  // q = bf16(fp32(x . W^T)) [tokens, NH, D] in token order
   std::vector<uint16_t> q(static_cast<size_t>(tokens * N));
-  std::vector<double> wd(static_cast<size_t>(N * p.K)), xr(p.K);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < p.K; ++k)
-      wd[n * p.K + k] = ref::bf16_to_double(p.w_kn ? w[k * p.w_st + n] : w[n * p.w_st + k]);
+  std::vector<double> buf(static_cast<size_t>(p.K));
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t s = 0; s < p.S; ++s) {
       const int64_t t = p.sbhd ? s * p.B + b : b * p.S + s;
-      for (int64_t k = 0; k < p.K; ++k) xr[k] = ref::bf16_to_double(x[b * p.x_st_b + s * p.x_st_s + k]);
+      const double* xr = xrow(b, s, t, buf);
       for (int64_t n = 0; n < N; ++n) {
         const double* wr = wd.data() + n * p.K;
         double a = 0;
@@ -56,6 +56,28 @@ void qproj_cpu(const QProjProblem& p) {
   quantize_cpu(qp);
   if (p.q != nullptr)
     for (size_t i = 0; i < qf.size(); ++i) p.q[i] = ref::float_to_bf16(qf[i]);
+}
+
+}  // namespace
+
+void qproj_cpu(const QProjProblem& p) {
+  const int64_t N = p.NH * p.D;
+  const auto* x = static_cast<const uint16_t*>(p.x);
+  const auto* w = static_cast<const uint16_t*>(p.w);
+  std::vector<double> wd(static_cast<size_t>(N * p.K));  // W decoded once, as rows of K doubles
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < p.K; ++k)
+      wd[n * p.K + k] = ref::bf16_to_double(p.w_kn ? w[k * p.w_st + n] : w[n * p.w_st + k]);
+  qproj_decoded(p, [&](int64_t b, int64_t s, int64_t, std::vector<double>& buf) {
+    for (int64_t k = 0; k < p.K; ++k) buf[k] = ref::bf16_to_double(x[b * p.x_st_b + s * p.x_st_s + k]);
+    return buf.data();
+  }, wd);
+}
+
+// MXFP8 x [T, K] (row t = token t) and W [N, K]: both decoded exactly (gemm_decode), then the same.
+void qproj_mxfp8_cpu(const QProjProblem& p, const GemmProblem& g) {
+  const std::vector<double> xd = gemm_decode(g, g.a, g.M), wd = gemm_decode(g, g.b, g.N);
+  qproj_decoded(p, [&](int64_t, int64_t, int64_t t, std::vector<double>&) { return xd.data() + t * p.K; }, wd);
 }
 
 }  // namespace mxmla::detail

@@ -33,6 +33,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/heuristics.h"
 #include "cuda/launch.h"
+#include "cuda/mxfp8_bf16_operands.h"
 #include "cuda/numerics.cuh"
 #include "cuda/sm90_mxfp8_gemm.cuh"
 #include "cuda/ptx/convert.cuh"
@@ -479,6 +480,30 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
     if (e4m3) launch_b<ptx::MmaDtype::kE4M3>(ta, tb, pb, s);
     else launch_b<ptx::MmaDtype::kE5M2>(ta, tb, pb, s);
   }
+}
+
+void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operands& o) {
+  const bool e4m3 = pr.fmt == Fp8Format::kE4M3;
+  o.keep[0] = std::make_unique<StreamScratch>(4, s);
+  uint32_t* flag = reinterpret_cast<uint32_t*>(o.keep[0]->ptr);
+  MXMLA_CUDA_CHECK(cudaMemsetAsync(flag, 0, 4, s));
+  const uint32_t min_e = mxgemm_a::min_exact_e(e4m3);
+  const uint8_t* a_sc = gather(pr.a, pr.M, pr.K, s, o.keep[1], min_e, flag);
+  const uint8_t* b_sc = gather(pr.b, pr.N, pr.K, s, o.keep[2], min_e, flag);
+  // K-major codes for the exact path: the operands' own (rowwise, aligned) or a copy made only when
+  // the flag is set (a columnwise operand) or always (rows TMA cannot take)
+  const KMajor a = kmajor(pr.a, pr.M, pr.K, a_sc, s, o.keep[3], true, flag);
+  const KMajor b = kmajor(pr.b, pr.N, pr.K, b_sc, s, o.keep[4], true, flag);
+  (void)bf16_copy(a, pr.M, pr.K, e4m3, 128, s, o.keep[5]);
+  (void)bf16_copy(b, pr.N, pr.K, e4m3, 256, s, o.keep[6]);
+  o.a16 = reinterpret_cast<const uint16_t*>(o.keep[5]->ptr), o.b16 = reinterpret_cast<const uint16_t*>(o.keep[6]->ptr);
+  o.ld = (pr.K + 15) / 16 * 16;
+  const int64_t tiles_x = (pr.K + 127) / 128;
+  o.exact.flag = flag;
+  o.exact.a = {a.codes, a.ld, a_sc, tiles_x};
+  o.exact.b = {b.codes, b.ld, b_sc, tiles_x};
+  o.exact.K = static_cast<int>(pr.K);
+  o.exact.e4m3 = e4m3;
 }
 
 }  // namespace mxmla::detail

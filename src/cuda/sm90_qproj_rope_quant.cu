@@ -23,6 +23,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/heuristics.h"
 #include "cuda/launch.h"
+#include "cuda/mxfp8_bf16_operands.h"
 #include "cuda/numerics.cuh"
 #include "cuda/sm90_qproj_rope_quant.cuh"
 #include "cuda/stream_scratch.h"
@@ -63,14 +64,22 @@ __global__ void __launch_bounds__(256) widen_tables(const uint16_t* __restrict__
   dst[rows * kR + i] = bf16_lo(sn[off]);
 }
 
-template <RopeStyle kStyle, bool kE4M3>
-void launch(const CUtensorMap& tx, const CUtensorMap& tw, const qproj::Params& kp, cudaStream_t stream) {
-  using Kernel = qproj::Kernel<kStyle, kE4M3>;
+template <RopeStyle kStyle, bool kE4M3, bool kExact = false>
+void launch_one(const CUtensorMap& tx, const CUtensorMap& tw, const qproj::Params& kp, cudaStream_t stream) {
+  using Kernel = qproj::Kernel<kStyle, kE4M3, sm90::EpilogueRopeMxfp8<qproj::Cfg::kD, qproj::Cfg::kR, qproj::Cfg::kBM, kStyle, kE4M3>,
+                               NoProbe, kExact>;
   const void* kernel = reinterpret_cast<const void*>(&qproj::sm90_qproj_rope_quant_kernel<Kernel>);
   const int sms = kernel_fit(kernel, Kernel::kThreads, Kernel::kSmemBytes, Kernel::kSmemBytes).sms;
   const int grid = heuristics::balanced_grid(kp.sched.num_tiles, sms);
   qproj::sm90_qproj_rope_quant_kernel<Kernel><<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(tx, tw, kp);
   MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+// The wgmma kernel; with MXFP8 inputs (kp.ex.flag set) also its exact fallback, of which the flag
+// lets one run (the other returns at once).
+template <RopeStyle kStyle, bool kE4M3>
+void launch(const CUtensorMap& tx, const CUtensorMap& tw, const qproj::Params& kp, cudaStream_t stream) {
+  launch_one<kStyle, kE4M3>(tx, tw, kp, stream);
+  if (kp.ex.flag != nullptr) launch_one<kStyle, kE4M3, true>(tx, tw, kp, stream);
 }
 
 }  // namespace
@@ -126,9 +135,9 @@ void qproj_prepare(const QProjProblem& p, cudaStream_t stream, StreamScratch& sc
   e.row_map = p.row_map, e.col_map = p.col_map, e.q = p.q;
 }
 
-void qproj_cuda(const QProjProblem& p, Stream s) {
-  auto stream = reinterpret_cast<cudaStream_t>(s);
-  if (p.B * p.S == 0) return;
+namespace {
+// The kernel on problem p (x and W bf16); ex: MXFP8 x and W's exact fallback (null: bf16 inputs).
+void run(const QProjProblem& p, cudaStream_t stream, const Mxfp8Exact* ex) {
   // BHSD scales have padding that nobody else writes.
   if (p.row_scales != nullptr && p.row_map.mode != MapMode::kCompact)
     MXMLA_CUDA_CHECK(cudaMemsetAsync(p.row_scales, 0, row_map_bytes(p.row_map), stream));
@@ -137,8 +146,9 @@ void qproj_cuda(const QProjProblem& p, Stream s) {
   StreamScratch scratch_w(p.w_kn ? p.NH * p.D * p.K * 2 : 0, stream);                       // W as [N, K]
   StreamScratch scratch_tab(p.tab_t == DType::kFloat32 ? 0 : 2 * p.S * qproj::Cfg::kR * 4, stream);  // fp32 tables
   CUtensorMap tx, tw;
-  qproj::Params kp;
+  qproj::Params kp{};
   qproj_prepare(p, stream, scratch_w, scratch_tab, tx, tw, kp);
+  if (ex != nullptr) kp.ex = *ex;
   const bool e4m3 = p.fmt == Fp8Format::kE4M3;
   switch (p.style) {
     case RopeStyle::kInterleavedInHalvesOut:
@@ -151,6 +161,26 @@ void qproj_cuda(const QProjProblem& p, Stream s) {
       return e4m3 ? launch<RopeStyle::kRotateHalf, true>(tx, tw, kp, stream)
                   : launch<RopeStyle::kRotateHalf, false>(tx, tw, kp, stream);
   }
+}
+}  // namespace
+
+void qproj_cuda(const QProjProblem& p, Stream s) {
+  if (p.B * p.S == 0) return;
+  run(p, reinterpret_cast<cudaStream_t>(s), nullptr);
+}
+
+// MXFP8 x and W (g.a = x [T, K] rowwise, g.b = W [N, K] rowwise; p.x, p.w unused): design C's bf16
+// copies of both (one dequantizing pass each) feed the same kernel; the scale check's flag switches
+// its MMA warpgroups to the exact fallback when a copy would not be exact.
+void qproj_mxfp8_cuda(const QProjProblem& p0, const GemmProblem& g, Stream s) {
+  if (p0.B * p0.S == 0) return;
+  auto stream = reinterpret_cast<cudaStream_t>(s);
+  Mxfp8Bf16Operands ops;  // (its scratch is freed on the stream after the kernel)
+  mxfp8_bf16_operands(g, stream, ops);
+  QProjProblem p = p0;
+  p.x = ops.a16, p.x_st_s = p.sbhd ? p.B * ops.ld : ops.ld, p.x_st_b = p.sbhd ? ops.ld : p.S * ops.ld;
+  p.w = ops.b16, p.w_st = ops.ld, p.w_kn = false;
+  run(p, stream, &ops.exact);
 }
 
 }  // namespace mxmla::detail

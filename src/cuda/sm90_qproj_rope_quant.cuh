@@ -5,11 +5,16 @@
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only)
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "common/mxfp8_common.h"
 #include "common/qproj_ops.h"
+#include "cuda/mxfp8_bf16_operands.h"
+#include "cuda/numerics.cuh"
+#include "cuda/ptx/convert.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/sm90/epilogue_rope_mxfp8.cuh"
@@ -37,13 +42,17 @@ struct Params {
   SchedParams sched;
   int kblocks;
   sm90::RopeMxfp8Params epi;
+  Mxfp8Exact ex;  // MXFP8 x and W (the tensor maps read their bf16 copies): the exact fallback; else flag null
 };
 
 // Kernel traits: the parts and the shared memory they share. Epi: the epilogue (the default one
 // computes the op; dev/cuda/ has others); Probe: NoProbe, or a recording one (dev/cuda/).
 template <RopeStyle kStyle, bool kE4M3, class Epi = sm90::EpilogueRopeMxfp8<Cfg::kD, Cfg::kR, Cfg::kBM, kStyle, kE4M3>,
-          class ProbeT = NoProbe>
+          class ProbeT = NoProbe, bool kExact_ = false>
 struct Kernel {
+  // false: the wgmma kernel (returns at once when p.ex.flag is set); true: its exact fallback for
+  // MXFP8 x and W (exact_tile below instead of the mainloop; returns at once unless the flag is set)
+  static constexpr bool kExact = kExact_;
   using Mainloop = sm90::MainloopTmaWgmma<Cfg::kBM, Cfg::kD, Cfg::kBK, Cfg::kStages, Cfg::kMmaWGs, ptx::MmaDtype::kBF16,
                                           ptx::MmaDtype::kBF16>;
   using Epilogue = Epi;
@@ -69,6 +78,90 @@ __device__ __forceinline__ void tile_coords(const SchedParams& s, int t, int& bi
   m0 = (mt % s.mtiles) * Cfg::kBM;
 }
 
+// ---------------------------------------------------------------- the exact fallback
+// Taken when ex.flag is set (some scale byte puts values outside bf16's normal range, so the bf16
+// copies the mainloop reads are not exact): MMA warpgroup cw's rows of the tile by CUDA cores from
+// the FP8 codes and the gathered scales, rounded to bf16 into the hand-off tile as the wgmma path's
+// accumulators are (the same fragment: rows 16 w + lane / 4 + 8 hh of its 64, columns
+// 8 j + 2 (lane % 4) + e). code · 2^(e − 127) is exact in fp32 for every code and scale byte (the
+// smallest, 2^-16 · 2^-127, is an fp32 subnormal); products and sums in fp32, in another order than
+// the wgmma's (within the fp32-accumulation bound; bit-identical where every partial sum is exact).
+// Rows past the sequence (xrow < 0) give 0. Slow (CUDA cores, operands from L1 / L2, a quarter
+// of the columns at a time), but only such inputs take it: the body of the kernel's kExact instantiation
+// (in the wgmma one, ptxas would serialize the wgmmas and spill).
+__device__ __forceinline__ float fp8_value(uint32_t code, bool e4m3) {  // exact: an FP8 value is an f16 value
+  const uint32_t h2 = e4m3 ? ptx::cvt_f16x2_from_fp8x2<true>(static_cast<uint16_t>(code))
+                           : ptx::cvt_f16x2_from_fp8x2<false>(static_cast<uint16_t>(code));
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(h2 & 0xFFFFu)));
+}
+template <class Epilogue>
+__device__ __forceinline__ void exact_tile(const Params& p, typename Epilogue::SharedStorage& epi, int cw, int t) {
+  constexpr int kParts = 4, kJh = Cfg::kD / 8 / kParts;  // column parts, 8-column groups per part
+  const Mxfp8Exact& ex = p.ex;
+  const int w4 = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  int bi, m0, h;
+  tile_coords(p.sched, t, bi, m0, h);
+  int64_t xrow[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int si = m0 + 64 * cw + 16 * w4 + lane / 4 + 8 * hh;
+    xrow[hh] = si < p.epi.S ? Epilogue::token_of(p.epi, bi, si) : -1;
+  }
+  const uint32_t tile = ptx::smem_u32(epi.tile);
+  for (int part = 0; part < kParts; ++part) {
+    const int64_t wrow0 = int64_t{h} * Cfg::kD + part * (Cfg::kD / kParts);
+    float acc[2][kJh][2];  // [hh][j][e]
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int j = 0; j < kJh; ++j) acc[hh][j][0] = acc[hh][j][1] = 0.f;
+#pragma unroll 1
+    for (int kb = 0; kb < ex.K / 32; ++kb) {
+      float fx[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        fx[hh] = xrow[hh] < 0 ? 0.f : e8m0_factor(ex.a.scales[swizzle_offset(xrow[hh], kb, ex.a.tiles_x)]);
+#pragma unroll 1
+      for (int k8 = 0; k8 < 4; ++k8) {  // 8 values of K at a time
+        const int k0 = 32 * kb + 8 * k8;
+        float xv[2][8];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint2 c = xrow[hh] < 0 ? make_uint2(0, 0)
+                                       : *reinterpret_cast<const uint2*>(ex.a.codes + xrow[hh] * ex.a.ld + k0);
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            xv[hh][i] = fp8_value(((i < 4 ? c.x : c.y) >> (8 * (i % 4))) & 0xFFu, ex.e4m3) * fx[hh];
+        }
+#pragma unroll
+        for (int j = 0; j < kJh; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int64_t wr = wrow0 + 8 * j + 2 * (lane % 4) + e;
+            const float fw = e8m0_factor(ex.b.scales[swizzle_offset(wr, kb, ex.b.tiles_x)]);
+            const uint2 c = *reinterpret_cast<const uint2*>(ex.b.codes + wr * ex.b.ld + k0);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              const float wv = fp8_value(((i < 4 ? c.x : c.y) >> (8 * (i % 4))) & 0xFFu, ex.e4m3) * fw;
+              acc[0][j][e] = fmaf(xv[0][i], wv, acc[0][j][e]);
+              acc[1][j][e] = fmaf(xv[1][i], wv, acc[1][j][e]);
+            }
+          }
+      }
+    }
+    // bf16 pairs (columns c, c + 1) into the tile's bf16 region, as store_accumulators rounds them
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = 64 * cw + 16 * w4 + lane / 4 + 8 * hh;
+#pragma unroll
+      for (int j = 0; j < kJh; ++j) {
+        const int col = part * (Cfg::kD / kParts) + 8 * j + 2 * (lane % 4);
+        ptx::st_shared_u32(tile + Epilogue::tswz(row, 2 * col), bf16x2_rn(acc[hh][j][0], acc[hh][j][1]));
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- the kernel
 template <class K>
 __global__ void __launch_bounds__(K::kThreads, 1)
@@ -84,6 +177,9 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
   const int wg = threadIdx.x / 128;
   const StaticPersistent sched{p.sched.num_tiles};
+  // MXFP8 inputs: the scale check's flag (written by an earlier kernel of the stream) picks this
+  // instantiation or the other (uniform: the whole CTA returns)
+  if (p.ex.flag != nullptr && (*p.ex.flag != 0u) != K::kExact) return;
 
   if (threadIdx.x == 0) {
     sm.stages.init(Mainloop::kConsumerArrivals);
@@ -93,7 +189,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   __syncthreads();
 
   if (threadIdx.x < 32) {  // ---------------- producer: one thread issues the TMA loads
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && !K::kExact) {
       Probe::cta_begin();
       ptx::prefetch_tmap(&tmap_x);
       ptx::prefetch_tmap(&tmap_w);
@@ -138,6 +234,12 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   uint32_t n = 0;
   for (int t = sched.first(); sched.valid(t); t = sched.next(t), ++n) {
     if (stamps) Probe::stamp(n, 0);
+    if constexpr (K::kExact) {
+      sm.handoff.producer_wait(n);
+      exact_tile<Epilogue>(p, sm.epi, cw, t);
+      sm.handoff.producer_commit();
+      continue;
+    }
     mma.template mma<Probe>(sm.stages, st, p.kblocks, acc, stamps, n);
     sm.handoff.producer_wait(n);  // the epilogue has read the previous tile
     if (stamps) Probe::stamp(n, 2);

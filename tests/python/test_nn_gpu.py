@@ -78,6 +78,38 @@ def test_mlaqupproj_cuda_against_cpu():
     assert rel(dx1, dx0) < 0.01 and rel(dw1, dw0) < 0.01
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fused_op_with_mxfp8_weights_exact_fallback_for_tiny_scales(fmt):
+    """Blocks of x with scale byte 1 (amax 7 · 2^-120 in E4M3, 7 · 2^-113 in E5M2) whose other values
+    are n · 2^-135 (|n| <= 3, exact codes): those dequantize below bf16's smallest subnormal
+    (2^-133), so the bf16 copies the fused kernel multiplies would lose them; the scale check
+    switches the kernel to its exact fp32 path, which must equal the CPU reference bit for bit
+    (every product and sum exact in fp32). Also x with normal scales (the wgmma path) and x with
+    such blocks in half of its rows only."""
+    T, K, H = 80, 96, 2
+    w = ints(H * 192, K, seed=8)
+    w[:, ::32] = 0  # (the large values of x meet zeros: the sums stay within fp32's 24 bits, so exact)
+    cos, sin = mxmla.rope_tables(torch.arange(80), 64, yarn="deepseek_v3")
+    tiny = ints(T, K, lo=-3, hi=4, seed=9).float() * 2.0 ** -135
+    tiny[:, ::32] = 7 * 2.0 ** (-120 if fmt == "e4m3" else -113)
+    normal = ints(T, K, lo=-7, hi=8, seed=10).float() * 2.0 ** -6
+    mixed = torch.cat([tiny[: T // 2], normal[T // 2:]])
+    for x, has_tiny in ((tiny, True), (normal, False), (mixed, True)):  # fp32 x
+        w8, x8 = (mxmla.quantize(t, fp8_format=fmt) for t in (w, x))
+        d = mxmla.dequantize(x8, "float32")
+        assert bool(((d != 0) & (d.abs() < 2.0 ** -133)).any()) == has_tiny
+        kw = dict(layout="sbhd", batch=2, return_q=True, fp8_format=fmt)
+        a, qa = mxmla.fused_q_uproj_rope_quant(x8, w8, cos, sin, 128, 64, **kw)
+        w8c, x8c = (mxmla.quantize(t.cuda(), fp8_format=fmt) for t in (w, x))
+        assert torch.equal(x8c.rowwise_data.cpu(), x8.rowwise_data)
+        assert torch.equal(x8c.rowwise_scale_inv.cpu(), x8.rowwise_scale_inv)
+        b, qb = mxmla.fused_q_uproj_rope_quant(x8c, w8c, cos.cuda(), sin.cuda(), 128, 64, **kw)
+        for f in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+            assert torch.equal(getattr(a, f), getattr(b, f).cpu()), f
+        assert torch.equal(qa, qb.cpu())
+        assert bool(qa.float().abs().max() > 0)
+
+
 def test_fused_op_with_mxfp8_weights_cuda_equals_cpu_on_integer_data():
     """The MXFP8-weight fused op on the GPU (mxmla.gemm's kernel, the RoPE and quantize_attention
     kernels) equals the CPU path bit for bit on integer-valued x and W (every fp32 partial sum exact);

@@ -154,3 +154,9 @@ def test_mxfp8_weight_errors_name_the_argument():
         mxmla.fused_q_uproj_rope_quant(x, w8, cos, sin, 16, 32, style="interleaved")
     with pytest.raises(ValueError, match="argument 'batch': x's 64 tokens are not a multiple of batch = 3"):
         mxmla.fused_q_uproj_rope_quant(x, w8, cos, sin, 32, 32, style="interleaved", batch=3)
+    with pytest.raises(ValueError, match="argument 'x.rowwise_data': is absent: mxmla.fused_q_uproj_rope_quant reads "
+                                         "its rowwise copy"):
+        mxmla.fused_q_uproj_rope_quant(mxmla.quantize(x, rowwise=False), w8, cos, sin, 32, 32, style="interleaved")
+    w8e5 = mxmla.quantize(torch.randn(2 * 64, 64).to(torch.bfloat16), fp8_format="e5m2")
+    with pytest.raises(ValueError, match="argument 'w': FP8 format e5m2 differs from x's e4m3"):
+        mxmla.fused_q_uproj_rope_quant(mxmla.quantize(x), w8e5, cos, sin, 32, 32, style="interleaved")
