@@ -196,10 +196,9 @@ def fused_q_uproj_rope_quant(x: Array, w: Array, cos: Array, sin: Array, nope_di
     numpy: bf16 as ml_dtypes.bfloat16 or uint16 bits; q comes back in x's flavour.
 
     MXFP8 weights: w an MXFP8Tensor [N, K] with its rowwise copy (quantize(w)), x a torch bf16 tensor
-    (quantized here rowwise + columnwise in one pass) or an MXFP8Tensor [T, K]: the GEMM is
-    mxmla.gemm on the MXFP8 copies (SPEC §6, fp32 accumulation), then the same RoPE + MXFP8 epilogue
-    (see fused_q_mxfp8_weight; CPU tensors: the references; CUDA: mxmla.gemm's kernel, then the RoPE
-    and quantize_attention kernels, not one fused kernel yet).
+    (quantized here rowwise + columnwise in one pass) or an MXFP8Tensor [T, K]: the GEMM runs on the
+    exactly dequantized MXFP8 copies (SPEC §6, fp32 accumulation), then the same RoPE + MXFP8
+    epilogue (see fused_q_mxfp8_weight: on CUDA the fused kernel on bf16 copies of x and W).
     Not differentiable (see the module docstring)."""
     op = _OP
     (nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise, columnwise, fp8_format,
