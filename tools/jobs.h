@@ -17,6 +17,7 @@ struct QProjRunArgs {
   uint64_t seed = 1234;
   RopeStyle style = RopeStyle::kInterleavedInHalvesOut;
   Fp8Format format = Fp8Format::kE4M3;
+  bool mxfp8_weights = false;  // --weights mxfp8: W quantized once (rowwise), x per call (both copies)
 };
 
 // `mxmla run-quantize`. tokens < 0: the device's default (GPU 4096, CPU 256).

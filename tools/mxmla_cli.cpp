@@ -188,6 +188,11 @@ int cmd_run(int argc, char** argv) {
                                             : RopeStyle::kInterleavedInHalvesOut;
            }},
           {"--format", "F", "FP8 codes: e4m3 (default) or e5m2", [&](const std::string& v) { a.format = parse_format(cmd, v); }},
+          {"--weights", "W",
+           "bf16 (default) or mxfp8: the MXFP8-weight path (W quantized once,\nrowwise; x quantized rowwise + "
+           "columnwise in each call, as\nits saved activation; the GEMM on the exactly dequantized\ncodes; the "
+           "same RoPE + MXFP8 epilogue)",
+           [&](const std::string& v) { a.mxfp8_weights = parse_choice(cmd, "--weights", v, {"bf16", "mxfp8"}) == "mxfp8"; }},
           {"--iters", "N", "GPU: timed calls per measurement (after 3 warm-up calls), >= 1;\ndefault 10",
            count("--iters", a.iters)},
           {"--check-groups", "N", "GPU: (32-token group, head) pairs checked against the CPU\nreference, >= 1; default 64",

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,39 @@ Inputs make_inputs(const QProjRunArgs& a, int64_t T) {
   TensorDesc c(in.cos.data(), DType::kFloat32, {T, 64}), s(in.sin.data(), DType::kFloat32, {T, 64});
   rope_tables(positions_arange(T), 64, 10000.0, YarnParams::deepseek_v3(), a.style, c, s);
   return in;
+}
+
+// --weights mxfp8: an MXFP8 operand's rowwise copy on the host ([R, K] codes, compact scales).
+struct HostMx {
+  std::vector<uint8_t> codes, scales;
+  MXFP8Tensor t;
+  HostMx(int64_t R, int64_t K, Fp8Format f) : codes(R * K), scales(R * K / 32) {
+    t.shape = {R, K}, t.format = f;
+    t.rowwise_data = TensorDesc(codes.data(), DType::kUInt8, {R, K});
+    t.rowwise_scale_inv = TensorDesc(scales.data(), DType::kUInt8, {R, K / 32});
+  }
+};
+void require_k32(const QProjRunArgs& a) {
+  if (a.mxfp8_weights && a.k % 32 != 0)
+    throw UsageError("mxmla run", "option '--k' is " + std::to_string(a.k) +
+                                      ": with --weights mxfp8 it must be a multiple of 32 (rowwise MXFP8 blocks along K)");
+}
+// The rowwise copy's values as bf16 (what the MXFP8-weight op multiplies), which must be exact:
+// the bf16 reference on them then computes that op.
+std::vector<uint16_t> exact_bf16(const MXFP8Tensor& t) {
+  const int64_t n = t.shape[0] * t.shape[1];
+  std::vector<float> f(n);
+  std::vector<uint16_t> b(n);
+  TensorDesc fd(f.data(), DType::kFloat32, t.shape), bd(b.data(), DType::kBFloat16, t.shape);
+  dequantize(t, fd), dequantize(t, bd);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = static_cast<uint32_t>(b[i]) << 16;
+    float v;
+    std::memcpy(&v, &u, 4);
+    if (!(v == f[i]) && !(std::isnan(v) && std::isnan(f[i])))
+      throw std::runtime_error("an MXFP8 value is not a bf16 value: the check's bf16 reference cannot hold it");
+  }
+  return b;
 }
 
 QProjOptions options(const QProjRunArgs& a) {
@@ -170,6 +204,7 @@ int run_qproj_cpu(const QProjRunArgs& a, Progress& progress) {
   const int threads = cpu_threads(a.threads);
   check_host_memory("mxmla run", host_bytes(T, b.heads, b.k, threads, true), sizes(T, b.heads, b.k));
   const int64_t N = b.heads * 192;
+  require_k32(b);
   std::printf("mxmla run: no GPU in use: running the CPU reference of the fused Q up-projection at T %lld, NH %lld, "
               "K %lld%s\n",
               (long long)T, (long long)b.heads, (long long)b.k,
@@ -178,6 +213,16 @@ int run_qproj_cpu(const QProjRunArgs& a, Progress& progress) {
   const Inputs in = make_inputs(b, T);
   const QProjOptions o = options(b);
   const MXFP8Shapes s = qproj_shapes(T, b.heads, o);
+  // --weights mxfp8: x and W quantized rowwise once (the op reads their rowwise copies)
+  HostMx x8(b.mxfp8_weights ? T : 0, b.k, b.format), w8(b.mxfp8_weights ? N : 0, b.k, b.format);
+  if (b.mxfp8_weights) {
+    QuantizeOptions qo;
+    qo.columnwise = false, qo.format = b.format;
+    quantize(TensorDesc(const_cast<uint16_t*>(in.x.data()), DType::kBFloat16, {T, b.k}), x8.t, qo);
+    quantize(TensorDesc(const_cast<uint16_t*>(in.w.data()), DType::kBFloat16, {N, b.k}), w8.t, qo);
+    std::printf("--weights mxfp8: x and W quantized rowwise (%s); the GEMM on their exactly dequantized codes\n",
+                b.format == Fp8Format::kE4M3 ? "E4M3" : "E5M2");
+  }
   Compact out;
   out.row.resize(numel(s.data)), out.rs.resize(numel(s.rowwise_scale));
   out.col.resize(numel(s.data)), out.cs.resize(numel(s.columnwise_scale));
@@ -194,11 +239,19 @@ int run_qproj_cpu(const QProjRunArgs& a, Progress& progress) {
     MXFP8Tensor t = describe(cs.data, cs, out.row.data() + r0 * N, out.rs.data() + r0 * b.heads * 6,
                              out.col.data() + r0 * N, out.cs.data() + (r0 / 32) * N, Device{});
     TensorDesc qd(q.data() + r0 * N, DType::kBFloat16, qproj_q_shape(nt, b.heads, o));
-    fused_q_uproj_rope_quant(TensorDesc(const_cast<uint16_t*>(in.x.data() + r0 * b.k), DType::kBFloat16, {nt, b.k}),
-                             TensorDesc(const_cast<uint16_t*>(in.w.data()), DType::kBFloat16, {N, b.k}),
-                             TensorDesc(const_cast<float*>(in.cos.data() + r0 * 64), DType::kFloat32, {nt, 64}),
-                             TensorDesc(const_cast<float*>(in.sin.data() + r0 * 64), DType::kFloat32, {nt, 64}), t,
-                             &qd, o);
+    const TensorDesc c(const_cast<float*>(in.cos.data() + r0 * 64), DType::kFloat32, {nt, 64});
+    const TensorDesc sn(const_cast<float*>(in.sin.data() + r0 * 64), DType::kFloat32, {nt, 64});
+    if (b.mxfp8_weights) {  // the chunk's rows of x's rowwise copy
+      MXFP8Tensor xc = x8.t;
+      xc.shape = {nt, b.k};
+      xc.rowwise_data = TensorDesc(x8.codes.data() + r0 * b.k, DType::kUInt8, {nt, b.k});
+      xc.rowwise_scale_inv = TensorDesc(x8.scales.data() + r0 * b.k / 32, DType::kUInt8, {nt, b.k / 32});
+      fused_q_uproj_rope_quant(xc, w8.t, c, sn, t, &qd, o);
+    } else {
+      fused_q_uproj_rope_quant(TensorDesc(const_cast<uint16_t*>(in.x.data() + r0 * b.k), DType::kBFloat16, {nt, b.k}),
+                               TensorDesc(const_cast<uint16_t*>(in.w.data()), DType::kBFloat16, {N, b.k}), c, sn, t,
+                               &qd, o);
+    }
     progress.advance(nt);
   });
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -276,9 +329,11 @@ int run_qproj_cuda(const QProjRunArgs& args, Progress& progress) {
     throw UsageError("mxmla run", "option '--heads' gives N = NH * 192 = " + std::to_string(N) +
                                       ", beyond what cuBLAS takes (2^31 - 1)");
   std::printf("mxmla run: GPU %s\n", cuda_device_description(0).c_str());
+  require_k32(a);
   std::printf("fused Q up-projection + RoPE + MXFP8 (%s, rowwise + columnwise, compact scales): x [%lld, %lld] bf16, "
-              "W [%lld, %lld] bf16 -> q [%lld, %lld, 192]\n",
+              "W [%lld, %lld] %s -> q [%lld, %lld, 192]\n",
               a.format == Fp8Format::kE4M3 ? "E4M3" : "E5M2", (long long)T, (long long)K, (long long)N, (long long)K,
+              a.mxfp8_weights ? "MXFP8 (rowwise, quantized once; x quantized rowwise + columnwise in each call)" : "bf16",
               (long long)T, (long long)a.heads);
   progress.begin("generating inputs");
   const Inputs in = make_inputs(a, T);
@@ -292,7 +347,32 @@ int run_qproj_cuda(const QProjRunArgs& args, Progress& progress) {
   MXFP8Tensor q = describe(s.data, s, drow.ptr, drs.ptr, dcol.ptr, dcs.ptr, dev);
   const TensorDesc x(dx.ptr, DType::kBFloat16, {T, K}, dev), w(dw.ptr, DType::kBFloat16, {N, K}, dev);
   const TensorDesc c(dc.ptr, DType::kFloat32, {T, 64}, dev), sn(ds.ptr, DType::kFloat32, {T, 64}, dev);
-  auto fused = [&] { fused_q_uproj_rope_quant(x, w, c, sn, q, nullptr, o); };
+  // --weights mxfp8: W's rowwise copy made once; each call quantizes x (both copies: the columnwise
+  // one is what a training step saves for the weight gradient) and runs the op on the MXFP8 x, W
+  const MXFP8Shapes xs = quantize_shapes({T, K}, false), wsh = quantize_shapes({N, K}, false);
+  const bool mx = a.mxfp8_weights;
+  util::DeviceBuffer x8r(mx ? T * K : 0), x8rs(mx ? numel(xs.rowwise_scale) : 0), x8c(mx ? T * K : 0),
+      x8cs(mx ? numel(xs.columnwise_scale) : 0), w8r(mx ? N * K : 0), w8rs(mx ? numel(wsh.rowwise_scale) : 0);
+  MXFP8Tensor x8 = describe({T, K}, xs, x8r.ptr, x8rs.ptr, x8c.ptr, x8cs.ptr, dev), w8;
+  x8.format = a.format;
+  QuantizeOptions xq;
+  xq.format = a.format;
+  if (mx) {
+    w8.shape = {N, K}, w8.format = a.format;
+    w8.rowwise_data = TensorDesc(w8r.ptr, DType::kUInt8, {N, K}, dev);
+    w8.rowwise_scale_inv = TensorDesc(w8rs.ptr, DType::kUInt8, wsh.rowwise_scale, dev);
+    QuantizeOptions wq = xq;
+    wq.columnwise = false;
+    quantize(w, w8, wq);
+  }
+  auto fused = [&] {
+    if (mx) {
+      quantize(x, x8, xq);
+      fused_q_uproj_rope_quant(x8, w8, c, sn, q, nullptr, o);
+    } else {
+      fused_q_uproj_rope_quant(x, w, c, sn, q, nullptr, o);
+    }
+  };
   fused();  // argument errors (K % 8, ...) before anything is timed
 
   // peers: cuBLAS bf16 GEMM q[T, N] = x W^T (fp32 accumulation) alone, and followed by mxmla's RoPE
@@ -342,17 +422,27 @@ int run_qproj_cuda(const QProjRunArgs& args, Progress& progress) {
   MXMLA_CUDA_CHECK(cudaDeviceSynchronize());
   Compact got{drow.download<uint8_t>(), drs.download<uint8_t>(), dcol.download<uint8_t>(), dcs.download<uint8_t>()};
   const int64_t total = (T + 31) / 32 * a.heads;
-  const bool ok = report_check(check_sample(a, T, in, got, progress), std::min(total, a.check_groups), total);
+  Inputs ref_in;  // --weights mxfp8: the reference multiplies the GPU's MXFP8 x and W, exactly dequantized
+  if (mx) {
+    HostMx hx(T, K, a.format), hw(N, K, a.format);
+    hx.codes = x8r.download<uint8_t>(), hx.scales = x8rs.download<uint8_t>();
+    hw.codes = w8r.download<uint8_t>(), hw.scales = w8rs.download<uint8_t>();
+    hx.t.rowwise_data.data = hx.codes.data(), hx.t.rowwise_scale_inv.data = hx.scales.data();
+    hw.t.rowwise_data.data = hw.codes.data(), hw.t.rowwise_scale_inv.data = hw.scales.data();
+    ref_in = in;
+    ref_in.x = exact_bf16(hx.t), ref_in.w = exact_bf16(hw.t);
+  }
+  const bool ok = report_check(check_sample(a, T, mx ? ref_in : in, got, progress), std::min(total, a.check_groups), total);
   const double flop = 2.0 * T * N * K;
-  std::printf("fused        : %.4f ms  %.0f TFLOP/s\n", t_f, flop / t_f / 1e9);
+  std::printf("fused        : %.4f ms  %.0f TFLOP/s%s\n", t_f, flop / t_f / 1e9,
+              mx ? " (MXFP8 W; x's quantization, both copies, included)" : "");
   if (have_blas) {
     const float t_g = median(tg), t_u = median(tu);
     std::printf("cuBLAS GEMM  : %.4f ms  %.0f TFLOP/s (bf16 out, same run)\n", t_g, flop / t_g / 1e9);
     std::printf("GEMM+RoPE+Q  : %.4f ms  %.0f TFLOP/s (cuBLAS + mxmla apply_rope + quantize_attention)\n", t_u,
                 flop / t_u / 1e9);
-    std::printf("ratio        : fused / cuBLAS GEMM alone = %.3f (<= 1.00: the fusion is free); unfused / fused = "
-                "%.2fx\n",
-                t_f / t_g, t_u / t_f);
+    std::printf("ratio        : fused / cuBLAS GEMM alone = %.3f (%s); unfused / fused = %.2fx\n", t_f / t_g,
+                mx ? "target <= 1.15 with an MXFP8 weight" : "<= 1.00: the fusion is free", t_u / t_f);
     blas.destroy(handle);
   }
   return ok ? 0 : 1;

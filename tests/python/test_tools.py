@@ -149,6 +149,8 @@ BAD = [  # (command line, the option the message must name, words of the rule)
     (["run", "--seed", "-1"], "--seed", "integer from 0 to 2^63 - 1"),
     (["run", "--style", "spin"], "--style", "rotate_half"),
     (["run", "--format", "e3m4"], "--format", "e4m3 or e5m2"),
+    (["run", "--weights", "fp4"], "--weights", "bf16 or mxfp8"),
+    (["run", "--device", "cpu", "--weights", "mxfp8", "--k", "48"], "--k", "multiple of 32"),
     (["run", "--device", "tpu"], "--device", "auto, cpu or cuda"),
     (["run", "--tokens"], "--tokens", "needs a value"),
     (["run", "--bogus"], "--bogus", "unknown option"),
@@ -201,6 +203,15 @@ def test_cli_run_falls_back_to_the_cpu_reference():
     assert lines[0].startswith("mxmla run: no GPU found")
     assert "running the CPU reference of the fused Q up-projection at T 64, NH 2, K 64" in lines[1]
     assert lines[-1].endswith("OK")
+
+
+@needs_cli
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_cli_run_mxfp8_weights_cpu(fmt):
+    r = mxmla_cli("run", "--device", "cpu", "--tokens", "64", "--heads", "2", "--k", "64", "--weights", "mxfp8",
+                  "--format", fmt)
+    assert r.returncode == 0, r.stderr
+    assert "--weights mxfp8: x and W quantized rowwise" in r.stdout and r.stdout.splitlines()[-1].endswith("OK")
 
 
 @needs_cli
@@ -317,6 +328,9 @@ def test_cli_run_on_the_gpu():
     assert out.startswith("mxmla run: GPU ") and "40 of 80 (32-token group, head) pairs" in out
     assert re.search(r"^check: .*: OK$", out, re.M) and re.search(r"^fused +: [0-9.]+ ms", out, re.M)
     assert re.search(r"^ratio +: fused / cuBLAS GEMM alone = [0-9.]+", out, re.M), out  # cuBLAS was loaded
+    r = mxmla_cli("run", "--tokens", "300", "--heads", "8", "--iters", "2", "--check-groups", "40", "--weights", "mxfp8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^check: .*: OK$", r.stdout, re.M) and "(MXFP8 W; x's quantization" in r.stdout, r.stdout
     r = mxmla_cli("run-quantize", "--tokens", "100", "--heads", "4", "--iters", "2", "--swizzle")
     assert r.returncode == 0 and "bit-exact" in r.stdout, r.stdout + r.stderr
     r = mxmla_cli("run", "--k", "36", "--tokens", "64", "--heads", "1")  # the kernel needs K % 8 == 0
