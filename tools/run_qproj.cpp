@@ -349,11 +349,13 @@ int run_qproj_cuda(const QProjRunArgs& args, Progress& progress) {
   const TensorDesc c(dc.ptr, DType::kFloat32, {T, 64}, dev), sn(ds.ptr, DType::kFloat32, {T, 64}, dev);
   // --weights mxfp8: W's rowwise copy made once; each call quantizes x (both copies: the columnwise
   // one is what a training step saves for the weight gradient) and runs the op on the MXFP8 x, W
-  const MXFP8Shapes xs = quantize_shapes({T, K}, false), wsh = quantize_shapes({N, K}, false);
   const bool mx = a.mxfp8_weights;
+  const MXFP8Shapes xs = mx ? quantize_shapes({T, K}, false) : MXFP8Shapes{};  // (K % 32 == 0: require_k32)
+  const MXFP8Shapes wsh = mx ? quantize_shapes({N, K}, false) : MXFP8Shapes{};
   util::DeviceBuffer x8r(mx ? T * K : 0), x8rs(mx ? numel(xs.rowwise_scale) : 0), x8c(mx ? T * K : 0),
       x8cs(mx ? numel(xs.columnwise_scale) : 0), w8r(mx ? N * K : 0), w8rs(mx ? numel(wsh.rowwise_scale) : 0);
-  MXFP8Tensor x8 = describe({T, K}, xs, x8r.ptr, x8rs.ptr, x8c.ptr, x8cs.ptr, dev), w8;
+  MXFP8Tensor x8, w8;
+  if (mx) x8 = describe({T, K}, xs, x8r.ptr, x8rs.ptr, x8c.ptr, x8cs.ptr, dev);
   x8.format = a.format;
   QuantizeOptions xq;
   xq.format = a.format;

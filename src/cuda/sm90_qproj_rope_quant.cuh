@@ -86,7 +86,7 @@ __device__ __forceinline__ void tile_coords(const SchedParams& s, int t, int& bi
 // 8 j + 2 (lane % 4) + e). code · 2^(e − 127) is exact in fp32 for every code and scale byte (the
 // smallest, 2^-16 · 2^-127, is an fp32 subnormal); products and sums in fp32, in another order than
 // the wgmma's (within the fp32-accumulation bound; bit-identical where every partial sum is exact).
-// Rows past the sequence (xrow < 0) give 0. Slow (CUDA cores, operands from L1 / L2, a quarter
+// Rows past the sequence (xrow < 0) give 0. Slow (CUDA cores, operands from L1 / L2, an eighth
 // of the columns at a time), but only such inputs take it: the body of the kernel's kExact instantiation
 // (in the wgmma one, ptxas would serialize the wgmmas and spill).
 __device__ __forceinline__ float fp8_value(uint32_t code, bool e4m3) {  // exact: an FP8 value is an f16 value
@@ -96,7 +96,7 @@ __device__ __forceinline__ float fp8_value(uint32_t code, bool e4m3) {  // exact
 }
 template <class Epilogue>
 __device__ __forceinline__ void exact_tile(const Params& p, typename Epilogue::SharedStorage& epi, int cw, int t) {
-  constexpr int kParts = 4, kJh = Cfg::kD / 8 / kParts;  // column parts, 8-column groups per part
+  constexpr int kParts = 8, kJh = Cfg::kD / 8 / kParts;  // column parts, 8-column groups per part
   const Mxfp8Exact& ex = p.ex;
   const int w4 = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   int bi, m0, h;
@@ -122,16 +122,14 @@ __device__ __forceinline__ void exact_tile(const Params& p, typename Epilogue::S
       for (int hh = 0; hh < 2; ++hh)
         fx[hh] = xrow[hh] < 0 ? 0.f : e8m0_factor(ex.a.scales[swizzle_offset(xrow[hh], kb, ex.a.tiles_x)]);
 #pragma unroll 1
-      for (int k8 = 0; k8 < 4; ++k8) {  // 8 values of K at a time
-        const int k0 = 32 * kb + 8 * k8;
-        float xv[2][8];
+      for (int k4 = 0; k4 < 8; ++k4) {  // 4 values of K at a time
+        const int k0 = 32 * kb + 4 * k4;
+        float xv[2][4];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const uint2 c = xrow[hh] < 0 ? make_uint2(0, 0)
-                                       : *reinterpret_cast<const uint2*>(ex.a.codes + xrow[hh] * ex.a.ld + k0);
+          const uint32_t c = xrow[hh] < 0 ? 0u : *reinterpret_cast<const uint32_t*>(ex.a.codes + xrow[hh] * ex.a.ld + k0);
 #pragma unroll
-          for (int i = 0; i < 8; ++i)
-            xv[hh][i] = fp8_value(((i < 4 ? c.x : c.y) >> (8 * (i % 4))) & 0xFFu, ex.e4m3) * fx[hh];
+          for (int i = 0; i < 4; ++i) xv[hh][i] = fp8_value((c >> (8 * i)) & 0xFFu, ex.e4m3) * fx[hh];
         }
 #pragma unroll
         for (int j = 0; j < kJh; ++j)
@@ -139,10 +137,10 @@ __device__ __forceinline__ void exact_tile(const Params& p, typename Epilogue::S
           for (int e = 0; e < 2; ++e) {
             const int64_t wr = wrow0 + 8 * j + 2 * (lane % 4) + e;
             const float fw = e8m0_factor(ex.b.scales[swizzle_offset(wr, kb, ex.b.tiles_x)]);
-            const uint2 c = *reinterpret_cast<const uint2*>(ex.b.codes + wr * ex.b.ld + k0);
+            const uint32_t c = *reinterpret_cast<const uint32_t*>(ex.b.codes + wr * ex.b.ld + k0);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              const float wv = fp8_value(((i < 4 ? c.x : c.y) >> (8 * (i % 4))) & 0xFFu, ex.e4m3) * fw;
+            for (int i = 0; i < 4; ++i) {
+              const float wv = fp8_value((c >> (8 * i)) & 0xFFu, ex.e4m3) * fw;
               acc[0][j][e] = fmaf(xv[0][i], wv, acc[0][j][e]);
               acc[1][j][e] = fmaf(xv[1][i], wv, acc[1][j][e]);
             }
