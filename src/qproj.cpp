@@ -1,5 +1,6 @@
 // mxmla — the fused Q up-projection API: validation and dispatch (CPU reference or SM90 kernel).
 #include <string>
+#include <utility>
 
 #include "common/device.h"
 #include "common/gemm_ops.h"
@@ -51,11 +52,17 @@ MXFP8Shapes qproj_shapes(int64_t tokens, int64_t num_heads, const QProjOptions& 
 
 namespace {
 
-// What both front ends check and fill: options, head geometry, tables, q, the outputs; x's T tokens
-// of K values and W's N rows on device `dev` (x, w and the CUDA-only rules are the callers').
+// The options' own rules, checked first by both front ends; returns the head dim.
+int64_t check_options(const QProjOptions& o) {
+  if (!o.rowwise && !o.columnwise) fail("options", "at least one of rowwise / columnwise must be set");
+  return head_dim(o);
+}
+
+// What both front ends check and fill after the options: head geometry, tables, q, the outputs;
+// x's T tokens of K values and W's N rows on device `dev` (x, w and the CUDA-only rules are the
+// callers').
 detail::QProjProblem common_problem(int64_t T, int64_t K, int64_t N, const Device& dev, const TensorDesc& cos,
                                     const TensorDesc& sin, MXFP8Tensor& out, TensorDesc* q, const QProjOptions& o) {
-  if (!o.rowwise && !o.columnwise) fail("options", "at least one of rowwise / columnwise must be set");
   const int64_t D = head_dim(o);
   if (N < D || N % D != 0)
     fail("w", "N = " + std::to_string(N) + " must be a positive multiple of the head dim " + std::to_string(D));
@@ -127,8 +134,7 @@ void check_cuda(const detail::QProjProblem& p, const TensorDesc& cos, const Tens
 
 void fused_q_uproj_rope_quant(const TensorDesc& x, const TensorDesc& w, const TensorDesc& cos, const TensorDesc& sin,
                               MXFP8Tensor& out, TensorDesc* q, const QProjOptions& o, Stream stream) {
-  if (!o.rowwise && !o.columnwise) fail("options", "at least one of rowwise / columnwise must be set");
-  (void)head_dim(o);
+  check_options(o);
   check_2d("x", x);
   check_2d("w", w);
   if (x.dtype != DType::kBFloat16) fail("x", std::string("dtype ") + dtype_name(x.dtype) + " must be bfloat16");
@@ -172,6 +178,7 @@ void fused_q_uproj_rope_quant(const TensorDesc& x, const TensorDesc& w, const Te
 void fused_q_uproj_rope_quant(const MXFP8Tensor& x, const MXFP8Tensor& w, const TensorDesc& cos,
                               const TensorDesc& sin, MXFP8Tensor& out, TensorDesc* q, const QProjOptions& o,
                               Stream stream) {
+  check_options(o);
   if (o.weight_layout != WeightLayout::kNK)
     fail("weight_layout", "an MXFP8 w is [N, K] with its blocks along K: weight_layout must be nk");
   detail::GemmProblem g;
@@ -186,20 +193,19 @@ void fused_q_uproj_rope_quant(const MXFP8Tensor& x, const MXFP8Tensor& w, const 
   if (g.b.cols != g.K)
     fail("w", "shape " + detail::shape_str(w.shape) + " does not match K = " + std::to_string(g.K) + " of x ([N, K])");
   const Device dev = x.rowwise_data.device;
-  for (const TensorDesc* t : {&x.rowwise_scale_inv, &w.rowwise_data, &w.rowwise_scale_inv})
-    if (t->device != dev)
-      fail(t == &x.rowwise_scale_inv ? "x.rowwise_scale_inv" : t == &w.rowwise_data ? "w.rowwise_data" : "w.rowwise_scale_inv",
-           "is on another device than x.rowwise_data");
+  const std::pair<const char*, const TensorDesc*> bufs[] = {{"x.rowwise_data", &x.rowwise_data},
+                                                            {"x.rowwise_scale_inv", &x.rowwise_scale_inv},
+                                                            {"w.rowwise_data", &w.rowwise_data},
+                                                            {"w.rowwise_scale_inv", &w.rowwise_scale_inv}};
+  for (const auto& [name, t] : bufs)
+    if (t->device != dev) fail(name, "is on another device than x.rowwise_data");
   detail::QProjProblem p = common_problem(g.M, g.K, g.N, dev, cos, sin, out, q, o);
   if (g.M == 0) return;
   if (dev.type == DeviceType::kCPU) return detail::qproj_mxfp8_cpu(p, g);
 
 #if MXMLA_WITH_CUDA
   check_cuda(p, cos, sin, out, q, o, dev.index);
-  for (const TensorDesc* t : {&x.rowwise_data, &x.rowwise_scale_inv, &w.rowwise_data, &w.rowwise_scale_inv})
-    detail::check_cuda_pointer(kOp, t == &x.rowwise_data ? "x.rowwise_data" : t == &x.rowwise_scale_inv ? "x.rowwise_scale_inv"
-                                     : t == &w.rowwise_data ? "w.rowwise_data" : "w.rowwise_scale_inv",
-                               t->data, dev.index);
+  for (const auto& [name, t] : bufs) detail::check_cuda_pointer(kOp, name, t->data, dev.index);
   detail::CudaDeviceGuard guard(dev.index);
   detail::qproj_mxfp8_cuda(p, g, stream);
 #else

@@ -71,7 +71,7 @@ void require_k32(const QProjRunArgs& a) {
 }
 // The rowwise copy's values as bf16 (what the MXFP8-weight op multiplies), which must be exact:
 // the bf16 reference on them then computes that op.
-std::vector<uint16_t> exact_bf16(const MXFP8Tensor& t) {
+[[maybe_unused]] std::vector<uint16_t> exact_bf16(const MXFP8Tensor& t) {
   const int64_t n = t.shape[0] * t.shape[1];
   std::vector<float> f(n);
   std::vector<uint16_t> b(n);

@@ -313,9 +313,9 @@ void launch_b(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
-// Design C: op(X)'s bf16 copy (scratch) and its TMA map, box [rows][64 bf16], 128-byte swizzle.
-CUtensorMap bf16_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, int rows, cudaStream_t s,
-                      std::unique_ptr<StreamScratch>& keep) {
+// Design C: op(X)'s bf16 copy [R, round_up(K, 16)] into scratch `keep` (the dequantizing pass).
+void dequant_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, cudaStream_t s,
+                  std::unique_ptr<StreamScratch>& keep) {
   const int64_t Kp = (K + 15) / 16 * 16, n = R * (Kp / 16);
   keep = std::make_unique<StreamScratch>(R * Kp * 2, s);
   uint32_t* dst = reinterpret_cast<uint32_t*>(keep->ptr);
@@ -334,6 +334,13 @@ CUtensorMap bf16_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, int rows
       dequant_bf16<false><<<blocks, 256, 0, s>>>(x.codes, x.ld, x.scales, tiles_x, dst, R, K, Kp);
   }
   MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+// The same and its TMA map, box [rows][64 bf16], 128-byte swizzle.
+CUtensorMap bf16_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, int rows, cudaStream_t s,
+                      std::unique_ptr<StreamScratch>& keep) {
+  dequant_copy(x, R, K, e4m3, s, keep);
+  const int64_t Kp = (K + 15) / 16 * 16;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(Kp * 2)};
   const cuuint32_t box[2] = {64u, static_cast<cuuint32_t>(rows)};
@@ -494,8 +501,8 @@ void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operand
   // the flag is set (a columnwise operand) or always (rows TMA cannot take)
   const KMajor a = kmajor(pr.a, pr.M, pr.K, a_sc, s, o.keep[3], true, flag);
   const KMajor b = kmajor(pr.b, pr.N, pr.K, b_sc, s, o.keep[4], true, flag);
-  (void)bf16_copy(a, pr.M, pr.K, e4m3, 128, s, o.keep[5]);
-  (void)bf16_copy(b, pr.N, pr.K, e4m3, 256, s, o.keep[6]);
+  dequant_copy(a, pr.M, pr.K, e4m3, s, o.keep[5]);  // (the consumer makes its own tensor maps)
+  dequant_copy(b, pr.N, pr.K, e4m3, s, o.keep[6]);
   o.a16 = reinterpret_cast<const uint16_t*>(o.keep[5]->ptr), o.b16 = reinterpret_cast<const uint16_t*>(o.keep[6]->ptr);
   o.ld = (pr.K + 15) / 16 * 16;
   const int64_t tiles_x = (pr.K + 127) / 128;
