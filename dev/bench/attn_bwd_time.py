@@ -1,5 +1,5 @@
 """Timing of the attention backward's CUDA path (src/cuda/sm90_attention_bwd.cu at these head dims;
-deterministic=True: the mma.sync kernels of src/cuda/attention_bwd_mma.cu; MXMLA_ATTN_BWD=simt: the
+deterministic=True: the same kernel, its dQ sums in a fixed order; MXMLA_ATTN_BWD=simt: the
 CUDA-core kernel) against cuDNN's bf16 SDPA backward (torch, cuDNN backend) on the dequantized
 inputs, same run: DeepSeek-V3 head dims (192 / 128), causal, bshd, b 1,
 H heads, s tokens. TFLOP/s on the causal triangle, 2·(3·d_qk + 2·d_v) per causal element; medians, L2 flushed (bench/timing.py).

@@ -70,9 +70,10 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
 // codes / data in their formats (any strides, head dim contiguous; thd tokens outside every sequence
 // are written 0). `deterministic` asks for a fixed summation order (the CPU reference always has one).
 // On CUDA: tensor-core kernels for (d_qk, d_v) = (192, 128), (128, 128), (64, 64) and a CUDA-core
-// kernel for other head dims up to 256. deterministic = false takes, on SM90 for (192, 128) and
-// (128, 128) with one dO copy, the wgmma kernel that sums dQ with fp32 atomics (the last bit can
-// vary between runs); deterministic = true and every other case use no atomics (the same bits).
+// kernel for other head dims up to 256. On SM90 for (192, 128) and (128, 128) with one dO copy, the
+// wgmma kernel sums dQ with fp32 reductions: deterministic = false in scheduling order (the last
+// bit can vary between runs), deterministic = true in a fixed order (the same bits); every other
+// case uses no reductions (the same bits).
 void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInput& k, const AttnInput& v,
                         const TensorDesc& o, const TensorDesc& lse, TensorDesc& dq, TensorDesc& dk, TensorDesc& dv,
                         const AttentionOptions& opts, bool deterministic = false,

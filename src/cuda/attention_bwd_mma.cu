@@ -552,11 +552,11 @@ int64_t stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
 
 }  // namespace
 
-// The main kernels: sm90_attention_bwd.cu's (wgmma, dQ by fp32 reductions) where it serves the
-// problem (see sm90_attention_bwd_supported: not deterministic, its head dims, one dO copy, an SM90
-// device), in groups of KV heads whose bf16 copies are made, read and freed one group after the
-// other (heuristics::attn_bwd_head_groups; MXMLA_ATTN_BWD_GROUPS=n in the environment forces n, for
-// tests), else this file's two mma.sync kernels (deterministic). MXMLA_ATTN_BWD in the environment,
+// The main kernels: sm90_attention_bwd.cu's (wgmma, dQ by fp32 reductions, in a fixed order when
+// deterministic) where it serves the problem (see sm90_attention_bwd_supported: its head dims, one
+// dO copy, an SM90 device), in groups of KV heads whose bf16 copies are made, read and freed one
+// group after the other (heuristics::attn_bwd_head_groups; MXMLA_ATTN_BWD_GROUPS=n in the
+// environment forces n, for tests), else this file's two mma.sync kernels (deterministic). MXMLA_ATTN_BWD in the environment,
 // read at every call: "simt" forces the CUDA-core kernel, "mma" this file's kernels (A/B comparisons
 // and tests).
 void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {

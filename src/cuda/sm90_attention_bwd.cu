@@ -37,8 +37,17 @@
 // Shared memory (d_qk 192): K_s, K_g 36 KB each, V 24 KB, two Q_s / dO stages 80 KB, Q_g 24 KB,
 // P̂ᵀ and dŜᵀ 24 KB (per consumer, its 48 keys of each: 12 KB): 226 KB, one CTA per SM. Tiles of
 // 64-column blocks [rows][128 bytes] with the 128-byte swizzle (K_g: 32-column blocks, 64-byte
-// swizzle). dQ's fp32 additions run in scheduling order: not bitwise reproducible (deterministic
-// requests take attention_bwd_mma.cu's kernels).
+// swizzle). dQ's fp32 additions run in scheduling order (not bitwise reproducible), or with kDet
+// in a fixed one: every query tile's dQ parts are added by the key blocks that see it in descending
+// key-block order. A consumer's threads wait (gpu-scope acquire) until its tile's flag counts the
+// key blocks above its own that see the tile, its issuer adds, and once its additions have completed
+// (half a tile later, where it frees the stage) the producer publishes them by incrementing the flag
+// (after a gpu-scope release fence). The grid then runs the key
+// blocks of a head last first (each waits only on blocks launched before it: no deadlock however
+// few CTAs fit) and each walks its query tiles from its first without rotation: causal, block j
+// reaches tile i one to two tiles after block j + 1 (its first tile is one or two later), so its
+// wait is normally over before it begins; without a mask every block walks the same tiles and
+// block j follows j + 1 one tile behind.
 #include "cuda/sm90_attention_bwd.h"
 
 #include <cuda_bf16.h>
@@ -97,6 +106,11 @@ struct alignas(1024) Smem {
   static_assert(2 * 16 * C::kDqN * 4 <= C::kVBlocks * C::kBM * 128, "both consumers' dQ rows 16-31 fit a dO stage");
   static_assert(2 * 32 * C::kDqN * 4 == C::kQkBlocks * C::kBM * 128, "both consumers' dQ rows 32-63 fit a Q_s stage");
   float lse[2][C::kBM], dd[2][C::kBM];        // LSE, D of the tile's rows per stage
+  // kDet (in shared memory: the consumers have no registers to spare): the first row that sees key
+  // j0 (j0 − off), the count of key blocks after this one, the flag of each consumer's tile per stage
+  int64_t det_a;
+  int det_cap;
+  int* flag[2][2];
   uint64_t kv_full, full[2], empty[2], g_full, g_empty;
 };
 
@@ -104,6 +118,7 @@ struct Params {
   AttentionBwdProblem p;
   const float* D;
   float* dq_acc;  // fp32 [2][dq_rows][d_qk / 2] (see above), zeroed: rows dq_row0 .. dq_row0 + dq_rows − 1
+  int* dq_flag;   // deterministic: int32 [2][dq_rows], zeroed (a query tile's count at its first row)
   int64_t dq_rows, dq_row0;
   int64_t hk0;  // the first KV head of the launch (blockIdx.y = hk − hk0)
   bool q_once;    // Q_g is Q_s (read from the stage; no Q_g copies)
@@ -236,13 +251,16 @@ __device__ __forceinline__ void dq_stage(const float (&acc)[kN / 2], uint8_t* bu
 }
 
 // ---------------------------------------------------------------- the kernel
-template <int kDqk, int kDv>
+// kDet: dQ's additions in the fixed order (its own instantiation: the default one keeps its registers)
+template <int kDqk, int kDv, bool kDet>
 __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Params prm) {
   using C = Cfg<kDqk, kDv>;
   extern __shared__ uint8_t smem_raw[];
   Smem<C>& sm = *reinterpret_cast<Smem<C>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const AttentionBwdProblem& p = prm.p;
-  const int64_t j0 = int64_t{blockIdx.x} * C::kBN, hk = prm.hk0 + blockIdx.y, b = blockIdx.z;
+  // the key block (kDet: the last first, see above)
+  const int64_t kb = kDet ? int64_t{gridDim.x} - 1 - blockIdx.x : int64_t{blockIdx.x};
+  const int64_t j0 = kb * C::kBN, hk = prm.hk0 + blockIdx.y, b = blockIdx.z;
   const Seq s = seq_of(p, b);
   if (j0 >= s.skv) return;  // (uniform: the whole CTA)
   const int nj = static_cast<int>(imin(C::kBN, s.skv - j0));
@@ -250,7 +268,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
   const int64_t i_first = p.causal ? imax(0, j0 - s.off) : 0;  // the first row that sees key j0
   const int64_t i_begin = i_first < s.sq ? i_first / C::kBM * C::kBM : s.sq;
   const int64_t per_head = (s.sq - i_begin + C::kBM - 1) / C::kBM, tiles = group * per_head;
-  const int64_t rot = per_head > 0 ? int64_t{blockIdx.x} % per_head : 0;
+  const int64_t rot = per_head > 0 && !kDet ? kb % per_head : 0;
   const int wg = static_cast<int>(threadIdx.x) / 128;
 
   if (threadIdx.x == 0) {
@@ -258,6 +276,10 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     ptx::mbar_init(&sm.g_full, 128);
     ptx::mbar_init(&sm.g_empty, 8);
     for (int i = 0; i < 2; ++i) ptx::mbar_init(&sm.full[i], 128), ptx::mbar_init(&sm.empty[i], 2);
+    if constexpr (kDet) {
+      sm.det_a = j0 - s.off;
+      sm.det_cap = static_cast<int>((s.skv + C::kBN - 1) / C::kBN - 1 - kb);
+    }
   }
   __syncthreads();
 
@@ -278,11 +300,23 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     load_tile<kDv, C::kBN>(sm.vs[0], p.v_s.view, b, hk, s.kv0 + j0, nj, tid);
     landed(&sm.kv_full);
     TileWalk w{hk * group, i_begin, per_head, rot};
-    for (int64_t t = 0; t < tiles; ++t, w.next()) {
+    // kDet: two more turns, which publish the last two tiles' flags
+    for (int64_t t = 0; t < tiles + (kDet ? 2 : 0); ++t, w.next()) {
       const int st = static_cast<int>(t & 1);
+      if (t >= 2) {  // tile t − 2's dQ parts have been read (kDet: added), its stage is free
+        ptx::mbar_wait(&sm.empty[st], static_cast<uint32_t>(((t >> 1) - 1) & 1));
+        if constexpr (kDet) {  // publish them: the next key block below may add (the release is here,
+                               // off the consumers' path: a fence at gpu scope costs them 8 %)
+          if (tid == 0) {
+            ptx::fence_acq_rel_gpu();
+            ptx::red_relaxed_gpu_add_s32(sm.flag[0][st], 1);
+            ptx::red_relaxed_gpu_add_s32(sm.flag[1][st], 1);
+          }
+        }
+      }
+      if (kDet && t >= tiles) continue;
       const int64_t i0 = w.i0();
       const int ni = static_cast<int>(imin(C::kBM, s.sq - i0));
-      if (t >= 2) ptx::mbar_wait(&sm.empty[st], static_cast<uint32_t>(((t >> 1) - 1) & 1));
       load_tile<kDqk, C::kBM>(sm.qs[st][0], p.q_s.view, b, w.h, s.q0 + i0, ni, tid);
       load_tile<kDv, C::kBM>(sm.dos[st][0], p.do_s.view, b, w.h, s.q0 + i0, ni, tid);
       {  // LSE (threads 0-63) and D (64-127) of the tile's rows; zero past the sequence's end
@@ -326,6 +360,12 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
   const uint64_t dpt = ptx::wgmma_desc_k_sw128(sm.pd[c][0]);
   const uint64_t ddst = ptx::wgmma_desc_k_sw128(sm.pd[c][1]);
   const bool issuer = threadIdx.x % 128 == 0;  // adds this consumer's dQ parts, releases the stages
+  // kDet: the issuer's additions have completed (before its arrival on the stage's empty barrier,
+  // after which the producer publishes them)
+  const auto completed = [] {
+    ptx::bulk_wait_all();
+    ptx::fence_proxy_async_global();
+  };
 
   if (tiles > 0) ptx::mbar_wait(&sm.kv_full, 0);
   TileWalk w{hk * group, i_begin, per_head, rot};
@@ -406,7 +446,10 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     }
     if (t > 0) {  // the previous tile's bulk reductions have read its dQ part: dŜᵀ and the previous stage are free
       if (issuer) {
-        ptx::bulk_wait_read_all();
+        if constexpr (kDet)
+          completed();
+        else
+          ptx::bulk_wait_read_all();
         ptx::mbar_arrive(&sm.empty[st ^ 1]);
       }
       ptx::named_barrier(2 + c, 128);
@@ -450,10 +493,20 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
       uint8_t* const buf2 = sm.qs[st][0] + c * (32 * C::kDqN * 4);   // rows 32-63
       dq_stage<C::kDqN>(acc, buf0, buf1, buf2, warp, lane, row0);
       ptx::fence_proxy_async();
+      if constexpr (kDet) {  // wait for the key blocks after this one that see the tile (block j sees it
+                             // iff j·96 <= i0 + 63 + off: those up to kb + (i0 + 63 − det_a) / 96). Every
+                             // thread spins (a loop in the issuer's branch costs the consumers their
+                             // uniform registers; see ptx::spin_until_ge_acquire_gpu)
+        const int n = p.causal ? static_cast<int>(imin((i0 + C::kBM - 1 - sm.det_a) / C::kBN, sm.det_cap)) : sm.det_cap;
+        int* const flag = prm.dq_flag + c * prm.dq_rows + row0 - prm.dq_row0;
+        ptx::spin_until_ge_acquire_gpu(flag, n);
+        if (issuer) sm.flag[c][st] = flag;
+      }
       ptx::named_barrier(2 + c, 128);
       if (issuer) {  // rows i0 .. i0 + ni − 1: [2][rows][d_qk / 2] at (c, row0), in pieces of 16, 16, 32 rows
         float* to = prm.dq_acc + (c * prm.dq_rows + row0 - prm.dq_row0) * C::kDqN;
         constexpr uint32_t kRow = C::kDqN * 4;
+        if constexpr (kDet) ptx::fence_proxy_async_global();
         ptx::bulk_reduce_add_f32_s2g(to, buf0, static_cast<uint32_t>(imin(ni, 16)) * kRow);
         if (ni > 16) ptx::bulk_reduce_add_f32_s2g(to + 16 * C::kDqN, buf1, static_cast<uint32_t>(imin(ni, 32) - 16) * kRow);
         if (ni > 32) ptx::bulk_reduce_add_f32_s2g(to + 32 * C::kDqN, buf2, static_cast<uint32_t>(ni - 32) * kRow);
@@ -466,7 +519,13 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     for (int m = 0; m < C::kQkBlocks; ++m) fence_acc(dk[m]);
   }
 
-  if (issuer) ptx::bulk_wait_all();  // (the shared sources stay until read)
+  if (issuer) {  // (the shared sources stay until read)
+    ptx::bulk_wait_all();
+    if (kDet && tiles > 0) {  // the last tile's additions: the producer publishes them
+      ptx::fence_proxy_async_global();
+      ptx::mbar_arrive(&sm.empty[(tiles - 1) & 1]);
+    }
+  }
   // dKᵀ, dVᵀ [d][key] fragments -> dk, dv (bf16): d = 64 m + r0 + 8 hh, key 48 c + 8 j + 2 (lane % 4) + e
 #pragma unroll
   for (int j = 0; j < 6; ++j)
@@ -518,26 +577,26 @@ __global__ void __launch_bounds__(192) bwd_dq_round(const __grid_constant__ Atte
   }
 }
 
-template <int kDqk, int kDv>
+template <int kDqk, int kDv, bool kDet>
 void launch(const Params& prm, int64_t n_kv, cudaStream_t s) {
   using C = Cfg<kDqk, kDv>;
   constexpr size_t kSmem = sizeof(Smem<C>) + 1024;  // + the 1024-byte alignment of the swizzled tiles
   static_assert(kSmem <= 232448, "227 KB of shared memory per block on SM90");
   const AttentionBwdProblem& p = prm.p;
-  MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_sm90<kDqk, kDv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_sm90<kDqk, kDv, kDet>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(kSmem)));
   // key blocks fastest: the CTAs in flight share a head's Q, dO (and LSE, D) in L2; within a head the
-  // first key blocks (causal: the most query tiles) start first
+  // first key blocks (causal: the most query tiles) start first (kDet: the last, see the kernel)
   const dim3 grid(grid_dim(kOp, (p.Skv + C::kBN - 1) / C::kBN, true, "keys"), grid_dim(kOp, n_kv, false, "heads"),
                   grid_dim(kOp, p.B, false, "sequences"));
-  bwd_sm90<kDqk, kDv><<<grid, C::kThreads, kSmem, s>>>(prm);
+  bwd_sm90<kDqk, kDv, kDet><<<grid, C::kThreads, kSmem, s>>>(prm);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
 
 bool sm90_attention_bwd_supported(const AttentionBwdProblem& p, bool do_once) {
-  if (p.deterministic || !do_once || p.Dv != 128 || (p.Dqk != 192 && p.Dqk != 128)) return false;
+  if (!do_once || p.Dv != 128 || (p.Dqk != 192 && p.Dqk != 128)) return false;
   if (p.Hkv > 65535 || p.B > 65535) return false;  // grid y, z
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
@@ -555,8 +614,11 @@ Sm90DqAcc sm90_attention_bwd_acc(const AttentionBwdProblem& p, cudaStream_t s, i
     acc.h0 = h0, acc.row0 = h0 * tokens, acc.rows = heads * tokens;
   }
   acc.heads = heads;
-  acc.mem = std::make_unique<StreamScratch>(acc.rows * p.Dqk * 4, s);  // freed on the stream after the kernels
-  if (acc.rows > 0) MXMLA_CUDA_CHECK(cudaMemsetAsync(acc.mem->ptr, 0, acc.rows * p.Dqk * 4, s));
+  // deterministic: the tiles' flags ([2][rows] int32) after the sums, zeroed with them
+  const int64_t bytes = acc.rows * p.Dqk * 4 + (p.deterministic ? acc.rows * 2 * 4 : 0);
+  acc.mem = std::make_unique<StreamScratch>(bytes, s);  // freed on the stream after the kernels
+  if (p.deterministic) acc.flag = reinterpret_cast<int*>(static_cast<uint8_t*>(acc.mem->ptr) + acc.rows * p.Dqk * 4);
+  if (acc.rows > 0) MXMLA_CUDA_CHECK(cudaMemsetAsync(acc.mem->ptr, 0, bytes, s));
   return acc;
 }
 
@@ -569,11 +631,12 @@ void sm90_attention_bwd_heads(const Sm90BwdArgs& a, const Sm90DqAcc& acc, int64_
   prm.dq_rows = acc.rows, prm.dq_row0 = acc.row0;
   prm.hk0 = hk0;
   prm.q_once = a.q_once;
+  prm.dq_flag = acc.flag;
   if (p.Skv > 0 && p.B > 0 && n_kv > 0) {
     if (p.Dqk == 192)
-      launch<192, 128>(prm, n_kv, s);
+      (p.deterministic ? launch<192, 128, true> : launch<192, 128, false>)(prm, n_kv, s);
     else
-      launch<128, 128>(prm, n_kv, s);
+      (p.deterministic ? launch<128, 128, true> : launch<128, 128, false>)(prm, n_kv, s);
   }
 }
 

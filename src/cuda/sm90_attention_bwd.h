@@ -24,12 +24,13 @@ struct Sm90BwdArgs {
 // B·H·Sq rows, thd H·total_q; a range of heads, b = 1 or thd: heads·Sq or heads·total_q rows).
 struct Sm90DqAcc {
   std::unique_ptr<StreamScratch> mem;
+  int* flag = nullptr;  // deterministic problems: the query tiles' flags (in mem, after the sums)
   int64_t rows = 0, row0 = 0, h0 = 0, heads = 0;
 };
 
 // Whether the kernel serves this problem: (d_qk, d_v) in {(192, 128), (128, 128)}, one dO copy for
-// both of its GEMMs (do_s and do_g the same values), not deterministic (dQ's fp32 sums run in
-// scheduling order), and the current device is an SM90 part.
+// both of its GEMMs (do_s and do_g the same values), and the current device is an SM90 part. With
+// p.deterministic its dQ sums run in a fixed order (bitwise reproducible), else in scheduling order.
 bool sm90_attention_bwd_supported(const AttentionBwdProblem& p, bool do_once);
 // dQ, dK, dV of the problem (the thd zero tail is the prologue's) in three steps on one stream: the
 // accumulator (of query heads h0 .. h0 + heads − 1: all of them, or with b = 1 or thd a group's);

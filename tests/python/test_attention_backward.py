@@ -348,6 +348,52 @@ def test_cuda_matches_the_reference(case):
         assert torch.equal(x, y)  # no atomics: bitwise reproducible
 
 
+DET_CASES = [
+    # fmt, b, sq, skv, h, hkv, dqk, causal, bottom_right (bf16; the SM90 kernel's head dims)
+    ("bshd", 1, 1000, 1000, 8, 2, 192, True, False),
+    ("bshd", 1, 700, 1000, 4, 4, 192, True, True),
+    ("bshd", 2, 300, 500, 4, 1, 128, False, False),
+    ("thd", 1, 0, 0, 4, 2, 192, True, False),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+@pytest.mark.parametrize("case", DET_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_cuda_deterministic_is_bitwise_reproducible_across_schedules(case, monkeypatch):
+    """deterministic=True on the SM90 kernel adds every query tile's dQ parts in a fixed order: the
+    same bits from runs whose CTAs are scheduled differently (one, two or four launches of KV-head
+    groups, repeated), and within the backward's bound of the float64 reference."""
+    fmt, b, sq, skv, h, hkv, dqk, causal, br = case
+    g = torch.Generator().manual_seed(11)
+    kw = dict(causal=causal, bottom_right=br)
+    if fmt == "thd":
+        cu = [0, 300, 301, 301, 900]
+        kw.update(layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        shape = lambda hh, d: (cu[-1], hh, d)  # noqa: E731
+    else:
+        kw.update(layout=fmt)
+        shape = lambda hh, d, s_: (b, s_, hh, d)  # noqa: E731
+    rnd = lambda *sh: torch.randn(sh, generator=g).to(torch.bfloat16)  # noqa: E731
+    if fmt == "thd":
+        q, k, v, do = rnd(*shape(h, dqk)), rnd(*shape(hkv, dqk)), rnd(*shape(hkv, 128)), rnd(*shape(h, 128))
+    else:
+        q, k, v, do = (rnd(*shape(h, dqk, sq)), rnd(*shape(hkv, dqk, skv)), rnd(*shape(hkv, 128, skv)),
+                       rnd(*shape(h, 128, sq)))
+    o, lse = mxmla.attention(q, k, v, return_lse=True, **kw)
+    ref = mxmla.attention_backward(do, q, k, v, o, lse, **kw)
+    args = [x.cuda() for x in (do, q, k, v, o, lse)]
+    runs = []
+    for groups in ("1", "1", "2", str(hkv), "1"):
+        monkeypatch.setenv("MXMLA_ATTN_BWD_GROUPS", groups)
+        runs.append(mxmla.attention_backward(*args, **kw, deterministic=True))
+        torch.cuda.synchronize()
+    for name, x, r in zip(("dq", "dk", "dv"), runs[0], ref):
+        _near(x, r, f"{name} {case}")
+    for i, run in enumerate(runs[1:], 1):
+        for name, x, y in zip(("dq", "dk", "dv"), runs[0], run):
+            assert torch.equal(x, y), (name, case, "run", i)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
 def test_cuda_thd_and_deepseek_dims_and_the_module():
     g = torch.Generator().manual_seed(4)

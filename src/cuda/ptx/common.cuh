@@ -3,7 +3,8 @@
 // The PTX layer is split by topic; each file names the architecture its instructions need and
 // fails the build loudly when device code for an older one includes it (never an empty body):
 //   common.cuh     any        shared addresses, register fence, %globaltimer, %smid, byte permute,
-//                             ex2.approx, read-only byte loads, 16-byte shared stores
+//                             ex2.approx, read-only byte loads, 16-byte shared stores, flags
+//                             between CTAs (gpu-scope release fence, additions, acquire spin)
 //   convert.cuh    sm_89+     fp32 -> FP8 pairs, FP8 pairs -> f16x2
 //   cp_async.cuh   sm_80+     cp.async (global -> shared, per thread)
 //   mma_sync.cuh   sm_80+     ldmatrix (.trans), mma.sync m16n8k16 bf16 (warp-level MMAs)
@@ -63,6 +64,33 @@ __device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float a, float b
 // 16 bytes to a shared-window address.
 __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// Flags between CTAs: the writer's release fence and relaxed additions, the waiter's spin on acquire
+// loads.
+// Wait until *p >= n (acquire loads at gpu scope, a short sleep between them). The loop lives inside
+// one asm statement: a loop the compiler sees, taken by one thread of a warpgroup, made ptxas give up
+// the uniform registers of the wgmma descriptors around it (280 more instructions per tile in the
+// attention backward's consumers).
+__device__ __forceinline__ void spin_until_ge_acquire_gpu(const int* p, int n) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      ".reg .s32 v;\n"
+      "SPIN_%=:\n"
+      "ld.acquire.gpu.global.s32 v, [%0];\n"
+      "setp.lt.s32 p, v, %1;\n"
+      "@p nanosleep.u32 32;\n"
+      "@p bra SPIN_%=;\n"
+      "}\n" ::"l"(p),
+      "r"(n)
+      : "memory");
+}
+// A release fence at gpu scope (then relaxed additions publish what this thread, or a thread that
+// synchronized with it, wrote before: one fence for several flags), and such an addition.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void red_relaxed_gpu_add_s32(int* p, int v) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // Profiling helpers: the GPU-wide nanosecond timer (comparable across SMs) and the SM's index.

@@ -22,6 +22,9 @@ __device__ __forceinline__ void fence_barrier_init() {
 // Order this thread's generic-proxy shared-memory writes before later async-proxy accesses (a TMA
 // refill or store of the same bytes, a wgmma reading them).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// The same for global memory: order async-proxy global accesses (bulk reductions) against this
+// thread's generic ones (the flags that publish or admit them).
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
