@@ -1,8 +1,12 @@
 """Timing of the attention backward's CUDA path (src/cuda/sm90_attention_bwd.cu at these head dims;
 deterministic=True: the same kernel, its dQ sums in a fixed order; MXMLA_ATTN_BWD=simt: the
-CUDA-core kernel) against cuDNN's bf16 SDPA backward (torch, cuDNN backend) on the dequantized
-inputs, same run: DeepSeek-V3 head dims (192 / 128), causal, bshd, b 1,
-H heads, s tokens. TFLOP/s on the causal triangle, 2·(3·d_qk + 2·d_v) per causal element; medians, L2 flushed (bench/timing.py).
+CUDA-core kernel) against cuDNN's bf16 SDPA backward (torch, cuDNN backend) and, when installed
+(dev/scripts/fa4-install), FlashAttention-4's SM90 backward on the dequantized inputs, same run:
+DeepSeek-V3 head dims (192 / 128), causal, bshd, b 1, H heads, s tokens. TFLOP/s on the causal
+triangle, 2·(3·d_qk + 2·d_v) per causal element; medians, L2 flushed (bench/timing.py). A second
+table times forward + backward: ours (mxmla.attention on the MXFP8 tensors, then the backward)
+against each peer's forward and backward on the dequantized inputs (TFLOP/s with the forward's
+2·(d_qk + d_v) per causal element added).
 Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_bwd_time.py [H] [s ...]   (default 16, 2048)"""
 import os
 import sys
@@ -13,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 from timing import flush_buffer, timer  # noqa: E402
 
 import mxmla  # noqa: E402
+from attn_fwd import load_fa4  # noqa: E402
 
 
 def main():
@@ -20,8 +25,11 @@ def main():
     seqs = [int(x) for x in sys.argv[2:]] or [2048]
     flush = flush_buffer(torch.device("cuda"))
     scale = mxmla.yarn_softmax_scale()
+    fa4, fa4_error = load_fa4()
     print(f"{'s':>6s} {'H':>4s} {'ours ms':>9s} {'TFLOP/s':>8s} {'det. ms':>9s} {'TFLOP/s':>8s} {'cuDNN ms':>9s} "
-          f"{'TFLOP/s':>8s} {'ours/cuDNN':>10s} {'det./cuDNN':>10s} {'bf16-in ms':>10s} {'TFLOP/s':>8s}")
+          f"{'TFLOP/s':>8s} {'ours/cuDNN':>10s} {'det./cuDNN':>10s} {'bf16-in ms':>10s} {'TFLOP/s':>8s} "
+          f"{'FA4 ms':>8s} {'TFLOP/s':>8s} {'ours/FA4':>8s} {'FA4 det.':>8s} {'det./FA4det.':>12s}")
+    both = []  # forward + backward rows
     for s in seqs:
         q, k = (torch.randn(1, s, H, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v = torch.randn(1, s, H, 128, device="cuda", dtype=torch.bfloat16)
@@ -46,10 +54,46 @@ def main():
         except RuntimeError as e:  # no cuDNN SDPA for these dims in this torch
             print(f"cuDNN SDPA backward not available: {str(e).splitlines()[0]}")
             t_cudnn = float("nan")
+        # forward + backward: each forward builds its graph; the backward of it, in the same timed call
+        def ours_both():
+            o_, lse_ = mxmla.attention(q8, k8, v8, causal=True, softmax_scale=scale, return_lse=True)
+            return mxmla.attention_backward(do, q8, k8, v8, o_, lse_, causal=True, softmax_scale=scale)
+
+        def cudnn_both():
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                o_ = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+            return torch.autograd.grad(o_, (qd, kd, vd), do.transpose(1, 2))
+
+        t_ours_both = timer(ours_both, 5, flush)
+        t_cudnn_both = timer(cudnn_both, 5, flush) if t_cudnn == t_cudnn else float("nan")
+        t_fa4 = t_fa4_both = t_fa4_det = float("nan")
+        if fa4 is not None:  # bshd views of the same dequantized values
+            qf, kf, vf = (t.detach().transpose(1, 2).requires_grad_() for t in (qd, kd, vd))
+
+            def fa4_fwd(det=False):
+                r = fa4(qf, kf, vf, softmax_scale=scale, causal=True, deterministic=det)
+                return r[0] if isinstance(r, (tuple, list)) else r
+
+            of = fa4_fwd()
+            t_fa4 = timer(lambda: torch.autograd.grad(of, (qf, kf, vf), do, retain_graph=True), 20, flush)
+            of_det = fa4_fwd(True)
+            t_fa4_det = timer(lambda: torch.autograd.grad(of_det, (qf, kf, vf), do, retain_graph=True), 20, flush)
+            t_fa4_both = timer(lambda: torch.autograd.grad(fa4_fwd(), (qf, kf, vf), do), 5, flush)
         flops = 2.0 * (3 * 192 + 2 * 128) * H * s * s / 2
         tf = lambda t: flops / t * 1e-9  # noqa: E731
         print(f"{s:6d} {H:4d} {t_ours:9.3f} {tf(t_ours):8.1f} {t_det:9.3f} {tf(t_det):8.1f} {t_cudnn:9.3f} "
-              f"{tf(t_cudnn):8.1f} {t_cudnn / t_ours:10.3f} {t_cudnn / t_det:10.3f} {t_bf16:10.3f} {tf(t_bf16):8.1f}")
+              f"{tf(t_cudnn):8.1f} {t_cudnn / t_ours:10.3f} {t_cudnn / t_det:10.3f} {t_bf16:10.3f} {tf(t_bf16):8.1f} "
+              f"{t_fa4:8.3f} {tf(t_fa4):8.1f} {t_fa4 / t_ours:8.3f} {t_fa4_det:8.3f} {t_fa4_det / t_det:12.3f}")
+        both.append((s, t_ours_both, t_cudnn_both, t_fa4_both, 2.0 * (4 * 192 + 3 * 128) * H * s * s / 2))
+    print("forward + backward (ours: MXFP8 Q, K, V; peers: bf16 on the dequantized inputs)")
+    print(f"{'s':>6s} {'ours ms':>9s} {'TFLOP/s':>8s} {'cuDNN ms':>9s} {'TFLOP/s':>8s} {'FA4 ms':>8s} {'TFLOP/s':>8s} "
+          f"{'ours/best peer':>14s}")
+    for s, t_o, t_c, t_f, fl in both:
+        best = min(t for t in (t_c, t_f) if t == t) if (t_c == t_c or t_f == t_f) else float("nan")
+        print(f"{s:6d} {t_o:9.3f} {fl / t_o * 1e-9:8.1f} {t_c:9.3f} {fl / t_c * 1e-9:8.1f} {t_f:8.3f} "
+              f"{fl / t_f * 1e-9:8.1f} {best / t_o:14.3f}")
+    if fa4 is None:
+        print(f"FA4: skipped: {fa4_error}")
 
 
 if __name__ == "__main__":
