@@ -4,7 +4,10 @@ dict round trip. Bounds (stated in the README), relative RMS: bf16 <= 2^-7 (wo's
 partial sums added in fp32 and rounded again instead of one bf16 rounding; the replicated latents'
 gradients likewise; measured < 0.3 %); mxfp8 <= 2^-4 (the MXFP8 blocks are the same at either tp size,
 but a gradient that differs by a bf16 rounding is then quantized again, and an element near an E4M3
-rounding midpoint moves by one E4M3 step, 2^-3 relative; measured about 3 %)."""
+rounding midpoint moves by one E4M3 step, 2^-3 relative; measured about 3 %). On a GPU the same
+comparison runs with both processes on the one GPU (gloo on CUDA tensors) at head dims that take
+the CUDA kernels (the fused Q op, MXFP8 attention forward and backward, MXFP8 GEMMs): the sharded
+math with the kernels that the two-GPU run uses."""
 import os
 import sys
 import tempfile
@@ -18,6 +21,9 @@ mp = pytest.importorskip("torch.multiprocessing")
 
 KW = dict(hidden=64, heads=4, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32, max_seq_len=64,
           seed=5)
+# DeepSeek-V3's head dims (the SM90 kernels' shapes), few heads and small projections
+KW_GPU = dict(hidden=256, heads=4, q_lora_rank=64, kv_lora_rank=64, nope_dim=128, rope_dim=64, v_dim=128,
+              max_seq_len=128, seed=5)
 
 
 def _rel(a, b):
@@ -25,18 +31,20 @@ def _rel(a, b):
     return float((a - b).norm() / (b.norm() + 1e-30))
 
 
-def _worker(rank, world, init_file, result_file, recipe, layout, q_lora):
+def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device="cpu"):
     try:
         import mxmla.nn as mnn
 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        kw = dict(KW, recipe=recipe, layout=layout, q_lora_rank=q_lora)
+        base = KW_GPU if device == "cuda" else KW
+        kw = dict(base, recipe=recipe, layout=layout, q_lora_rank=q_lora or 0, device=device)
         full = mnn.MLA(**kw)
         tp = mnn.MLA(**kw, tp_group=dist.group.WORLD)
-        assert tp.local_heads == KW["heads"] // world
+        assert tp.local_heads == base["heads"] // world
         g = torch.Generator().manual_seed(3)
-        shape = (2, 40, 64) if layout == "bshd" else (80, 64)
-        x = torch.randn(shape, generator=g).to(torch.bfloat16)
+        hid = base["hidden"]
+        shape = (2, 40, hid) if layout == "bshd" else (80, hid)
+        x = torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
         cu = [0, 40, 80] if layout == "thd" else None
         res = []
         for m in (full, tp):
@@ -57,12 +65,13 @@ def _worker(rank, world, init_file, result_file, recipe, layout, q_lora):
                 ref = ref[:, lo:hi] if col else ref[lo:hi]
             errs[name] = _rel(p.grad, ref)
         bad = {k: v for k, v in errs.items() if not v <= bound}
-        # the unsharded state dict round trip
-        sd = tp.unsharded_state_dict()
-        same = all(torch.equal(sd[k], v) for k, v in full.state_dict().items())
-        other = mnn.MLA(**dict(kw, seed=99), tp_group=dist.group.WORLD)
-        other.load_unsharded_state_dict(full.state_dict())
-        reload_ok = all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), tp.state_dict().values()))
+        same = reload_ok = True
+        if device == "cpu":  # the unsharded state dict round trip (gloo gathers CPU tensors only)
+            sd = tp.unsharded_state_dict()
+            same = all(torch.equal(sd[k], v) for k, v in full.state_dict().items())
+            other = mnn.MLA(**dict(kw, seed=99), tp_group=dist.group.WORLD)
+            other.load_unsharded_state_dict(full.state_dict())
+            reload_ok = all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), tp.state_dict().values()))
         if rank == 0:
             with open(result_file, "w") as f:
                 f.write(repr(dict(bad=bad, errs=errs, sd_same=same, reload=reload_ok)))
@@ -91,6 +100,22 @@ def test_tp2_equals_tp1_on_gloo(recipe, layout, q_lora):
         r = eval(open(out).read())  # noqa: S307 - our own repr of floats and bools
     assert not r["bad"], r["errs"]
     assert r["sd_same"] and r["reload"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+@pytest.mark.parametrize("recipe,layout,q_lora", [("mxfp8", "bshd", 64), ("mxfp8", "thd", 0), ("bf16", "bshd", 64)])
+def test_tp2_equals_tp1_on_one_gpu(recipe, layout, q_lora):
+    """Both ranks on the one GPU (gloo all-reduces CUDA tensors): tp 2 against tp 1 within the same
+    bounds, with the CUDA kernels at DeepSeek-V3's head dims and two local heads per rank."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch")
+    with tempfile.TemporaryDirectory() as d:
+        init, out = os.path.join(d, "init"), os.path.join(d, "result")
+        mp.spawn(_worker, args=(2, init, out, recipe, layout, q_lora, "cuda"), nprocs=2, join=True)
+        errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if ".err" in f]
+        assert not errs, errs[0]
+        r = eval(open(out).read())  # noqa: S307 - our own repr of floats and bools
+    assert not r["bad"], r["errs"]
 
 
 def test_train_script_tp2_on_gloo_matches_tp1(tmp_path):
