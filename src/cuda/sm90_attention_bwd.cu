@@ -42,12 +42,13 @@
 // key-block order. A consumer's threads wait (gpu-scope acquire) until its tile's flag counts the
 // key blocks above its own that see the tile, its issuer adds, and once its additions have completed
 // (half a tile later, where it frees the stage) the producer publishes them by incrementing the flag
-// (after a gpu-scope release fence). The grid then runs the key
-// blocks of a head last first (each waits only on blocks launched before it: no deadlock however
-// few CTAs fit) and each walks its query tiles from its first without rotation: causal, block j
-// reaches tile i one to two tiles after block j + 1 (its first tile is one or two later), so its
-// wait is normally over before it begins; without a mask every block walks the same tiles and
-// block j follows j + 1 one tile behind.
+// (after a gpu-scope release fence). The grid then runs the key blocks of a head last first
+// (blockIdx.x = last − key block): a CTA waits only on CTAs of lower blockIdx.x, which the GPU
+// dispatches before it (the order FlashAttention-3's deterministic backward relies on too), so no
+// wait depends on a CTA that cannot start however few fit. Each walks its query tiles from its
+// first without rotation: causal, block j reaches tile i one to two tiles after block j + 1 (its
+// first tile is one or two later), so its wait is normally over before it begins; without a mask
+// every block walks the same tiles and block j follows j + 1 one tile behind.
 #include "cuda/sm90_attention_bwd.h"
 
 #include <cuda_bf16.h>
