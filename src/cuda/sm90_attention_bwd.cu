@@ -19,15 +19,17 @@
 //   WG1, WG2     consumers c = 0, 1, keys 48c .. 48c + 47 of the block each; per tile:
 //       S_c = Q_s·K_cᵀ, dP_c = dO·V_cᵀ          [64 rows][48 keys] wgmma m64n48, operands K-major
 //       P̂, dŜ (fp32 registers -> bf16)          -> P̂ᵀ, dŜᵀ [key][row] in shared memory (stmatrix.trans)
-//       dV_cᵀ += dOᵀ·P̂_c, dK_cᵀ += Q_gᵀ·dŜ_c     [d][48 keys] fp32 registers; A = dO / Q_g read M-major
+//       dV_cᵀ += dOᵀ·P̂_c (issued under dŜ's math)  [d_v][48 keys] fp32 registers; A = dO read M-major
 //       dQ[:, cols_c] = dŜ·K_g[:, cols_c]         [64 rows][d_qk / 2 columns] over all 96 keys (both
-//                consumers' dŜᵀ, after a barrier); once both consumers' GEMMs of the tile are done,
-//                each consumer writes its dQ part to shared memory (rows 0-15 over its own dŜᵀ half,
-//                16-31 over a third of the stage's dO, 32-63 over half of the stage's Q_s) and one
-//                thread adds it into the fp32 dQ accumulator with three bulk reductions
-//                (cp.reduce.async.bulk .add.f32); the next tile's dŜᵀ store and the stage's release
-//                wait until they have been read (half a tile later: the reductions run under the
-//                next tile's S, dP GEMMs and softmax)
+//                consumers' dŜᵀ, after a barrier), then dK_cᵀ += Q_gᵀ·dŜ_c ([d_qk][48 keys], A = Q_g
+//                read M-major); once both consumers' dV and dQ GEMMs are done (a barrier), each
+//                consumer writes its dQ part to shared memory while its dK GEMM runs (rows 0-15 over
+//                its P̂ᵀ, 16-31 over a third of the stage's dO, 32-63 over half of the Q tile dK does
+//                not read: Q_g when q_once, else the stage's Q_s) and one thread adds it into the fp32
+//                dQ accumulator with three bulk reductions (cp.reduce.async.bulk .add.f32), then
+//                waits, still under dK, until the first has been read (the next tile's P̂ᵀ store
+//                follows a barrier); the stage's release waits until the others have been read (half
+//                a tile later: they run under the next tile's S, dP GEMMs and softmax)
 //   then dK, dV -> bf16. A postprocess kernel rounds the accumulator to bf16 into dq. The query
 //   tiles of a head start at a rotation per key block, so that the CTAs of a head in flight add
 //   into different rows.
@@ -100,12 +102,12 @@ struct alignas(1024) Smem {
   uint8_t vs[C::kVBlocks][C::kBN * 128];   // V [key][d_v] (dP)
   uint8_t qs[2][C::kQkBlocks][C::kBM * 128];  // Q_s [row][d] per stage (S; dK when q_once)
   uint8_t dos[2][C::kVBlocks][C::kBM * 128];  // dO [row][d_v] per stage (dP, dV)
-  uint8_t qg[C::kQkBlocks][C::kBM * 128];     // Q_g (dK; unused when q_once)
-  uint8_t pd[2][2][C::kWN * 128];             // consumer c: P̂ᵀ, dŜᵀ of its keys [key][row] (dŜᵀ: dQ rows 0-15)
+  uint8_t qg[C::kQkBlocks][C::kBM * 128];     // Q_g (dK; when q_once: dQ rows 32-63)
+  uint8_t pd[2][2][C::kWN * 128];             // consumer c: P̂ᵀ, dŜᵀ of its keys [key][row] (P̂ᵀ: dQ rows 0-15)
   static_assert(C::kWN * 128 % 1024 == 0, "swizzled tiles start at 1024-byte boundaries");
-  static_assert(16 * C::kDqN * 4 <= C::kWN * 128, "a consumer's dQ rows 0-15 fit over its dŜᵀ");
+  static_assert(16 * C::kDqN * 4 <= C::kWN * 128, "a consumer's dQ rows 0-15 fit over its P̂ᵀ");
   static_assert(2 * 16 * C::kDqN * 4 <= C::kVBlocks * C::kBM * 128, "both consumers' dQ rows 16-31 fit a dO stage");
-  static_assert(2 * 32 * C::kDqN * 4 == C::kQkBlocks * C::kBM * 128, "both consumers' dQ rows 32-63 fit a Q_s stage");
+  static_assert(2 * 32 * C::kDqN * 4 == C::kQkBlocks * C::kBM * 128, "both consumers' dQ rows 32-63 fit a Q_s stage (or Q_g)");
   float lse[2][C::kBM], dd[2][C::kBM];        // LSE, D of the tile's rows per stage
   // kDet (in shared memory: the consumers have no registers to spare): the first row that sees key
   // j0 (j0 − off), the count of key blocks after this one, the flag of each consumer's tile per stage
@@ -206,16 +208,14 @@ __device__ __forceinline__ void gemm_rows_keys(float (&acc)[24], uint64_t desc_a
 // dQ[:, col0 .. col0 + kN) of a query tile, over the block's 96 keys: A = dŜ (M-major from dŜᵀ:
 // rows of 64 query rows, 8-key groups 1024 bytes apart; 16 keys = 2048 bytes; keys 0-47 in consumer
 // 0's dŜᵀ, 48-95 in consumer 1's), B = K_g (N-major: 32-column blocks kBN · 64 bytes apart, 8-key
-// groups 512 apart; 16 keys = 1024 bytes). Issued after the dV / dK groups: once those are done,
-// release_g(); returns the [64 rows][kN] fp32 fragment once this one is done.
-template <int kN, class ReleaseG>
-__device__ __forceinline__ void dq_gemm(float (&acc)[kN / 2], const uint8_t* dst0, const uint8_t* dst1,
-                                        const uint8_t* kg_block0, ReleaseG&& release_g) {
+// groups 512 apart; 16 keys = 1024 bytes). One commit group, issued before dK's, so that the
+// fragment is staged while dK's GEMM runs (the caller fences and waits).
+template <int kN>
+__device__ __forceinline__ void dq_gemm_issue(float (&acc)[kN / 2], const uint8_t* dst0, const uint8_t* dst1,
+                                              const uint8_t* kg_block0) {
   const uint64_t da0 = ptx::wgmma_desc(dst0, ptx::SmemSwizzle::k128B, 8192, 1024);
   const uint64_t da1 = ptx::wgmma_desc(dst1, ptx::SmemSwizzle::k128B, 8192, 1024);
   const uint64_t db = ptx::wgmma_desc(kg_block0, ptx::SmemSwizzle::k64B, 96 * 64, 512);
-  fence_acc(acc);
-  ptx::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 6; ++kk) {
     const uint64_t da = (kk < 3 ? da0 : da1) + (kk % 3) * 128;
@@ -225,10 +225,6 @@ __device__ __forceinline__ void dq_gemm(float (&acc)[kN / 2], const uint8_t* dst
       ptx::wgmma_m64n64k16_f32_bf16_bf16_ss<1, 1>(acc, da, db + kk * 64, kk > 0);
   }
   ptx::wgmma_commit();
-  ptx::wgmma_wait<1>();
-  release_g();
-  ptx::wgmma_wait<0>();
-  fence_acc(acc);
 }
 
 // The fragment -> shared memory in the accumulator's row layout: rows 0-15 at buf0, 16-31 at
@@ -445,7 +441,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
         pair[2 * j + hh] = bf16x2_rn(ds[0], ds[1]);
       }
     }
-    if (t > 0) {  // the previous tile's bulk reductions have read its dQ part: dŜᵀ and the previous stage are free
+    if (t > 0) {  // the previous tile's bulk reductions have read its dQ part: the previous stage is free
       if (issuer) {
         if constexpr (kDet)
           completed();
@@ -453,17 +449,20 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
           ptx::bulk_wait_read_all();
         ptx::mbar_arrive(&sm.empty[st ^ 1]);
       }
-      ptx::named_barrier(2 + c, 128);
     }
-    store_t(dst);  // (the other consumer's dQ GEMM of the previous tile is done: the barrier at its end)
+    store_t(dst);  // (this consumer's dK GEMM and the other's dQ GEMM of the previous tile are done)
     ptx::fence_proxy_async();
     ptx::named_barrier(C::kBarPair, 256);  // both consumers' dŜᵀ are complete
 
-    // dK_cᵀ += Q_gᵀ·dŜ_c (A M-major as dV's)
+    // dQ[:, cols_c] = dŜ·K_g[:, cols_c] (consumer c the columns c · d_qk / 2 ..), then dK_cᵀ += Q_gᵀ·dŜ_c
+    // (A M-major as dV's): the dQ fragment is staged and its reductions issued while dK's GEMM runs
+    float acc[C::kDqN / 2];
+    fence_acc(acc);
 #pragma unroll
     for (int m = 0; m < C::kQkBlocks; ++m) fence_acc(dk[m]);
     if (!prm.q_once) ptx::mbar_wait(&sm.g_full, static_cast<uint32_t>(t & 1));
     ptx::wgmma_fence();
+    dq_gemm_issue<C::kDqN>(acc, sm.pd[0][1], sm.pd[1][1], sm.kg[c * (C::kDqN / 32)]);
     {
       const uint8_t* qg = prm.q_once ? sm.qs[st][0] : sm.qg[0];
 #pragma unroll
@@ -475,23 +474,16 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
       }
     }
     ptx::wgmma_commit();
-
-    // dQ[:, cols_c] = dŜ·K_g[:, cols_c]: consumer c the columns c · d_qk / 2 ..
-    const auto release_g = [&] {  // dV, dK done: Q_g is free
-      if (!prm.q_once) {
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(&sm.g_empty);
-      }
-    };
+    ptx::wgmma_wait<1>();  // dV, dQ (dK still running)
+    fence_acc(acc);
     {
-      float acc[C::kDqN / 2];
-      dq_gemm<C::kDqN>(acc, sm.pd[0][1], sm.pd[1][1], sm.kg[c * (C::kDqN / 32)], release_g);
-      // both consumers' GEMMs of this tile are done: dŜᵀ and the stage's dO, Q_s are free
+      // both consumers' dV and dQ GEMMs are done: both P̂ᵀ, the stage's dO and the Q tile that dK
+      // does not read (q_once: Q_g, unused; else the stage's Q_s) are free
       ptx::named_barrier(C::kBarPair, 256);
       const int64_t row0 = row_index(p, s, b, w.h, i0);
-      uint8_t* const buf0 = sm.pd[c][1];                              // rows 0-15
-      uint8_t* const buf1 = sm.dos[st][0] + c * (16 * C::kDqN * 4);  // rows 16-31
-      uint8_t* const buf2 = sm.qs[st][0] + c * (32 * C::kDqN * 4);   // rows 32-63
+      uint8_t* const buf0 = sm.pd[c][0];                                                       // rows 0-15
+      uint8_t* const buf1 = sm.dos[st][0] + c * (16 * C::kDqN * 4);                           // rows 16-31
+      uint8_t* const buf2 = (prm.q_once ? sm.qg[0] : sm.qs[st][0]) + c * (32 * C::kDqN * 4);  // rows 32-63
       dq_stage<C::kDqN>(acc, buf0, buf1, buf2, warp, lane, row0);
       ptx::fence_proxy_async();
       if constexpr (kDet) {  // wait for the key blocks after this one that see the tile (block j sees it
@@ -504,16 +496,36 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
         if (issuer) sm.flag[c][st] = flag;
       }
       ptx::named_barrier(2 + c, 128);
-      if (issuer) {  // rows i0 .. i0 + ni − 1: [2][rows][d_qk / 2] at (c, row0), in pieces of 16, 16, 32 rows
+      if (issuer) {  // rows i0 .. i0 + ni − 1: [2][rows][d_qk / 2] at (c, row0), in pieces of 16, 16, 32 rows,
+                     // one commit group each; then wait until the first (over P̂ᵀ, which the next
+                     // tile's P̂ store overwrites) has been read, under dK's GEMM
         float* to = prm.dq_acc + (c * prm.dq_rows + row0 - prm.dq_row0) * C::kDqN;
         constexpr uint32_t kRow = C::kDqN * 4;
         if constexpr (kDet) ptx::fence_proxy_async_global();
         ptx::bulk_reduce_add_f32_s2g(to, buf0, static_cast<uint32_t>(imin(ni, 16)) * kRow);
-        if (ni > 16) ptx::bulk_reduce_add_f32_s2g(to + 16 * C::kDqN, buf1, static_cast<uint32_t>(imin(ni, 32) - 16) * kRow);
-        if (ni > 32) ptx::bulk_reduce_add_f32_s2g(to + 32 * C::kDqN, buf2, static_cast<uint32_t>(ni - 32) * kRow);
         ptx::bulk_commit();
+        if (ni > 16) {
+          ptx::bulk_reduce_add_f32_s2g(to + 16 * C::kDqN, buf1, static_cast<uint32_t>(imin(ni, 32) - 16) * kRow);
+          ptx::bulk_commit();
+        }
+        if (ni > 32) {
+          ptx::bulk_reduce_add_f32_s2g(to + 32 * C::kDqN, buf2, static_cast<uint32_t>(ni - 32) * kRow);
+          ptx::bulk_commit();
+        }
+        if (ni > 32)
+          ptx::bulk_wait_read<2>();
+        else if (ni > 16)
+          ptx::bulk_wait_read<1>();
+        else
+          ptx::bulk_wait_read<0>();
       }
     }
+    ptx::wgmma_wait<0>();  // dK
+    if (!prm.q_once) {  // Q_g is free
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(&sm.g_empty);
+    }
+    ptx::named_barrier(2 + c, 128);  // P̂ᵀ's staged rows have been read
 #pragma unroll
     for (int m = 0; m < C::kVBlocks; ++m) fence_acc(dv[m]);
 #pragma unroll
