@@ -74,7 +74,10 @@ class MXFP8Attention(torch.autograd.Function):
                   cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
                   bottom_right=bottom_right)
         o, lse = attention(*mx, return_lse=True, **kw)
-        bufs = [getattr(t, f) for t in mx for f in _FIELDS]
+        # V's columnwise copy served the forward's P·V only: the backward reads V rowwise (dP = dO·Vᵀ),
+        # so it is not kept (T·h·d_v bytes and its scales less)
+        bufs = [None if i == 2 and f.startswith("columnwise") else getattr(t, f)
+                for i, t in enumerate(mx) for f in _FIELDS]
         ctx.save_for_backward(*bufs, o, lse)
         ctx.meta = [(t.shape, t.fp8_format, t.scale_layout, t.layout, t.attention) for t in mx]
         ctx.kw = dict(kw, deterministic=deterministic)
@@ -92,7 +95,8 @@ class MXFP8Attention(torch.autograd.Function):
 
 class DotProductAttention(torch.nn.Module):
     """Attention as a module, TransformerEngine-style: forward(q, k, v) → O (bf16) with autograd
-    (MXFP8Attention: bf16 inputs quantized to MXFP8 with both copies; saved: the MXFP8 tensors, O, LSE).
+    (MXFP8Attention: bf16 inputs quantized to MXFP8 with both copies; saved: the MXFP8 tensors, of v
+    its rowwise copy only, O, LSE).
 
     softmax_scale: None is d_qk^-0.5 (DeepSeek-V3 with YaRN: ``mxmla.yarn_softmax_scale()``); causal
     (top-left; bottom_right=True aligns it to the end for s_q != s_kv); layout: "sbhd" (default),

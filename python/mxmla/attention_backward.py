@@ -103,7 +103,8 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Array, lse: Array, *,
     (layout is detected from q, k, v). deterministic: a fixed summation order (the reference always
     has one). A row without visible keys gets dQ = 0; thd tokens outside every sequence get 0.
 
-    The CUDA kernel is not available yet: CUDA tensors raise a ValueError saying so."""
+    CUDA tensors run the GPU kernels (the README's "Backward and autograd" section: on SM90 a
+    warp-specialized tensor-core kernel with dQ summed in fp32, elsewhere slower kernels)."""
     op = _OP
     causal = flag(op, "causal", causal)
     bottom_right = flag(op, "bottom_right", bottom_right)

@@ -4,8 +4,9 @@
 rowwise copy, or its columnwise copy with ``trans_a``; B's rowwise copy with ``trans_b``, the
 default, or its columnwise copy), dequantizes it exactly and multiplies. numpy arrays run the CPU
 reference (float64 sums, rounded once), torch tensors the reference too on the CPU, through the
-custom ops ``torch.ops.mxmla.gemm`` / ``gemm_out``. On CUDA the SM90 kernel is not available yet:
-a CUDA call is checked like a CPU one and then raises a ValueError that says what to do meanwhile.
+custom ops ``torch.ops.mxmla.gemm`` / ``gemm_out``; CUDA tensors run the SM90 kernels (the README's
+"MXFP8 GEMM" section: each operand dequantized once to bf16, then a bf16 tensor-core GEMM with fp32
+sums; operands with scales bf16 cannot hold exactly take an FP8 tensor-core kernel instead).
 """
 from __future__ import annotations
 
@@ -119,9 +120,8 @@ def gemm(a: Operand, b: Operand, *, trans_a: bool = False, trans_b: bool = True,
 
     numpy runs the CPU reference (bf16 results as ml_dtypes.bfloat16 for ml_dtypes operands or
     out_dtype=ml_dtypes.bfloat16, else uint16 bits); torch CPU tensors the reference through
-    ``torch.ops.mxmla.gemm`` / ``gemm_out`` (traceable by torch.compile); torch CUDA tensors raise:
-    the SM90 MXFP8 GEMM kernel is not in this build yet (dequantize and run a bf16 matmul meanwhile).
-    Not differentiable: an input that requires grad (grad mode on) is an error."""
+    ``torch.ops.mxmla.gemm`` / ``gemm_out`` (traceable by torch.compile); torch CUDA tensors the
+    SM90 kernels through the same ops. Not differentiable: an input that requires grad (grad mode on) is an error."""
     op = _OP
     trans_a, trans_b = flag(op, "trans_a", trans_a), flag(op, "trans_b", trans_b)
     accumulate = flag(op, "accumulate", accumulate)

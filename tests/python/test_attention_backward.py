@@ -244,6 +244,32 @@ def test_dot_product_attention_module_gradients(fmt):
         assert rel < 0.01, rel  # measured: 0.2-0.3 %
 
 
+def test_autograd_saves_no_columnwise_copy_of_v():
+    """The backward reads V rowwise (dP = dO·Vᵀ); its columnwise copy served the forward's P·V only:
+    MXFP8Attention saves q's and k's two copies, v's rowwise one, O and LSE (the gradients equal the op's
+    on the full tensors: test_dot_product_attention_module_gradients)."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 40, 2, 64, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    v = torch.randn(2, 40, 2, 32, generator=g).to(torch.bfloat16).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        o = mxmla.nn.DotProductAttention(causal=True, layout="bshd")(q, k, v)
+    from mxmla.attention_autograd import quantize_for_attention
+    q8, k8, v8 = (quantize_for_attention(t, "bshd") for t in (q, k, v))
+    want = [q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data, q8.columnwise_scale_inv, k8.rowwise_data,
+            k8.rowwise_scale_inv, k8.columnwise_data, k8.columnwise_scale_inv, v8.rowwise_data, v8.rowwise_scale_inv]
+    assert len(saved) == len(want) + 2  # + O, LSE
+    for t, w in zip(saved, want):
+        assert torch.equal(t, w)
+    assert saved[-2].shape == o.shape and saved[-1].dtype == torch.float32
+    # the query path's attention keeps the same set (q8's copies come from the fused op)
+    from mxmla.nn.qproj import attention_from_mxfp8_q
+    q8 = quantize_for_attention(q, "bshd")
+    o2 = attention_from_mxfp8_q(q8, q.detach().clone().requires_grad_(), k, v, causal=True)
+    assert o2.grad_fn.v8.columnwise_data is None and o2.grad_fn.v8.rowwise_data is not None
+    assert o2.grad_fn.k8.columnwise_data is not None and o2.grad_fn.q8.columnwise_data is not None
+
+
 def test_errors_name_the_argument():
     CASE.update(causal=False, br=False)
     do, q, k, v, o, lse = make("bshd", 1, 32, 32, 2, 2, 32, 32, "bf16")

@@ -355,7 +355,8 @@ def test_cuda_path_is_validated_first():
                 core.Fp8Format.e4m3, core.ScaleLayout.compact, core.QKVLayout.sbhd, False)
 
     o = core.GemmOptions()
-    with pytest.raises(ValueError, match=r"mxmla.gemm: argument 'a.rowwise_data': .*cuda:0"):
+    # (a build without CUDA kernels says so instead of naming the device)
+    with pytest.raises(ValueError, match=r"mxmla.gemm: argument 'a.rowwise_data': .*(cuda:0|no CUDA support)"):
         core.gemm(operand(x), operand(w), desc(y, "float32"), o, 0)
     assert (y == 0).all()
     with pytest.raises(ValueError, match=r"argument 'out': shape \[4, 31\]"):

@@ -173,6 +173,9 @@ class _AttentionFromQ8(torch.autograd.Function):
         q8 = mxmla.MXFP8Tensor(shape, fmt, sl, rd, rs, cd, cs, layout=lay, attention=True)
         k8, v8 = (quantize_for_attention(t, kw["layout"]) for t in (k, v))
         o, lse = mxmla.attention(q8, k8, v8, return_lse=True, **kw)
+        # (V's columnwise copy served the forward only: the backward reads V rowwise)
+        v8 = mxmla.MXFP8Tensor(v8.shape, v8.fp8_format, v8.scale_layout, v8.rowwise_data, v8.rowwise_scale_inv,
+                               None, None, layout=v8.layout, attention=v8.attention)
         ctx.q8, ctx.k8, ctx.v8, ctx.kw = q8, k8, v8, kw
         ctx.save_for_backward(o, lse)
         return o
