@@ -253,18 +253,20 @@ std::unique_ptr<StreamScratch> attn_bwd::attention_bwd_prologue(const AttentionB
   auto D = std::make_unique<StreamScratch>(std::max<int64_t>(rows, 1) * 4, s);
   if (p.Sq > 0) {
     const AttnTensorView& g = p.do_s.view;
-    const bool vec16 = !p.do_s.fp8 && p.Dv == 128 && reinterpret_cast<uintptr_t>(p.o) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(g.data) % 16 == 0 && p.o_st_b % 8 == 0 && p.o_st_s % 8 == 0 &&
-                       p.o_st_h % 8 == 0 && g.st_b % 8 == 0 && g.st_s % 8 == 0 && g.st_h % 8 == 0;
-    if (vec16) {
+    // O and a bf16 dO read n values at a time: both data pointers 2n-byte aligned, every stride a
+    // multiple of n values
+    const auto vec_ok = [&](int64_t n) {
+      return !p.do_s.fp8 && reinterpret_cast<uintptr_t>(p.o) % (2 * n) == 0 &&
+             reinterpret_cast<uintptr_t>(g.data) % (2 * n) == 0 && p.o_st_b % n == 0 && p.o_st_s % n == 0 &&
+             p.o_st_h % n == 0 && g.st_b % n == 0 && g.st_s % n == 0 && g.st_h % n == 0;
+    };
+    if (p.Dv == 128 && vec_ok(8)) {
       bwd_preprocess_d128<<<dim3(grid_dim(kOp, (p.Sq + kPreRows - 1) / kPreRows, true, "rows"), H, B), kThreads, 0,
                             s>>>(p, reinterpret_cast<float*>(D->ptr));
       MXMLA_CUDA_CHECK(cudaGetLastError());
       return D;
     }
-    const bool vec = !p.do_s.fp8 && p.Dv % 4 == 0 && reinterpret_cast<uintptr_t>(p.o) % 8 == 0 &&
-                     reinterpret_cast<uintptr_t>(g.data) % 8 == 0 && p.o_st_b % 4 == 0 && p.o_st_s % 4 == 0 &&
-                     p.o_st_h % 4 == 0 && g.st_b % 4 == 0 && g.st_s % 4 == 0 && g.st_h % 4 == 0;
+    const bool vec = p.Dv % 4 == 0 && vec_ok(4);
     bwd_preprocess<<<dim3(grid_dim(kOp, (p.Sq + kWarps - 1) / kWarps, true, "rows"), H, B), kThreads, 0, s>>>(
         p, reinterpret_cast<float*>(D->ptr), vec);
     MXMLA_CUDA_CHECK(cudaGetLastError());

@@ -75,12 +75,13 @@ __device__ __forceinline__ void bulk_reduce_add_f32_s2g(float* gdst, const void*
                : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-// Wait until at most N of the most recent committed bulk groups have not been read from shared memory.
+// Wait until at most N of the most recent committed bulk groups have not been read from shared
+// memory (N = 0: every group's source has been read).
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
+__device__ __forceinline__ void bulk_wait_read_all() { bulk_wait_read<0>(); }
 // Wait until every committed bulk group has completed (its global writes done).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
