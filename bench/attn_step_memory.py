@@ -67,6 +67,8 @@ def step(recipe, leaves, do, scale):
 
 
 def main():
+    if not torch.cuda.is_available():
+        sys.exit("bench/attn_step_memory.py: needs a CUDA GPU (it measures the device memory pool)")
     H = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     seqs = [int(x) for x in sys.argv[2:]] or [4096, 8192]
     scale = mxmla.yarn_softmax_scale()
