@@ -25,7 +25,8 @@ SUB_NAMES = ["P math", "store P^T (stmatrix)", "fence", "row index", "dq_stage s
 
 
 def run(label, fn):
-    path = tempfile.mktemp(suffix=".probe")
+    with tempfile.NamedTemporaryFile(suffix=".probe", delete=False) as f:  # (the launcher appends to it)
+        path = f.name
     fn()
     torch.cuda.synchronize()
     os.environ["MXMLA_BWD_PROBE"] = path
