@@ -24,7 +24,9 @@ SUB_NAMES = ["P math", "store P^T (stmatrix)", "fence", "row index", "dq_stage s
              "issue 3 reductions", "wait first read"]
 
 
-def run(label, fn):
+def stamps(fn):
+    """fn run once to warm up, then once with MXMLA_BWD_PROBE set: the probe build's stamps,
+    [head][key block][role][tile][slot] (int64 cycles, 0 where none was written)."""
     with tempfile.NamedTemporaryFile(suffix=".probe", delete=False) as f:  # (the launcher appends to it)
         path = f.name
     fn()
@@ -37,7 +39,11 @@ def run(label, fn):
         del os.environ["MXMLA_BWD_PROBE"]
     raw = np.fromfile(path, dtype=np.uint64)
     os.unlink(path)
-    a = raw[: HEADS * KB * ROLES * T * S].reshape(HEADS, KB, ROLES, T, S).astype(np.int64)
+    return raw[: HEADS * KB * ROLES * T * S].reshape(HEADS, KB, ROLES, T, S).astype(np.int64)
+
+
+def run(label, fn):
+    a = stamps(fn)
     rows = {c: [] for c in (1, 2)}
     periods, leads = [], []
     for h in range(HEADS):
@@ -70,9 +76,8 @@ def run(label, fn):
               f"{np.mean(lv < 0) * 100:.1f} % of tiles late")
 
 
-def main():
-    H = int(sys.argv[1]) if len(sys.argv) > 1 else 128
-    s = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+def backward_calls(H, s):
+    """The two timed calls, (label, fn): the backward on MXFP8 inputs and on their dequantized bf16."""
     scale = mxmla.yarn_softmax_scale()
     torch.manual_seed(0)
     q, k = (torch.randn(1, s, H, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -80,10 +85,17 @@ def main():
     q8, k8, v8 = (mxmla.quantize_attention(t, "bshd") for t in (q, k, v))
     o, lse = mxmla.attention(q8, k8, v8, causal=True, softmax_scale=scale, return_lse=True)
     do = torch.randn_like(o)
-    run("MXFP8 in", lambda: mxmla.attention_backward(do, q8, k8, v8, o, lse, causal=True, softmax_scale=scale))
     qb, kb, vb = (mxmla.dequantize(t, "bfloat16").view(t.rowwise_data.shape) for t in (q8, k8, v8))
-    run("bf16 in", lambda: mxmla.attention_backward(do, qb, kb, vb, o, lse, causal=True, softmax_scale=scale,
-                                                    layout="bshd"))
+    return [("MXFP8 in", lambda: mxmla.attention_backward(do, q8, k8, v8, o, lse, causal=True, softmax_scale=scale)),
+            ("bf16 in", lambda: mxmla.attention_backward(do, qb, kb, vb, o, lse, causal=True, softmax_scale=scale,
+                                                         layout="bshd"))]
+
+
+def main():
+    H = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    s = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+    for label, fn in backward_calls(H, s):
+        run(label, fn)
 
 
 if __name__ == "__main__":

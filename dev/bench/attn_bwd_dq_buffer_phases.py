@@ -1,0 +1,59 @@
+"""Where a tile's time goes in the attention backward with attn_bwd_dq_buffer.patch's dQ path: needs
+the probe build (dev/patches/attn_bwd_dq_buffer_probe.patch applied to the tree; clock64 stamps per
+phase, the CTAs of the first two KV heads, written to the file MXMLA_BWD_PROBE names). One backward
+call after warm-up with MXFP8 inputs and one with bf16 inputs, DeepSeek-V3 head dims, causal, bshd,
+b 1, h 128, s 4096; prints the mean cycles a tile of each consumer phase (consumer 0 / 1) and of the
+producer's thread 0 (the dQ adder and one of the loaders; MXFP8 inputs only: with bf16 ones its turn
+skips Q_g's stamps). Tiles other than a CTA's first two and last.
+Usage: PYTHONPATH=<probe build>/python python3 dev/bench/attn_bwd_dq_buffer_phases.py"""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn_bwd_phases import HEADS, KB, backward_calls, stamps  # noqa: E402  (the same probe file layout)
+
+CN = ["wait Q,dO", "S issue+wait", "P math", "wait p_free", "store P, fence, WG bar", "issue dV, wait dP",
+      "dS math", "store dS, pair bar", "wait g_full", "issue dQ dK, wait dV dQ", "do_empty, pair bar",
+      "wait dq_empty", "dq stage+fence+arrive", "wait dK", "loop"]
+PN = ["wait dq_full", "add_tile issue", "wait read P (p_free)", "wait read rest (dq_empty)", "wait q_empty",
+      "load Q landed", "wait do_empty", "load dO landed", "wait g_empty", "load Qg landed", "rest/loop"]
+
+
+def run(label, fn):
+    a = stamps(fn)
+    rows = {0: [], 1: [], 2: []}
+    for h in range(HEADS):
+        for kb in range(KB):
+            for r in (0, 1, 2):
+                st = a[h, kb, r]
+                n = int(np.count_nonzero(st[:, 0]))
+                if n < 4:
+                    continue
+                for t in range(2, n - 1):
+                    k = 11 if r == 0 else 15
+                    x = st[t][:k].copy()
+                    if np.any(x == 0):
+                        continue
+                    d = np.append(np.diff(x), st[t + 1, 0] - x[-1])
+                    rows[r].append(np.append(d, st[t + 1, 0] - st[t, 0]))
+    print(f"== {label}")
+    m1, m2 = np.mean(rows[1], axis=0), np.mean(rows[2], axis=0)
+    for i, nm in enumerate(CN):
+        print(f"  c {nm:28s} {m1[i]:8.0f} {m2[i]:8.0f}")
+    print(f"  c period {m1[-1]:.0f} {m2[-1]:.0f}")
+    if rows[0]:
+        m0 = np.mean(rows[0], axis=0)
+        for i, nm in enumerate(PN):
+            print(f"  p {nm:28s} {m0[i]:8.0f}")
+        print(f"  p period {m0[-1]:.0f} ({len(rows[0])} tiles)")
+
+
+def main():
+    for label, fn in backward_calls(128, 4096):
+        run(label, fn)
+
+
+if __name__ == "__main__":
+    main()
