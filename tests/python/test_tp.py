@@ -35,8 +35,12 @@ def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device=
     try:
         import mxmla.nn as mnn
 
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        base = KW_GPU if device == "cuda" else KW
+        backend = "gloo"
+        if device == "cuda2":  # one GPU a rank, NCCL (the two-GPU run)
+            torch.cuda.set_device(rank)
+            device, backend = f"cuda:{rank}", "nccl"
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+        base = KW_GPU if device != "cpu" else KW
         kw = dict(base, recipe=recipe, layout=layout, q_lora_rank=q_lora or 0, device=device)
         full = mnn.MLA(**kw)
         tp = mnn.MLA(**kw, tp_group=dist.group.WORLD)
@@ -66,7 +70,7 @@ def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device=
             errs[name] = _rel(p.grad, ref)
         bad = {k: v for k, v in errs.items() if not v <= bound}
         same = reload_ok = True
-        if device == "cpu":  # the unsharded state dict round trip (gloo gathers CPU tensors only)
+        if backend == "nccl" or device == "cpu":  # the unsharded state dict round trip (not gloo on CUDA tensors)
             sd = tp.unsharded_state_dict()
             same = all(torch.equal(sd[k], v) for k, v in full.state_dict().items())
             other = mnn.MLA(**dict(kw, seed=99), tp_group=dist.group.WORLD)
@@ -88,16 +92,21 @@ def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device=
         raise
 
 
+def _spawn(recipe, layout, q_lora, device):
+    """_worker on two processes; rank 0's result dict (a worker's traceback fails the test)."""
+    with tempfile.TemporaryDirectory() as d:
+        init, out = os.path.join(d, "init"), os.path.join(d, "result")
+        mp.spawn(_worker, args=(2, init, out, recipe, layout, q_lora, device), nprocs=2, join=True)
+        errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if ".err" in f]
+        assert not errs, errs[0]
+        return eval(open(out).read())  # noqa: S307 - our own repr of floats and bools
+
+
 @pytest.mark.parametrize("recipe,layout,q_lora", [("bf16", "bshd", 32), ("bf16", "thd", 0), ("mxfp8", "bshd", 32)])
 def test_tp2_equals_tp1_on_gloo(recipe, layout, q_lora):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch")
-    with tempfile.TemporaryDirectory() as d:
-        init, out = os.path.join(d, "init"), os.path.join(d, "result")
-        mp.spawn(_worker, args=(2, init, out, recipe, layout, q_lora), nprocs=2, join=True)
-        errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if ".err" in f]
-        assert not errs, errs[0]
-        r = eval(open(out).read())  # noqa: S307 - our own repr of floats and bools
+    r = _spawn(recipe, layout, q_lora, "cpu")
     assert not r["bad"], r["errs"]
     assert r["sd_same"] and r["reload"]
 
@@ -109,30 +118,44 @@ def test_tp2_equals_tp1_on_one_gpu(recipe, layout, q_lora):
     bounds, with the CUDA kernels at DeepSeek-V3's head dims and two local heads per rank."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch")
-    with tempfile.TemporaryDirectory() as d:
-        init, out = os.path.join(d, "init"), os.path.join(d, "result")
-        mp.spawn(_worker, args=(2, init, out, recipe, layout, q_lora, "cuda"), nprocs=2, join=True)
-        errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if ".err" in f]
-        assert not errs, errs[0]
-        r = eval(open(out).read())  # noqa: S307 - our own repr of floats and bools
+    r = _spawn(recipe, layout, q_lora, "cuda")
     assert not r["bad"], r["errs"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fewer than two CUDA devices visible (the two-GPU run)")
+@pytest.mark.parametrize("recipe,layout,q_lora", [("mxfp8", "bshd", 64), ("mxfp8", "thd", 0), ("bf16", "bshd", 64)])
+def test_tp2_equals_tp1_on_two_gpus(recipe, layout, q_lora):
+    """One GPU a rank, NCCL: tp 2 against tp 1 (each rank's full block on its own GPU) within the same
+    bounds, and the unsharded state dict round trip."""
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("torch.distributed with NCCL is not available in this torch")
+    r = _spawn(recipe, layout, q_lora, "cuda2")
+    assert not r["bad"], r["errs"]
+    assert r["sd_same"] and r["reload"]
+
+
+def _cpu_launch_env():
+    """(the repository's root, the environment) for a script run on CPU processes under
+    torch.distributed.run with gloo: no GPU visible, the tested mxmla package on PYTHONPATH."""
+    import pathlib
+
+    import mxmla
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(mxmla.__file__).resolve().parents[1])]
+                                        + [p for p in [env.get("PYTHONPATH")] if p])
+    return pathlib.Path(__file__).resolve().parents[2], env
 
 
 def test_train_script_tp2_on_gloo_matches_tp1(tmp_path):
     """examples/train_mla.py --tp 2 under torch.distributed.run (two CPU processes, gloo): the same
     losses as one process (bf16 rounding of the all-reduced partial sums aside)."""
     import csv
-    import pathlib
     import subprocess
 
-    import mxmla
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this torch")
-    root = pathlib.Path(__file__).resolve().parents[2]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(mxmla.__file__).resolve().parents[1])]
-                                        + [p for p in [env.get("PYTHONPATH")] if p])
+    root, env = _cpu_launch_env()
     common = [str(root / "examples" / "train_mla.py"), "--steps", "3", "--text-file",
               str(root / "tests" / "python" / "data" / "tiny_corpus.txt")]
     runs = {}
@@ -147,6 +170,24 @@ def test_train_script_tp2_on_gloo_matches_tp1(tmp_path):
     assert len(runs[1]) == len(runs[2]) == 3
     for a, b in zip(runs[1], runs[2]):
         assert abs(a - b) <= 1e-3 * abs(a), (runs[1], runs[2])
+
+
+def test_tp_step_bench_runs_on_gloo():
+    """bench/mla_tp_step.py --small under torch.distributed.run (two CPU processes, gloo): both recipes'
+    rows, the tp step's output against tp 1's within the bounds above, the collectives it recorded."""
+    import re
+    import subprocess
+
+    root, env = _cpu_launch_env()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(root / "bench" / "mla_tp_step.py"), "--small"], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "not a performance figure" in r.stdout
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s*64\s+(bf16|mxfp8)\s.*\s(\S+)$", r.stdout, re.M)}
+    assert set(rows) == {"bf16", "mxfp8"}, r.stdout
+    assert rows["bf16"] <= 2.0 ** -7 and rows["mxfp8"] <= 2.0 ** -4, r.stdout
+    assert r.stdout.count("collectives in a tp step: ") == 2 and "float32" in r.stdout, r.stdout
 
 
 def test_tp_group_needs_an_initialized_process_group():
