@@ -126,7 +126,8 @@ def main():
     seqs = args.seqs or ([4096] if cuda else [64])
     clock = Clock(device)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"MLA block, tensor parallel over {world} ranks ({'GPUs, NCCL' if cuda else 'CPU processes, gloo: the CPU reference at small dims, not a performance figure'}); "
+    where = "GPUs, NCCL" if cuda else "CPU processes, gloo: the CPU reference at small dims, not a performance figure"
+    say(f"MLA block, tensor parallel over {world} ranks ({where}); "
         + ", ".join(f"{k} {v}" for k, v in dims.items()) + ", b 1, causal, bshd")
     say(f"{'T':>6s} {'recipe':>7s} {'tp1 ms':>9s} {f'tp{world} ms':>9s} {'ratio':>6s} {'comm alone':>10s} "
         f"{'share':>6s} {'in step':>8s} {'share':>6s} {'out rel':>8s}")
@@ -172,7 +173,8 @@ def main():
                 torch.cuda.empty_cache()
             dist.barrier()
     dist.destroy_process_group()
-    if not cuda:  # gloo's transport threads can race the C++ static destructors at exit (seen once in CI)
+    if not cuda:  # gloo's transport threads can race the C++ static destructors at exit (tests/python/test_tp.py's
+        # workers leave the same way)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
