@@ -153,14 +153,15 @@ def main():
             calls = record_collectives(step)
             bufs = [torch.zeros(n, dtype=dt, device=device) for n, dt in calls]
             comm = clock(lambda: [dist.all_reduce(b, group=group) for b in bufs], group)
-            in_step = nccl_ms_in_step(step, device) if cuda else float("nan")
+            in_step = nccl_ms_in_step(step, device) if cuda else 0.0
             with torch.no_grad():
                 outn = tp(x).float()
             # the slowest rank's figures
-            figs = torch.tensor([tn, comm, in_step if cuda else 0.0], dtype=torch.float64, device=device)
+            figs = torch.tensor([tn, comm, in_step], dtype=torch.float64, device=device)
             dist.all_reduce(figs, op=dist.ReduceOp.MAX, group=group)
             tn, comm, in_step = (float(v) for v in figs)
-            in_step = in_step if cuda else float("nan")
+            if not cuda:  # (no kernels to profile)
+                in_step = float("nan")
             if rank == 0:
                 rel = float((outn - out1).norm() / (out1.norm() + 1e-30))
                 print(f"{T:6d} {recipe:>7s} {t1:9.3f} {tn:9.3f} {tn / t1:6.3f} {comm:10.3f} {comm / tn:6.3f} "
