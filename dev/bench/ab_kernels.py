@@ -9,9 +9,11 @@ bf16 [16384, 128, 192] thd (fp32 YaRN tables, out of place), rope_backward_quant
 the fused Q up-projection at T x NH = 16384 x 128, 4096 x 128, 16384 x 16 (K 1536); with --only
 attnbwd (not in the default set) the attention backward at DeepSeek-V3 dims (b 1, h 128, 192 / 128,
 causal, bshd, s 4096 and 8192) on MXFP8 Q, K, V from quantize_attention and on their dequantized
-bf16 tensors (its checksum covers dK and dV: dQ's fp32 sums run in scheduling order); with --only
+bf16 tensors (its checksum covers dK and dV: dQ's fp32 sums run in scheduling order), with
+attnbwddet added also deterministic=True on the MXFP8 tensors (all three gradients); with --only
 attnfwd the attention forward at the same dims, s 2048 / 4096 / 8192, on the MXFP8 tensors (the
-default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors.
+default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors; with --only
+gemm the MXFP8 GEMM's fprop, dgrad and wgrad of the Q up-projection at T 16384 (N 24576, K 1536).
 Usage: PYTHONPATH=<build>/python python3 dev/bench/ab_kernels.py [--iters 30] [--only quant,rope,ropeq,qproj]"""
 from __future__ import annotations
 
@@ -87,6 +89,15 @@ def main() -> int:
             c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
             case(f"fused Q {T} x {NH}", lambda: mxmla.fused_q_uproj_rope_quant(x, w, c, s),
                  lambda: q_bufs(mxmla.fused_q_uproj_rope_quant(x, w, c, s)))
+    if "gemm" in only:  # the Q up-projection's three GEMMs at T 16384 (mxmla.gemm, as dev/bench/gemm_time.py runs them)
+        T, N, K = 16384, 24576, 1536
+        x8, w8, dy8 = (mxmla.quantize(torch.randn(r, c, device=dev).to(torch.bfloat16))
+                       for r, c in ((T, K), (N, K), (T, N)))
+        for name, fn in (("gemm fprop 16384", lambda: mxmla.gemm(x8, w8)),
+                         ("gemm dgrad 16384", lambda: mxmla.gemm(dy8, w8, trans_b=False)),
+                         ("gemm wgrad 16384", lambda: mxmla.gemm(dy8, x8, trans_a=True, trans_b=False))):
+            case(name, fn, lambda fn=fn: [fn()])
+        del x8, w8, dy8
     if "attnbwd" in only:
         scale = mxmla.yarn_softmax_scale()
         for S in (4096, 8192):
@@ -98,6 +109,11 @@ def main() -> int:
                 def run(args=args, kw=kw):
                     return mxmla.attention_backward(do, *args, o, lse, causal=True, softmax_scale=scale, **kw)
                 case(name, run, lambda run=run: run()[1:])
+            if "attnbwddet" in only:  # deterministic=True: its checksum covers dQ too
+                def run_det():
+                    return mxmla.attention_backward(do, q8, k8, v8, o, lse, causal=True, softmax_scale=scale,
+                                                    deterministic=True)
+                case(f"attention bwd mxfp8 det {S}", run_det, run_det)
             del q8, k8, v8, qb, kb, vb, o, lse, do
     if "attnfwd" in only:
         import os

@@ -12,23 +12,30 @@ import torch
 import mxmla
 
 
-def kernel_times(fn, iters, flush):
-    """{kernel name, or "name #k" for its k-th launch in a call (k > 1): [GPU ms of each call]} over
-    `iters` calls, L2 flushed before each (the flush's fill and the sleep kernels left out)."""
+def profiled_calls(fn, iters, flush):
+    """The GPU events (kernels, memsets, copies) of `iters` calls of fn under torch.profiler, in start
+    order, after two warm-up calls; before each call the L2 flush (a uint8 fill of `flush`) and a
+    GPU sleep (a spin kernel), which mark where each call begins."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    per = defaultdict(list)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(iters):
             flush.fill_(i & 0xFF)
             torch.cuda._sleep(2_000_000)
             fn()
         torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def kernel_times(fn, iters, flush):
+    """{kernel name, or "name #k" for its k-th launch in a call (k > 1): [GPU ms of each call]} over
+    `iters` calls, L2 flushed before each (the flush's fill and the sleep kernels left out)."""
+    per = defaultdict(list)
     seen = defaultdict(int)  # launches of each kernel since the call began (a spin kernel starts each)
-    for ev in sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start):
+    for ev in profiled_calls(fn, iters, flush):
         name = ev.name
         if "fill" in name or "elementwise_kernel" in name:
             continue

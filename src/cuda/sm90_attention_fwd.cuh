@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(512, 1)
   constexpr int kDqk = C::kDqk, kDv = C::kDv;
   extern __shared__ uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
-  const int wg = threadIdx.x / 128;
+  const int wg = ptx::warpgroup_index();
   const uint32_t kv_mask = p.fp8 ? 0u : 1u, kv_shift = p.fp8 ? 0u : 1u;  // K / V slots: 1 (FP8) or 2
 
   if (threadIdx.x == 0) {
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(512, 1)
 
   // ---------------------------------------------------------------- consumers: 64 query rows each
   ptx::setmaxnreg_inc<C::kRegsConsumer>();
-  const int cw = wg - 2, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int cw = wg - 2, warp = ptx::warp_in_warpgroup(), lane = threadIdx.x % 32;
   const int r_in = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: +8)
   uint32_t n_q = 0, n_k = 0, n_v = 0;
   // Q's and K's descriptors differ in their low word only (the start address; the high word is the

@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   if (mxgemm::other_design(p)) return;
   extern __shared__ uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
-  const int wg = threadIdx.x / 128, r = threadIdx.x % 128;
+  const int wg = ptx::warpgroup_index(), r = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     sm.bars.init(ML::kConsumerArrivals);
     ptx::fence_barrier_init();

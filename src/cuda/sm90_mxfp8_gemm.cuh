@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   if (other_design(p)) return;
   extern __shared__ uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
-  const int wg = threadIdx.x / 128;
+  const int wg = ptx::warpgroup_index();
   if (threadIdx.x == 0) {
     // every thread that read (wrote) a stage's tables arrives itself, so that each access is ordered
     // by the barrier it passes (compute-sanitizer's racecheck sees the same)
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
 
   // ---------------------------------------------------------------- consumers: 64 rows each
   ptx::setmaxnreg_inc<C::kRegsConsumer>();
-  const int cw = wg - 1, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int cw = wg - 1, warp = ptx::warp_in_warpgroup(), lane = threadIdx.x % 32;
   const int r0 = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: + 8)
   using Op = ptx::WgmmaOp<128, kFmt, kFmt, false>;
   static_assert(Op::kK == 32, "one FP8 wgmma covers one MX block");

@@ -17,6 +17,7 @@
 #include "cuda/ptx/convert.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
 #include "cuda/sm90/epilogue_rope_mxfp8.cuh"
 #include "cuda/sm90/mainloop_tma_wgmma.cuh"
 #include "cuda/sm90/pipeline.cuh"
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // shared address space: LDS/STS with 32-bit addresses instead of generic loads (measured: the
   // generic ones cost the epilogue long-scoreboard stalls and registers)
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
-  const int wg = threadIdx.x / 128;
+  const int wg = ptx::warpgroup_index();
   const StaticPersistent sched{p.sched.num_tiles};
   // MXFP8 inputs: the scale check's flag (written by an earlier kernel of the stream) picks this
   // instantiation or the other (uniform: the whole CTA returns)

@@ -13,6 +13,17 @@
 
 namespace mxmla::ptx {
 
+// The index of this thread's warpgroup (threadIdx.x / 128) and of its warp within the warpgroup, as
+// values the compiler knows to be warp-uniform (a shuffle from lane 0): what derives from them —
+// wgmma descriptors, shared-memory offsets of a role's buffers — then lives in uniform registers,
+// where wgmma reads its descriptors, instead of being moved there (R2UR) before every wgmma.
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 128, 0);
+}
+__device__ __forceinline__ int warp_in_warpgroup() {
+  return __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 32 % 4, 0);
+}
+
 // Named barrier `id` (1..15) over `threads` threads (a multiple of 32).
 __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
