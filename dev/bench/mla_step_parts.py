@@ -5,6 +5,7 @@ by kernel name, summed over its launches in a step, medians over the steps; then
 kernels against the step's time by CUDA events (the difference: the GPU idle between kernels,
 waiting for the host to launch them).
 Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_step_parts.py [T] [--top N]"""
+import argparse
 import os
 import statistics
 import sys
@@ -45,11 +46,11 @@ def step_kernels(step, iters, flush):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    top = int(sys.argv[sys.argv.index("--top") + 1]) if "--top" in sys.argv else 25
-    if "--top" in sys.argv:
-        args.remove(str(top))
-    T = int(args[0]) if args else 4096
+    ap = argparse.ArgumentParser()
+    ap.add_argument("T", type=int, nargs="?", default=4096)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    T, top = a.T, a.top
     flush = flush_buffer(torch.device("cuda"))
     ref = None
     for recipe in ("bf16", "mxfp8"):

@@ -10,9 +10,9 @@
 //   0  as the kernel: stores -> named barrier -> issuer's bulk reduction, wait for its read (next
 //      tile) -> issuer's arrival on empty -> producer's wait -> cp.async loads
 //   1  the same without the bulk reduction (the issuer arrives after the named barrier, next tile)
-//   2  as 0, but every consumer warp's lane 0 arrives on empty (after __syncwarp), not one issuer
-//   3  as 0, but every consumer thread arrives itself (count 256), after the issuer's wait and a
-//      named barrier
+//   2  as 0, but after the issuer's wait a named barrier, then lane 0 of every consumer warp arrives
+//      (count 8), not the issuer
+//   3  as 2, but every consumer thread arrives itself (count 256)
 // A mode racecheck passes and the kernel's mode fails says which link it does not follow.
 // Usage (GPU machine): compute-sanitizer --tool racecheck build/dev/05_sm90_racecheck_chain MODE [TILES]
 #include <cuda_runtime.h>
@@ -67,21 +67,10 @@ __global__ void __launch_bounds__(kThreads, 1) chain(const uint8_t* src, float* 
   for (int t = 0; t < tiles; ++t) {
     const int st = t & 1;
     ptx::mbar_wait(&sm.full[st], static_cast<uint32_t>((t >> 1) & 1));
-    if (t > 0 && mode != 3) {  // the previous tile's part has been read: its stage is free
-      if (mode == 2) {
-        if (issuer) ptx::bulk_wait_read_all();
-        __syncwarp();
-        ptx::named_barrier(2 + c, 128);  // (the issuer's wait before every warp's arrival)
-        if (r % 32 == 0) ptx::mbar_arrive(&sm.empty[st ^ 1]);
-      } else if (issuer) {
-        if (mode == 0) ptx::bulk_wait_read_all();
-        ptx::mbar_arrive(&sm.empty[st ^ 1]);
-      }
-    }
-    if (t > 0 && mode == 3) {
-      if (issuer) ptx::bulk_wait_read_all();
-      ptx::named_barrier(2 + c, 128);
-      ptx::mbar_arrive(&sm.empty[st ^ 1]);
+    if (t > 0) {  // the previous tile's part has been read: its stage is free
+      if (issuer && mode != 1) ptx::bulk_wait_read_all();
+      if (mode >= 2) ptx::named_barrier(2 + c, 128);  // (the issuer's wait before the others' arrivals)
+      if (mode == 3 || (mode == 2 && r % 32 == 0) || (mode < 2 && issuer)) ptx::mbar_arrive(&sm.empty[st ^ 1]);
     }
     // this consumer's part over the stage (the kernel's dQ staging): 64 bytes a thread
     float* part = reinterpret_cast<float*>(&sm.stage[st][c * kPartBytes]);

@@ -266,9 +266,9 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
   const int64_t i_begin = i_first < s.sq ? i_first / C::kBM * C::kBM : s.sq;
   const int64_t per_head = (s.sq - i_begin + C::kBM - 1) / C::kBM, tiles = group * per_head;
   const int64_t rot = per_head > 0 && !kDet ? kb % per_head : 0;
-  // (kDet: the warp-uniform index, 1.5 % faster; the default instantiation measured 0.3-1.7 % slower
-  // with it, its loop 17 % shorter: dev/bench/ab_kernels.py, 2026-12-02)
-  const int wg = kDet ? ptx::warpgroup_index() : static_cast<int>(threadIdx.x) / 128;
+  // (not ptx::warpgroup_index(): with it the consumer loop is 17 % shorter, but neither instantiation
+  // timed faster beyond the run-to-run spread: docs/performance.md, the warp-uniform index's A/B)
+  const int wg = static_cast<int>(threadIdx.x) / 128;
 
   if (threadIdx.x == 0) {
     ptx::mbar_init(&sm.kv_full, 128);
