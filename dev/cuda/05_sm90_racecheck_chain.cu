@@ -14,7 +14,12 @@
 //      (count 8), not the issuer
 //   3  as 2, but every consumer thread arrives itself (count 256)
 // A mode racecheck passes and the kernel's mode fails says which link it does not follow.
-// Usage (GPU machine): compute-sanitizer --tool racecheck build/dev/05_sm90_racecheck_chain MODE [TILES]
+// Result (2026-12-02, H200, compute-sanitizer of CUDA 13.0): with 3 or more tiles racecheck reports
+// hazards for modes 0, 1 and 2 and none for mode 3 — it orders a store before another thread's
+// accesses through an mbarrier only when the storing thread arrives itself. The kernel now releases
+// its stages that way (docs/performance.md, attention backward).
+// Usage (GPU machine): dev/scripts/racecheck-chain, or
+//   compute-sanitizer --tool racecheck build/dev/05_sm90_racecheck_chain MODE [TILES]
 #include <cuda_runtime.h>
 
 #include <cstdio>

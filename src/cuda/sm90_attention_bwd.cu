@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     ptx::mbar_init(&sm.kv_full, 128);
     ptx::mbar_init(&sm.g_full, 128);
     ptx::mbar_init(&sm.g_empty, 8);
-    for (int i = 0; i < 2; ++i) ptx::mbar_init(&sm.full[i], 128), ptx::mbar_init(&sm.empty[i], 2);
+    for (int i = 0; i < 2; ++i) ptx::mbar_init(&sm.full[i], 128), ptx::mbar_init(&sm.empty[i], 256);
     if constexpr (kDet) {
       sm.det_a = j0 - s.off;
       sm.det_cap = static_cast<int>((s.skv + C::kBN - 1) / C::kBN - 1 - kb);
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
   const uint64_t dv_s = ptx::wgmma_desc_k_sw128(sm.vs[0] + c * C::kWN * 128);
   const uint64_t dpt = ptx::wgmma_desc_k_sw128(sm.pd[c][0]);
   const uint64_t ddst = ptx::wgmma_desc_k_sw128(sm.pd[c][1]);
-  const bool issuer = threadIdx.x % 128 == 0;  // adds this consumer's dQ parts, releases the stages
+  const bool issuer = threadIdx.x % 128 == 0;  // adds this consumer's dQ parts, completes the stages' release
   // kDet: the issuer's additions have completed (before its arrival on the stage's empty barrier,
   // after which the producer publishes them)
   const auto completed = [] {
@@ -528,6 +528,11 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
       if (lane == 0) ptx::mbar_arrive(&sm.g_empty);
     }
     ptx::named_barrier(2 + c, 128);  // P̂ᵀ's staged rows have been read
+    // every consumer thread releases the stage for its own dQ staging stores (the issuer once the
+    // reductions have read them, at the next tile): each store is then ordered before the producer's
+    // next loads into the stage by its own thread's arrival, the form racecheck follows
+    // (dev/cuda/05_sm90_racecheck_chain.cu: it does not follow a release through a named barrier)
+    if (!issuer) ptx::mbar_arrive(&sm.empty[st]);
 #pragma unroll
     for (int m = 0; m < C::kVBlocks; ++m) fence_acc(dv[m]);
 #pragma unroll
