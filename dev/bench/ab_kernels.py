@@ -13,7 +13,7 @@ bf16 tensors (its checksum covers dK and dV: dQ's fp32 sums run in scheduling or
 attnbwddet added also deterministic=True on the MXFP8 tensors (all three gradients); with --only
 attnfwd the attention forward at the same dims, s 2048 / 4096 / 8192, on the MXFP8 tensors (the
 default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors; with --only
-gemm the MXFP8 GEMM's fprop, dgrad and wgrad of the Q up-projection at T 16384 (N 24576, K 1536).
+gemm the MXFP8 GEMM's fprop, dgrad and wgrad of the Q up-projection at T 16384 and 4096 (N 24576, K 1536), and 8192³.
 Usage: PYTHONPATH=<build>/python python3 dev/bench/ab_kernels.py [--iters 30] [--only quant,rope,ropeq,qproj]"""
 from __future__ import annotations
 
@@ -89,15 +89,21 @@ def main() -> int:
             c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
             case(f"fused Q {T} x {NH}", lambda: mxmla.fused_q_uproj_rope_quant(x, w, c, s),
                  lambda: q_bufs(mxmla.fused_q_uproj_rope_quant(x, w, c, s)))
-    if "gemm" in only:  # the Q up-projection's three GEMMs at T 16384 (mxmla.gemm, as dev/bench/gemm_time.py runs them)
-        T, N, K = 16384, 24576, 1536
-        x8, w8, dy8 = (mxmla.quantize(torch.randn(r, c, device=dev).to(torch.bfloat16))
-                       for r, c in ((T, K), (N, K), (T, N)))
-        for name, fn in (("gemm fprop 16384", lambda: mxmla.gemm(x8, w8)),
-                         ("gemm dgrad 16384", lambda: mxmla.gemm(dy8, w8, trans_b=False)),
-                         ("gemm wgrad 16384", lambda: mxmla.gemm(dy8, x8, trans_a=True, trans_b=False))):
-            case(name, fn, lambda fn=fn: [fn()])
-        del x8, w8, dy8
+    if "gemm" in only:  # the Q up-projection's three GEMMs at T 16384 and 4096, and 8192³ (mxmla.gemm, as
+        # dev/bench/gemm_time.py runs them)
+        N, K = 24576, 1536
+        for T in (16384, 4096):
+            x8, w8, dy8 = (mxmla.quantize(torch.randn(r, c, device=dev).to(torch.bfloat16))
+                           for r, c in ((T, K), (N, K), (T, N)))
+            for name, fn in ((f"gemm fprop {T}", lambda: mxmla.gemm(x8, w8)),
+                             (f"gemm dgrad {T}", lambda: mxmla.gemm(dy8, w8, trans_b=False)),
+                             (f"gemm wgrad {T}", lambda: mxmla.gemm(dy8, x8, trans_a=True, trans_b=False))):
+                case(name, fn, lambda fn=fn: [fn()])
+            del x8, w8, dy8
+        a8, b8 = (mxmla.quantize(torch.randn(8192, 8192, device=dev).to(torch.bfloat16), columnwise=False)
+                  for _ in range(2))
+        case("gemm 8192^3", lambda: mxmla.gemm(a8, b8), lambda: [mxmla.gemm(a8, b8)])
+        del a8, b8
     if "attnbwd" in only:
         scale = mxmla.yarn_softmax_scale()
         for S in (4096, 8192):

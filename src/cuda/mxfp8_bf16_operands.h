@@ -4,9 +4,11 @@
 // (src/cuda/sm90_mxfp8_gemm.cu).
 //
 // A copy holds every value exactly unless a block with non-zero codes has a scale byte below
-// min_exact_e (its smallest codes fall below bf16's normal range); the check sets *flag then, in
-// device memory, without a host synchronisation. A kernel that reads the copies looks at the flag
-// and, when it is set, computes from the codes and the gathered scales instead (exactly in fp32).
+// min_exact_e (its smallest codes fall below bf16's normal range); the dequantizing passes check
+// for such blocks and set *flag then, in device memory, without a host synchronisation. A kernel
+// that reads the copies looks at the flag and, when it is set, computes from the codes and the
+// gathered scales instead (exactly in fp32; the gathers and code repacks return at once unless the
+// flag is set).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -42,9 +44,9 @@ struct Mxfp8Bf16Operands {
   std::unique_ptr<StreamScratch> keep[7];  // the flag, scales, codes and copies (freed on the stream)
 };
 
-// pr.a [M, K] and pr.b [N, K] as mxfp8_gemm_cuda reads them (pr.out unused): queues the scale
-// gathers (with the check), the K-major code repacks where the operand needs one and the
-// dequantizing passes on stream s.
+// pr.a [M, K] and pr.b [N, K] as mxfp8_gemm_cuda reads them (pr.out unused): queues the K-major
+// code repacks the copies need, the dequantizing passes (with the check) and the exact path's scale
+// gathers and repacks (gated on the flag) on stream s.
 void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operands& out);
 
 }  // namespace mxmla::detail

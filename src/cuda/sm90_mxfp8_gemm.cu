@@ -7,17 +7,19 @@
 // C is the default (measured fastest: A converts each code once per tile that reads it, N / 256
 // times for A's rows, and its conversion does not hide behind the tensor cores; docs/performance.md).
 // C and A hold every dequantized value exactly as a bf16 number unless a block with non-zero codes
-// has a scale byte below min_exact_e (its smallest codes fall below bf16's normal range). The scale
-// gather that every call runs checks for such blocks and sets a flag in device memory; both the
+// has a scale byte below min_exact_e (its smallest codes fall below bf16's normal range). Design
+// C's dequantizing passes, which every call runs, check for such blocks as they convert (reading
+// each operand's scales as stored, compact or swizzled) and set a flag in device memory; both the
 // bf16 design and B are launched and the one the flag does not pick returns at once (no host
-// synchronisation; C's dequantizing passes run either way). MXMLA_GEMM_DESIGN=A, B or C in the environment forces one design (A/B
+// synchronisation). MXMLA_GEMM_DESIGN=A, B or C in the environment forces one design (A/B
 // measurements; A and C then round such values to bf16).
-// The kernels read the operands K-major with F8_128x4-swizzled scales (gathered for every operand
-// into the swizzled rowwise layout of op(X) = [R, K]). An operand given the other way (a columnwise
-// copy: dgrad's W, wgrad's dY and x) goes through design C's dequantizing pass directly (the
-// transposing dequant_bf16_trans: one pass); design B's and A's K-major copy of it (codes
-// transposed in 32 x 32 tiles, scratch) is made only when they run (B per call: gated on the
-// flag). An operand whose rows TMA cannot take (not 16-byte aligned) is repacked for every design.
+// Designs A and B read the operands K-major with F8_128x4-swizzled scales (gathered into the
+// swizzled rowwise layout of op(X) = [R, K]); per call those gathers, like B's K-major copies,
+// return at once unless the flag is set. An operand given the other way (a columnwise copy:
+// dgrad's W, wgrad's dY and x) goes through design C's dequantizing pass directly (the transposing
+// dequant_bf16_trans: one pass); design B's and A's K-major copy of it (codes transposed in 32 x 32
+// tiles, scratch) is made only when they run. An operand whose rows TMA cannot take (not 16-byte
+// aligned) is repacked for every design.
 // Instantiations: E4M3 and E5M2 of each.
 #include <cuda.h>  // CUtensorMap (types only)
 #include <cuda_bf16.h>
@@ -79,26 +81,30 @@ __global__ void __launch_bounds__(256) repack_kmajor(const uint8_t* __restrict__
   }
 }
 
-// Whether block j of row i of op(X) = [R, K] holds a non-zero code: X [R, K] (contract_cols) or
-// [K, R], row stride ld bytes.
-__device__ bool block_has_codes(const uint8_t* codes, int64_t ld, bool contract_cols, int64_t i, int64_t j, int64_t K) {
-  const int64_t k1 = (j + 1) * 32 < K ? (j + 1) * 32 : K;
-  uint32_t any = 0;
-  for (int64_t k = j * 32; k < k1; ++k) any |= codes[contract_cols ? i * ld + k : k * ld + i] & 0x7Fu;  // ±0: no
-  return any != 0;
+// The scale byte of block kb of row r of op(X) = [R, K], from the operand's scales as stored:
+// rowwise of [R, K] (contract_cols) or columnwise of [K, R].
+__device__ __forceinline__ uint8_t op_scale(const uint8_t* __restrict__ src, const ScaleMap& map, bool contract_cols,
+                                            int64_t r, int64_t kb) {
+  return src[contract_cols ? row_scale_offset(map, 0, r, kb) : col_scale_offset(map, 0, kb, r)];
 }
 
-// The swizzled rowwise scales of op(X) = [R, K] (every padded byte written; padding zero) from the
-// operand's scales as stored: rowwise of [R, K] (contract_cols) or columnwise of [K, R]. Sets
-// *small when a block with a non-zero code has a scale byte below min_e (design A cannot hold its
-// values exactly; the launcher's note). A block takes groups of 128 rows x 16 block columns (four
-// 512-byte swizzle tiles, contiguous in dst) through shared memory: reads along the source's
-// contiguous direction (16 block columns of a row, or 128 rows of a block column), 4-byte stores.
+// The scale check (the launcher's note): sets *small when a block with a non-zero code (w: codes of
+// the block, those past K zero) has a scale byte e below min_e (0: no check).
+__device__ __forceinline__ void check_scale(uint32_t e, const uint32_t (&w)[4], uint32_t min_e, uint32_t* small) {
+  if (e < min_e && ((w[0] | w[1] | w[2] | w[3]) & 0x7F7F7F7Fu) != 0) atomicOr(small, 1u);  // ±0: no
+}
+
+// The swizzled rowwise scales of op(X) = [R, K] (every padded byte written; padding zero) for
+// designs A and B. Returns at once when run_if is given and *run_if is clear (per call, only design
+// B reads them, and only when the scale check set the flag). A block takes groups of 128 rows x 16
+// block columns (four 512-byte swizzle tiles, contiguous in dst) through shared memory: reads along
+// the source's contiguous direction (16 block columns of a row, or 128 rows of a block column),
+// 4-byte stores.
 constexpr int64_t kGatherBlocks = 4096;
 __global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__ src, ScaleMap map, bool contract_cols,
                                                      uint8_t* __restrict__ dst, int64_t R, int64_t kb_count,
-                                                     int64_t rows_pad, int64_t cols_pad, const uint8_t* __restrict__ codes,
-                                                     int64_t ld, int64_t K, uint32_t min_e, uint32_t* small) {
+                                                     int64_t rows_pad, int64_t cols_pad, const uint32_t* run_if) {
+  if (run_if != nullptr && *run_if == 0) return;
   __shared__ uint8_t t[128][20];  // [row][block column of the group]
   const int64_t tiles_x = cols_pad / 4, groups_x = (cols_pad + 15) / 16, groups = rows_pad / 128 * groups_x;
   const int tid = threadIdx.x;
@@ -109,22 +115,14 @@ __global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__
     // row (consecutive block columns); columnwise, 128 a block column
     const auto li = [&](int pass) { return contract_cols ? pass * 16 + tid / 16 : tid % 128; };
     const auto lj = [&](int pass) { return contract_cols ? tid % 16 : pass * 2 + tid / 128; };
-    // every load first (the check's atomic would otherwise order them one after the other)
     uint8_t v[8];
 #pragma unroll
     for (int pass = 0; pass < 8; ++pass) {
       const int64_t i = i0 + li(pass), j = j0 + lj(pass);
-      v[pass] = (i < R && j < kb_count)
-                    ? src[contract_cols ? row_scale_offset(map, 0, i, j) : col_scale_offset(map, 0, j, i)]
-                    : uint8_t{0};
+      v[pass] = (i < R && j < kb_count) ? op_scale(src, map, contract_cols, i, j) : uint8_t{0};
     }
 #pragma unroll
-    for (int pass = 0; pass < 8; ++pass) {
-      const int64_t i = i0 + li(pass), j = j0 + lj(pass);
-      if (v[pass] < min_e && i < R && j < kb_count && block_has_codes(codes, ld, contract_cols, i, j, K))
-        atomicOr(small, 1u);
-      t[li(pass)][lj(pass)] = v[pass];
-    }
+    for (int pass = 0; pass < 8; ++pass) t[li(pass)][lj(pass)] = v[pass];
     __syncthreads();
     // word w of the group (512 words): tile q = w / 128 (block columns j0 + 4q .. + 3), at byte
     // 4·(w % 128) of the tile: swizzle_offset puts row i at (i % 32)·16 + ((i % 128) / 32)·4
@@ -154,17 +152,31 @@ __device__ __forceinline__ void dequant16(const uint32_t (&w)[4], float f, int64
   }
 }
 
+// Where design C's dequantizing passes read the scale of block kb of row r of op(X) = [R, K]: the
+// operand's own scales, compact (r · sr + kb · skb: rowwise sr = K / 32, skb = 1; columnwise sr = 1,
+// skb = R; the maps' cols) or swizzled (swizzle_offset(r, kb, tiles_x) in both directions: op_scale's
+// offsets; the GEMM takes no other layout); and the scale check's bound (0: no check) and flag.
+struct ScaleSrc {
+  const uint8_t* scales;
+  int64_t sr, skb, tiles_x;
+  bool swizzled;
+  uint32_t min_e;
+  uint32_t* small;
+  __device__ __forceinline__ uint32_t at(int64_t r, int64_t kb) const {
+    return scales[swizzled ? swizzle_offset(r, kb, tiles_x) : r * sr + kb * skb];
+  }
+};
+
 // Design C's copy of op(X): bf16 [R, Kp] (Kp = K rounded up to 16, zeros past K) from the K-major
-// codes and the swizzled scales of kmajor() (exact unless the scale check sends the call to design
-// B). One thread per 16 codes.
+// codes of kmajor() and the operand's own scales (exact unless the scale check, run here, sends
+// the call to design B). One thread per 16 codes.
 template <bool kE4M3>
-__global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ codes, int64_t ld,
-                                                    const uint8_t* __restrict__ scales, int64_t tiles_x,
+__global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ codes, int64_t ld, const ScaleSrc ss,
                                                     uint32_t* __restrict__ dst, int64_t R, int64_t K, int64_t Kp) {
   const int64_t chunks = Kp / 16, x = int64_t{blockIdx.x} * 256 + threadIdx.x;
   if (x >= R * chunks) return;
   const int64_t r = x / chunks, k0 = (x % chunks) * 16;
-  const float f = e8m0_factor(scales[swizzle_offset(r, k0 / 32, tiles_x)]);
+  const uint32_t e = ss.at(r, k0 / 32);
   uint32_t w[4];
   if (k0 + 16 <= K) {
     const uint4 v = *reinterpret_cast<const uint4*>(codes + r * ld + k0);
@@ -178,8 +190,9 @@ __global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ 
         if (k0 + 4 * i + j < K) w[i] |= static_cast<uint32_t>(codes[r * ld + k0 + 4 * i + j]) << (8 * j);
     }
   }
+  check_scale(e, w, ss.min_e, ss.small);
   uint32_t out[8];
-  dequant16<kE4M3>(w, f, k0, K, out);
+  dequant16<kE4M3>(w, e8m0_factor(e), k0, K, out);
   uint4* d = reinterpret_cast<uint4*>(dst + (r * Kp + k0) / 2);
   d[0] = make_uint4(out[0], out[1], out[2], out[3]);
   d[1] = make_uint4(out[4], out[5], out[6], out[7]);
@@ -194,27 +207,37 @@ __global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ 
 // reads down a column (4 K groups x 8 rows a warp) fall in distinct banks.
 template <bool kE4M3>
 __global__ void __launch_bounds__(256) dequant_bf16_trans(const uint8_t* __restrict__ codes, int64_t ld,
-                                                          const uint8_t* __restrict__ scales, int64_t tiles_x,
-                                                          uint32_t* __restrict__ dst, int64_t R, int64_t K, int64_t Kp) {
+                                                          const ScaleSrc ss, uint32_t* __restrict__ dst, int64_t R,
+                                                          int64_t K, int64_t Kp) {
   __shared__ __align__(16) uint8_t t[128][80];  // [k][r], 80-byte rows: 20 words, 16 rows = 10 · 32 words
   const int64_t k0 = int64_t{blockIdx.x} * 128, r0 = int64_t{blockIdx.y} * 64;
+  const int r = threadIdx.x / 4;  // the conversion's row r0 + r, values k0 + 16c .. + 15 for c = 4h + threadIdx.x % 4
+  const int64_t gr = r0 + r;
+  // its two scale bytes, loaded with the codes (an operand's own scales come from memory the codes'
+  // loads do not warm)
+  uint32_t e[2] = {0, 0};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t kc = k0 + 16 * (h * 4 + threadIdx.x % 4);
+    if (gr < R && kc < Kp) e[h] = ss.at(gr, kc / 32);
+  }
   {
     const int q = threadIdx.x % 4;
-    const int64_t gr = r0 + 16 * q;
+    const int64_t gq = r0 + 16 * q;  // the load's 16 rows
     uint32_t w[2][4] = {};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int k = h * 64 + threadIdx.x / 4;
       const int64_t gk = k0 + k;
       if (gk < K) {
-        const uint8_t* src = codes + gk * ld + gr;
-        if (gr + 16 <= R) {
+        const uint8_t* src = codes + gk * ld + gq;
+        if (gq + 16 <= R) {
           const uint4 v = *reinterpret_cast<const uint4*>(src);
           w[h][0] = v.x, w[h][1] = v.y, w[h][2] = v.z, w[h][3] = v.w;
         } else {
 #pragma unroll
           for (int i = 0; i < 16; ++i)
-            if (gr + i < R) w[h][i / 4] |= static_cast<uint32_t>(src[i]) << (8 * (i % 4));
+            if (gq + i < R) w[h][i / 4] |= static_cast<uint32_t>(src[i]) << (8 * (i % 4));
         }
       }
     }
@@ -225,8 +248,6 @@ __global__ void __launch_bounds__(256) dequant_bf16_trans(const uint8_t* __restr
     }
   }
   __syncthreads();
-  const int r = threadIdx.x / 4;  // row r0 + r
-  const int64_t gr = r0 + r;
   if (gr >= R) return;
   const int col_lo = r % 16;
 #pragma unroll
@@ -238,8 +259,9 @@ __global__ void __launch_bounds__(256) dequant_bf16_trans(const uint8_t* __restr
     uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int j = 0; j < 16; ++j) w[j / 4] |= static_cast<uint32_t>(t[16 * c + j][col]) << (8 * (j % 4));
+    check_scale(e[h], w, ss.min_e, ss.small);
     uint32_t out[8];
-    dequant16<kE4M3>(w, e8m0_factor(scales[swizzle_offset(gr, kc / 32, tiles_x)]), kc, K, out);
+    dequant16<kE4M3>(w, e8m0_factor(e[h]), kc, K, out);
     uint4* d = reinterpret_cast<uint4*>(dst + (gr * Kp + kc) / 2);
     d[0] = make_uint4(out[0], out[1], out[2], out[3]);
     d[1] = make_uint4(out[4], out[5], out[6], out[7]);
@@ -247,51 +269,50 @@ __global__ void __launch_bounds__(256) dequant_bf16_trans(const uint8_t* __restr
 }
 
 struct KMajor {
-  const uint8_t* codes;   // [R, K] K-major (the operand's own, or repack_kmajor's copy)
+  const uint8_t* codes;   // [R, K] K-major: the operand's own, repack()'s copy, or null (not made yet)
   int64_t ld;             // bytes
-  const uint8_t* scales;  // swizzled rowwise, [round_up(R, 128), 4 * ceil(K / 128)]
+  const uint8_t* scales;  // designs A and B: gathered, swizzled rowwise, [round_up(R, 128), 4 * ceil(K / 128)]
   const uint8_t* cols;    // a columnwise operand's own codes [K, R] when design C reads them directly, else null
   int64_t cols_ld;
 };
 
-// op(X)'s swizzled scales (scratch; every call: they also run the scale check).
+// op(X)'s swizzled scales for designs A and B (scratch); run_if: null, or the design flag (per call).
 const uint8_t* gather(const GemmOperandView& v, int64_t R, int64_t K, cudaStream_t s,
-                      std::unique_ptr<StreamScratch>& scales, uint32_t min_e, uint32_t* small) {
+                      std::unique_ptr<StreamScratch>& scales, const uint32_t* run_if) {
   const int64_t kb = (K + 31) / 32, rows_pad = (R + 127) / 128 * 128, cols_pad = (kb + 3) / 4 * 4;
   scales = std::make_unique<StreamScratch>(rows_pad * cols_pad, s);
   const int64_t groups = rows_pad / 128 * ((cols_pad + 15) / 16);
   const int blocks = static_cast<int>(std::min<int64_t>(groups, kGatherBlocks));
-  gather_scales<<<blocks, 256, 0, s>>>(v.scales, v.map, v.contract_cols, scales->ptr, R, kb, rows_pad, cols_pad,
-                                       static_cast<const uint8_t*>(v.data), v.ld, K, min_e, small);
+  gather_scales<<<blocks, 256, 0, s>>>(v.scales, v.map, v.contract_cols, scales->ptr, R, kb, rows_pad, cols_pad, run_if);
   MXMLA_CUDA_CHECK(cudaGetLastError());
   return scales->ptr;
 }
 
-// op(X) as the kernels read it: [R, K] K-major codes (a repacked copy in scratch when the operand is
-// columnwise or its rows are not 16-byte aligned) and the gathered scales. A columnwise operand with
-// aligned rows: design C converts its codes directly (dequant_bf16_trans), so the repacked copy is
-// only design B's (and A's): queued with run_if (the design flag: the copy is made only when B runs;
-// null: always), or not at all when no such design runs (need_kmajor false).
-KMajor kmajor(const GemmOperandView& v, int64_t R, int64_t K, const uint8_t* scales, cudaStream_t s,
-              std::unique_ptr<StreamScratch>& codes, bool need_kmajor, const uint32_t* run_if) {
-  KMajor out{static_cast<const uint8_t*>(v.data), v.ld, scales, nullptr, 0};
+// How the kernels read op(X): its own codes when they are K-major with rows TMA can take; a
+// columnwise operand with aligned rows: design C converts its codes directly (dequant_bf16_trans),
+// and only designs A and B need a K-major copy (codes null until repack()); rows TMA cannot take:
+// every design reads repack()'s copy (codes null, cols null).
+KMajor kmajor(const GemmOperandView& v, int64_t R) {
+  KMajor out{static_cast<const uint8_t*>(v.data), v.ld, nullptr, nullptr, 0};
   const bool aligned = reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && v.ld % 16 == 0;
   if (v.contract_cols && aligned) return out;
   if (!v.contract_cols && aligned && (R + 63) / 64 <= 65535)  // dequant_bf16_trans's grid
     out.cols = static_cast<const uint8_t*>(v.data), out.cols_ld = v.ld;
-  else
-    run_if = nullptr, need_kmajor = true;  // design C reads the repacked copy too
-  const int64_t Kp = (K + 15) / 16 * 16;
-  out.codes = nullptr, out.ld = Kp;
-  if (need_kmajor) {
-    codes = std::make_unique<StreamScratch>(R * Kp, s);
-    out.codes = codes->ptr;
-    const int64_t tiles = (Kp + 31) / 32 * ((R + 31) / 32);
-    repack_kmajor<<<static_cast<unsigned>(std::min(tiles, kRepackBlocks)), dim3(32, 8), 0, s>>>(
-        static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols, codes->ptr, R, K, Kp, run_if);
-    MXMLA_CUDA_CHECK(cudaGetLastError());
-  }
+  out.codes = nullptr;
   return out;
+}
+
+// op(X)'s K-major copy [R, round_up(K, 16)] into scratch (x.codes); run_if: null, or the design
+// flag (only design B reads the copy: it returns at once while the flag is clear).
+void repack(const GemmOperandView& v, int64_t R, int64_t K, KMajor& x, cudaStream_t s,
+            std::unique_ptr<StreamScratch>& codes, const uint32_t* run_if) {
+  const int64_t Kp = (K + 15) / 16 * 16;
+  codes = std::make_unique<StreamScratch>(R * Kp, s);
+  x.codes = codes->ptr, x.ld = Kp;
+  const int64_t tiles = (Kp + 31) / 32 * ((R + 31) / 32);
+  repack_kmajor<<<static_cast<unsigned>(std::min(tiles, kRepackBlocks)), dim3(32, 8), 0, s>>>(
+      static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols, codes->ptr, R, K, Kp, run_if);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
 // Design B: [128 rows][128 codes] boxes, 128-byte swizzle; design A: [rows][64 codes], 64-byte swizzle.
@@ -313,33 +334,37 @@ void launch_b(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
-// Design C: op(X)'s bf16 copy [R, round_up(K, 16)] into scratch `keep` (the dequantizing pass).
-void dequant_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, cudaStream_t s,
-                  std::unique_ptr<StreamScratch>& keep) {
+// Design C: op(X)'s bf16 copy [R, round_up(K, 16)] into scratch `keep` (the dequantizing pass, with
+// the scale check against min_e: 0, none), reading the operand's own scales.
+void dequant_copy(const GemmOperandView& v, const KMajor& x, int64_t R, int64_t K, bool e4m3, uint32_t min_e,
+                  uint32_t* small, cudaStream_t s, std::unique_ptr<StreamScratch>& keep) {
   const int64_t Kp = (K + 15) / 16 * 16, n = R * (Kp / 16);
   keep = std::make_unique<StreamScratch>(R * Kp * 2, s);
   uint32_t* dst = reinterpret_cast<uint32_t*>(keep->ptr);
-  const int64_t tiles_x = (K + 127) / 128;
+  if (v.map.mode != MapMode::kCompact && v.map.mode != MapMode::kSwizzled)  // (the checks reject others)
+    throw Error(kOp, "a", "internal: a GEMM operand's scales must be compact or swizzled");
+  ScaleSrc ss{v.scales, 0, 0, v.map.tiles_x, v.map.mode == MapMode::kSwizzled, min_e, small};
+  if (!ss.swizzled) ss.sr = v.contract_cols ? v.map.cols / 32 : 1, ss.skb = v.contract_cols ? 1 : v.map.cols;
   if (x.cols != nullptr) {
     const dim3 grid(static_cast<unsigned>((Kp + 127) / 128), static_cast<unsigned>((R + 63) / 64));
     if (e4m3)
-      dequant_bf16_trans<true><<<grid, 256, 0, s>>>(x.cols, x.cols_ld, x.scales, tiles_x, dst, R, K, Kp);
+      dequant_bf16_trans<true><<<grid, 256, 0, s>>>(x.cols, x.cols_ld, ss, dst, R, K, Kp);
     else
-      dequant_bf16_trans<false><<<grid, 256, 0, s>>>(x.cols, x.cols_ld, x.scales, tiles_x, dst, R, K, Kp);
+      dequant_bf16_trans<false><<<grid, 256, 0, s>>>(x.cols, x.cols_ld, ss, dst, R, K, Kp);
   } else {
     const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
     if (e4m3)
-      dequant_bf16<true><<<blocks, 256, 0, s>>>(x.codes, x.ld, x.scales, tiles_x, dst, R, K, Kp);
+      dequant_bf16<true><<<blocks, 256, 0, s>>>(x.codes, x.ld, ss, dst, R, K, Kp);
     else
-      dequant_bf16<false><<<blocks, 256, 0, s>>>(x.codes, x.ld, x.scales, tiles_x, dst, R, K, Kp);
+      dequant_bf16<false><<<blocks, 256, 0, s>>>(x.codes, x.ld, ss, dst, R, K, Kp);
   }
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
 // The same and its TMA map, box [rows][64 bf16], 128-byte swizzle.
-CUtensorMap bf16_copy(const KMajor& x, int64_t R, int64_t K, bool e4m3, int rows, cudaStream_t s,
-                      std::unique_ptr<StreamScratch>& keep) {
-  dequant_copy(x, R, K, e4m3, s, keep);
+CUtensorMap bf16_copy(const GemmOperandView& v, const KMajor& x, int64_t R, int64_t K, bool e4m3, uint32_t min_e,
+                      uint32_t* small, int rows, cudaStream_t s, std::unique_ptr<StreamScratch>& keep) {
+  dequant_copy(v, x, R, K, e4m3, min_e, small, s, keep);
   const int64_t Kp = (K + 15) / 16 * 16;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(Kp * 2)};
@@ -439,36 +464,42 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
   }
   const bool e4m3 = pr.fmt == Fp8Format::kE4M3;
   const char forced = forced_design();
-  auto flag = std::make_unique<StreamScratch>(4, s);  // set by the gathers: design B does the work
+  auto flag = std::make_unique<StreamScratch>(4, s);  // set by the scale check: design B does the work
   uint32_t* small = reinterpret_cast<uint32_t*>(flag->ptr);
   MXMLA_CUDA_CHECK(cudaMemsetAsync(small, 0, 4, s));
-  const uint32_t min_e = forced != 0 ? 0u : mxgemm_a::min_exact_e(e4m3);  // forced: no check
   std::unique_ptr<StreamScratch> ca, sa, cb, sb;
-  // both gathers (the scale check) before any copy that the design flag gates
-  const uint8_t* a_sc = gather(pr.a, pr.M, pr.K, s, sa, min_e, small);
-  const uint8_t* b_sc = gather(pr.b, pr.N, pr.K, s, sb, min_e, small);
-  // K-major codes: design B reads them when the flag picks it (per call) or when forced, A when forced
-  const bool need_kmajor = forced != 'C';
-  const uint32_t* run_if = forced == 0 ? small : nullptr;
-  const KMajor a = kmajor(pr.a, pr.M, pr.K, a_sc, s, ca, need_kmajor, run_if);
-  const KMajor b = kmajor(pr.b, pr.N, pr.K, b_sc, s, cb, need_kmajor, run_if);
+  KMajor a = kmajor(pr.a, pr.M), b = kmajor(pr.b, pr.N);
+  // rows TMA cannot take: every design reads the K-major copy
+  if (a.codes == nullptr && a.cols == nullptr) repack(pr.a, pr.M, pr.K, a, s, ca, nullptr);
+  if (b.codes == nullptr && b.cols == nullptr) repack(pr.b, pr.N, pr.K, b, s, cb, nullptr);
   mxgemm::Params p{};
   p.M = static_cast<int>(pr.M), p.N = static_cast<int>(pr.N), p.K = static_cast<int>(pr.K);
-  p.sa = a.scales, p.sb = b.scales, p.tiles_x = static_cast<int>((pr.K + 127) / 128);
+  p.tiles_x = static_cast<int>((pr.K + 127) / 128);
   p.out = pr.out, p.ld_out = pr.ld_out;
   p.out_f32 = pr.out_t == DType::kFloat32, p.accumulate = pr.accumulate;
   p.alpha = static_cast<float>(pr.alpha);
   p.m_tiles = static_cast<int>((pr.M + 127) / 128);
   p.design_flag = forced != 0 ? nullptr : small;
   if (forced == 0 || forced == 'C') {  // design C: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
+    // per call the dequantizing passes run the scale check (forced: none)
+    const uint32_t min_e = forced == 0 ? mxgemm_a::min_exact_e(e4m3) : 0u;
     mxgemm::Params pc = p;
     pc.kblocks = static_cast<int>((pr.K + 63) / 64);
     pc.n_tiles = static_cast<int>((pr.N + 255) / 256);  // num_tiles: launch_c (times the K split)
     pc.run_on_flag = false;
     std::unique_ptr<StreamScratch> a16, b16;  // freed on the stream after the kernels
-    const CUtensorMap ta = bf16_copy(a, pr.M, pr.K, e4m3, 128, s, a16), tb = bf16_copy(b, pr.N, pr.K, e4m3, 256, s, b16);
+    const CUtensorMap ta = bf16_copy(pr.a, a, pr.M, pr.K, e4m3, min_e, small, 128, s, a16);
+    const CUtensorMap tb = bf16_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, small, 256, s, b16);
     launch_c(ta, tb, pc, s);
   }
+  if (forced == 'C') return;
+  // designs A and B: gathered scales and K-major codes; per call (design B behind the flag, set by
+  // the check above) these passes return at once unless the flag is set
+  const uint32_t* run_if = forced == 0 ? small : nullptr;
+  p.sa = a.scales = gather(pr.a, pr.M, pr.K, s, sa, run_if);
+  p.sb = b.scales = gather(pr.b, pr.N, pr.K, s, sb, run_if);
+  if (a.codes == nullptr) repack(pr.a, pr.M, pr.K, a, s, ca, run_if);
+  if (b.codes == nullptr) repack(pr.b, pr.N, pr.K, b, s, cb, run_if);
   if (forced == 'A') {  // design A: 128 x 256 tiles, 64 of K per stage
     mxgemm::Params pa = p;
     pa.kblocks = static_cast<int>((pr.K + 63) / 64);
@@ -477,16 +508,16 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
     const CUtensorMap ta = operand_map(a, pr.M, pr.K, true, 128), tb = operand_map(b, pr.N, pr.K, true, 256);
     if (e4m3) launch_a<true>(ta, tb, pa, s);
     else launch_a<false>(ta, tb, pa, s);
+    return;
   }
-  if (forced == 0 || forced == 'B') {  // design B: 128 x 128 tiles, 128 of K per stage; runs iff the flag is set
-    mxgemm::Params pb = p;
-    pb.kblocks = static_cast<int>((pr.K + 127) / 128);
-    pb.n_tiles = static_cast<int>((pr.N + 127) / 128), pb.num_tiles = pb.m_tiles * pb.n_tiles;
-    pb.run_on_flag = true;
-    const CUtensorMap ta = operand_map(a, pr.M, pr.K, false, 128), tb = operand_map(b, pr.N, pr.K, false, 128);
-    if (e4m3) launch_b<ptx::MmaDtype::kE4M3>(ta, tb, pb, s);
-    else launch_b<ptx::MmaDtype::kE5M2>(ta, tb, pb, s);
-  }
+  // design B: 128 x 128 tiles, 128 of K per stage; runs iff the flag is set (or forced)
+  mxgemm::Params pb = p;
+  pb.kblocks = static_cast<int>((pr.K + 127) / 128);
+  pb.n_tiles = static_cast<int>((pr.N + 127) / 128), pb.num_tiles = pb.m_tiles * pb.n_tiles;
+  pb.run_on_flag = true;
+  const CUtensorMap ta = operand_map(a, pr.M, pr.K, false, 128), tb = operand_map(b, pr.N, pr.K, false, 128);
+  if (e4m3) launch_b<ptx::MmaDtype::kE4M3>(ta, tb, pb, s);
+  else launch_b<ptx::MmaDtype::kE5M2>(ta, tb, pb, s);
 }
 
 void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operands& o) {
@@ -495,20 +526,23 @@ void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operand
   uint32_t* flag = reinterpret_cast<uint32_t*>(o.keep[0]->ptr);
   MXMLA_CUDA_CHECK(cudaMemsetAsync(flag, 0, 4, s));
   const uint32_t min_e = mxgemm_a::min_exact_e(e4m3);
-  const uint8_t* a_sc = gather(pr.a, pr.M, pr.K, s, o.keep[1], min_e, flag);
-  const uint8_t* b_sc = gather(pr.b, pr.N, pr.K, s, o.keep[2], min_e, flag);
-  // K-major codes for the exact path: the operands' own (rowwise, aligned) or a copy made only when
-  // the flag is set (a columnwise operand) or always (rows TMA cannot take)
-  const KMajor a = kmajor(pr.a, pr.M, pr.K, a_sc, s, o.keep[3], true, flag);
-  const KMajor b = kmajor(pr.b, pr.N, pr.K, b_sc, s, o.keep[4], true, flag);
-  dequant_copy(a, pr.M, pr.K, e4m3, s, o.keep[5]);  // (the consumer makes its own tensor maps)
-  dequant_copy(b, pr.N, pr.K, e4m3, s, o.keep[6]);
+  KMajor a = kmajor(pr.a, pr.M), b = kmajor(pr.b, pr.N);
+  if (a.codes == nullptr && a.cols == nullptr) repack(pr.a, pr.M, pr.K, a, s, o.keep[3], nullptr);
+  if (b.codes == nullptr && b.cols == nullptr) repack(pr.b, pr.N, pr.K, b, s, o.keep[4], nullptr);
+  // the copies, with the scale check (the consumer makes its own tensor maps)
+  dequant_copy(pr.a, a, pr.M, pr.K, e4m3, min_e, flag, s, o.keep[5]);
+  dequant_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, flag, s, o.keep[6]);
   o.a16 = reinterpret_cast<const uint16_t*>(o.keep[5]->ptr), o.b16 = reinterpret_cast<const uint16_t*>(o.keep[6]->ptr);
   o.ld = (pr.K + 15) / 16 * 16;
+  // what the exact path reads, made only when the check set the flag
+  a.scales = gather(pr.a, pr.M, pr.K, s, o.keep[1], flag);
+  b.scales = gather(pr.b, pr.N, pr.K, s, o.keep[2], flag);
+  if (a.codes == nullptr) repack(pr.a, pr.M, pr.K, a, s, o.keep[3], flag);
+  if (b.codes == nullptr) repack(pr.b, pr.N, pr.K, b, s, o.keep[4], flag);
   const int64_t tiles_x = (pr.K + 127) / 128;
   o.exact.flag = flag;
-  o.exact.a = {a.codes, a.ld, a_sc, tiles_x};
-  o.exact.b = {b.codes, b.ld, b_sc, tiles_x};
+  o.exact.a = {a.codes, a.ld, a.scales, tiles_x};
+  o.exact.b = {b.codes, b.ld, b.scales, tiles_x};
   o.exact.K = static_cast<int>(pr.K);
   o.exact.e4m3 = e4m3;
 }
