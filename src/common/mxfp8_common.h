@@ -141,6 +141,25 @@ MXMLA_HD int64_t col_scale_offset(const ScaleMap& m, int64_t bi, int64_t rb, int
   return cursor_offset(col_cursor(m, bi, rb, c), 0);
 }
 
+// The scale of block kb of row r of a GEMM operand op(X) = [R, K] whose map is compact or swizzled
+// (the layouts the GEMM takes), in the form the dequantizing passes index without a per-element
+// switch: compact r · sr + kb · skb, swizzled swizzle_offset(r, kb, tiles_x). Equal to
+// row_scale_offset(m, 0, r, kb) for a rowwise map (contract_cols: X [R, K]) and to
+// col_scale_offset(m, 0, kb, r) for a columnwise one (X [K, R]) (tests: GemmScaleIndex).
+struct OpScaleIndex {
+  int64_t sr = 0, skb = 0, tiles_x = 0;
+  bool swizzled = false;
+  MXMLA_HD int64_t at(int64_t r, int64_t kb) const {
+    return swizzled ? swizzle_offset(r, kb, tiles_x) : r * sr + kb * skb;
+  }
+};
+inline OpScaleIndex op_scale_index(const ScaleMap& m, bool contract_cols) {
+  OpScaleIndex x;
+  x.swizzled = m.mode == MapMode::kSwizzled, x.tiles_x = m.tiles_x;
+  if (!x.swizzled) x.sr = contract_cols ? m.cols / 32 : 1, x.skb = contract_cols ? 1 : m.cols;
+  return x;
+}
+
 // Constructors of the maps (sizes in bytes via map_bytes()).
 inline ScaleMap make_row_map(MapMode mode, int64_t batch, int64_t rows, int64_t cols, int64_t H = 1,
                              int64_t D = 32) {

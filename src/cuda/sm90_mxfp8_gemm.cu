@@ -152,19 +152,14 @@ __device__ __forceinline__ void dequant16(const uint32_t (&w)[4], float f, int64
   }
 }
 
-// Where design C's dequantizing passes read the scale of block kb of row r of op(X) = [R, K]: the
-// operand's own scales, compact (r · sr + kb · skb: rowwise sr = K / 32, skb = 1; columnwise sr = 1,
-// skb = R; the maps' cols) or swizzled (swizzle_offset(r, kb, tiles_x) in both directions: op_scale's
-// offsets; the GEMM takes no other layout); and the scale check's bound (0: no check) and flag.
+// Where design C's dequantizing passes read op(X)'s scales (the operand's own, compact or swizzled:
+// OpScaleIndex, common/mxfp8_common.h), and the scale check's bound (0: no check) and flag.
 struct ScaleSrc {
   const uint8_t* scales;
-  int64_t sr, skb, tiles_x;
-  bool swizzled;
+  OpScaleIndex index;
   uint32_t min_e;
   uint32_t* small;
-  __device__ __forceinline__ uint32_t at(int64_t r, int64_t kb) const {
-    return scales[swizzled ? swizzle_offset(r, kb, tiles_x) : r * sr + kb * skb];
-  }
+  __device__ __forceinline__ uint32_t at(int64_t r, int64_t kb) const { return scales[index.at(r, kb)]; }
 };
 
 // Design C's copy of op(X): bf16 [R, Kp] (Kp = K rounded up to 16, zeros past K) from the K-major
@@ -343,8 +338,7 @@ void dequant_copy(const GemmOperandView& v, const KMajor& x, int64_t R, int64_t 
   uint32_t* dst = reinterpret_cast<uint32_t*>(keep->ptr);
   if (v.map.mode != MapMode::kCompact && v.map.mode != MapMode::kSwizzled)  // (the checks reject others)
     throw Error(kOp, "a", "internal: a GEMM operand's scales must be compact or swizzled");
-  ScaleSrc ss{v.scales, 0, 0, v.map.tiles_x, v.map.mode == MapMode::kSwizzled, min_e, small};
-  if (!ss.swizzled) ss.sr = v.contract_cols ? v.map.cols / 32 : 1, ss.skb = v.contract_cols ? 1 : v.map.cols;
+  const ScaleSrc ss{v.scales, op_scale_index(v.map, v.contract_cols), min_e, small};
   if (x.cols != nullptr) {
     const dim3 grid(static_cast<unsigned>((Kp + 127) / 128), static_cast<unsigned>((R + 63) / 64));
     if (e4m3)

@@ -10,6 +10,7 @@
 //                  e = 254, zero blocks);
 //   GemmExact      integer-valued data (small integers, scales in range): the reference equals an
 //                  fp32 accumulation written here bit for bit, the bound the GPU kernel will be held to;
+//   GemmScaleIndex the dequantizing passes' index of an operand's own scales equals the maps' offsets;
 //   GemmErrors     each rule of the validation names its argument;
 //   GemmCudaPath   a CUDA call is validated like a CPU one and then raises "not available yet" (runs on
 //                  the CPU with descriptors marked cuda:0; and on a GPU with device buffers).
@@ -405,6 +406,33 @@ std::vector<GCase> cpu_cases() {
 }
 INSTANTIATE_TEST_SUITE_P(Cases, GemmCpu, ::testing::ValuesIn(cpu_cases()),
                          [](const ::testing::TestParamInfo<GCase>& i) { return std::to_string(i.index) + "_" + i.param.name(); });
+
+// The dequantizing passes index a GEMM operand's own scales by OpScaleIndex (no per-element
+// switch over the layouts): the same byte as the maps' offsets for every block, both directions,
+// compact and swizzled, tails (rows not a multiple of 32 / 128, block columns not of 4), batch > 1.
+TEST(GemmScaleIndex, EqualsTheMapsOffsetsForEveryBlock) {
+  using namespace detail;
+  int64_t checked = 0;
+  for (MapMode mode : {MapMode::kCompact, MapMode::kSwizzled})
+    for (int64_t batch : {1, 2})
+      for (int64_t a : {1, 31, 33, 130, 257})
+        for (int64_t b : {32, 96, 160, 512}) {
+          // rowwise: X [R = batch·a, K = b] (K a multiple of 32)
+          const ScaleMap rm = make_row_map(mode, batch, a, b);
+          const OpScaleIndex ri = op_scale_index(rm, true);
+          for (int64_t r = 0; r < batch * a; ++r)
+            for (int64_t kb = 0; kb < b / 32; ++kb, ++checked)
+              ASSERT_EQ(ri.at(r, kb), row_scale_offset(rm, 0, r, kb)) << "rowwise r " << r << " kb " << kb;
+          // columnwise: X [K = a tokens, R = b] (one batch: a columnwise copy's blocks run down K)
+          if (batch != 1) continue;
+          const ScaleMap cm = make_col_map(mode, 1, a, b);
+          const OpScaleIndex ci = op_scale_index(cm, false);
+          for (int64_t r = 0; r < b; ++r)
+            for (int64_t kb = 0; kb < (a + 31) / 32; ++kb, ++checked)
+              ASSERT_EQ(ci.at(r, kb), col_scale_offset(cm, 0, kb, r)) << "columnwise r " << r << " kb " << kb;
+        }
+  EXPECT_GT(checked, 10000);
+}
 
 TEST(GemmCpuSpecial, NanScaleReachesExactlyItsRowAndLargeScalesOverflow) {
   // x [4, 64] of ones (rowwise scale 127 - 8 = 119 for E4M3: 1 = 256 * 2^-8), W [3, 64] of ones
