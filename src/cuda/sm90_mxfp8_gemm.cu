@@ -81,13 +81,6 @@ __global__ void __launch_bounds__(256) repack_kmajor(const uint8_t* __restrict__
   }
 }
 
-// The scale byte of block kb of row r of op(X) = [R, K], from the operand's scales as stored:
-// rowwise of [R, K] (contract_cols) or columnwise of [K, R].
-__device__ __forceinline__ uint8_t op_scale(const uint8_t* __restrict__ src, const ScaleMap& map, bool contract_cols,
-                                            int64_t r, int64_t kb) {
-  return src[contract_cols ? row_scale_offset(map, 0, r, kb) : col_scale_offset(map, 0, kb, r)];
-}
-
 // The scale check (the launcher's note): sets *small when a block with a non-zero code (w: codes of
 // the block, those past K zero) has a scale byte e below min_e (0: no check).
 __device__ __forceinline__ void check_scale(uint32_t e, const uint32_t (&w)[4], uint32_t min_e, uint32_t* small) {
@@ -95,13 +88,14 @@ __device__ __forceinline__ void check_scale(uint32_t e, const uint32_t (&w)[4], 
 }
 
 // The swizzled rowwise scales of op(X) = [R, K] (every padded byte written; padding zero) for
-// designs A and B. Returns at once when run_if is given and *run_if is clear (per call, only design
-// B reads them, and only when the scale check set the flag). A block takes groups of 128 rows x 16
+// designs A and B, from the operand's own (at index: OpScaleIndex, rowwise of [R, K] when
+// contract_cols, else columnwise of [K, R]). Returns at once when run_if is given and *run_if is
+// clear (per call, only design B reads them, and only when the scale check set the flag). A block takes groups of 128 rows x 16
 // block columns (four 512-byte swizzle tiles, contiguous in dst) through shared memory: reads along
 // the source's contiguous direction (16 block columns of a row, or 128 rows of a block column),
 // 4-byte stores.
 constexpr int64_t kGatherBlocks = 4096;
-__global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__ src, ScaleMap map, bool contract_cols,
+__global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__ src, OpScaleIndex index, bool contract_cols,
                                                      uint8_t* __restrict__ dst, int64_t R, int64_t kb_count,
                                                      int64_t rows_pad, int64_t cols_pad, const uint32_t* run_if) {
   if (run_if != nullptr && *run_if == 0) return;
@@ -119,7 +113,7 @@ __global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__
 #pragma unroll
     for (int pass = 0; pass < 8; ++pass) {
       const int64_t i = i0 + li(pass), j = j0 + lj(pass);
-      v[pass] = (i < R && j < kb_count) ? op_scale(src, map, contract_cols, i, j) : uint8_t{0};
+      v[pass] = (i < R && j < kb_count) ? src[index.at(i, j)] : uint8_t{0};
     }
 #pragma unroll
     for (int pass = 0; pass < 8; ++pass) t[li(pass)][lj(pass)] = v[pass];
@@ -271,6 +265,14 @@ struct KMajor {
   int64_t cols_ld;
 };
 
+// How the passes index op(X)'s own scales (the GEMM's operands have compact or swizzled maps, one
+// batch: gemm.cpp's view_of).
+OpScaleIndex scale_index(const GemmOperandView& v) {
+  if (v.map.mode != MapMode::kCompact && v.map.mode != MapMode::kSwizzled)
+    throw Error(kOp, "a", "internal: a GEMM operand's scales must be compact or swizzled");
+  return op_scale_index(v.map, v.contract_cols);
+}
+
 // op(X)'s swizzled scales for designs A and B (scratch); run_if: null, or the design flag (per call).
 const uint8_t* gather(const GemmOperandView& v, int64_t R, int64_t K, cudaStream_t s,
                       std::unique_ptr<StreamScratch>& scales, const uint32_t* run_if) {
@@ -278,7 +280,8 @@ const uint8_t* gather(const GemmOperandView& v, int64_t R, int64_t K, cudaStream
   scales = std::make_unique<StreamScratch>(rows_pad * cols_pad, s);
   const int64_t groups = rows_pad / 128 * ((cols_pad + 15) / 16);
   const int blocks = static_cast<int>(std::min<int64_t>(groups, kGatherBlocks));
-  gather_scales<<<blocks, 256, 0, s>>>(v.scales, v.map, v.contract_cols, scales->ptr, R, kb, rows_pad, cols_pad, run_if);
+  gather_scales<<<blocks, 256, 0, s>>>(v.scales, scale_index(v), v.contract_cols, scales->ptr, R, kb, rows_pad, cols_pad,
+                                       run_if);
   MXMLA_CUDA_CHECK(cudaGetLastError());
   return scales->ptr;
 }
@@ -310,6 +313,15 @@ void repack(const GemmOperandView& v, int64_t R, int64_t K, KMajor& x, cudaStrea
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
+// What designs A and B read of op(X) besides what design C made: its gathered scales and, where
+// its own codes are not K-major, their repacked copy (run_if: null, or the design flag).
+void for_design_b(const GemmOperandView& v, int64_t R, int64_t K, KMajor& x, cudaStream_t s,
+                  std::unique_ptr<StreamScratch>& scales, std::unique_ptr<StreamScratch>& codes,
+                  const uint32_t* run_if) {
+  x.scales = gather(v, R, K, s, scales, run_if);
+  if (x.codes == nullptr) repack(v, R, K, x, s, codes, run_if);
+}
+
 // Design B: [128 rows][128 codes] boxes, 128-byte swizzle; design A: [rows][64 codes], 64-byte swizzle.
 CUtensorMap operand_map(const KMajor& x, int64_t R, int64_t K, bool design_a, int rows) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)};
@@ -336,9 +348,7 @@ void dequant_copy(const GemmOperandView& v, const KMajor& x, int64_t R, int64_t 
   const int64_t Kp = (K + 15) / 16 * 16, n = R * (Kp / 16);
   keep = std::make_unique<StreamScratch>(R * Kp * 2, s);
   uint32_t* dst = reinterpret_cast<uint32_t*>(keep->ptr);
-  if (v.map.mode != MapMode::kCompact && v.map.mode != MapMode::kSwizzled)  // (the checks reject others)
-    throw Error(kOp, "a", "internal: a GEMM operand's scales must be compact or swizzled");
-  const ScaleSrc ss{v.scales, op_scale_index(v.map, v.contract_cols), min_e, small};
+  const ScaleSrc ss{v.scales, scale_index(v), min_e, small};
   if (x.cols != nullptr) {
     const dim3 grid(static_cast<unsigned>((Kp + 127) / 128), static_cast<unsigned>((R + 63) / 64));
     if (e4m3)
@@ -490,10 +500,9 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
   // designs A and B: gathered scales and K-major codes; per call (design B behind the flag, set by
   // the check above) these passes return at once unless the flag is set
   const uint32_t* run_if = forced == 0 ? small : nullptr;
-  p.sa = a.scales = gather(pr.a, pr.M, pr.K, s, sa, run_if);
-  p.sb = b.scales = gather(pr.b, pr.N, pr.K, s, sb, run_if);
-  if (a.codes == nullptr) repack(pr.a, pr.M, pr.K, a, s, ca, run_if);
-  if (b.codes == nullptr) repack(pr.b, pr.N, pr.K, b, s, cb, run_if);
+  for_design_b(pr.a, pr.M, pr.K, a, s, sa, ca, run_if);
+  for_design_b(pr.b, pr.N, pr.K, b, s, sb, cb, run_if);
+  p.sa = a.scales, p.sb = b.scales;
   if (forced == 'A') {  // design A: 128 x 256 tiles, 64 of K per stage
     mxgemm::Params pa = p;
     pa.kblocks = static_cast<int>((pr.K + 63) / 64);
@@ -529,10 +538,8 @@ void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operand
   o.a16 = reinterpret_cast<const uint16_t*>(o.keep[5]->ptr), o.b16 = reinterpret_cast<const uint16_t*>(o.keep[6]->ptr);
   o.ld = (pr.K + 15) / 16 * 16;
   // what the exact path reads, made only when the check set the flag
-  a.scales = gather(pr.a, pr.M, pr.K, s, o.keep[1], flag);
-  b.scales = gather(pr.b, pr.N, pr.K, s, o.keep[2], flag);
-  if (a.codes == nullptr) repack(pr.a, pr.M, pr.K, a, s, o.keep[3], flag);
-  if (b.codes == nullptr) repack(pr.b, pr.N, pr.K, b, s, o.keep[4], flag);
+  for_design_b(pr.a, pr.M, pr.K, a, s, o.keep[1], o.keep[3], flag);
+  for_design_b(pr.b, pr.N, pr.K, b, s, o.keep[2], o.keep[4], flag);
   const int64_t tiles_x = (pr.K + 127) / 128;
   o.exact.flag = flag;
   o.exact.a = {a.codes, a.ld, a.scales, tiles_x};
