@@ -279,7 +279,10 @@ const uint8_t* gather(const GemmOperandView& v, int64_t R, int64_t K, cudaStream
   const int64_t kb = (K + 31) / 32, rows_pad = (R + 127) / 128 * 128, cols_pad = (kb + 3) / 4 * 4;
   scales = std::make_unique<StreamScratch>(rows_pad * cols_pad, s);
   const int64_t groups = rows_pad / 128 * ((cols_pad + 15) / 16);
-  const int blocks = static_cast<int>(std::min<int64_t>(groups, kGatherBlocks));
+  // gated (per call: returns at once unless the rare tiny-scale flag is set): one block per SM
+  // at most, so that the launch that returns costs little; the blocks stride over the groups
+  const int64_t cap = run_if != nullptr ? device_sms() : kGatherBlocks;
+  const int blocks = static_cast<int>(std::min<int64_t>(groups, cap));
   gather_scales<<<blocks, 256, 0, s>>>(v.scales, scale_index(v), v.contract_cols, scales->ptr, R, kb, rows_pad, cols_pad,
                                        run_if);
   MXMLA_CUDA_CHECK(cudaGetLastError());
@@ -308,7 +311,8 @@ void repack(const GemmOperandView& v, int64_t R, int64_t K, KMajor& x, cudaStrea
   codes = std::make_unique<StreamScratch>(R * Kp, s);
   x.codes = codes->ptr, x.ld = Kp;
   const int64_t tiles = (Kp + 31) / 32 * ((R + 31) / 32);
-  repack_kmajor<<<static_cast<unsigned>(std::min(tiles, kRepackBlocks)), dim3(32, 8), 0, s>>>(
+  const int64_t cap = run_if != nullptr ? device_sms() : kRepackBlocks;  // (gated: as gather())
+  repack_kmajor<<<static_cast<unsigned>(std::min(tiles, cap)), dim3(32, 8), 0, s>>>(
       static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols, codes->ptr, R, K, Kp, run_if);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
