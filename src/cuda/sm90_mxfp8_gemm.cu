@@ -51,9 +51,9 @@ constexpr const char* kOp = "mxmla.gemm";
 
 // dst [R, Kp] (K contiguous, zero beyond K) from src: [R, K] row-major (!trans) or [K, R] (trans),
 // row stride ld. 32 x 32 byte tiles through shared memory, a block taking tiles blockIdx.x,
-// blockIdx.x + gridDim.x, … (a grid of at most kRepackBlocks: a launch the flag turns away costs
-// little). run_if: null, or the design flag (the copy only design B reads: returns at once while
-// the flag is clear).
+// blockIdx.x + gridDim.x, … (a grid of at most kRepackBlocks, or one block per SM when gated: a
+// launch the flag turns away costs little). run_if: null, or the design flag (the copy only design
+// B reads: returns at once while the flag is clear).
 constexpr int64_t kRepackBlocks = 2048;
 __global__ void __launch_bounds__(256) repack_kmajor(const uint8_t* __restrict__ src, int64_t ld, bool trans,
                                                      uint8_t* __restrict__ dst, int64_t R, int64_t K, int64_t Kp,
