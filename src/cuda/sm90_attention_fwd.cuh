@@ -535,13 +535,17 @@ __global__ void __launch_bounds__(512, 1)
       const int kb = j * 128, row0 = w.m * 128 + r_in;
       const bool tail = kb + 128 > w.len_kv;
       const bool diag = p.causal && kb + 127 > w.m * 128 + 64 * cw + w.key_off;
-      if (tail || diag) {
+      if (tail || diag) {  // key kq + 8(i / 4) + (i % 2) is visible to row half h = (i / 2) % 2 iff that offset < lim[h]
+        const int kq = kb + 2 * (lane % 4);
+        int lim[2];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) {
-          const int key = kb + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-          const int qrow = row0 + 8 * ((i / 2) % 2);
-          if (key >= w.len_kv || (p.causal && key > qrow + w.key_off)) s[i] = -INFINITY;
+        for (int h = 0; h < 2; ++h) {
+          lim[h] = w.len_kv - kq;
+          if (p.causal) lim[h] = min(lim[h], row0 + 8 * h + w.key_off + 1 - kq);
         }
+#pragma unroll
+        for (int i = 0; i < 64; ++i)
+          if (8 * (i / 4) + (i % 2) >= lim[(i / 2) % 2]) s[i] = -INFINITY;
       }
       if (!pos_scale) {
 #pragma unroll
