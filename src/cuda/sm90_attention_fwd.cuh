@@ -535,7 +535,8 @@ __global__ void __launch_bounds__(512, 1)
       const int kb = j * 128, row0 = w.m * 128 + r_in;
       const bool tail = kb + 128 > w.len_kv;
       const bool diag = p.causal && kb + 127 > w.m * 128 + 64 * cw + w.key_off;
-      if (tail || diag) {  // key kq + 8(i / 4) + (i % 2) is visible to row half h = (i / 2) % 2 iff that offset < lim[h]
+      // key kq + 8(i / 4) + (i % 2) is visible to row half h = (i / 2) % 2 iff that offset < lim[h]
+      if (tail || diag) {
         const int kq = kb + 2 * (lane % 4);
         int lim[2];
 #pragma unroll
