@@ -107,20 +107,19 @@ void launch(const AttentionProblem& pr, cudaStream_t stream) {
 // The FP8 inputs' path: "staged" (default where it applies) converts Q, K and V once into bf16
 // scratch (cuda/attention_stage.h) and runs the kernel on those copies, the dequantizer warpgroup
 // idle; "fused" dequantizes every K / V tile inside the kernel, once per query block that reads it.
-// Both give the same bits (the same bf16 values into the same consumers). Staged applies to the
-// fixed-length layouts (thd keeps the fused path: its key tiles reach into the next sequence's
-// tokens, which the fused dequantizer zeroes and a staged copy would hold unconverted) whose scale
-// lookups go per 16-value chunk. MXMLA_ATTN_FWD in the environment, read at every call: "fused"
+// Both give the same bits (the same bf16 values into the same consumers; with thd, the V rows of a
+// key tile past its sequence's end are zeros on both: the kernel zeroes them on bf16 tiles). Staged
+// applies where the scale lookups go per 16-value chunk. MXMLA_ATTN_FWD in the environment, read at every call: "fused"
 // forces the fused path, "staged" the staged one (an error where it does not apply); A/B
 // comparisons and tests.
 bool staged_applies(const AttentionProblem& p, const AttnRead (&r)[3]) {
   const char* env = std::getenv("MXMLA_ATTN_FWD");
   if (env != nullptr && std::strcmp(env, "fused") == 0) return false;
-  bool ok = p.fp8 && !p.thd;
+  bool ok = p.fp8;
   for (const AttnRead& x : r) ok = ok && attn_read_chunk_scales_ok(x);
   if (!ok && p.fp8 && env != nullptr && std::strcmp(env, "staged") == 0)
-    throw Error(kOp, "q", "MXMLA_ATTN_FWD=staged: the staged path does not apply (thd, or scale lookups that do not "
-                          "go per 16-value chunk)");
+    throw Error(kOp, "q", "MXMLA_ATTN_FWD=staged: the staged path does not apply (scale lookups that do not go per "
+                          "16-value chunk)");
   return ok;
 }
 
@@ -156,6 +155,7 @@ void attention_fwd_cuda(const AttentionProblem& p, Stream stream) {
   if (!staged_applies(p, r)) return run(p, s);
   StageSeqs g;
   g.B = p.B, g.Sq = p.Sq, g.Skv = p.Skv;
+  g.thd = p.thd, g.cu_q = p.cu_q, g.cu_kv = p.cu_kv, g.total_q = p.total_q, g.total_kv = p.total_kv;
   std::unique_ptr<StreamScratch> keep[3];  // freed on the stream after the kernel
   AttentionProblem b = p;                  // the same problem on the bf16 copies
   b.fp8 = false, b.fmt = Fp8Format::kE4M3, b.q_sc = b.k_sc = b.v_sc = AttnScaleView{};

@@ -16,8 +16,8 @@
 // [128 rows][128 B] with the 128-byte swizzle; FP8 staging tiles 64-byte blocks with the 64-byte
 // swizzle (conflict-free row-per-thread reads).
 // thd: a sequence's last key tile may reach into the next sequence's tokens; those keys are masked
-// (P = 0), FP8 rows outside the sequence are dequantized to zeros, bf16 rows are read as they are
-// (so ±Inf / NaN there would give 0·Inf = NaN: documented in the README).
+// (P = 0), and their V rows are zeros (0·Inf = NaN otherwise): the FP8 dequantizer writes zeros for
+// rows outside the sequence, and on bf16 tiles the consumers zero those rows before the tile's P·V.
 // Work order: heads in groups whose K/V fit in L2 together; inside a group the query blocks with
 // the most keys first (causal), all heads of the group per query block; causal and thd launches
 // claim their tiles in that order from a counter (TileFeed below), others take every G-th.
@@ -45,11 +45,15 @@ struct Cfg {
   static constexpr int kBN = 128;  // keys per K/V tile (a BHSD scale tile, SPEC §2.2)
   static constexpr int kQkBlocks = kDqk / 64, kVBlocks = kDv / 64;  // 64-column bf16 blocks
   static constexpr int kThreads = 512;
+  static constexpr int kFirstConsumerWG = 2;
   static constexpr int kRegsProducer = 24, kRegsDequant = 72, kRegsConsumer = 208;
   static constexpr int kMaxVScaleRows = kBN / 32 + 1;  // 32-key scale rows a tile can touch (thd)
   static_assert(kDqk % 64 == 0 && kDv % 64 == 0 && kDqk <= 192 && kDv <= 128, "head dims");
   static_assert(kRegsProducer * 128 + kRegsDequant * 128 + 2 * kRegsConsumer * 128 <= 65536, "register file");
 };
+
+// Named barriers (0 is __syncthreads'): the dequantizer warpgroup's, the two consumer warpgroups'.
+constexpr uint32_t kDequantBarrier = 1, kConsumerBarrier = 2;
 
 struct OperandParams {
   AttnTensorView view;
@@ -441,7 +445,7 @@ __global__ void __launch_bounds__(512, 1)
         __syncwarp();
         if (lane == 0) sm.k_tile[0].producer_commit();
         // V factors to shared memory (after every dequantizer thread is done with the last tile's)
-        ptx::named_barrier(1, 128);
+        ptx::named_barrier(kDequantBarrier, 128);
         bool slow = false;
         if (row < kDv) {
           uint16_t* vf = reinterpret_cast<uint16_t*>(sm.vf);
@@ -453,7 +457,7 @@ __global__ void __launch_bounds__(512, 1)
             vb[r * 128 + row] = ve[r];
           }
         }
-        slow = ptx::named_barrier_or(1, 128, slow);
+        slow = ptx::named_barrier_or(kDequantBarrier, 128, slow);
         const int vrow = static_cast<int>((first + row) / 32 - rb0);
         const uint16_t* vf = reinterpret_cast<const uint16_t*>(sm.vf) + vrow * 128;
         const uint8_t* vb = reinterpret_cast<const uint8_t*>(sm.vf_raw) + vrow * 128;
@@ -477,7 +481,8 @@ __global__ void __launch_bounds__(512, 1)
 
   // ---------------------------------------------------------------- consumers: 64 query rows each
   ptx::setmaxnreg_inc<C::kRegsConsumer>();
-  const int cw = wg - 2, warp = ptx::warp_in_warpgroup(), lane = threadIdx.x % 32;
+  const bool zero_v_tail = p.thd && !p.fp8;
+  const int cw = wg - C::kFirstConsumerWG, warp = ptx::warp_in_warpgroup(), lane = threadIdx.x % 32;
   const int r_in = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: +8)
   uint32_t n_q = 0, n_k = 0, n_v = 0;
   // Q's and K's descriptors differ in their low word only (the start address; the high word is the
@@ -617,6 +622,21 @@ __global__ void __launch_bounds__(512, 1)
         if (j == w.n_blocks - 1) sm.q_tile.consumer_release();
       }
     };
+    // thd on bf16 inputs (the caller's or the staged copies): a sequence's last key tile holds rows
+    // past its end (the next sequence's tokens, or tokens outside every sequence: the staged copy
+    // leaves those unwritten). Their P is 0, but 0·Inf and 0·NaN are NaN, so the two consumer
+    // warpgroups zero those V rows before that tile's P·V (it is the last one the work tile visits;
+    // the FP8 dequantizer writes such rows as zeros itself). Whole rows of every 64-column block:
+    // the swizzle permutes 16-byte chunks inside a row.
+    const auto zero_v_rows = [&](int vslot, int first_row) {
+      uint8_t* base = K::v_slot(sm, vslot);
+      const int tid = static_cast<int>(threadIdx.x) - 128 * C::kFirstConsumerWG;  // 0 .. 255
+#pragma unroll
+      for (int i = tid; i < C::kVBlocks * C::kBN * 8; i += 256)  // 16-byte chunk i: row (i / 8) % kBN
+        if ((i / 8) % C::kBN >= first_row) *reinterpret_cast<uint4*>(base + 16 * i) = make_uint4(0, 0, 0, 0);
+      ptx::fence_proxy_async();  // the generic-proxy stores before the wgmma's reads
+      ptx::named_barrier(kConsumerBarrier, 256);
+    };
     const auto pv_landed = [&](int vslot) {
 #pragma unroll
       for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
@@ -648,6 +668,7 @@ __global__ void __launch_bounds__(512, 1)
         to_p(s, pa);
       }
       const int vslot = wait_v();
+      if (zero_v_tail && w.n_blocks * 128 > w.len_kv) zero_v_rows(vslot, w.len_kv - (w.n_blocks - 1) * 128);
       issue_pv(pa, vslot);
       ptx::wgmma_wait<0>();
       pv_landed(vslot);

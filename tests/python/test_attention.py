@@ -771,8 +771,14 @@ def test_cuda_bf16_packed_and_thd_match_cpu_reference(causal):
     cu = [0, 100, 100, 101, 290]
     cu_kv = [0, 80, 90, 91, 350]
     qt = torch.randn(300, 4, 192, device="cuda", dtype=torch.bfloat16)
-    kt = torch.randn(350, 1, 192, device="cuda", dtype=torch.bfloat16)
-    vt = torch.randn(350, 1, 128, device="cuda", dtype=torch.bfloat16)
+    kt = torch.randn(360, 1, 192, device="cuda", dtype=torch.bfloat16)
+    vt = torch.randn(360, 1, 128, device="cuda", dtype=torch.bfloat16)
+    # NaN / Inf in keys that sequence 0's and the last sequence's last key tiles reach without seeing
+    # them (sequence 1's tokens, which no query reads, and the padding): they must not reach O
+    for t in (kt, vt):
+        t[80:90, :, ::2] = float("nan")
+        t[80:90, :, 1::2] = float("inf")
+        t[350:] = float("nan")
     for mq, mkv in ((None, None), (189, 259)):
         o, lse = mxmla.attention(qt, kt, vt, cu_seqlens_q=torch.tensor(cu, device="cuda", dtype=torch.int32),
                                  cu_seqlens_kv=cu_kv, max_seqlen_q=mq, max_seqlen_kv=mkv, causal=causal,
