@@ -1,8 +1,9 @@
 // mxmla internal — the attention kernels' conversion pass: one read of an operand (bf16, or MXFP8
 // codes with the scales of the copy read; common/attention_ops.h: AttnRead) -> a bf16 copy in
 // stream-ordered scratch, once per element. The backward converts every FP8 read before its main
-// kernels (attention_bwd_mma.cu: stage_reads); the SM90 forward converts Q, K, V before a kernel
-// that then runs on bf16 (sm90_attention_fwd.cu). Defined in attention_stage.cu (arch-neutral).
+// kernels (attention_bwd_mma.cu: stage_reads); the SM90 forward converts K and V (and Q where TMA
+// cannot read its codes) before a kernel that reads them in bf16 (sm90_attention_fwd.cu). Defined in
+// attention_stage.cu (arch-neutral).
 //
 // The copy: [B][heads][S][d], thd [heads][total tokens][d] (the heads converted); valid tokens only (tokens past a
 // sequence's end, and thd tokens outside every sequence, are left unwritten). Values: bf16 copied;

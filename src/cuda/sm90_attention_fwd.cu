@@ -30,15 +30,22 @@ constexpr const char* kOp = "mxmla.attention";
 
 // A 4-D map over an operand: dims {d, heads, tokens, batch}, box {64, 1, 128, 1}; FP8 codes with the
 // 64-byte swizzle (the dequantizer's staging), bf16 with the 128-byte swizzle (the wgmma layout).
-CUtensorMap operand_map(const char* arg, const AttnTensorView& v, bool fp8, int64_t d, int64_t heads, int64_t tokens,
-                        int64_t batch) {
+// TMA reads an operand when its data pointer and its head, token and batch strides are multiples of
+// 16 bytes.
+bool tma_aligned(const AttnTensorView& v, bool fp8, int64_t batch) {
   const int64_t esz = fp8 ? 1 : 2;
   const auto aligned = [](int64_t bytes) { return bytes % 16 == 0; };
-  if (reinterpret_cast<uintptr_t>(v.data) % 16 != 0 || !aligned(v.st_h * esz) || !aligned(v.st_s * esz) ||
-      (batch > 1 && !aligned(v.st_b * esz)))
+  return reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && aligned(v.st_h * esz) && aligned(v.st_s * esz) &&
+         (batch <= 1 || aligned(v.st_b * esz));
+}
+
+CUtensorMap operand_map(const char* arg, const AttnTensorView& v, bool fp8, int64_t d, int64_t heads, int64_t tokens,
+                        int64_t batch) {
+  if (!tma_aligned(v, fp8, batch))
     throw Error(kOp, arg,
                 "the CUDA kernel reads it with TMA: its data pointer and its head, token and batch strides must be "
                 "multiples of 16 bytes");
+  const int64_t esz = fp8 ? 1 : 2;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(std::max<int64_t>(tokens, 1)),
                               static_cast<cuuint64_t>(batch)};
@@ -50,13 +57,15 @@ CUtensorMap operand_map(const char* arg, const AttnTensorView& v, bool fp8, int6
                        fp8 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
+// q_codes: pr.q is FP8 (codes and scales, pr.fmt) while K and V are bf16 (pr.fp8 false; the staged path).
 template <int kDqk, int kDv, bool kE4M3>
-void launch(const AttentionProblem& pr, cudaStream_t stream) {
+void launch(const AttentionProblem& pr, bool q_codes, cudaStream_t stream) {
   using K = attn::Kernel<kDqk, kDv, kE4M3>;
   attn::Params p{};
   p.B = static_cast<int>(pr.B), p.H = static_cast<int>(pr.H), p.Hkv = static_cast<int>(pr.Hkv);
   p.Sq = static_cast<int>(pr.Sq), p.Skv = static_cast<int>(pr.Skv);
   p.thd = pr.thd, p.causal = pr.causal, p.bottom_right = pr.bottom_right, p.fp8 = pr.fp8;
+  p.q_fp8 = !pr.fp8 && q_codes;
   p.e4m3_p = pr.p_format == PFormat::kE4M3;
   p.cu_q = pr.cu_q, p.cu_kv = pr.cu_kv, p.total_q = pr.total_q, p.total_kv = pr.total_kv;
   p.scale_log2 = static_cast<float>(static_cast<double>(pr.softmax_scale) * 1.4426950408889634);
@@ -76,7 +85,7 @@ void launch(const AttentionProblem& pr, cudaStream_t stream) {
 
   const int64_t q_tokens = pr.thd ? pr.total_q : pr.Sq, kv_tokens = pr.thd ? pr.total_kv : pr.Skv;
   const int64_t batch = pr.thd ? 1 : pr.B;
-  const CUtensorMap tq = operand_map("q", pr.q, pr.fp8, pr.Dqk, pr.H, q_tokens, batch);
+  const CUtensorMap tq = operand_map("q", pr.q, pr.fp8 || q_codes, pr.Dqk, pr.H, q_tokens, batch);
   // no keys at all (s_kv = 0, or thd with every KV sequence empty): every tile has n_blocks = 0 and the
   // kernel never reads K or V, but TMA cannot describe an empty tensor (zero extents and strides): K's
   // and V's maps then describe a placeholder of one token over Q's data, never dereferenced.
@@ -104,9 +113,11 @@ void launch(const AttentionProblem& pr, cudaStream_t stream) {
 }
 
 
-// The FP8 inputs' path: "staged" (default where it applies) converts Q, K and V once into bf16
+// The FP8 inputs' path: "staged" (default where it applies) converts K and V once into bf16
 // scratch (cuda/attention_stage.h) and runs the kernel on those copies, the dequantizer warpgroup
-// idle; "fused" dequantizes every K / V tile inside the kernel, once per query block that reads it.
+// expanding each work tile's Q codes in place (Q is read once per tile; Q too is converted by the
+// pass where TMA cannot read its codes); "fused" dequantizes every K / V tile inside the kernel,
+// once per query block that reads it.
 // Both give the same bits (the same bf16 values into the same consumers; with thd, the V rows of a
 // key tile past its sequence's end are zeros on both: the kernel zeroes them on bf16 tiles). Staged
 // applies where the scale lookups go per 16-value chunk. MXMLA_ATTN_FWD in the environment, read at every call: "fused"
@@ -123,14 +134,14 @@ bool staged_applies(const AttentionProblem& p, const AttnRead (&r)[3]) {
   return ok;
 }
 
-void run(const AttentionProblem& p, cudaStream_t s) {
-  const bool e4m3 = !p.fp8 || p.fmt == Fp8Format::kE4M3;
+void run(const AttentionProblem& p, cudaStream_t s, bool q_codes = false) {
+  const bool e4m3 = (!p.fp8 && !q_codes) || p.fmt == Fp8Format::kE4M3;
   if (p.Dqk == 192) {
-    if (e4m3) launch<192, 128, true>(p, s);
-    else launch<192, 128, false>(p, s);
+    if (e4m3) launch<192, 128, true>(p, q_codes, s);
+    else launch<192, 128, false>(p, q_codes, s);
   } else {
-    if (e4m3) launch<128, 128, true>(p, s);
-    else launch<128, 128, false>(p, s);
+    if (e4m3) launch<128, 128, true>(p, q_codes, s);
+    else launch<128, 128, false>(p, q_codes, s);
   }
 }
 
@@ -157,16 +168,19 @@ void attention_fwd_cuda(const AttentionProblem& p, Stream stream) {
   g.B = p.B, g.Sq = p.Sq, g.Skv = p.Skv;
   g.thd = p.thd, g.cu_q = p.cu_q, g.cu_kv = p.cu_kv, g.total_q = p.total_q, g.total_kv = p.total_kv;
   std::unique_ptr<StreamScratch> keep[3];  // freed on the stream after the kernel
-  AttentionProblem b = p;                  // the same problem on the bf16 copies
-  b.fp8 = false, b.fmt = Fp8Format::kE4M3, b.q_sc = b.k_sc = b.v_sc = AttnScaleView{};
+  AttentionProblem b = p;                  // the same problem on the bf16 copies (Q's codes where TMA reads them)
+  const bool q_codes = tma_aligned(p.q, true, p.thd ? 1 : p.B);
+  b.fp8 = false, b.k_sc = b.v_sc = AttnScaleView{};
+  if (!q_codes) b.fmt = Fp8Format::kE4M3, b.q_sc = AttnScaleView{};
   AttnTensorView* out[] = {&b.q, &b.k, &b.v};
   StageRequest req[3];
-  for (int i = 0; i < 3; ++i) {
-    req[i].src = &r[i], req[i].kv = i > 0, req[i].heads = i == 0 ? p.H : p.Hkv, req[i].d = i == 2 ? p.Dv : p.Dqk;
-    req[i].view = out[i], req[i].keep = &keep[i];
+  int n = 0;
+  for (int i = q_codes ? 1 : 0; i < 3; ++i, ++n) {
+    req[n].src = &r[i], req[n].kv = i > 0, req[n].heads = i == 0 ? p.H : p.Hkv, req[n].d = i == 2 ? p.Dv : p.Dqk;
+    req[n].view = out[i], req[n].keep = &keep[i];
   }
-  stage_attn_reads(kOp, g, req, 3, s);
-  run(b, s);
+  stage_attn_reads(kOp, g, req, n, s);
+  run(b, s, q_codes);
 }
 
 }  // namespace mxmla::detail

@@ -3,9 +3,11 @@
 //
 // One CTA per SM, persistent; a work tile is (sequence b, head h, 128 query rows). Four warpgroups:
 //   WG0 warp 0  producer: TMA loads of the codes (FP8) or of the bf16 operands;
-//   WG1         dequantizer (FP8 inputs): FP8 codes + E8M0 scales -> bf16 tiles in the wgmma layout,
-//               one thread per tile row (cuda/sm90/dequant_mxfp8_bf16.cuh), scales read from global
-//               memory through the operand's scale geometry while the codes are in flight;
+//   WG1         dequantizer: FP8 codes + E8M0 scales -> bf16 tiles in the wgmma layout, one thread
+//               per tile row (cuda/sm90/dequant_mxfp8_bf16.cuh), scales read from global memory
+//               through the operand's scale geometry while the codes are in flight. Fused path
+//               (p.fp8): Q, K, V from the FP8 stages; staged path (p.q_fp8: K, V bf16 copies):
+//               Q only, its codes expanded in place in the Q tile; bf16 inputs: idle;
 //   WG2, WG3    consumers: 64 query rows each; S = Q·Kᵀ (wgmma bf16, Q and K from shared memory),
 //               online softmax in fp32, O += P·V (P from registers, V from shared memory N-major);
 //               the softmax of S_j runs while O += P_{j-1}·V_{j-1} is on the tensor cores
@@ -63,7 +65,9 @@ struct OperandParams {
 struct Params {
   int B, H, Hkv, Sq, Skv;  // thd: Sq / Skv are max lengths
   int num_mblocks, heads_per_group, num_tiles;
-  bool thd, causal, bottom_right, fp8, e4m3_p;
+  bool thd, causal, bottom_right, e4m3_p;
+  bool fp8;     // Q, K, V FP8 codes (the fused path: the dequantizer converts every tile)
+  bool q_fp8;   // with fp8 false: Q FP8 codes (the dequantizer converts Q in place), K, V bf16
   const int32_t* cu_q;
   const int32_t* cu_kv;
   int64_t total_q, total_kv;  // thd: the packed token counts (every range is clamped to them)
@@ -98,6 +102,7 @@ struct Kernel {
     uint16_t vf[C::kMaxVScaleRows][128];     // V fast factors (bf16 bits) per 32-key scale row and column
     uint8_t vf_raw[C::kMaxVScaleRows][128];  // the scale bytes (exact path)
     sm90::Handoff fp8_stage[2], q_tile, k_tile[2], v_tile[2];
+    sm90::Handoff q_codes;  // q_fp8: Q's codes landed in the Q tile (full only: q_tile orders the reuse)
     sm90::Handoff feed[2];  // the producer's claimed tiles, handed to the other roles (dynamic order)
     int feed_tile[2];
   };
@@ -228,6 +233,52 @@ __device__ __forceinline__ void dequant_row(const uint8_t* __restrict__ codes, u
   }
 }
 
+// Q's codes in place (q_fp8): the producer lands them (kBlocks 64-code blocks, 64-byte swizzle) in
+// the upper half of the bf16 Q tile (kQCodes on), and each dequantizer thread expands its row, block
+// by block. bf16 block cb covers only code blocks up to cb (block 0 none), so a thread reads code
+// block cb into registers, and from block 1 on every thread has read it (and those before it) at the
+// dequantizer's barrier before any writes over them. The exact path (NaN / Inf codes, large
+// scales) converts from those registers too.
+template <bool kE4M3, int kBlocks, class Fac, class Ebytes>
+__device__ __forceinline__ void dequant_q_in_place(uint8_t* __restrict__ q, int row, bool valid, bool exact,
+                                                   Fac&& fac, Ebytes&& ebytes) {
+  static_assert(kBlocks >= 2, "block 0's bf16 must lie below the codes");
+#pragma unroll
+  for (int cb = 0; cb < kBlocks; ++cb) {
+    const auto dst_at = [&](int half) {
+      return reinterpret_cast<uint4*>(q + cb * 128 * 128 + row * 128 + ((half ^ (row & 7)) * 16));
+    };
+    uint4 x[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      x[c] = *reinterpret_cast<const uint4*>(q + kBlocks * 128 * 64 + cb * 128 * 64 + row * 64 +
+                                             ((c ^ ((row >> 1) & 3)) * 16));
+    if (cb > 0) ptx::named_barrier(kDequantBarrier, 128);  // every thread's code block cb (and before) read
+    if (!valid) {
+#pragma unroll
+      for (int h = 0; h < 8; ++h) *dst_at(h) = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    uint32_t special = 0;
+    if (!exact) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t f[8], out[8];
+        fac(cb * 4 + c, f);
+        special |= sm90::dequant16_fast<kE4M3>(x[c], f, out);
+        *dst_at(2 * c) = make_uint4(out[0], out[1], out[2], out[3]);
+        *dst_at(2 * c + 1) = make_uint4(out[4], out[5], out[6], out[7]);
+      }
+    }
+    if (exact || special != 0) {
+#pragma unroll  // (x indexed by constants: it stays in registers)
+      for (int c = 0; c < 4; ++c)
+        sm90::dequant16_exact_store<kE4M3>(x[c], ebytes(cb * 4 + c), ptx::smem_u32(dst_at(2 * c)),
+                                           ptx::smem_u32(dst_at(2 * c + 1)));
+    }
+  }
+}
+
 // The rowwise scales of one row (kDqk / 32 blocks): bytes and bf16x2 fast factors.
 template <bool kE4M3, int kNB>
 struct RowScales {
@@ -307,16 +358,23 @@ __global__ void __launch_bounds__(512, 1)
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
   const int wg = ptx::warpgroup_index();
   const uint32_t kv_mask = p.fp8 ? 0u : 1u, kv_shift = p.fp8 ? 0u : 1u;  // K / V slots: 1 (FP8) or 2
+  constexpr int kQCodes = C::kQkBlocks * 128 * 64;  // q_fp8: where Q's codes land in the Q tile
 
   if (threadIdx.x == 0) {
     const uint32_t filled_by = p.fp8 ? 4 : 1;  // dequantizer warps, or the producer's expect_tx
+    const bool dequant_q = p.fp8 || p.q_fp8;
     for (int i = 0; i < 2; ++i) {
       sm.fp8_stage[i].init(1, 4);
       sm.k_tile[i].init(filled_by, 8);
       sm.v_tile[i].init(filled_by, 8);
     }
-    sm.q_tile.init(filled_by, 8);
-    for (int i = 0; i < 2; ++i) sm.feed[i].init(1, p.fp8 ? 384 : 256);  // consumer (+ dequantizer) threads
+    // q_tile is filled by the producer's expect_tx (bf16 Q), the dequantizer's warps (fused path), or
+    // every dequantizer thread (q_fp8: each thread's bf16 stores cover codes that other threads read
+    // in the next tile, so each storing thread arrives itself, the form compute-sanitizer's racecheck
+    // follows through an mbarrier)
+    sm.q_tile.init(p.fp8 ? 4 : (p.q_fp8 ? 128 : 1), 8);
+    sm.q_codes.init(1, 1);
+    for (int i = 0; i < 2; ++i) sm.feed[i].init(1, dequant_q ? 384 : 256);  // consumer (+ dequantizer) threads
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -359,8 +417,16 @@ __global__ void __launch_bounds__(512, 1)
         }
       } else {
         sm.q_tile.producer_wait(n_q++);
-        ptx::mbar_arrive_expect_tx(&sm.q_tile.full, 128 * kDqk * 2);
-        for (int cb = 0; cb < C::kQkBlocks; ++cb) ptx::tma_load_4d(sm.q[cb], &tmap_q, &sm.q_tile.full, cb * 64, w.h, qs, bc);
+        if (p.q_fp8) {  // the codes into the Q tile's upper half; the dequantizer expands them in place
+          ptx::mbar_arrive_expect_tx(&sm.q_codes.full, 128 * kDqk);
+          for (int cb = 0; cb < C::kQkBlocks; ++cb)
+            ptx::tma_load_4d(reinterpret_cast<uint8_t*>(sm.q) + kQCodes + cb * 128 * 64, &tmap_q, &sm.q_codes.full, cb * 64,
+                             w.h, qs, bc);
+        } else {
+          ptx::mbar_arrive_expect_tx(&sm.q_tile.full, 128 * kDqk * 2);
+          for (int cb = 0; cb < C::kQkBlocks; ++cb)
+            ptx::tma_load_4d(sm.q[cb], &tmap_q, &sm.q_tile.full, cb * 64, w.h, qs, bc);
+        }
         for (int j = 0; j < w.n_blocks; ++j) {
           const int ks = w.kv0 + j * 128, kslot = n_k & 1, vslot = n_v & 1;
           sm.k_tile[kslot].producer_wait(n_k++ >> 1);
@@ -379,7 +445,7 @@ __global__ void __launch_bounds__(512, 1)
 
   if (wg == 1) {  // ---------------------------------------------------------------- dequantizer
     ptx::setmaxnreg_dec<C::kRegsDequant>();
-    if (!p.fp8) return;
+    if (!p.fp8 && !p.q_fp8) return;
     constexpr bool kE4 = K::kE4M3;
     const int row = threadIdx.x - 128, lane = threadIdx.x % 32;
     uint32_t n_fp8 = 0, n_q = 0, n_k = 0, n_v = 0;
@@ -387,6 +453,20 @@ __global__ void __launch_bounds__(512, 1)
     for (int t = feed.next(-1); t < p.num_tiles; t = feed.next(t)) {
       const Tile w = tile_at(p, t);
       if (!w.valid || w.n_blocks == 0) continue;
+      if (!p.fp8) {  // q_fp8: Q only (K, V are bf16 tiles the producer loads)
+        const int s = w.m * 128 + row;
+        const bool valid = s < w.len_q;
+        RowScales<kE4, kDqk / 32> sc;
+        sc.load(p.q.sc.ptr, RowScaleCursor(p.q.sc, w.b, w.h), w.q0 + s, valid);
+        sm.q_codes.consumer_wait(n_q++);
+        sc.finish();
+        dequant_q_in_place<kE4, C::kQkBlocks>(reinterpret_cast<uint8_t*>(sm.q), row, valid, sc.exact,
+                                              [&](int q, uint32_t(&f)[8]) { sc.fac(q, f); },
+                                              [&](int q) { return sc.bytes(q); });
+        ptx::fence_proxy_async();
+        sm.q_tile.producer_commit();  // every thread (q_tile's count 128)
+        continue;
+      }
       {  // Q
         const int s = w.m * 128 + row;
         const bool valid = s < w.len_q;
