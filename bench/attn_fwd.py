@@ -4,8 +4,8 @@ timed in the same run (bench/timing.py: CUDA events, L2 flushed before each call
 Shape: DeepSeek-V3 MLA, b 1, h 128, d_qk 192, d_v 128, causal, s in {2048, 4096, 8192}; bf16 N(0, 1)
 q, k, v [b, s, h, d] (bshd), quantized by mxmla.quantize_attention(layout="bshd"): Q and K rowwise,
 V columnwise (blocks of 32 keys), E4M3, BHSD scales.
-  ours         mxmla.attention(q_mx, k_mx, v_mx, causal=True) (its default path: Q, K, V converted to
-               bf16 by a pass, then the kernel on the copies)
+  ours         mxmla.attention(q_mx, k_mx, v_mx, causal=True) (its default path: K, V converted to
+               bf16 by a pass, then the kernel on the copies, expanding Q's codes itself)
   ours-fused   the same call with MXMLA_ATTN_FWD=fused (dequantization inside the kernel, per tile)
   ours-bf16    the same op on the bf16 q, k, v
   cuDNN        torch SDPA, cuDNN backend (bf16), on the dequantized q, k, v as bhsd views of bshd

@@ -4,7 +4,7 @@ b 1, h 128, 192 / 128, causal, bshd, MXFP8 Q, K, V from quantize_attention) unde
 L2 flushed before each call, and prints per s the median GPU time of each kernel of the call (the
 conversion pass `attn_stage`, the memset of the tile counter, the attention kernel), their sum, the
 call's CUDA-event time (bench/timing.py), and the conversion's rate in bytes moved (1 read + 2
-written per value) against a device-to-device copy of the same bytes timed the same way.
+written per value of K and V) against a device-to-device copy of the same bytes timed the same way.
 Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_fwd_parts.py [S ...] [--fused]"""
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def main() -> int:
         total = print_kernels(f"{S:6d}", per, 20)
         stage = sum(statistics.median(ts) * len(ts) / 20 for name, ts in per.items() if "attn_stage" in name)
         call = timer(fn, 20, flush)
-        values = S * 128 * (192 + 192 + 128)
+        values = S * 128 * (192 + 128)  # K and V (the kernel expands Q's codes itself)
         nbytes = 3 * values
         buf = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(buf)
