@@ -117,12 +117,11 @@ void launch(const AttentionProblem& pr, bool q_codes, cudaStream_t stream) {
 // scratch (cuda/attention_stage.h) and runs the kernel on those copies, the dequantizer warpgroup
 // expanding each work tile's Q codes in place (Q is read once per tile; Q too is converted by the
 // pass where TMA cannot read its codes); "fused" dequantizes every K / V tile inside the kernel,
-// once per query block that reads it.
-// Both give the same bits (the same bf16 values into the same consumers; with thd, the V rows of a
-// key tile past its sequence's end are zeros on both: the kernel zeroes them on bf16 tiles). Staged
-// applies where the scale lookups go per 16-value chunk. MXMLA_ATTN_FWD in the environment, read at every call: "fused"
-// forces the fused path, "staged" the staged one (an error where it does not apply); A/B
-// comparisons and tests.
+// once per query block that reads it. Both give the same bits (the same bf16 values into the same
+// consumers; with thd, the V rows of a key tile past its sequence's end are zeros on both: the
+// kernel zeroes them on bf16 tiles). Staged applies where the scale lookups go per 16-value chunk.
+// MXMLA_ATTN_FWD in the environment, read at every call: "fused" forces the fused path, "staged"
+// the staged one (an error where it does not apply); A/B comparisons and tests.
 bool staged_applies(const AttentionProblem& p, const AttnRead (&r)[3]) {
   const char* env = std::getenv("MXMLA_ATTN_FWD");
   if (env != nullptr && std::strcmp(env, "fused") == 0) return false;

@@ -420,8 +420,8 @@ __global__ void __launch_bounds__(512, 1)
         if (p.q_fp8) {  // the codes into the Q tile's upper half; the dequantizer expands them in place
           ptx::mbar_arrive_expect_tx(&sm.q_codes.full, 128 * kDqk);
           for (int cb = 0; cb < C::kQkBlocks; ++cb)
-            ptx::tma_load_4d(reinterpret_cast<uint8_t*>(sm.q) + kQCodes + cb * 128 * 64, &tmap_q, &sm.q_codes.full, cb * 64,
-                             w.h, qs, bc);
+            ptx::tma_load_4d(reinterpret_cast<uint8_t*>(sm.q) + kQCodes + cb * 128 * 64, &tmap_q, &sm.q_codes.full,
+                             cb * 64, w.h, qs, bc);
         } else {
           ptx::mbar_arrive_expect_tx(&sm.q_tile.full, 128 * kDqk * 2);
           for (int cb = 0; cb < C::kQkBlocks; ++cb)
