@@ -73,7 +73,13 @@ def main() -> int:
     print(f"check: ours and ours-fused bit for bit: {'yes' if same else 'NO'}")
     ok = same
     if fa4 is not None:
-        ref = fns["FA4"]().float()
+        try:
+            ref = fns["FA4"]().float()
+        except Exception as e:  # an FA4 that cannot run this case: not measured (the rest still is)
+            print(f"FA4: not measured ({type(e).__name__}: {str(e)[:200]})")
+            fa4 = None
+            del fns["FA4"], fns["deq+FA4"]
+    if fa4 is not None:
         vmax = vd.float().abs().amax(dim=(0, 2), keepdim=True)  # max |v| of each head
         beyond = int((~((a.float() - ref).abs() <= (vmax + ref.abs()) * 2.0 ** -8)).sum().item())
         print(f"check: ours against FA4: {beyond} of {ref.numel()} elements beyond 2^-8 (max|v| + |FA4|)")
