@@ -6,7 +6,11 @@ DeepSeek-V3 head dims (192 / 128), causal, bshd, b 1, H heads, s tokens. TFLOP/s
 triangle, 2·(3·d_qk + 2·d_v) per causal element; medians, L2 flushed (bench/timing.py). A second
 table times forward + backward: ours (mxmla.attention on the MXFP8 tensors, then the backward)
 against each peer's forward and backward on the dequantized inputs (TFLOP/s with the forward's
-2·(d_qk + d_v) per causal element added).
+2·(d_qk + d_v) per causal element added). A third table gives the floor of the design (a bf16
+kernel on copies that one pass converts from the FP8 codes) against the faster peer: that peer's
+time over itself plus a device copy of the bytes the conversions move (1 read and 2 written per
+value: the backward's Q and K in both directions and V rowwise; with the forward, K and V once
+more), timed in the same run.
 Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_bwd_time.py [H] [s ...]   (default 16, 2048)"""
 import os
 import sys
@@ -30,6 +34,7 @@ def main():
           f"{'TFLOP/s':>8s} {'ours/cuDNN':>10s} {'det./cuDNN':>10s} {'bf16-in ms':>10s} {'TFLOP/s':>8s} "
           f"{'FA4 ms':>8s} {'TFLOP/s':>8s} {'ours/FA4':>8s} {'FA4 det.':>8s} {'det./FA4det.':>12s}")
     both = []  # forward + backward rows
+    copies = []  # the floor's rows
     for s in seqs:
         q, k = (torch.randn(1, s, H, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v = torch.randn(1, s, H, 128, device="cuda", dtype=torch.bfloat16)
@@ -85,6 +90,8 @@ def main():
               f"{tf(t_cudnn):8.1f} {t_cudnn / t_ours:10.3f} {t_cudnn / t_det:10.3f} {t_bf16:10.3f} {tf(t_bf16):8.1f} "
               f"{t_fa4:8.3f} {tf(t_fa4):8.1f} {t_fa4 / t_ours:8.3f} {t_fa4_det:8.3f} {t_fa4_det / t_det:12.3f}")
         both.append((s, t_ours_both, t_cudnn_both, t_fa4_both, 2.0 * (4 * 192 + 3 * 128) * H * s * s / 2))
+        copies.append((s, copy_time(s * H * (4 * 192 + 128), flush), copy_time(s * H * (192 + 128), flush),
+                       t_ours, t_cudnn, t_fa4, t_ours_both, t_cudnn_both, t_fa4_both))
     print("forward + backward (ours: MXFP8 Q, K, V; peers: bf16 on the dequantized inputs)")
     print(f"{'s':>6s} {'ours ms':>9s} {'TFLOP/s':>8s} {'cuDNN ms':>9s} {'TFLOP/s':>8s} {'FA4 ms':>8s} {'TFLOP/s':>8s} "
           f"{'ours/best peer':>14s}")
@@ -92,8 +99,26 @@ def main():
         best = min(t for t in (t_c, t_f) if t == t) if (t_c == t_c or t_f == t_f) else float("nan")
         print(f"{s:6d} {t_o:9.3f} {fl / t_o * 1e-9:8.1f} {t_c:9.3f} {fl / t_c * 1e-9:8.1f} {t_f:8.3f} "
               f"{fl / t_f * 1e-9:8.1f} {best / t_o:14.3f}")
+    print("floor of the design: faster peer / (faster peer + copy of the conversions' bytes); measured: ours / faster peer")
+    print(f"{'s':>6s} {'bwd copy ms':>11s} {'fwd copy ms':>11s} {'bwd floor':>9s} {'bwd ours':>8s} {'f+b floor':>9s} "
+          f"{'f+b ours':>8s}")
+    for s, c_b, c_f, t_o, t_c, t_f, t_ob, t_cb, t_fb in copies:
+        best = min((t for t in (t_c, t_f) if t == t), default=float("nan"))
+        best_b = min((t for t in (t_cb, t_fb) if t == t), default=float("nan"))
+        print(f"{s:6d} {c_b:11.3f} {c_f:11.3f} {best / (best + c_b):9.3f} {best / t_o:8.3f} "
+              f"{best_b / (best_b + c_b + c_f):9.3f} {best_b / t_ob:8.3f}")
     if fa4 is None:
         print(f"FA4: skipped: {fa4_error}")
+
+
+def copy_time(values, flush):
+    """A device-to-device copy of 3 bytes per value in all (1.5 read, 1.5 written): what a conversion of
+    `values` FP8 codes to bf16 moves."""
+    src = torch.empty(3 * values // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = timer(lambda: dst.copy_(src), 20, flush)
+    del src, dst
+    return t
 
 
 if __name__ == "__main__":

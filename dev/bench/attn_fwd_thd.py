@@ -13,8 +13,12 @@ each call, medians):
 Before timing: ours and ours-fused must give the same bits, and ours must lie within
 2^-8 (max|v| + |FA4|) of FA4 (bf16 P on both). TFLOP/s = sum over sequences of
 2·h·(s²/2)·(d_qk + d_v) / time.
-Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_fwd_thd.py [LEN ...]
-(default lengths: 4096 2048 1024 3000 512 4096 1500 200, 16 456 tokens)"""
+--parts: also each kernel of one call of ours and ours-bf16 under torch.profiler (L2 flushed, medians of
+10; dev/bench/parts.py), with a device copy of the bytes the conversion pass moves (K and V: 1 read and
+2 written per value) timed the same way.
+--swizzle: the scales in the GEMM-swizzled layout instead of compact.
+Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_fwd_thd.py [--parts] [--swizzle] [LEN ...]
+(default lengths: 4096 2048 1024 3000 512 4096 1500 200, 16 476 tokens)"""
 from __future__ import annotations
 
 import sys
@@ -23,7 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import flush_buffer, timer  # noqa: E402
+from parts import kernel_times, print_kernels  # noqa: E402
 from attn_fwd import _with_env as with_env  # noqa: E402
 
 import mxmla  # noqa: E402
@@ -32,7 +38,7 @@ H, D_QK, D_V = 128, 192, 128
 
 
 def main() -> int:
-    lens = [int(a) for a in sys.argv[1:]] or [4096, 2048, 1024, 3000, 512, 4096, 1500, 200]
+    lens = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [4096, 2048, 1024, 3000, 512, 4096, 1500, 200]
     dev = torch.device("cuda")
     flush = flush_buffer(dev)
     t = sum(lens)
@@ -42,7 +48,7 @@ def main() -> int:
     q, k = (torch.randn(t, H, D_QK, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     v = torch.randn(t, H, D_V, device=dev, dtype=torch.bfloat16, generator=g)
     def quant(x, rowwise):  # token-major [t, h*d] (V's columnwise blocks run along tokens), codes viewed [t, h, d]
-        m = mxmla.quantize(x.reshape(t, -1), rowwise=rowwise, columnwise=not rowwise)
+        m = mxmla.quantize(x.reshape(t, -1), rowwise=rowwise, columnwise=not rowwise, swizzle="--swizzle" in sys.argv)
         codes = (m.rowwise_data if rowwise else m.columnwise_data).reshape(x.shape)
         mx3 = mxmla.MXFP8Tensor(m.shape, m.fp8_format, m.scale_layout, codes if rowwise else None,
                                 m.rowwise_scale_inv, None if rowwise else codes, m.columnwise_scale_inv)
@@ -92,6 +98,14 @@ def main() -> int:
     for peer in ("FA4", "deq+FA4", "ours-fused"):
         if peer in ms:
             print(f"ours / {peer}: {ms[peer] / ms['ours']:.3f} (time ratio: >1 = ours faster)")
+    if "--parts" in sys.argv:
+        for name in ("ours", "ours-bf16"):
+            total = print_kernels(f"parts {name:9s}", kernel_times(fns[name], 10, flush), 10)
+            print(f"parts {name:9s} sum of kernels {total:.4f} ms")
+        src = torch.empty(3 * t * H * (D_QK + D_V) // 2, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        print(f"parts copy of the conversion's bytes (K, V: {t * H * (D_QK + D_V) / 1e6:.0f} M values) "
+              f"{timer(lambda: dst.copy_(src), 20, flush):.4f} ms")
     return 0 if ok else 1
 
 

@@ -58,9 +58,9 @@ CUtensorMap operand_map(const char* arg, const AttnTensorView& v, bool fp8, int6
 }
 
 // q_codes: pr.q is FP8 (codes and scales, pr.fmt) while K and V are bf16 (pr.fp8 false; the staged path).
-template <int kDqk, int kDv, bool kE4M3>
+template <int kDqk, int kDv, bool kE4M3, bool kAnyInputs = true>
 void launch(const AttentionProblem& pr, bool q_codes, cudaStream_t stream) {
-  using K = attn::Kernel<kDqk, kDv, kE4M3>;
+  using K = attn::Kernel<kDqk, kDv, kE4M3, kAnyInputs>;
   attn::Params p{};
   p.B = static_cast<int>(pr.B), p.H = static_cast<int>(pr.H), p.Hkv = static_cast<int>(pr.Hkv);
   p.Sq = static_cast<int>(pr.Sq), p.Skv = static_cast<int>(pr.Skv);
@@ -134,7 +134,12 @@ bool staged_applies(const AttentionProblem& p, const AttnRead (&r)[3]) {
 }
 
 void run(const AttentionProblem& p, cudaStream_t s, bool q_codes = false) {
-  const bool e4m3 = (!p.fp8 && !q_codes) || p.fmt == Fp8Format::kE4M3;
+  if (!p.fp8 && !q_codes) {  // bf16 Q, K, V: the instantiation without the FP8 modes
+    if (p.Dqk == 192) launch<192, 128, true, false>(p, q_codes, s);
+    else launch<128, 128, true, false>(p, q_codes, s);
+    return;
+  }
+  const bool e4m3 = p.fmt == Fp8Format::kE4M3;
   if (p.Dqk == 192) {
     if (e4m3) launch<192, 128, true>(p, q_codes, s);
     else launch<192, 128, false>(p, q_codes, s);

@@ -79,10 +79,13 @@ struct Params {
   int* tile_counter;  // non-null: tiles claimed from this counter (zero at launch), else t = b, b + G, ...
 };
 
-template <int kDqk, int kDv, bool kE4M3Codes>
+// kAnyInputs false: bf16 Q, K, V only (p.fp8 and p.q_fp8 false), the producer without the FP8
+// branches and the dequantizer idle at compile time; true: every mode, chosen by p.fp8 / p.q_fp8.
+template <int kDqk, int kDv, bool kE4M3Codes, bool kAnyInputs = true>
 struct Kernel {
   using C = Cfg<kDqk, kDv>;
   static constexpr bool kE4M3 = kE4M3Codes;
+  static constexpr bool kAny = kAnyInputs;
   struct alignas(1024) Smem {
     uint8_t q[C::kQkBlocks][C::kBM * 128];   // bf16 Q, 128-byte swizzle
     uint8_t k0[C::kQkBlocks][C::kBN * 128];  // bf16 K, slot 0
@@ -357,12 +360,15 @@ __global__ void __launch_bounds__(512, 1)
   extern __shared__ uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
   const int wg = ptx::warpgroup_index();
-  const uint32_t kv_mask = p.fp8 ? 0u : 1u, kv_shift = p.fp8 ? 0u : 1u;  // K / V slots: 1 (FP8) or 2
+  // the modes, read from the parameters at each use (the bf16-only instantiation: false at compile time)
+  const auto fp8 = [&] { return K::kAny && p.fp8; };
+  const auto q_fp8 = [&] { return K::kAny && p.q_fp8; };
+  const uint32_t kv_mask = fp8() ? 0u : 1u, kv_shift = fp8() ? 0u : 1u;  // K / V slots: 1 (FP8) or 2
   constexpr int kQCodes = C::kQkBlocks * 128 * 64;  // q_fp8: where Q's codes land in the Q tile
 
   if (threadIdx.x == 0) {
-    const uint32_t filled_by = p.fp8 ? 4 : 1;  // dequantizer warps, or the producer's expect_tx
-    const bool dequant_q = p.fp8 || p.q_fp8;
+    const uint32_t filled_by = fp8() ? 4 : 1;  // dequantizer warps, or the producer's expect_tx
+    const bool dequant_q = fp8() || q_fp8();
     for (int i = 0; i < 2; ++i) {
       sm.fp8_stage[i].init(1, 4);
       sm.k_tile[i].init(filled_by, 8);
@@ -372,7 +378,7 @@ __global__ void __launch_bounds__(512, 1)
     // every dequantizer thread (q_fp8: each thread's bf16 stores cover codes that other threads read
     // in the next tile, so each storing thread arrives itself, the form compute-sanitizer's racecheck
     // follows through an mbarrier)
-    sm.q_tile.init(p.fp8 ? 4 : (p.q_fp8 ? 128 : 1), 8);
+    sm.q_tile.init(fp8() ? 4 : (q_fp8() ? 128 : 1), 8);
     sm.q_codes.init(1, 1);
     for (int i = 0; i < 2; ++i) sm.feed[i].init(1, dequant_q ? 384 : 256);  // consumer (+ dequantizer) threads
     ptx::fence_barrier_init();
@@ -397,7 +403,7 @@ __global__ void __launch_bounds__(512, 1)
       if (!w.valid || w.n_blocks == 0) continue;
       const int qs = w.q0 + w.m * 128;
       const int bc = p.thd ? 0 : w.b;  // thd: one packed batch in the tensor maps
-      if (p.fp8) {
+      if (fp8()) {
         {
           auto& st = sm.fp8_stage[n_fp8 & 1];
           st.producer_wait(n_fp8 >> 1);
@@ -417,7 +423,7 @@ __global__ void __launch_bounds__(512, 1)
         }
       } else {
         sm.q_tile.producer_wait(n_q++);
-        if (p.q_fp8) {  // the codes into the Q tile's upper half; the dequantizer expands them in place
+        if (q_fp8()) {  // the codes into the Q tile's upper half; the dequantizer expands them in place
           ptx::mbar_arrive_expect_tx(&sm.q_codes.full, 128 * kDqk);
           for (int cb = 0; cb < C::kQkBlocks; ++cb)
             ptx::tma_load_4d(reinterpret_cast<uint8_t*>(sm.q) + kQCodes + cb * 128 * 64, &tmap_q, &sm.q_codes.full,
@@ -445,7 +451,7 @@ __global__ void __launch_bounds__(512, 1)
 
   if (wg == 1) {  // ---------------------------------------------------------------- dequantizer
     ptx::setmaxnreg_dec<C::kRegsDequant>();
-    if (!p.fp8 && !p.q_fp8) return;
+    if (!fp8() && !q_fp8()) return;
     constexpr bool kE4 = K::kE4M3;
     const int row = threadIdx.x - 128, lane = threadIdx.x % 32;
     uint32_t n_fp8 = 0, n_q = 0, n_k = 0, n_v = 0;
@@ -453,7 +459,7 @@ __global__ void __launch_bounds__(512, 1)
     for (int t = feed.next(-1); t < p.num_tiles; t = feed.next(t)) {
       const Tile w = tile_at(p, t);
       if (!w.valid || w.n_blocks == 0) continue;
-      if (!p.fp8) {  // q_fp8: Q only (K, V are bf16 tiles the producer loads)
+      if (!fp8()) {  // q_fp8: Q only (K, V are bf16 tiles the producer loads)
         const int s = w.m * 128 + row;
         const bool valid = s < w.len_q;
         RowScales<kE4, kDqk / 32> sc;
@@ -561,7 +567,7 @@ __global__ void __launch_bounds__(512, 1)
 
   // ---------------------------------------------------------------- consumers: 64 query rows each
   ptx::setmaxnreg_inc<C::kRegsConsumer>();
-  const bool zero_v_tail = p.thd && !p.fp8;
+  const bool zero_v_tail = p.thd && !fp8();
   const int cw = wg - C::kFirstConsumerWG, warp = ptx::warp_in_warpgroup(), lane = threadIdx.x % 32;
   const int r_in = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: +8)
   uint32_t n_q = 0, n_k = 0, n_v = 0;
