@@ -119,5 +119,11 @@ struct PoolUsage {
   int64_t current = 0, high = 0;
 };
 PoolUsage cuda_pool_usage(bool reset_high);
+// mxmla's scratch keeps the memory it has reserved in that pool across synchronizations (its release
+// threshold is raised the first time mxmla allocates on a device: otherwise every stream or device
+// synchronization returns the free memory to the driver, and the next call maps it again). This
+// returns the current device's unused reserved memory to the driver, like torch.cuda.empty_cache()
+// for torch's cache, and gives the bytes released; 0 without CUDA.
+int64_t cuda_pool_release();
 
 }  // namespace mxmla

@@ -74,6 +74,7 @@ __all__ = [
     "gemm",
     "info",
     "scratch_memory",
+    "release_scratch",
     "apply_rope",
     "rope_backward",
     "rope_backward_quantize",
@@ -133,6 +134,19 @@ def scratch_memory(reset_peak: bool = False) -> Dict[str, int]:
         return {"in_use": 0, "peak": 0}
     cur, high = _core.cuda_pool_usage(reset_peak)
     return {"in_use": int(cur), "peak": int(max(cur, high))}
+
+
+def release_scratch() -> int:
+    """Returns the current CUDA device's unused scratch memory to the driver and gives the bytes
+    released (0 without CUDA). mxmla's stream-ordered scratch comes from the device's default memory
+    pool, which keeps what it has reserved across synchronizations (the first mxmla allocation on a
+    device raises the pool's release threshold, as torch's cudaMallocAsync backend does), so that
+    repeated calls do not map their scratch again after every synchronization; like
+    ``torch.cuda.empty_cache()`` for torch's cache, this gives it back, after synchronizing the
+    device."""
+    if _core.cuda_device_count() == 0:
+        return 0
+    return int(_core.cuda_pool_release())
 
 
 if _torch_available():

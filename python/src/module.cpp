@@ -607,4 +607,5 @@ NB_MODULE(_mxmla_core, m) {
     const PoolUsage u = cuda_pool_usage(reset_high);
     return nb::make_tuple(u.current, u.high);
   });
+  m.def("cuda_pool_release", &cuda_pool_release);
 }

@@ -16,4 +16,8 @@ struct CudaDeviceGuard {
   int previous;
 };
 
+// Raises the current device's default memory pool's release threshold, once per device and process,
+// so that the pool keeps what mxmla's scratch reserved across synchronizations (StreamScratch calls it).
+void keep_pool_memory();
+
 }  // namespace mxmla::detail

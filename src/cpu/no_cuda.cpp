@@ -30,6 +30,7 @@ void mxfp8_gemm_cuda(const GemmProblem&, Stream) { no_cuda("mxmla.gemm", "a"); }
 BuildInfo build_info() { return {false, "", MXMLA_VERSION, false}; }
 int cuda_device_count() { return 0; }
 PoolUsage cuda_pool_usage(bool) { return {}; }
+int64_t cuda_pool_release() { return 0; }
 std::string cuda_device_description(int) { return "no CUDA support in this build"; }
 
 }  // namespace mxmla

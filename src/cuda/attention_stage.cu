@@ -190,6 +190,10 @@ __global__ void __launch_bounds__(kThreads) attn_stage(const __grid_constant__ S
   const AttnRead& r = job.src;
   const uint32_t chunks = static_cast<uint32_t>(job.d / 16);
   const bool col = r.fp8 && !r.rowwise;
+  {  // a block wholly past its sequence's end (thd: every sequence gets the longest one's blocks) stops here
+    const uint32_t x0 = col ? blk * kThreads : blk * kItems * kThreads;  // the block's first chunk index
+    if ((col ? int64_t{x0 / chunks} * kItems : int64_t{x0 / chunks}) >= len) return;
+  }
   if (r.fp8) {
     if (threadIdx.x < chunks) cursor[threadIdx.x] = chunk_cursor(r, b, h, static_cast<int>(threadIdx.x));
     __syncthreads();

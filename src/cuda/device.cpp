@@ -1,6 +1,8 @@
 // mxmla — CUDA device queries and pointer checks (host code, CUDA runtime).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -41,6 +43,21 @@ CudaDeviceGuard::~CudaDeviceGuard() {
   if (cudaGetDevice(&cur) == cudaSuccess && cur != previous && previous >= 0) cudaSetDevice(previous);
 }
 
+void keep_pool_memory() {
+  // devices 0..63 (more keep the driver's default, release at every synchronization)
+  static std::atomic<uint64_t> done{0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return;
+  const uint64_t bit = uint64_t{1} << dev;
+  if ((done.load(std::memory_order_relaxed) & bit) != 0) return;
+  cudaMemPool_t pool;
+  MXMLA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  // (what torch's cudaMallocAsync backend also sets on this pool: it then keeps its cache there)
+  uint64_t threshold = UINT64_MAX;
+  MXMLA_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  done.fetch_or(bit, std::memory_order_relaxed);
+}
+
 }  // namespace detail
 
 BuildInfo build_info() { return {true, MXMLA_CUDA_ARCHS, MXMLA_VERSION, true}; }
@@ -64,6 +81,19 @@ PoolUsage cuda_pool_usage(bool reset_high) {
   MXMLA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &cur));
   MXMLA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
   return {static_cast<int64_t>(cur), static_cast<int64_t>(high)};
+}
+
+int64_t cuda_pool_release() {
+  int dev = 0;
+  MXMLA_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaMemPool_t pool;
+  MXMLA_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  MXMLA_CUDA_CHECK(cudaDeviceSynchronize());  // frees queued on streams take effect first
+  uint64_t before = 0, after = 0;
+  MXMLA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &before));
+  MXMLA_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+  MXMLA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &after));
+  return static_cast<int64_t>(before - std::min(before, after));
 }
 
 std::string cuda_device_description(int index) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "common/device.h"
 #include "cuda/cuda_check.h"
 
 namespace mxmla::detail {
@@ -15,7 +16,9 @@ struct StreamScratch {
   uint8_t* ptr = nullptr;  // null when bytes == 0
   cudaStream_t stream;
   StreamScratch(int64_t bytes, cudaStream_t s) : stream(s) {
-    if (bytes > 0) MXMLA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptr), bytes, stream));
+    if (bytes <= 0) return;
+    keep_pool_memory();  // (once per device)
+    MXMLA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptr), bytes, stream));
   }
   ~StreamScratch() {
     if (ptr != nullptr) (void)cudaFreeAsync(ptr, stream);

@@ -495,6 +495,27 @@ def test_scratch_memory_without_a_gpu_and_bad_argument():
         mxmla.scratch_memory(reset_peak=1)
 
 
+def test_release_scratch_without_a_gpu():
+    if not torch.cuda.is_available():
+        assert mxmla.release_scratch() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+def test_cuda_scratch_is_kept_across_synchronizations_until_released():
+    """The scratch pool keeps its reserved memory through a device synchronization (without the
+    raised release threshold the driver takes it back there), and release_scratch returns it."""
+    t, h = 300, 4
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(t, h, 192, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q8, k8, v8 = (mxmla.quantize_attention(x, "bshd") for x in (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)))
+    mxmla.release_scratch()
+    o, lse = mxmla.attention(q8, k8, v8, causal=True, return_lse=True)  # staged copies: scratch
+    torch.cuda.synchronize()
+    assert mxmla.release_scratch() > 0  # the staged copies' memory, still reserved after the sync
+    assert mxmla.release_scratch() == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
 def test_cuda_backward_scratch_follows_the_head_groups():
     """DeepSeek-V3 head dims, s 4096, 128 heads, MXFP8 Q, K (both copies) and V: the bf16 copies take
