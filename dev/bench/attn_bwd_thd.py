@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import flush_buffer, timer  # noqa: E402
-from parts import kernel_times, print_kernels  # noqa: E402
+from parts import kernel_times, packed_sequences, print_kernels  # noqa: E402
 
 import mxmla  # noqa: E402
 
@@ -26,13 +26,8 @@ H, D_QK, D_V = 128, 192, 128
 
 
 def main() -> int:
-    lens = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [4096, 2048, 1024, 3000, 512, 4096, 1500, 200]
     dev = torch.device("cuda")
-    t = sum(lens)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
-    g = torch.Generator(device=dev).manual_seed(7)
-    q, k = (torch.randn(t, H, D_QK, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
-    v = torch.randn(t, H, D_V, device=dev, dtype=torch.bfloat16, generator=g)
+    lens, t, cu, q, k, v = packed_sequences(sys.argv[1:], dev, H, D_QK, D_V)
 
     def quant(x, both):  # token-major [t, h*d], codes viewed [t, h, d]
         m = mxmla.quantize(x.reshape(t, -1), rowwise=True, columnwise=both)

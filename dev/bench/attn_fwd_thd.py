@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import flush_buffer, timer  # noqa: E402
-from parts import kernel_times, print_kernels  # noqa: E402
+from parts import kernel_times, packed_sequences, print_kernels  # noqa: E402
 from attn_fwd import _with_env as with_env  # noqa: E402
 
 import mxmla  # noqa: E402
@@ -38,15 +38,10 @@ H, D_QK, D_V = 128, 192, 128
 
 
 def main() -> int:
-    lens = [int(a) for a in sys.argv[1:] if not a.startswith("--")] or [4096, 2048, 1024, 3000, 512, 4096, 1500, 200]
     dev = torch.device("cuda")
     flush = flush_buffer(dev)
-    t = sum(lens)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev)
+    lens, t, cu, q, k, v = packed_sequences(sys.argv[1:], dev, H, D_QK, D_V)
     mx = max(lens)
-    g = torch.Generator(device=dev).manual_seed(7)
-    q, k = (torch.randn(t, H, D_QK, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
-    v = torch.randn(t, H, D_V, device=dev, dtype=torch.bfloat16, generator=g)
     def quant(x, rowwise):  # token-major [t, h*d] (V's columnwise blocks run along tokens), codes viewed [t, h, d]
         m = mxmla.quantize(x.reshape(t, -1), rowwise=rowwise, columnwise=not rowwise, swizzle="--swizzle" in sys.argv)
         codes = (m.rowwise_data if rowwise else m.columnwise_data).reshape(x.shape)

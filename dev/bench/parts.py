@@ -75,3 +75,19 @@ def attention_inputs(S: int, dev, backward: bool = False, scale=None):
         o, lse = mxmla.attention(q8, k8, v8, causal=True, softmax_scale=scale, return_lse=True)
         out.update(o=o, lse=lse, do=torch.randn_like(o))
     return out
+
+
+PACKED_LENS = [4096, 2048, 1024, 3000, 512, 4096, 1500, 200]  # attn_fwd_thd.py / attn_bwd_thd.py (16 476 tokens)
+
+
+def packed_sequences(argv, dev, h=128, d_qk=192, d_v=128):
+    """Packed (thd) attention inputs for the thd benches: sequence lengths from argv's numbers (default
+    PACKED_LENS), their int32 cu_seqlens on dev, and bf16 N(0, 1) q, k [t, h, d_qk], v [t, h, d_v]
+    (one generator, seed 7). Returns (lens, t, cu, q, k, v)."""
+    lens = [int(a) for a in argv if not a.startswith("--")] or list(PACKED_LENS)
+    t = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    g = torch.Generator(device=dev).manual_seed(7)
+    q, k = (torch.randn(t, h, d_qk, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = torch.randn(t, h, d_v, device=dev, dtype=torch.bfloat16, generator=g)
+    return lens, t, cu, q, k, v
