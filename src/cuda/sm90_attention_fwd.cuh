@@ -187,6 +187,25 @@ __device__ __forceinline__ int64_t col_row0(const AttnScaleView& v, int b, int h
 }
 
 // ---------------------------------------------------------------- small pieces
+// A row's 64-code block cb, its four 16-code chunks in x -> bf16 by the fast path (fac(q, f): the
+// bf16x2 fast factors of chunk q's 8 pairs) into bf16 block cb of the tile at dst (128-byte rows,
+// 128-byte swizzle); ORs the chunks' special-code masks (dequant16_fast's) into `special`.
+template <bool kE4M3, class Fac>
+__device__ __forceinline__ void dequant_block_fast(const uint4 (&x)[4], int cb, Fac& fac, uint8_t* __restrict__ dst,
+                                                   int row, uint32_t& special) {
+  const auto dst_at = [&](int half) {  // half = 16-byte chunk 0..7 of the 128-byte row
+    return reinterpret_cast<uint4*>(dst + cb * 128 * 128 + row * 128 + ((half ^ (row & 7)) * 16));
+  };
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    uint32_t f[8], out[8];
+    fac(cb * 4 + c, f);
+    special |= sm90::dequant16_fast<kE4M3>(x[c], f, out);
+    *dst_at(2 * c) = make_uint4(out[0], out[1], out[2], out[3]);
+    *dst_at(2 * c + 1) = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+}
+
 // One row of FP8 codes (kBlocks 64-code blocks, 64-byte swizzle) -> bf16 (kBlocks 64-column blocks,
 // 128-byte swizzle). For 16-code chunk q: fac(q, f) gives the bf16x2 fast factors of its 8 pairs,
 // ebytes(q) its 16 scale bytes (uint4) for the exact path. `valid` false writes zeros (rows outside
@@ -216,14 +235,7 @@ __device__ __forceinline__ void dequant_row(const uint8_t* __restrict__ codes, u
       uint4 x[4];  // a 64-code block's loads first: four in flight, not one
 #pragma unroll
       for (int c = 0; c < 4; ++c) x[c] = *src_at(cb, c);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        uint32_t f[8], out[8];
-        fac(cb * 4 + c, f);
-        special |= sm90::dequant16_fast<kE4M3>(x[c], f, out);
-        *dst_at(cb, 2 * c) = make_uint4(out[0], out[1], out[2], out[3]);
-        *dst_at(cb, 2 * c + 1) = make_uint4(out[4], out[5], out[6], out[7]);
-      }
+      dequant_block_fast<kE4M3>(x, cb, fac, dst, row, special);
     }
   }
   if (exact || special != 0) {  // rare: NaN / Inf codes, NaN or very large scales
@@ -263,16 +275,7 @@ __device__ __forceinline__ void dequant_q_in_place(uint8_t* __restrict__ q, int 
       continue;
     }
     uint32_t special = 0;
-    if (!exact) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        uint32_t f[8], out[8];
-        fac(cb * 4 + c, f);
-        special |= sm90::dequant16_fast<kE4M3>(x[c], f, out);
-        *dst_at(2 * c) = make_uint4(out[0], out[1], out[2], out[3]);
-        *dst_at(2 * c + 1) = make_uint4(out[4], out[5], out[6], out[7]);
-      }
-    }
+    if (!exact) dequant_block_fast<kE4M3>(x, cb, fac, q, row, special);
     if (exact || special != 0) {
 #pragma unroll  // (x indexed by constants: it stays in registers)
       for (int c = 0; c < 4; ++c)
