@@ -22,6 +22,7 @@ from timing import flush_buffer, timer  # noqa: E402
 
 import mxmla  # noqa: E402
 from attn_fwd import load_fa4  # noqa: E402
+from parts import conversion_copy_time as copy_time  # noqa: E402  (dev/bench, this script's folder)
 
 
 def main():
@@ -109,16 +110,6 @@ def main():
               f"{best_b / (best_b + c_b + c_f):9.3f} {best_b / t_ob:8.3f}")
     if fa4 is None:
         print(f"FA4: skipped: {fa4_error}")
-
-
-def copy_time(values, flush):
-    """A device-to-device copy of 3 bytes per value in all (1.5 read, 1.5 written): what a conversion of
-    `values` FP8 codes to bf16 moves."""
-    src = torch.empty(3 * values // 2, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t = timer(lambda: dst.copy_(src), 20, flush)
-    del src, dst
-    return t
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import flush_buffer, timer  # noqa: E402
-from parts import attention_inputs, kernel_times, print_kernels  # noqa: E402
+from parts import attention_inputs, conversion_copy_time, kernel_times, print_kernels  # noqa: E402
 
 import mxmla  # noqa: E402
 
@@ -43,15 +43,13 @@ def main() -> int:
         call = timer(fn, 20, flush)
         values = S * 128 * (192 + 128)  # K and V (the kernel expands Q's codes itself)
         nbytes = 3 * values
-        buf = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(buf)
-        copy = timer(lambda: dst.copy_(buf), 20, flush)
+        copy = conversion_copy_time(values, flush, dev)
         print(f"{S:6d} sum of kernels {total:.4f} ms; call (events) {call:.4f} ms")
         if stage > 0:
             print(f"{S:6d} conversion: {values / 1e6:.0f} M values, {nbytes / stage / 1e6:.0f} GB/s; "
                   f"copy of the same bytes {copy:.4f} ms, {nbytes / copy / 1e6:.0f} GB/s; conversion / copy "
                   f"{stage / copy:.2f}")
-        del q8, k8, v8, buf, dst
+        del q8, k8, v8
     return 0
 
 

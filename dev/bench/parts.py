@@ -10,6 +10,7 @@ from collections import defaultdict
 import torch
 
 import mxmla
+from timing import timer
 
 
 def profiled_calls(fn, iters, flush):
@@ -91,3 +92,13 @@ def packed_sequences(argv, dev, h=128, d_qk=192, d_v=128):
     q, k = (torch.randn(t, h, d_qk, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     v = torch.randn(t, h, d_v, device=dev, dtype=torch.bfloat16, generator=g)
     return lens, t, cu, q, k, v
+
+
+def conversion_copy_time(values, flush, dev="cuda"):
+    """Median ms of a device-to-device copy of the bytes a conversion of `values` FP8 codes to bf16
+    moves (1 read and 2 written per value: 3·values bytes in all), L2 flushed (bench/timing.py)."""
+    src = torch.empty(3 * values // 2, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = timer(lambda: dst.copy_(src), 20, flush)
+    del src, dst
+    return t
