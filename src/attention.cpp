@@ -32,6 +32,7 @@
 #if MXMLA_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/attention_stage.h"  // clamp_cu_seqlens
 #include "cuda/cuda_check.h"
 #endif
 
@@ -464,14 +465,16 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
 #if !MXMLA_WITH_CUDA
   if (on_cuda) fail("q", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
 #endif
+  const bool cu_device_only = thd && on_cuda && opts.max_seqlen_q > 0 && opts.max_seqlen_kv > 0;
   if (thd) {
     // Sequence lengths: read on the host (the CPU reference; or CUDA without both max_seqlen
-    // bounds, a synchronizing copy), else the caller's bounds, not checked against the device data.
+    // bounds, a synchronizing copy), else the caller's bounds, not checked against the device data
+    // (the kernels read a clamped copy: clamp_cu_seqlens).
     p.cu_q = static_cast<const int32_t*>(cu_seqlens_q->data);
     p.cu_kv = static_cast<const int32_t*>(cu_seqlens_kv->data);
     p.total_q = dq.S, p.total_kv = dk.S;  // the packed extents (lse rows: [h, t])
     p.Sq = opts.max_seqlen_q, p.Skv = opts.max_seqlen_kv;
-    if (!on_cuda || opts.max_seqlen_q == 0 || opts.max_seqlen_kv == 0) {
+    if (!cu_device_only) {
       const HostCu h = host_cu(kOp, *cu_seqlens_q, *cu_seqlens_kv, on_cuda, dev, stream);
       int64_t lq = 0, lkv = 0;
       longest_sequences(h.q, h.kv, B, dq.S, dk.S, opts, lq, lkv);
@@ -486,6 +489,10 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
 #if MXMLA_WITH_CUDA
   check_cuda(p, {&Q, &K, &V}, o, lse, cu_seqlens_q, cu_seqlens_kv, dev.index);
   detail::CudaDeviceGuard guard(dev.index);
+  std::unique_ptr<detail::StreamScratch> cu_copy;  // (freed on the stream after the kernels)
+  if (cu_device_only)
+    cu_copy = detail::clamp_cu_seqlens(kOp, p.cu_q, p.cu_kv, p.B, p.total_q, p.total_kv, p.Sq, p.Skv,
+                                       reinterpret_cast<cudaStream_t>(stream));
   detail::attention_fwd_cuda(p, stream);
 #else
   (void)stream;
@@ -649,21 +656,35 @@ void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInp
                      ": the CUDA backward takes head dims up to 256 (use CPU tensors for the reference)");
   }
 #endif
+  const bool cu_device_only = thd && on_cuda && opts.max_seqlen_q > 0 && opts.max_seqlen_kv > 0;
   if (thd) {
     p.cu_q = static_cast<const int32_t*>(cu_seqlens_q->data);
     p.cu_kv = static_cast<const int32_t*>(cu_seqlens_kv->data);
     p.total_q = dq_.S, p.total_kv = dk_.S;
-    // the lengths are needed on the host (grid sizes, checks): on CUDA a synchronizing copy
-    const HostCu h = host_cu(kBwdOp, *cu_seqlens_q, *cu_seqlens_kv, on_cuda, dev, stream);
-    try {
-      longest_sequences(h.q, h.kv, B, dq_.S, dk_.S, opts, p.Sq, p.Skv);
-    } catch (const Error& e) {
-      throw Error(kBwdOp, e.arg(), e.rule());
+    if (cu_device_only) {
+      // the caller's bounds size the grids, as in the forward: no copy to the host, so no stream
+      // synchronization (CUDA graphs can capture the call); not checked against the device data:
+      // the kernels read a copy clamped to the tensors and to these bounds (clamp_cu_seqlens)
+      detail::check_cuda_pointer(kBwdOp, "cu_seqlens_q", cu_seqlens_q->data, dev.index);
+      detail::check_cuda_pointer(kBwdOp, "cu_seqlens_kv", cu_seqlens_kv->data, dev.index);
+      p.Sq = std::min(opts.max_seqlen_q, dq_.S), p.Skv = std::min(opts.max_seqlen_kv, dk_.S);
+    } else {
+      // the lengths on the host (grid sizes, checks): on CUDA a synchronizing copy
+      const HostCu h = host_cu(kBwdOp, *cu_seqlens_q, *cu_seqlens_kv, on_cuda, dev, stream);
+      try {
+        longest_sequences(h.q, h.kv, B, dq_.S, dk_.S, opts, p.Sq, p.Skv);
+      } catch (const Error& e) {
+        throw Error(kBwdOp, e.arg(), e.rule());
+      }
     }
   }
   if (!on_cuda) return detail::attention_bwd_cpu(p);
 #if MXMLA_WITH_CUDA
   detail::CudaDeviceGuard guard(dev.index);
+  std::unique_ptr<detail::StreamScratch> cu_copy;  // (freed on the stream after the kernels)
+  if (cu_device_only)
+    cu_copy = detail::clamp_cu_seqlens(kBwdOp, p.cu_q, p.cu_kv, p.B, p.total_q, p.total_kv, p.Sq, p.Skv,
+                                       reinterpret_cast<cudaStream_t>(stream));
   detail::attention_bwd_cuda(p, stream);
 #else
   (void)stream;

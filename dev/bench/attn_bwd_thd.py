@@ -6,7 +6,10 @@ codes viewed [t, h, d]; O and LSE from mxmla.attention on them. Per case: the ca
 events, L2 flushed before each call, median; bench/timing.py) and the GPU time of its conversion
 passes under torch.profiler (mean of 5 calls; dev/bench/parts.py); --parts prints every kernel (medians).
 Cases: Q and K with both copies (the backward's default reads), and rowwise copies only (then they
-serve every GEMM). MXMLA_ATTN_BWD_GROUPS in the environment sets the backward's groups of KV heads.
+serve every GEMM); the calls pass max_seqlen_q / max_seqlen_kv (cu_seqlens read on the device only),
+and the first case is timed again without them (cu_seqlens copied to the host: a stream
+synchronization inside the call). MXMLA_ATTN_BWD_GROUPS in the environment sets the backward's
+groups of KV heads.
 Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_bwd_thd.py [--parts] [LEN ...]"""
 from __future__ import annotations
 
@@ -49,6 +52,10 @@ def main() -> int:
             print_kernels(f"  {name}:", per, 5)
         passes = sum(sum(ts) / 5 for n, ts in per.items() if "attn_stage" in n)  # mean per call
         print(f"{name:18s} call {timer(fn, 10, flush):8.3f} ms; conversion passes {passes:.3f} ms")
+        if both:  # the same call without the bounds: the backward copies cu_seqlens to the host
+            host = {x: y for x, y in kw.items() if not x.startswith("max_seqlen")}
+            fn_host = lambda: mxmla.attention_backward(do, q8, k8, v8, o, lse, **host)  # noqa: E731
+            print(f"{'  without bounds':18s} call {timer(fn_host, 10, flush):8.3f} ms (cu_seqlens copied to the host)")
         del q8, k8, v8, o, lse, do
     return 0
 

@@ -542,7 +542,9 @@ def attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False, softm
     p_format: "bfloat16" (default: P enters the P·V GEMM in bf16) or "e4m3" (the reference
     system's E4M3 P, p·2^8 rounded to E4M3 then / 2^8, online over blocks of 128 keys).
     max_seqlen_q / max_seqlen_kv (thd): upper bounds of the sequence lengths; None reads
-    cu_seqlens (on a GPU a synchronizing copy).
+    cu_seqlens (on a GPU a synchronizing copy). On a GPU, given bounds are not checked against
+    cu_seqlens (that would need the copy): a sequence longer than its bound gets undefined results,
+    and the kernels still stay inside the tensors.
 
     Returns O (bf16, q's format and shape with d_v columns, contiguous; numpy: ml_dtypes.bfloat16
     for ml_dtypes inputs, else uint16 bits), and with return_lse also LSE = max + ln(sum) (float32,

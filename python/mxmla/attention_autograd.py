@@ -9,8 +9,8 @@ contraction), O and LSE -- no bf16 copy of q, k, v. Backward: ``attention_backwa
 dO, returning bf16 dq, dk, dv (the gradient of the loss with respect to the dequantized inputs, passed
 straight through the quantization to the bf16 ones, as TransformerEngine's MXFP8 attention does).
 
-Needs torch. CPU tensors run the CPU reference both ways; on CUDA the forward runs the SM90 kernel
-and the backward raises until its kernel exists.
+Needs torch. CPU tensors run the CPU reference both ways; CUDA tensors the GPU kernels both ways
+(with thd, max_seqlen_q and max_seqlen_kv spare both passes a synchronizing copy of cu_seqlens).
 """
 from __future__ import annotations
 

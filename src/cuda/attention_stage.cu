@@ -250,7 +250,50 @@ __global__ void __launch_bounds__(kThreads) attn_stage(const __grid_constant__ S
   }
 }
 
+// clamp_cu_seqlens: threads 0 and 32 scan cu_q and cu_kv in chunks staged in shared memory (their
+// loads issued by the whole block), each entry clamped to [previous, min(total, previous + bound)].
+constexpr int kCuChunk = 2048;
+__global__ void __launch_bounds__(kThreads) clamp_cu(const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_kv,
+                                                     int32_t* __restrict__ out, int64_t n, int64_t total_q,
+                                                     int64_t total_kv, int64_t bound_q, int64_t bound_kv) {
+  __shared__ int32_t buf[2][kCuChunk];
+  int64_t prev[2] = {0, 0};  // (threads 0 and 32: the clamped entry before the chunk)
+  for (int64_t i0 = 0; i0 < n; i0 += kCuChunk) {
+    const int m = static_cast<int>(n - i0 < kCuChunk ? n - i0 : kCuChunk);
+    for (int i = threadIdx.x; i < m; i += kThreads) buf[0][i] = cu_q[i0 + i], buf[1][i] = cu_kv[i0 + i];
+    __syncthreads();
+    if (threadIdx.x % 32 == 0 && threadIdx.x < 64) {
+      const int a = threadIdx.x / 32;
+      const int64_t total = a ? total_kv : total_q, bound = a ? bound_kv : bound_q;
+      int64_t v = prev[a];
+      for (int i = 0; i < m; ++i) {
+        const int64_t lo = i0 + i == 0 ? 0 : v, hi = i0 + i == 0 ? total : (v + bound < total ? v + bound : total);
+        const int64_t x = buf[a][i];
+        v = x < lo ? lo : (x > hi ? hi : x);
+        buf[a][i] = static_cast<int32_t>(v);
+      }
+      prev[a] = v;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < m; i += kThreads) out[i0 + i] = buf[0][i], out[n + i0 + i] = buf[1][i];
+    __syncthreads();
+  }
+}
+
 }  // namespace
+
+std::unique_ptr<StreamScratch> clamp_cu_seqlens(const char* op, const int32_t*& cu_q, const int32_t*& cu_kv, int64_t B,
+                                                int64_t total_q, int64_t total_kv, int64_t bound_q, int64_t bound_kv,
+                                                cudaStream_t s) {
+  const int64_t n = B + 1;
+  if (n > (int64_t{1} << 30)) throw Error(op, "cu_seqlens_q", "has too many entries");
+  auto mem = std::make_unique<StreamScratch>(2 * n * 4, s);
+  int32_t* out = reinterpret_cast<int32_t*>(mem->ptr);
+  clamp_cu<<<1, kThreads, 0, s>>>(cu_q, cu_kv, out, n, total_q, total_kv, bound_q, bound_kv);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+  cu_q = out, cu_kv = out + n;
+  return mem;
+}
 
 bool attn_read_vec_ok(const AttnRead& r) {
   const int64_t es = r.fp8 ? 1 : 2;

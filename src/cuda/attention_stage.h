@@ -39,6 +39,19 @@ struct StageSeqs {
   int64_t total_q = 0, total_kv = 0;
 };
 
+// thd without a host copy of cu_seqlens (the caller's max_seqlen_* bounds size the grids): queues a
+// copy of cu_q and cu_kv ([B + 1] int32 each, device memory) in scratch on s, every entry clamped to
+// [the clamped entry before it, min(total, that entry + bound)] (the first to [0, total]), and points
+// cu_q, cu_kv at it; returns the scratch (freed on the stream when it goes: keep it until the call's
+// kernels are queued). So the kernels read sequences that lie inside the tensors and are at most
+// bound_q / bound_kv long, as the host checks ensure when they run: valid cu_seqlens within their
+// bounds are copied unchanged; others (a sequence longer than its bound, entries outside the
+// tokens or decreasing) give undefined results, never an access outside the tensors or a kernel
+// that waits for blocks the grid does not have.
+std::unique_ptr<StreamScratch> clamp_cu_seqlens(const char* op, const int32_t*& cu_q, const int32_t*& cu_kv, int64_t B,
+                                                int64_t total_q, int64_t total_kv, int64_t bound_q, int64_t bound_kv,
+                                                cudaStream_t s);
+
 // What a staged read needs: 16-byte loads (data pointer and strides multiples of 16 bytes; else
 // element loads), and scale lookups per 16-value chunk (chunks start at columns that are multiples
 // of 16: one rowwise 32-column block; a columnwise chunk inside its head with BHSD scales).

@@ -452,6 +452,91 @@ def test_cuda_thd_and_deepseek_dims_and_the_module():
         _near(a.grad, c.grad, name, rms=1e-2)  # the forwards differ too (SM90 kernel vs float64 reference)
 
 
+THD_CU = [0, 300, 301, 301, 900]  # 300, 1, 0 and 599 tokens, then three tokens in no sequence
+
+
+def _thd_cuda_inputs(mx, seed):
+    """q, k, v (bf16, or MXFP8 with both copies as MXFP8Attention quantizes them), do on the GPU in thd
+    for THD_CU: 4 heads, 2 KV heads, DeepSeek-V3 head dims (the SM90 kernel)."""
+    from mxmla.attention_autograd import quantize_for_attention
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = THD_CU[-1] + 3
+    q, k = torch.randn(t, 4, 192, device="cuda", generator=g), torch.randn(t, 2, 192, device="cuda", generator=g)
+    v, do = torch.randn(t, 2, 128, device="cuda", generator=g), torch.randn(t, 4, 128, device="cuda", generator=g)
+    q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
+    if mx:
+        q, k, v = (quantize_for_attention(x, "thd") for x in (q, k, v))
+    return q, k, v, do
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+@pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp8"])
+def test_cuda_thd_with_max_seqlen_reads_cu_seqlens_on_the_device_only(mx):
+    """thd with max_seqlen_q / max_seqlen_kv: the backward, as the forward, sizes its grids by the bounds
+    and reads cu_seqlens on the device only. deterministic=True gives the same bits as the call that
+    copies cu_seqlens to the host, with bounds above the longest sequences too; and a CUDA graph
+    captures the forward and the backward (a stream synchronization inside a capture is an error) and
+    replays them to the same bits."""
+    q, k, v, do = _thd_cuda_inputs(mx, seed=5)
+    cu = torch.tensor(THD_CU, device="cuda", dtype=torch.int32)
+    kw = dict(causal=True, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    bound = dict(max_seqlen_q=599, max_seqlen_kv=599)
+    o, lse = mxmla.attention(q, k, v, return_lse=True, **kw, **bound)
+    ref = mxmla.attention_backward(do, q, k, v, o, lse, deterministic=True, **kw)  # cu_seqlens read on the host
+    for mq, mkv in ((599, 599), (700, 1000)):
+        got = mxmla.attention_backward(do, q, k, v, o, lse, deterministic=True, max_seqlen_q=mq, max_seqlen_kv=mkv, **kw)
+        for name, x, y in zip(("dq", "dk", "dv"), got, ref):
+            assert torch.equal(x, y), (name, mq, mkv)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a warm-up outside the capture, as torch's CUDA graph docs ask
+        mxmla.attention_backward(do, q, k, v, o, lse, deterministic=True, **kw, **bound)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o2, lse2 = mxmla.attention(q, k, v, return_lse=True, **kw, **bound)
+        grads = mxmla.attention_backward(do, q, k, v, o2, lse2, deterministic=True, **kw, **bound)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o2, o) and torch.equal(lse2, lse)
+    for name, x, y in zip(("dq", "dk", "dv"), grads, ref):
+        assert torch.equal(x, y), ("graph", name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+@pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp8"])
+def test_cuda_thd_bounds_cut_longer_sequences_and_bad_cu_seqlens_stay_inside(mx):
+    """Bounds are not checked against cu_seqlens on the GPU (that needs the host copy): the kernels
+    read a copy clamped to the tensors and the bounds. A sequence longer than its bound is cut to it
+    (the next one then starts where the cut one ends: undefined results there): causal rows below the
+    bound see only keys below it, so the first and the last sequence's rows below it get the uncut
+    call's dQ, bit for bit with deterministic=True, and the deterministic order's waits finish (they
+    count the launched key blocks only). cu_seqlens that point outside the tensors (past the tokens,
+    negative, decreasing) are clamped too: both passes finish inside the tensors (the GPU checks run
+    this test under compute-sanitizer)."""
+    q, k, v, do = _thd_cuda_inputs(mx, seed=6)
+    cu = torch.tensor(THD_CU, device="cuda", dtype=torch.int32)
+    kw = dict(causal=True, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    o, lse = mxmla.attention(q, k, v, return_lse=True, **kw)
+    full = mxmla.attention_backward(do, q, k, v, o, lse, deterministic=True, **kw)
+    for det in (True, False):
+        cut = mxmla.attention_backward(do, q, k, v, o, lse, deterministic=det, max_seqlen_q=256, max_seqlen_kv=256,
+                                       **kw)
+        torch.cuda.synchronize()
+        for first, rows in ((0, 256), (301, 256)):  # clamped cu_seqlens [0, 256, 301, 301, 557]
+            if det:
+                assert torch.equal(cut[0][first:first + rows], full[0][first:first + rows]), (first, rows)
+            else:
+                _near(cut[0][first:first + rows], full[0][first:first + rows].cpu(), f"dq rows {first}+{rows}")
+        assert (cut[0][557:] == 0).all() and (cut[1][557:] == 0).all()  # past the clamped last entry: no sequence
+    bad = torch.tensor([0, 5000, 2, -7, 900], device="cuda", dtype=torch.int32)
+    kb = dict(causal=True, layout="thd", cu_seqlens_q=bad, cu_seqlens_kv=bad, max_seqlen_q=599, max_seqlen_kv=599)
+    o, lse = mxmla.attention(q, k, v, return_lse=True, **kb)
+    for det in (True, False):
+        mxmla.attention_backward(do, q, k, v, o, lse, deterministic=det, **kb)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
 @pytest.mark.parametrize("seed", RANDOM_SEEDS)
 def test_random_configs_cuda_matches_the_reference(seed):

@@ -233,10 +233,12 @@ class MLA(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
-                   cu: Optional[List[int]]) -> torch.Tensor:
+                   cu: Optional[List[int]], longest: int) -> torch.Tensor:
         if self.recipe == "mxfp8":  # MXFP8 Q, K, V (both copies), O and LSE saved; bf16 gradients
             from ..attention_autograd import MXFP8Attention
-            return MXFP8Attention.apply(q, k, v, True, self.softmax_scale, layout, cu, cu)
+            # thd: the longest sequence as the bound, so that neither pass copies cu_seqlens back to the host
+            bound = longest if layout == "thd" and longest > 0 else None
+            return MXFP8Attention.apply(q, k, v, True, self.softmax_scale, layout, cu, cu, bound, bound)
         if layout == "bshd":  # [b, s, h, d] -> [b, h, s, d]
             return self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
         if layout == "sbhd":  # [s, b, h, d] -> [b, h, s, d]
@@ -294,7 +296,7 @@ class MLA(nn.Module):
             from .qproj import attention_from_mxfp8_q
             o = attention_from_mxfp8_q(q8, anchor, k, v, causal=True, softmax_scale=self.softmax_scale)
         else:
-            o = self._attention(q, k, v, layout, cu)
+            o = self._attention(q, k, v, layout, cu, longest)
         return reduce_from_tp(self.wo(o.flatten(-2)), g)
 
     def extra_repr(self) -> str:
