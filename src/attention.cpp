@@ -399,6 +399,22 @@ HostCu host_cu(const char* op, const TensorDesc& cu_q, const TensorDesc& cu_kv, 
   return h;
 }
 
+// thd on CUDA with both max_seqlen bounds: the caller's bounds size the grids and cu_seqlens are
+// never copied to the host (no stream synchronization); the kernels read a clamped device copy.
+bool lengths_on_device_only(bool thd, bool on_cuda, const AttentionOptions& opts) {
+  return thd && on_cuda && opts.max_seqlen_q > 0 && opts.max_seqlen_kv > 0;
+}
+
+#if MXMLA_WITH_CUDA
+// That copy (detail::clamp_cu_seqlens), queued on the stream; p's cu_seqlens then point at it. Keep
+// the returned scratch until the call's kernels are queued (it is freed on the stream after them).
+template <class Problem>
+std::unique_ptr<detail::StreamScratch> clamp_lengths(const char* op, Problem& p, Stream stream) {
+  return detail::clamp_cu_seqlens(op, p.cu_q, p.cu_kv, p.B, p.total_q, p.total_kv, p.Sq, p.Skv,
+                                  reinterpret_cast<cudaStream_t>(stream));
+}
+#endif
+
 }  // namespace
 
 void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& v, TensorDesc& o, TensorDesc* lse,
@@ -465,7 +481,7 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
 #if !MXMLA_WITH_CUDA
   if (on_cuda) fail("q", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
 #endif
-  const bool cu_device_only = thd && on_cuda && opts.max_seqlen_q > 0 && opts.max_seqlen_kv > 0;
+  const bool cu_device_only = lengths_on_device_only(thd, on_cuda, opts);
   if (thd) {
     // Sequence lengths: read on the host (the CPU reference; or CUDA without both max_seqlen
     // bounds, a synchronizing copy), else the caller's bounds, not checked against the device data
@@ -489,10 +505,7 @@ void attention_forward(const AttnInput& q, const AttnInput& k, const AttnInput& 
 #if MXMLA_WITH_CUDA
   check_cuda(p, {&Q, &K, &V}, o, lse, cu_seqlens_q, cu_seqlens_kv, dev.index);
   detail::CudaDeviceGuard guard(dev.index);
-  std::unique_ptr<detail::StreamScratch> cu_copy;  // (freed on the stream after the kernels)
-  if (cu_device_only)
-    cu_copy = detail::clamp_cu_seqlens(kOp, p.cu_q, p.cu_kv, p.B, p.total_q, p.total_kv, p.Sq, p.Skv,
-                                       reinterpret_cast<cudaStream_t>(stream));
+  const std::unique_ptr<detail::StreamScratch> cu_copy = cu_device_only ? clamp_lengths(kOp, p, stream) : nullptr;
   detail::attention_fwd_cuda(p, stream);
 #else
   (void)stream;
@@ -656,7 +669,7 @@ void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInp
                      ": the CUDA backward takes head dims up to 256 (use CPU tensors for the reference)");
   }
 #endif
-  const bool cu_device_only = thd && on_cuda && opts.max_seqlen_q > 0 && opts.max_seqlen_kv > 0;
+  const bool cu_device_only = lengths_on_device_only(thd, on_cuda, opts);
   if (thd) {
     p.cu_q = static_cast<const int32_t*>(cu_seqlens_q->data);
     p.cu_kv = static_cast<const int32_t*>(cu_seqlens_kv->data);
@@ -681,10 +694,7 @@ void attention_backward(const AttnInput& dout, const AttnInput& q, const AttnInp
   if (!on_cuda) return detail::attention_bwd_cpu(p);
 #if MXMLA_WITH_CUDA
   detail::CudaDeviceGuard guard(dev.index);
-  std::unique_ptr<detail::StreamScratch> cu_copy;  // (freed on the stream after the kernels)
-  if (cu_device_only)
-    cu_copy = detail::clamp_cu_seqlens(kBwdOp, p.cu_q, p.cu_kv, p.B, p.total_q, p.total_kv, p.Sq, p.Skv,
-                                       reinterpret_cast<cudaStream_t>(stream));
+  const std::unique_ptr<detail::StreamScratch> cu_copy = cu_device_only ? clamp_lengths(kBwdOp, p, stream) : nullptr;
   detail::attention_bwd_cuda(p, stream);
 #else
   (void)stream;
