@@ -86,6 +86,12 @@ struct Kernel {
   using C = Cfg<kDqk, kDv>;
   static constexpr bool kE4M3 = kE4M3Codes;
   static constexpr bool kAny = kAnyInputs;
+  // When O takes a key block's rescale: false, once the previous P·V has landed (before the next S
+  // GEMM's issue); true, after the next S GEMM's issue, under it (FlashAttention-3's place). Either
+  // way the multiplication falls between the same two P·V accumulations: the same bits. Chosen per
+  // instantiation by a same-run A/B (H200, ptxas of CUDA 13.0): the FP8 inputs' instantiation
+  // 1.1-1.6 % faster with true, the bf16-only one 2.9-4.6 % slower (docs/performance.md).
+  static constexpr bool kRescaleUnderS = kAnyInputs;
   struct alignas(1024) Smem {
     uint8_t q[C::kQkBlocks][C::kBM * 128];   // bf16 Q, 128-byte swizzle
     uint8_t k0[C::kQkBlocks][C::kBN * 128];  // bf16 K, slot 0
@@ -746,6 +752,11 @@ __global__ void __launch_bounds__(512, 1)
       for (int j = 1; j < w.n_blocks; ++j) {
         kslot = wait_k();
         issue_s(s, kslot);
+        if constexpr (K::kRescaleUnderS) {  // S_{j-1}'s rescale (O is 0 before P_0·V_0)
+#pragma unroll
+          for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);  // after the issue, not before it
+          if (j > 1) rescale_o(alpha);
+        }
         const int vslot = wait_v();
         issue_pv(pa, vslot);
         ptx::wgmma_wait<1>();  // S_j has landed
@@ -753,8 +764,11 @@ __global__ void __launch_bounds__(512, 1)
         softmax(s, j, alpha);
         ptx::wgmma_wait<0>();
         pv_landed(vslot);
-        rescale_o(alpha);
+        if constexpr (!K::kRescaleUnderS) rescale_o(alpha);
         to_p(s, pa);
+      }
+      if constexpr (K::kRescaleUnderS) {
+        if (w.n_blocks > 1) rescale_o(alpha);
       }
       const int vslot = wait_v();
       if (zero_v_tail && w.n_blocks * 128 > w.len_kv) zero_v_rows(vslot, w.len_kv - (w.n_blocks - 1) * 128);
