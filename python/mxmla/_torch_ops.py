@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from . import _dispatch
 from . import _mxmla_core as _core
 from . import mxfp8 as _mx
 from . import qproj as _qp
@@ -35,6 +36,17 @@ from .gemm import _out_shape as _gemm_out_shape
 Tensor = torch.Tensor
 _T4 = Tuple[Tensor, Tensor, Tensor, Tensor]
 _T5 = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+def _op(name: str, mutates_args=()):
+    """torch.library.custom_op("mxmla::<name>"), its function also registered for eager calls
+    (``_dispatch.call``)."""
+
+    def deco(fn):
+        _dispatch.register(name, fn)
+        return torch.library.custom_op(f"mxmla::{name}", mutates_args=mutates_args)(fn)
+
+    return deco
 
 
 def _ints(shape: Sequence) -> List[int]:
@@ -69,7 +81,7 @@ def _no_gradient(op_def, op: str, why: str, names: Sequence[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- MXFP8
-@torch.library.custom_op("mxmla::quantize", mutates_args=())
+@_op("quantize", mutates_args=())
 def quantize(x: Tensor, rowwise: bool, columnwise: bool, fp8_format: str, swizzle: bool) -> _T4:
     return tuple(_placeholder(x, o) for o in _mx._quantize_impl(x, rowwise, columnwise, fp8_format, swizzle))
 
@@ -82,7 +94,7 @@ def _(x, rowwise, columnwise, fp8_format, swizzle):
 _no_gradient(quantize, "mxmla.quantize", _mx._NOT_DIFF, ["x"])
 
 
-@torch.library.custom_op("mxmla::quantize_attention", mutates_args=())
+@_op("quantize_attention", mutates_args=())
 def quantize_attention(x: Tensor, layout: str, rowwise: bool, columnwise: bool, fp8_format: str,
                        bhsd_scales: bool) -> _T4:
     outs = _mx._quantize_attention_impl(x, layout, rowwise, columnwise, fp8_format, bhsd_scales)
@@ -99,7 +111,7 @@ def _(x, layout, rowwise, columnwise, fp8_format, bhsd_scales):
 _no_gradient(quantize_attention, "mxmla.quantize_attention", _mx._NOT_DIFF, ["x"])
 
 
-@torch.library.custom_op("mxmla::dequantize", mutates_args=())
+@_op("dequantize", mutates_args=())
 def dequantize(data: Tensor, scale: Tensor, shape: List[int], fp8_format: str, scale_layout: str, columnwise: bool,
                attention: bool, layout: str, dtype: torch.dtype) -> Tensor:
     name = str(dtype).replace("torch.", "")
@@ -111,7 +123,7 @@ def _(data, scale, shape, fp8_format, scale_layout, columnwise, attention, layou
     return data.new_empty(tuple(_ints(shape)), dtype=dtype)
 
 
-@torch.library.custom_op("mxmla::swizzle_scales", mutates_args=())
+@_op("swizzle_scales", mutates_args=())
 def swizzle_scales(scales: Tensor, M: int, K: int, rowwise: bool) -> Tensor:
     return _mx._swizzle_impl(scales, M, K, rowwise, True)
 
@@ -122,7 +134,7 @@ def _(scales, M, K, rowwise):
     return scales.new_empty(tuple(s[1] if rowwise else s[2]), dtype=torch.uint8)
 
 
-@torch.library.custom_op("mxmla::unswizzle_scales", mutates_args=())
+@_op("unswizzle_scales", mutates_args=())
 def unswizzle_scales(scales: Tensor, M: int, K: int, rowwise: bool) -> Tensor:
     return _mx._swizzle_impl(scales, M, K, rowwise, False)
 
@@ -138,7 +150,7 @@ def _bhsd_shape(op: str, shape: Sequence, layout: str, rowwise: bool, arg: str) 
     return s[1] if rowwise else s[2]
 
 
-@torch.library.custom_op("mxmla::attention_scales_to_bhsd", mutates_args=())
+@_op("attention_scales_to_bhsd", mutates_args=())
 def attention_scales_to_bhsd(scales: Tensor, shape: List[int], layout: str, rowwise: bool) -> Tensor:
     return _mx._bhsd_impl("mxmla.attention_scales_to_bhsd", [scales], [shape], [layout], [rowwise], ["scales"],
                           ["shape"])[0]
@@ -150,7 +162,7 @@ def _(scales, shape, layout, rowwise):
                             dtype=torch.uint8)
 
 
-@torch.library.custom_op("mxmla::to_bhsd", mutates_args=())
+@_op("to_bhsd", mutates_args=())
 def to_bhsd(scales: List[Tensor], shapes: List[int], bshd: List[bool], rowwise: List[bool],
             index: List[int]) -> List[Tensor]:
     """Phase two for len(scales) compact attention scale tensors in one launch; shapes: 4 per tensor;
@@ -169,7 +181,7 @@ def _(scales, shapes, bshd, rowwise, index):
 
 
 # ----------------------------------------------------------------------------- RoPE
-@torch.library.custom_op("mxmla::apply_rope", mutates_args=())
+@_op("apply_rope", mutates_args=())
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str, rope_dim: int,
                cu_seqlens: Optional[Tensor], tables_per_token: bool) -> Tensor:
     return _rope._rope_impl(False, x, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token)
@@ -180,7 +192,7 @@ def _(x, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("mxmla::rope_backward", mutates_args=())
+@_op("rope_backward", mutates_args=())
 def rope_backward(grad: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str, rope_dim: int,
                   cu_seqlens: Optional[Tensor], tables_per_token: bool) -> Tensor:
     return _rope._rope_impl(True, grad, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token)
@@ -227,7 +239,7 @@ _rope_autograd(apply_rope, "mxmla.apply_rope", lambda: torch.ops.mxmla.rope_back
 _rope_autograd(rope_backward, "mxmla.rope_backward", lambda: torch.ops.mxmla.apply_rope)
 
 
-@torch.library.custom_op("mxmla::apply_rope_out", mutates_args=("out",))
+@_op("apply_rope_out", mutates_args=("out",))
 def apply_rope_out(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, style: str, layout: str, rope_dim: int,
                    cu_seqlens: Optional[Tensor], tables_per_token: bool) -> None:
     _rope._rope_impl(False, x, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token, out)
@@ -238,7 +250,7 @@ def _(x, cos, sin, out, style, layout, rope_dim, cu_seqlens, tables_per_token):
     return None
 
 
-@torch.library.custom_op("mxmla::rope_backward_out", mutates_args=("out",))
+@_op("rope_backward_out", mutates_args=("out",))
 def rope_backward_out(grad: Tensor, cos: Tensor, sin: Tensor, out: Tensor, style: str, layout: str, rope_dim: int,
                       cu_seqlens: Optional[Tensor], tables_per_token: bool) -> None:
     _rope._rope_impl(True, grad, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token, out)
@@ -249,7 +261,7 @@ def _(grad, cos, sin, out, style, layout, rope_dim, cu_seqlens, tables_per_token
     return None
 
 
-@torch.library.custom_op("mxmla::rope_backward_quantize", mutates_args=())
+@_op("rope_backward_quantize", mutates_args=())
 def rope_backward_quantize(dq: Tensor, cos: Tensor, sin: Tensor, rowwise: bool, columnwise: bool, fp8_format: str,
                            swizzle: bool, dx_copy: Optional[torch.dtype], style: str, layout: str, rope_dim: int,
                            cu_seqlens: Optional[Tensor], tables_per_token: bool) -> _T5:
@@ -276,7 +288,7 @@ _no_gradient(rope_backward_quantize, "mxmla.rope_backward_quantize", _mx._NOT_DI
 
 
 # ----------------------------------------------------------------------------- fused Q up-projection
-@torch.library.custom_op("mxmla::fused_q_uproj_rope_quant", mutates_args=())
+@_op("fused_q_uproj_rope_quant", mutates_args=())
 def fused_q_uproj_rope_quant(x: Tensor, w: Tensor, cos: Tensor, sin: Tensor, nope_dim: int, rope_dim: int,
                              style: str, layout: str, batch: int, fp8_format: str, bhsd_scales: bool,
                              weight_layout: str = "nk", rowwise: bool = True, columnwise: bool = True,
@@ -305,7 +317,7 @@ def _(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch, fp8_format, bhsd
 _no_gradient(fused_q_uproj_rope_quant, "mxmla.fused_q_uproj_rope_quant", _qp._NOT_DIFF, ["x", "w", "cos", "sin"])
 
 
-@torch.library.custom_op("mxmla::fused_q_uproj_rope_quant_mx", mutates_args=())
+@_op("fused_q_uproj_rope_quant_mx", mutates_args=())
 def fused_q_uproj_rope_quant_mx(x_codes: Optional[Tensor], x_scales: Optional[Tensor], w_codes: Optional[Tensor],
                                 w_scales: Optional[Tensor], x_mx: str, w_mx: str, cos: Tensor, sin: Tensor,
                                 nope_dim: int, rope_dim: int, style: str, layout: str, batch: int, fp8_format: str,
@@ -332,7 +344,7 @@ def _(x_codes, x_scales, w_codes, w_scales, x_mx, w_mx, cos, sin, nope_dim, rope
 
 
 # ----------------------------------------------------------------------------- attention
-@torch.library.custom_op("mxmla::attention", mutates_args=())
+@_op("attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, q_scale: Optional[Tensor], k_scale: Optional[Tensor],
               v_scale: Optional[Tensor], q_mx: str, k_mx: str, v_mx: str, q_format: str, kv_format: str, causal: bool,
               bottom_right: bool, softmax_scale: float, p_format: str, cu_seqlens_q: Optional[Tensor],
@@ -359,7 +371,7 @@ def _(q, k, v, q_scale, k_scale, v_scale, q_mx, k_mx, v_mx, q_format, kv_format,
 _no_gradient(attention, "mxmla.attention", _ATT_NOT_DIFF, ["q", "k", "v"])
 
 
-@torch.library.custom_op("mxmla::attention_backward", mutates_args=())
+@_op("attention_backward", mutates_args=())
 def attention_backward(bufs: List[Optional[Tensor]], do_mx: str, q_mx: str, k_mx: str, v_mx: str, q_format: str,
                        kv_format: str, causal: bool, bottom_right: bool, softmax_scale: float, o: Tensor, lse: Tensor,
                        cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor], max_seqlen_q: int,
@@ -379,7 +391,7 @@ def _(bufs, do_mx, q_mx, k_mx, v_mx, q_format, kv_format, causal, bottom_right, 
 
 
 # ----------------------------------------------------------------------------- GEMM
-@torch.library.custom_op("mxmla::gemm", mutates_args=())
+@_op("gemm", mutates_args=())
 def gemm(a: Tensor, b: Tensor, a_scale: Optional[Tensor], b_scale: Optional[Tensor], a_mx: str, b_mx: str,
          trans_a: bool, trans_b: bool, alpha: float, out_dtype: torch.dtype) -> Tensor:
     """D = alpha · op(A) · op(B) as a new [M, N] tensor of out_dtype. a, b: bf16 tensors, or MXFP8 operands as
@@ -399,7 +411,7 @@ def _(a, b, a_scale, b_scale, a_mx, b_mx, trans_a, trans_b, alpha, out_dtype):
 _no_gradient(gemm, "mxmla.gemm", _GEMM_NOT_DIFF, ["a", "b"])
 
 
-@torch.library.custom_op("mxmla::gemm_out", mutates_args=("out",))
+@_op("gemm_out", mutates_args=("out",))
 def gemm_out(a: Tensor, b: Tensor, a_scale: Optional[Tensor], b_scale: Optional[Tensor], a_mx: str, b_mx: str,
              out: Tensor, trans_a: bool, trans_b: bool, accumulate: bool, alpha: float) -> None:
     """D = alpha · op(A) · op(B) written into out (bfloat16 or float32 [M, N]), or added to it with

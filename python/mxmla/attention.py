@@ -597,9 +597,10 @@ def attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False, softm
     if torch_kind:
         if not mx:
             not_differentiable(op, _NOT_DIFF, q=q, k=k, v=v)
-        o, lse = torch.ops.mxmla.attention(arrays[0], arrays[1], arrays[2], scales[0], scales[1], scales[2], specs[0],
-                                           specs[1], specs[2], q_fmt, kv_fmt, causal, bottom_right, scale, p_format,
-                                           cu_q, cu_kv, seqlens[0], seqlens[1], return_lse)
+        from . import _dispatch
+        o, lse = _dispatch.call("attention", arrays[0], arrays[1], arrays[2], scales[0], scales[1], scales[2], specs[0],
+                                specs[1], specs[2], q_fmt, kv_fmt, causal, bottom_right, scale, p_format,
+                                cu_q, cu_kv, seqlens[0], seqlens[1], return_lse)
     else:
         ml_bf16 = not mx and arrays[0].dtype.name == "bfloat16" and arrays[0].dtype != np.uint16
         o, lse = _attention_impl(arrays[0], arrays[1], arrays[2], *scales, specs, q_fmt, kv_fmt, causal, bottom_right,

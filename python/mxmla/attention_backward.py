@@ -155,9 +155,10 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Array, lse: Array, *,
     specs = [_mx_spec(t) if isinstance(t, MXFP8Tensor) else "" for t in (do, q, k, v)]
     bufs = [x for g in groups for x in g]
     if torch_kind:
-        return torch.ops.mxmla.attention_backward(bufs, specs[0], specs[1], specs[2], specs[3], q_fmt, kv_fmt, causal,
-                                                  bottom_right, scale, o, lse, cu_q, cu_kv, seqlens[0], seqlens[1],
-                                                  deterministic)
+        from . import _dispatch
+        return _dispatch.call("attention_backward", bufs, specs[0], specs[1], specs[2], specs[3], q_fmt, kv_fmt, causal,
+                              bottom_right, scale, o, lse, cu_q, cu_kv, seqlens[0], seqlens[1],
+                              deterministic)
     ml_bf16 = not mx and q.dtype.name == "bfloat16" and q.dtype != np.uint16
     return _attention_backward_impl(bufs, specs, q_fmt, kv_fmt, causal, bottom_right, scale, o, lse, cu_q, cu_kv,
                                     seqlens[0], seqlens[1], deterministic, ml_bf16=ml_bf16)

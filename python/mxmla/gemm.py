@@ -157,7 +157,9 @@ def gemm(a: Operand, b: Operand, *, trans_a: bool = False, trans_b: bool = True,
         if ad is None or bd is None:  # a missing copy: the core names it (nothing is traced or written)
             return _gemm_impl(ad, bd, asc, bsc, (aspec, bspec), trans_a, trans_b, alpha, accumulate, out, name)
         if out is None:
-            return torch.ops.mxmla.gemm(ad, bd, asc, bsc, aspec, bspec, trans_a, trans_b, alpha, getattr(torch, name))
-        torch.ops.mxmla.gemm_out(ad, bd, asc, bsc, aspec, bspec, out, trans_a, trans_b, accumulate, alpha)
+            from . import _dispatch
+            return _dispatch.call("gemm", ad, bd, asc, bsc, aspec, bspec, trans_a, trans_b, alpha, getattr(torch, name))
+        from . import _dispatch
+        _dispatch.call("gemm_out", ad, bd, asc, bsc, aspec, bspec, out, trans_a, trans_b, accumulate, alpha)
         return out
     return _gemm_impl(ad, bd, asc, bsc, (aspec, bspec), trans_a, trans_b, alpha, accumulate, out, name, ml_bf16)

@@ -163,9 +163,10 @@ def fused_q_mxfp8_weight(x: Any, w8: MXFP8Tensor, cos: Any, sin: Any, nope_dim: 
     if x8.rowwise_data is None or x8.rowwise_data.device.type == "cpu" or (nope_dim, rope_dim) == (128, 64):
         from .attention import _mx_spec
         _check_tables(op, style, cos, sin)
-        res = torch.ops.mxmla.fused_q_uproj_rope_quant_mx(
-            x8.rowwise_data, x8.rowwise_scale_inv, w8.rowwise_data, w8.rowwise_scale_inv, _mx_spec(x8), _mx_spec(w8),
-            cos, sin, nope_dim, rope_dim, style, layout, batch, fp8_format, bhsd_scales, rowwise, columnwise, return_q)
+        from . import _dispatch
+        res = _dispatch.call("fused_q_uproj_rope_quant_mx", x8.rowwise_data, x8.rowwise_scale_inv, w8.rowwise_data,
+                             w8.rowwise_scale_inv, _mx_spec(x8), _mx_spec(w8), cos, sin, nope_dim, rope_dim, style,
+                             layout, batch, fp8_format, bhsd_scales, rowwise, columnwise, return_q)
         outs = _present(res[:4], rowwise, columnwise)
         qshape = res[0].shape if rowwise else res[2].shape  # the codes have q's shape
         t = MXFP8Tensor(tuple(qshape), fp8_format, "bhsd" if bhsd_scales else "compact", *outs, layout=layout,
@@ -214,9 +215,10 @@ def fused_q_uproj_rope_quant(x: Array, w: Array, cos: Array, sin: Array, nope_di
     _check_tables(op, style, cos, sin)
     if torch_kind:
         not_differentiable(op, _NOT_DIFF, x=x, w=w, cos=cos, sin=sin)
-        res = torch.ops.mxmla.fused_q_uproj_rope_quant(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch,
-                                                       fp8_format, bhsd_scales, weight_layout, rowwise, columnwise,
-                                                       return_q)
+        from . import _dispatch
+        res = _dispatch.call("fused_q_uproj_rope_quant", x, w, cos, sin, nope_dim, rope_dim, style, layout, batch,
+                             fp8_format, bhsd_scales, weight_layout, rowwise, columnwise,
+                             return_q)
         outs, q = _present(res[:4], rowwise, columnwise), res[4]
         qshape = res[0].shape if rowwise else res[2].shape  # the codes have q's shape
     else:

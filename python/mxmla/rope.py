@@ -236,14 +236,16 @@ def _rope(backward: bool, x: Any, cos: Any, sin: Any, style: Any, layout: Any, r
             raise RuntimeError(f"{op}: argument '{arg}': requires grad, but {op.split('.')[-1]} has no gradient for the "
                                f"tables; pass {arg}.detach()")
     if out is None:
-        f = torch.ops.mxmla.rope_backward if backward else torch.ops.mxmla.apply_rope
-        return f(x, cos, sin, style, layout, rope_dim, cu, per_token)
+        from . import _dispatch
+        return _dispatch.call("rope_backward" if backward else "apply_rope", x, cos, sin, style, layout, rope_dim, cu,
+                              per_token)
     for arg, t in ((xn, x), ("out", out)):
         if grad_needed(t):
             raise RuntimeError(f"{op}: argument 'out': the out= form is not differentiable ('{arg}' requires grad); "
                                f"call {op.split('.')[-1]} without out=, or under torch.no_grad()")
-    f = torch.ops.mxmla.rope_backward_out if backward else torch.ops.mxmla.apply_rope_out
-    f(x, cos, sin, out, style, layout, rope_dim, cu, per_token)
+    from . import _dispatch
+    _dispatch.call("rope_backward_out" if backward else "apply_rope_out", x, cos, sin, out, style, layout, rope_dim, cu,
+                   per_token)
     return out
 
 
@@ -308,9 +310,10 @@ def rope_backward_quantize(dq: Array, cos: Array, sin: Array, rowwise: bool = Tr
                                                                     cu_seqlens, tables_per_token, "dq")
     if torch_kind:
         not_differentiable(op, "MXFP8 codes are not differentiable", dq=dq, cos=cos, sin=sin)
-        res = torch.ops.mxmla.rope_backward_quantize(dq, cos, sin, rowwise, columnwise, fmt, swizzle,
-                                                     None if dx_name is None else getattr(torch, dx_name), style,
-                                                     layout, rope_dim, cu, per_token)
+        from . import _dispatch
+        res = _dispatch.call("rope_backward_quantize", dq, cos, sin, rowwise, columnwise, fmt, swizzle,
+                             None if dx_name is None else getattr(torch, dx_name), style,
+                             layout, rope_dim, cu, per_token)
         outs, dx = _present(res[:4], rowwise, columnwise), res[4]
     else:
         res = _rope_backward_quantize_impl(dq, cos, sin, rowwise, columnwise, fmt, swizzle, dx_name, style, layout,

@@ -314,6 +314,39 @@ def test_compiled_autograd_matches_eager():
     assert same(a.grad, b.grad)
 
 
+def test_eager_calls_run_the_op_function_directly_and_traced_calls_the_op(monkeypatch):
+    """Eager calls on plain tensors skip torch's custom-op dispatch (host time) and run the function
+    behind torch.ops.mxmla.<op> directly: the same bits. Meta and fake tensors, torch.compile and
+    inputs that need a gradient go through the op (its fake implementation, its autograd)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mxmla import _dispatch
+    seen = []
+    for name in ("quantize", "apply_rope"):
+        fn = _dispatch._EAGER[name]
+        monkeypatch.setitem(_dispatch._EAGER, name, lambda *a, _fn=fn, _n=name: (seen.append(_n), _fn(*a))[1])
+    x = int_bf16((64, 64))
+    q = mxmla.quantize(x)
+    assert seen == ["quantize"]
+    via_op = torch.ops.mxmla.quantize(x, True, True, "e4m3", False)
+    assert all(same(getattr(q, f), t) for f, t in zip(FIELDS, via_op))
+    seen.clear()
+    assert mxmla.quantize(torch.empty(64, 64, dtype=torch.bfloat16, device="meta")).rowwise_data.device.type == "meta"
+    with FakeTensorMode():
+        assert mxmla.quantize(torch.empty(64, 64, dtype=torch.bfloat16)).rowwise_data.shape == (64, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: mxmla.quantize(t).rowwise_data, fullgraph=True, backend="aot_eager")(x)
+    assert same(compiled, q.rowwise_data)
+    assert seen == []
+    xr = torch.randn(40, 1, 2, 192, requires_grad=True)
+    c, s = mxmla.rope_tables(torch.arange(40))
+    mxmla.apply_rope(xr, c, s).sum().backward()  # the op's autograd
+    assert seen == [] and xr.grad is not None
+    with torch.no_grad():
+        mxmla.apply_rope(xr, c, s)
+    assert seen == ["apply_rope"]
+
+
 def test_no_grad_mode_and_detached_inputs_run():
     x = torch.randn(32, 64, requires_grad=True)
     with torch.no_grad():

@@ -1,0 +1,41 @@
+"""Private: how the Python functions call mxmla's torch custom ops (``_torch_ops``).
+
+An eager call on plain torch tensors runs the op's own function directly: torch's custom-op
+dispatch costs tens of microseconds of host time a call, which a small model's training step
+spends hundreds of times (it made such steps host-bound). Everything else goes through
+``torch.ops.mxmla.<op>``, as before: tracing by torch.compile, fake and meta tensors, dispatch and
+torch-function modes, tensor subclasses, functorch transforms, and an input that needs a gradient
+(the op's autograd registration then computes it, or raises). Either way the same function runs on
+the same arguments, so the results are the same."""
+from typing import Any, Callable, Dict
+
+import torch
+
+_EAGER: Dict[str, Callable[..., Any]] = {}
+_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+
+
+def register(name: str, fn: Callable[..., Any]) -> None:
+    """The function behind torch.ops.mxmla.<name>."""
+    _EAGER[name] = fn
+
+
+def _plain(a: Any, grad: bool) -> bool:
+    if isinstance(a, torch.Tensor):
+        return type(a) is torch.Tensor and a.device.type != "meta" and not (grad and a.requires_grad) and \
+            not _wrapped(a)
+    if isinstance(a, (list, tuple)):
+        return all(_plain(b, grad) for b in a)
+    return True
+
+
+def call(name: str, *args: Any) -> Any:
+    """torch.ops.mxmla.<name>(*args), or its function directly where that gives the same (above)."""
+    fn = _EAGER.get(name)
+    # (is_compiling first: torch.compile folds it to True and never meets the C checks after it)
+    if fn is not None and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0 and \
+            not torch._C._is_torch_function_mode_enabled():
+        grad = torch.is_grad_enabled()
+        if all(_plain(a, grad) for a in args):
+            return fn(*args)
+    return getattr(torch.ops.mxmla, name)(*args)
