@@ -5,7 +5,7 @@
 // the part to global memory with a bulk reduction; at tile t + 1 the issuer waits for the reduction
 // to have read shared memory and arrives on the stage's empty mbarrier; the producer waits on it
 // before loading tile t + 2 into the stage. racecheck reports write-write hazards between those
-// loads and stores on the real kernel (docs/performance.md, attention backward). This driver has the
+// loads and stores on the real kernel (docs/notes-attention.md, backward). This driver has the
 // same chain and nothing else, in four modes:
 //   0  as the kernel: stores -> named barrier -> issuer's bulk reduction, wait for its read (next
 //      tile) -> issuer's arrival on empty -> producer's wait -> cp.async loads
@@ -17,7 +17,7 @@
 // Result (2026-12-02, H200, compute-sanitizer of CUDA 13.0): with 3 or more tiles racecheck reports
 // hazards for modes 0, 1 and 2 and none for mode 3 — it orders a store before another thread's
 // accesses through an mbarrier only when the storing thread arrives itself. The kernel now releases
-// its stages that way (docs/performance.md, attention backward).
+// its stages that way (docs/notes-attention.md, backward).
 // Usage (GPU machine): dev/scripts/racecheck-chain, or
 //   compute-sanitizer --tool racecheck build/dev/05_sm90_racecheck_chain MODE [TILES]
 #include <cuda_runtime.h>

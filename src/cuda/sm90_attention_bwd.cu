@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
   const int64_t per_head = (s.sq - i_begin + C::kBM - 1) / C::kBM, tiles = group * per_head;
   const int64_t rot = per_head > 0 && !kDet ? kb % per_head : 0;
   // (not ptx::warpgroup_index(): with it the consumer loop is 17 % shorter, but neither instantiation
-  // timed faster beyond the run-to-run spread: docs/performance.md, the warp-uniform index's A/B)
+  // timed faster beyond the run-to-run spread: docs/notes-sm90-parts.md, the warp-uniform index's A/B)
   const int wg = static_cast<int>(threadIdx.x) / 128;
 
   if (threadIdx.x == 0) {

@@ -90,7 +90,7 @@ struct Kernel {
   // GEMM's issue); true, after the next S GEMM's issue, under it (FlashAttention-3's place). Either
   // way the multiplication falls between the same two P·V accumulations: the same bits. Chosen per
   // instantiation by a same-run A/B (H200, ptxas of CUDA 13.0): the FP8 inputs' instantiation
-  // 1.1-1.6 % faster with true, the bf16-only one 2.9-4.6 % slower (docs/performance.md).
+  // 1.1-1.6 % faster with true, the bf16-only one 2.9-4.6 % slower (docs/notes-attention.md).
   static constexpr bool kRescaleUnderS = kAnyInputs;
   struct alignas(1024) Smem {
     uint8_t q[C::kQkBlocks][C::kBM * 128];   // bf16 Q, 128-byte swizzle

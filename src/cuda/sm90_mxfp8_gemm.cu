@@ -5,7 +5,7 @@
 //            tile that reads them, bf16 wgmma;
 //   design B (sm90_mxfp8_gemm.cuh): FP8 wgmma per 32-wide block, an fp32 rescale per block.
 // C is the default (measured fastest: A converts each code once per tile that reads it, N / 256
-// times for A's rows, and its conversion does not hide behind the tensor cores; docs/performance.md).
+// times for A's rows, and its conversion does not hide behind the tensor cores; docs/notes-gemm.md).
 // C and A hold every dequantized value exactly as a bf16 number unless a block with non-zero codes
 // has a scale byte below min_exact_e (its smallest codes fall below bf16's normal range). Design
 // C's dequantizing passes, which every call runs, check for such blocks as they convert (reading
