@@ -337,6 +337,8 @@ def test_eager_calls_run_the_op_function_directly_and_traced_calls_the_op(monkey
     torch._dynamo.reset()
     compiled = torch.compile(lambda t: mxmla.quantize(t).rowwise_data, fullgraph=True, backend="aot_eager")(x)
     assert same(compiled, q.rowwise_data)
+    traced = torch.jit.trace(lambda t: mxmla.quantize(t).rowwise_data, (x,), check_trace=False)
+    assert "mxmla::quantize" in str(traced.graph) and same(traced(x), q.rowwise_data)
     assert seen == []
     xr = torch.randn(40, 1, 2, 192, requires_grad=True)
     c, s = mxmla.rope_tables(torch.arange(40))
