@@ -9,10 +9,10 @@ needs a gradient (the op's autograd registration then computes it, or raises). E
 function runs on the same arguments, so the results are the same."""
 from typing import Any, Callable, Dict
 
-import torch
+from ._backend import torch  # None without torch: then nothing here is called (no torch tensors)
 
 _EAGER: Dict[str, Callable[..., Any]] = {}
-_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+_wrapped = None if torch is None else getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 
 
 def register(name: str, fn: Callable[..., Any]) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import _dispatch
 from . import _mxmla_core as _core
 from ._backend import Backend, is_numpy, is_torch, kind_of, torch, type_name
 from ._checks import FP8_FORMAT, QKV_LAYOUT, SCALE_LAYOUT, Choices, flag, integer, not_differentiable, one_of, real
@@ -597,7 +598,6 @@ def attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False, softm
     if torch_kind:
         if not mx:
             not_differentiable(op, _NOT_DIFF, q=q, k=k, v=v)
-        from . import _dispatch
         o, lse = _dispatch.call("attention", arrays[0], arrays[1], arrays[2], scales[0], scales[1], scales[2], specs[0],
                                 specs[1], specs[2], q_fmt, kv_fmt, causal, bottom_right, scale, p_format,
                                 cu_q, cu_kv, seqlens[0], seqlens[1], return_lse)

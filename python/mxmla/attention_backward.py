@@ -10,6 +10,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import _dispatch
 from . import _mxmla_core as _core
 from ._backend import Backend, is_torch, kind_of, torch, type_name
 from ._checks import FP8_FORMAT, QKV_LAYOUT, SCALE_LAYOUT, flag
@@ -155,7 +156,6 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Array, lse: Array, *,
     specs = [_mx_spec(t) if isinstance(t, MXFP8Tensor) else "" for t in (do, q, k, v)]
     bufs = [x for g in groups for x in g]
     if torch_kind:
-        from . import _dispatch
         return _dispatch.call("attention_backward", bufs, specs[0], specs[1], specs[2], specs[3], q_fmt, kv_fmt, causal,
                               bottom_right, scale, o, lse, cu_q, cu_kv, seqlens[0], seqlens[1],
                               deterministic)

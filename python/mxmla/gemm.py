@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import _dispatch
 from . import _mxmla_core as _core
 from ._backend import Backend, is_ml_bf16, is_torch, kind_of, torch, type_name
 from ._checks import flag, grad_needed, not_differentiable, real
@@ -157,9 +158,7 @@ def gemm(a: Operand, b: Operand, *, trans_a: bool = False, trans_b: bool = True,
         if ad is None or bd is None:  # a missing copy: the core names it (nothing is traced or written)
             return _gemm_impl(ad, bd, asc, bsc, (aspec, bspec), trans_a, trans_b, alpha, accumulate, out, name)
         if out is None:
-            from . import _dispatch
             return _dispatch.call("gemm", ad, bd, asc, bsc, aspec, bspec, trans_a, trans_b, alpha, getattr(torch, name))
-        from . import _dispatch
         _dispatch.call("gemm_out", ad, bd, asc, bsc, aspec, bspec, out, trans_a, trans_b, accumulate, alpha)
         return out
     return _gemm_impl(ad, bd, asc, bsc, (aspec, bspec), trans_a, trans_b, alpha, accumulate, out, name, ml_bf16)

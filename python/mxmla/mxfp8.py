@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 
 import numpy as np
 
+from . import _dispatch
 from . import _mxmla_core as _core
 from ._backend import (
     Backend,
@@ -355,7 +356,6 @@ def quantize(x: Array, rowwise: bool = True, columnwise: bool = True, fp8_format
     directions(op, rowwise, columnwise)
     if kind_of(op, "x", x) == "torch":
         not_differentiable(op, _NOT_DIFF, x=x)
-        from . import _dispatch
         outs = _present(_dispatch.call("quantize", x, rowwise, columnwise, fmt, swizzle), rowwise, columnwise)
     else:
         outs = _quantize_impl(x, rowwise, columnwise, fmt, swizzle)
@@ -378,7 +378,6 @@ def quantize_attention(x: Array, layout: str = "sbhd", rowwise: bool = True, col
     directions(op, rowwise, columnwise)
     if kind_of(op, "x", x) == "torch":
         not_differentiable(op, _NOT_DIFF, x=x)
-        from . import _dispatch
         outs = _present(_dispatch.call("quantize_attention", x, lay, rowwise, columnwise, fmt, bhsd_scales), rowwise,
                         columnwise)
     else:
@@ -434,7 +433,6 @@ def dequantize(q: MXFP8Tensor, dtype: DTypeLike = "float32", columnwise: Optiona
         if not is_torch(scale):
             raise TypeError(f"{op}: argument 'q.{which}_scale_inv': expected a torch.Tensor like q.{which}_data, "
                             f"got {type_name(scale)}")
-        from . import _dispatch
         return _dispatch.call("dequantize", data, scale, shape, fmt, sl, columnwise, bool(q.attention), lay,
                               getattr(torch, name))
     return _dequantize_impl(data, scale, shape, fmt, sl, columnwise, bool(q.attention), lay, name, ml_bf16)
@@ -444,7 +442,6 @@ def _scale_conversion(op: str, scales: Any, M: Any, K: Any, rowwise: Any, to_swi
     M, K = integer(op, "M", M, minimum=0), integer(op, "K", K)
     rowwise = flag(op, "rowwise", rowwise)
     if kind_of(op, "scales", scales) == "torch":
-        from . import _dispatch
         return _dispatch.call("swizzle_scales" if to_swizzled else "unswizzle_scales", scales, M, K, rowwise)
     return _swizzle_impl(scales, M, K, rowwise, to_swizzled)
 
@@ -467,7 +464,6 @@ def attention_scales_to_bhsd(scales: Array, shape: Sequence[int], layout: str = 
     lay = choice(op, "layout", layout, QKV_LAYOUT)
     rowwise = flag(op, "rowwise", rowwise)
     if kind_of(op, "scales", scales) == "torch":
-        from . import _dispatch
         return _dispatch.call("attention_scales_to_bhsd", scales, shape, lay, rowwise)
     return _bhsd_impl(op, [scales], [shape], [lay], [rowwise], ["scales"], ["shape"])[0]
 
@@ -497,7 +493,6 @@ def to_bhsd(*tensors: MXFP8Tensor) -> List[MXFP8Tensor]:
         outs = []
     elif is_torch(first):
         flat = [int(d) for s in shapes for d in s]
-        from . import _dispatch
         outs = _dispatch.call("to_bhsd", scales, flat, [lay == "bshd" for lay in layouts], rowwise, index)
     else:
         outs = _bhsd_impl(op, scales, shapes, layouts, rowwise, *_to_bhsd_names(index, rowwise))

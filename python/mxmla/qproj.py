@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Tuple, Union
 
 import numpy as np
 
+from . import _dispatch
 from . import _mxmla_core as _core
 from ._backend import Backend, alloc_outputs, is_torch, kind_of, output_descs, torch, type_name
 from ._checks import (
@@ -163,7 +164,6 @@ def fused_q_mxfp8_weight(x: Any, w8: MXFP8Tensor, cos: Any, sin: Any, nope_dim: 
     if x8.rowwise_data is None or x8.rowwise_data.device.type == "cpu" or (nope_dim, rope_dim) == (128, 64):
         from .attention import _mx_spec
         _check_tables(op, style, cos, sin)
-        from . import _dispatch
         res = _dispatch.call("fused_q_uproj_rope_quant_mx", x8.rowwise_data, x8.rowwise_scale_inv, w8.rowwise_data,
                              w8.rowwise_scale_inv, _mx_spec(x8), _mx_spec(w8), cos, sin, nope_dim, rope_dim, style,
                              layout, batch, fp8_format, bhsd_scales, rowwise, columnwise, return_q)
@@ -215,7 +215,6 @@ def fused_q_uproj_rope_quant(x: Array, w: Array, cos: Array, sin: Array, nope_di
     _check_tables(op, style, cos, sin)
     if torch_kind:
         not_differentiable(op, _NOT_DIFF, x=x, w=w, cos=cos, sin=sin)
-        from . import _dispatch
         res = _dispatch.call("fused_q_uproj_rope_quant", x, w, cos, sin, nope_dim, rope_dim, style, layout, batch,
                              fp8_format, bhsd_scales, weight_layout, rowwise, columnwise,
                              return_q)

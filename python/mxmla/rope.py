@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import _dispatch
 from . import _mxmla_core as _core
 from ._backend import Backend, alloc_outputs, is_numpy, is_torch, kind_of, numpy_bf16_requested, output_descs, torch, type_name
 from ._checks import (
@@ -236,14 +237,12 @@ def _rope(backward: bool, x: Any, cos: Any, sin: Any, style: Any, layout: Any, r
             raise RuntimeError(f"{op}: argument '{arg}': requires grad, but {op.split('.')[-1]} has no gradient for the "
                                f"tables; pass {arg}.detach()")
     if out is None:
-        from . import _dispatch
         return _dispatch.call("rope_backward" if backward else "apply_rope", x, cos, sin, style, layout, rope_dim, cu,
                               per_token)
     for arg, t in ((xn, x), ("out", out)):
         if grad_needed(t):
             raise RuntimeError(f"{op}: argument 'out': the out= form is not differentiable ('{arg}' requires grad); "
                                f"call {op.split('.')[-1]} without out=, or under torch.no_grad()")
-    from . import _dispatch
     _dispatch.call("rope_backward_out" if backward else "apply_rope_out", x, cos, sin, out, style, layout, rope_dim, cu,
                    per_token)
     return out
@@ -310,7 +309,6 @@ def rope_backward_quantize(dq: Array, cos: Array, sin: Array, rowwise: bool = Tr
                                                                     cu_seqlens, tables_per_token, "dq")
     if torch_kind:
         not_differentiable(op, "MXFP8 codes are not differentiable", dq=dq, cos=cos, sin=sin)
-        from . import _dispatch
         res = _dispatch.call("rope_backward_quantize", dq, cos, sin, rowwise, columnwise, fmt, swizzle,
                              None if dx_name is None else getattr(torch, dx_name), style,
                              layout, rope_dim, cu, per_token)
