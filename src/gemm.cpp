@@ -42,7 +42,9 @@ std::string flag_str(bool v) { return v ? "true" : "false"; }
 
 // Why an operand is read through the copy it is: the GEMM's view and the Linear's GEMMs that read it.
 std::string copy_reason(bool is_a, bool contract_cols) {
-  if (t_op != kOp) return std::string(t_op) + " reads its rowwise copy: blocks of 32 along K, the contraction axis";
+  if (t_op != kOp)
+    return std::string(t_op) + " reads its " + (contract_cols ? "rowwise" : "columnwise") +
+           " copy: blocks of 32 along the contraction axis";
   if (is_a)
     return contract_cols
                ? "with trans_a = false A is [M, K] and the contraction runs along its last dim, so the GEMM reads A's "
@@ -75,6 +77,13 @@ struct Operand {
 
 // A 2-D matrix descriptor: rank, strides, sizes, last dim contiguous, data pointer.
 void check_matrix(const std::string& arg, const TensorDesc& t, const std::string& what) {
+  detail::check_matrix(t_op, arg, t, what);
+}
+
+}  // namespace
+
+void detail::check_matrix(const char* op, const std::string& arg, const TensorDesc& t, const std::string& what) {
+  auto fail = [op](const std::string& a, const std::string& rule) { throw Error(op, a, rule); };
   if (t.shape.size() != 2) fail(arg, "must be 2-D " + what + ", got shape " + shape_str(t.shape));
   if (!t.strides.empty() && t.strides.size() != 2)
     fail(arg, "has " + std::to_string(t.strides.size()) + " strides for 2 dimensions");
@@ -84,6 +93,8 @@ void check_matrix(const std::string& arg, const TensorDesc& t, const std::string
     fail(arg, "last dimension must be contiguous (stride 1), got stride " + std::to_string(t.stride(1)));
   if (t.numel() > 0 && t.data == nullptr) fail(arg, "data pointer is null");
 }
+
+namespace {
 
 Operand read_operand(const char* name, const GemmInput& in, bool contract_cols) {
   Operand op;
@@ -129,8 +140,8 @@ Operand read_operand(const char* name, const GemmInput& in, bool contract_cols) 
   op.data = contract_cols ? &mx.rowwise_data : &mx.columnwise_data;
   op.scales = contract_cols ? &mx.rowwise_scale_inv : &mx.columnwise_scale_inv;
   if (op.data->data == nullptr && (op.data->shape.empty() || op.data->numel() > 0))
-    fail(op.data_arg, "is absent: " + copy_reason(is_a, contract_cols) + "; quantize " + A + " with " + op.dir +
-                          " enabled");
+    fail(op.data_arg, "is absent: " + copy_reason(is_a, contract_cols) + "; quantize " +
+                          (t_op != kOp ? op.name : std::string(A)) + " with " + op.dir + " enabled");
   const DType want = mx.format == Fp8Format::kE4M3 ? DType::kFloat8E4M3 : DType::kFloat8E5M2;
   if (op.data->dtype != DType::kUInt8 && op.data->dtype != want)
     fail(op.data_arg, std::string("dtype ") + dtype_name(op.data->dtype) + " must be uint8 or " + dtype_name(want));
@@ -177,14 +188,18 @@ detail::GemmOperandView view_of(const Operand& op) {
 
 }  // namespace
 
-detail::GemmOperandView detail::gemm_rowwise_operand(const char* op, const char* name, const MXFP8Tensor& t) {
+detail::GemmOperandView detail::gemm_operand(const char* op, const char* name, const MXFP8Tensor& t,
+                                             bool contract_cols) {
   struct Restore {
     ~Restore() { t_op = kOp; }
   } restore;
   t_op = op;
   GemmInput in;
   in.mx = &t;
-  return view_of(read_operand(name, in, true));
+  return view_of(read_operand(name, in, contract_cols));
+}
+detail::GemmOperandView detail::gemm_rowwise_operand(const char* op, const char* name, const MXFP8Tensor& t) {
+  return gemm_operand(op, name, t, true);
 }
 
 void gemm(const GemmInput& a, const GemmInput& b, TensorDesc& out, const GemmOptions& opts, Stream stream) {

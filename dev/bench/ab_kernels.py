@@ -11,6 +11,8 @@ attnbwd (not in the default set) the attention backward at DeepSeek-V3 dims (b 1
 causal, bshd, s 4096 and 8192) on MXFP8 Q, K, V from quantize_attention and on their dequantized
 bf16 tensors (its checksum covers dK and dV: dQ's fp32 sums run in scheduling order), with
 attnbwddet added also deterministic=True on the MXFP8 tensors (all three gradients); with --only
+linear mxmla.nn.Linear's mxfp8 forward + backward at the MLA block's shapes (T 4096); with --only mla one
+MLA block's training step (recipe mxfp8, T 4096, bench/mla_step.py's); with --only
 attnfwd the attention forward at the same dims, s 2048 / 4096 / 8192, on the MXFP8 tensors (the
 default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors; with --only
 gemm the MXFP8 GEMM's fprop, dgrad and wgrad of the Q up-projection at T 16384 and 4096 (N 24576, K 1536), and 8192³.
@@ -140,6 +142,40 @@ def main() -> int:
                 case(name, run, lambda run=run: [run()])
                 os.environ.pop("MXMLA_ATTN_FWD", None)
             del q8, k8, v8, qb, kb, vb
+    if "linear" in only:  # mxmla.nn.Linear (recipe mxfp8) forward + backward at the MLA block's shapes, T 4096
+        import mxmla.nn as mnn
+        for K, N in ((512, 32768), (16384, 7168), (7168, 1536)):
+            lin = mnn.Linear(K, N, recipe="mxfp8").to(dev)
+            x = torch.randn(4096, K, device=dev).to(torch.bfloat16).requires_grad_()
+            dy = torch.randn(4096, N, device=dev).to(torch.bfloat16)
+
+            def run(lin=lin, x=x, dy=dy):
+                x.grad, lin.weight.grad = None, None
+                y = lin(x)
+                y.backward(dy)
+                return y, x.grad, lin.weight.grad
+            case(f"linear mxfp8 {K}->{N}", run, lambda run=run: [t.detach() for t in run()])
+            del lin, x, dy
+    if "mla" in only:  # one MLA block's training step (bench/mla_step.py's, recipe mxfp8), T 4096
+        import mxmla.nn as mnn
+        T = 4096
+        m = mnn.MLA(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128,
+                    max_seq_len=T, layout="bshd", seed=11, recipe="mxfp8").to(dev)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(1, T, 7168, generator=g).to(torch.bfloat16).to(dev).requires_grad_()
+        dy = torch.randn(1, T, 7168, generator=g).to(torch.bfloat16).to(dev)
+
+        def step():
+            x.grad = None
+            m.zero_grad(set_to_none=True)
+            y = m(x)
+            y.backward(dy)
+            return y
+
+        # (the checksum: y and the output projection's weight gradient; dQ's fp32 sums, and so x.grad, run in
+        # scheduling order)
+        case("mla step mxfp8 4096", step, lambda: [step().detach(), m.wo.weight.grad])
+        del m, x, dy
     for r in out:
         print(json.dumps(r))
     return 0

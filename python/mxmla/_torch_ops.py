@@ -30,7 +30,7 @@ from .attention import _attention_impl, _out_shapes
 from .attention_backward import _attention_backward_impl
 from .attention_backward import _fake_shapes as _bwd_fake_shapes
 from .gemm import _NOT_DIFF as _GEMM_NOT_DIFF
-from .gemm import _gemm_impl, _shape_of
+from .gemm import _LIN_NOT_DIFF, _gemm_impl, _linear_backward_impl, _linear_forward_impl, _shape_of, _x_saved_shapes
 from .gemm import _out_shape as _gemm_out_shape
 
 Tensor = torch.Tensor
@@ -422,3 +422,55 @@ def gemm_out(a: Tensor, b: Tensor, a_scale: Optional[Tensor], b_scale: Optional[
 @gemm_out.register_fake
 def _(a, b, a_scale, b_scale, a_mx, b_mx, out, trans_a, trans_b, accumulate, alpha):
     return None
+
+
+# ----------------------------------------------------------------------------- the MXFP8 Linear
+@_op("linear_forward", mutates_args=())
+def linear_forward(x: Tensor, w: Tensor, w_scale: Tensor, w_mx: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """(y, x_saved's columnwise codes, its compact scales): the fprop GEMM of an MXFP8 Linear with x's
+    quantization fused in; w, w_scale: W's rowwise codes and scales, w_mx their description."""
+    return _linear_forward_impl(x, w, w_scale, w_mx)
+
+
+@linear_forward.register_fake
+def _(x, w, w_scale, w_mx):
+    T, K = _ints(x.shape)
+    cs, ss = _x_saved_shapes(T, K)
+    return (x.new_empty((T, _shape_of(w, w_mx)[0]), dtype=torch.bfloat16), x.new_empty(tuple(cs), dtype=torch.uint8),
+            x.new_empty(tuple(ss), dtype=torch.uint8))
+
+
+_no_gradient(linear_forward, "mxmla.linear_forward", _LIN_NOT_DIFF, ["x", "w"])
+
+
+@_op("linear_backward", mutates_args=())
+def linear_backward(dy: Tensor, w: Tensor, w_scale: Tensor, w_mx: str, x: Tensor, x_scale: Tensor, x_mx: str,
+                    need_dx: bool) -> Tuple[Tensor, Tensor]:
+    """(dx, dw fp32): the dgrad and wgrad GEMMs of an MXFP8 Linear with dy's quantization fused in; w,
+    x: the columnwise codes and scales of W and x_saved. Without need_dx, dx is an empty placeholder."""
+    dx, dw = _linear_backward_impl(dy, w, w_scale, w_mx, x, x_scale, x_mx, need_dx, None, False)
+    return _placeholder(dy, dx, torch.bfloat16), dw
+
+
+@linear_backward.register_fake
+def _(dy, w, w_scale, w_mx, x, x_scale, x_mx, need_dx):
+    N, K = _shape_of(w, w_mx)
+    dx = dy.new_empty((int(dy.shape[0]), K) if need_dx else (0,), dtype=torch.bfloat16)
+    return dx, dy.new_empty((N, K), dtype=torch.float32)
+
+
+_no_gradient(linear_backward, "mxmla.linear_backward", _LIN_NOT_DIFF, ["dy", "w"])
+
+
+@_op("linear_backward_acc", mutates_args=("main_grad",))
+def linear_backward_acc(dy: Tensor, w: Tensor, w_scale: Tensor, w_mx: str, x: Tensor, x_scale: Tensor, x_mx: str,
+                        main_grad: Tensor, need_dx: bool) -> Tensor:
+    """dx; the wgrad added into main_grad (fp32 [N, K])."""
+    dx, _ = _linear_backward_impl(dy, w, w_scale, w_mx, x, x_scale, x_mx, need_dx, main_grad, True)
+    return _placeholder(dy, dx, torch.bfloat16)
+
+
+@linear_backward_acc.register_fake
+def _(dy, w, w_scale, w_mx, x, x_scale, x_mx, main_grad, need_dx):
+    K = _shape_of(w, w_mx)[1]
+    return dy.new_empty((int(dy.shape[0]), K) if need_dx else (0,), dtype=torch.bfloat16)

@@ -17,7 +17,7 @@ import numpy as np
 from . import _dispatch
 from . import _mxmla_core as _core
 from ._backend import Backend, is_ml_bf16, is_torch, kind_of, torch, type_name
-from ._checks import flag, grad_needed, not_differentiable, real
+from ._checks import FP8_FORMAT, QKV_LAYOUT, SCALE_LAYOUT, flag, grad_needed, not_differentiable, real
 from .attention import _core_operand, _mx_spec, _parse_spec
 from .mxfp8 import MXFP8Tensor, _dtype_name, _options
 
@@ -162,3 +162,115 @@ def gemm(a: Operand, b: Operand, *, trans_a: bool = False, trans_b: bool = True,
         _dispatch.call("gemm_out", ad, bd, asc, bsc, aspec, bspec, out, trans_a, trans_b, accumulate, alpha)
         return out
     return _gemm_impl(ad, bd, asc, bsc, (aspec, bspec), trans_a, trans_b, alpha, accumulate, out, name, ml_bf16)
+
+
+# ----------------------------------------------------------------------------- the MXFP8 Linear
+_LIN_NOT_DIFF = "linear_forward and linear_backward are the forward and the backward of an MXFP8 Linear " \
+                "(mxmla.nn.MXFP8LinearFunction)"
+
+
+def _x_saved_shapes(T: int, K: int) -> Tuple[List[int], List[int]]:
+    """x_saved's columnwise codes and compact scales: [T, K], [ceil(T / 32), K]."""
+    return [int(T), int(K)], [(int(T) + 31) // 32, int(K)]
+
+
+def _linear_forward_impl(x: Any, w: Any, w_scale: Any, w_spec: str) -> Tuple[Any, Any, Any]:
+    """(y, x_saved's columnwise codes, its scales), allocated here; w: W's rowwise codes and scales."""
+    op = "mxmla.linear_forward"
+    be = Backend(op, "x", x)
+    xd = be.desc("x", x, bf16=True)
+    T, K = (int(d) for d in x.shape) if len(x.shape) == 2 else (0, 0)
+    N = _shape_of(w, w_spec)[0] if w_spec else 0
+    y = be.empty([T, N], "bfloat16")
+    cs, ss = _x_saved_shapes(T, K)
+    xc, xs = be.empty(cs, "uint8"), be.empty(ss, "uint8")
+    wo = _core_operand(be, op, "w", w, w_scale, w_spec, True)
+    saved = (None, None, be.desc("x_saved.columnwise_data", xc), be.desc("x_saved.columnwise_scale_inv", xs),
+             [T, K], FP8_FORMAT.parse(op, "fp8_format", "e4m3"), SCALE_LAYOUT.parse(op, "scale_layout", "compact"),
+             QKV_LAYOUT.parse(op, "layout", "sbhd"), False)
+    _core.linear_forward(xd, wo, be.desc("y", y, bf16=True), saved, be.stream())
+    return y, xc, xs
+
+
+def _linear_backward_impl(dy: Any, w: Any, w_scale: Any, w_spec: str, xc: Any, xs: Any, x_spec: str, need_dx: bool,
+                          dw: Any, accumulate: bool) -> Tuple[Any, Any]:
+    """(dx or None, dw); dw: None allocates an fp32 [N, K], else it is written (or added to)."""
+    op = "mxmla.linear_backward"
+    be = Backend(op, "dy", dy)
+    dyd = be.desc("dy", dy, bf16=True)
+    T = int(dy.shape[0]) if len(dy.shape) == 2 else 0
+    N, K = (_shape_of(w, w_spec) + [0, 0])[:2] if w_spec else (0, 0)
+    dx = be.empty([T, K], "bfloat16") if need_dx else None
+    if dw is None:
+        dw = be.empty([N, K], "float32")
+    wo = _core_operand(be, op, "w", w, w_scale, w_spec, False)
+    xo = _core_operand(be, op, "x_saved", xc, xs, x_spec, False)
+    _core.linear_backward(dyd, wo, xo, None if dx is None else be.desc("dx", dx, bf16=True),
+                          be.desc("dw", dw, bf16=True), accumulate, be.stream())
+    return dx, dw
+
+
+def _linear_w(op: str, name: str, w: Any, rowwise: bool) -> Tuple[Any, Any, str]:
+    if not isinstance(w, MXFP8Tensor):
+        raise TypeError(f"{op}: argument '{name}': expected an MXFP8Tensor (mxmla.quantize of the weight), got "
+                        f"{type_name(w)}")
+    return _operand(op, name, w, rowwise)
+
+
+def linear_forward(x: Array, w: MXFP8Tensor) -> Tuple[Array, MXFP8Tensor]:
+    """The forward GEMM of an MXFP8 Linear with x's quantization fused in: ``(y, x_saved)`` where
+    y = ``gemm(quantize(x), w)`` (bf16 [T, N]) and x_saved is x's columnwise MXFP8 copy (E4M3,
+    compact scales; the rowwise copy absent), what the backward's wgrad reads — the same bits as
+    ``quantize`` + ``gemm``. x: bf16 [T, K] (last dim contiguous, K a multiple of 32); w: W [N, K]
+    from ``quantize`` (E4M3) with its rowwise copy. On CUDA one pass over x writes the bf16 values
+    of its rowwise copy that the GEMM reads (and x_saved), instead of codes the GEMM dequantizes in
+    a pass of its own. torch tensors go through ``torch.ops.mxmla.linear_forward``; numpy and CPU
+    tensors run the reference. Not differentiable (it is the forward of ``mxmla.nn``'s MXFP8 Linear)."""
+    op = "mxmla.linear_forward"
+    kind_of(op, "x", x)
+    wd, wsc, wspec = _linear_w(op, "w", w, True)
+    if is_torch(x):
+        not_differentiable(op, _LIN_NOT_DIFF, x=x, w=wd)
+        if wd is None:
+            y, xc, xs = _linear_forward_impl(x, wd, wsc, wspec)
+        else:
+            y, xc, xs = _dispatch.call("linear_forward", x, wd, wsc, wspec)
+    else:
+        y, xc, xs = _linear_forward_impl(x, wd, wsc, wspec)
+    return y, MXFP8Tensor(tuple(int(d) for d in x.shape), "e4m3", "compact", None, None, xc, xs)
+
+
+def linear_backward(dy: Array, w: MXFP8Tensor, x_saved: MXFP8Tensor, *, need_dx: bool = True,
+                    main_grad: Optional[Array] = None) -> Tuple[Optional[Array], Optional[Array]]:
+    """The backward GEMMs of an MXFP8 Linear with dy's quantization fused in: ``(dx, dw)`` with
+    dx = ``gemm(quantize(dy), w, trans_b=False)`` (bf16 [T, K]; None without need_dx) and
+    dw = ``gemm(quantize(dy), x_saved, trans_a=True, trans_b=False)`` (fp32 [N, K]) — the same bits
+    as ``quantize`` + ``gemm``. dy: bf16 [T, N] (N a multiple of 32); w: W [N, K] with its columnwise
+    copy; x_saved: from ``linear_forward`` (or x quantized with a columnwise copy, E4M3). main_grad:
+    an fp32 [N, K] buffer the wgrad is added into (Megatron's); dw is then None. On CUDA one pass over
+    dy writes the bf16 values of both its copies, as the GEMMs read them."""
+    op = "mxmla.linear_backward"
+    kind_of(op, "dy", dy)
+    need_dx = flag(op, "need_dx", need_dx)
+    wd, wsc, wspec = _linear_w(op, "w", w, False)
+    xd, xsc, xspec = _linear_w(op, "x_saved", x_saved, False)
+    if main_grad is not None:
+        kind_of(op, "main_grad", main_grad)
+    if is_torch(dy):
+        not_differentiable(op, _LIN_NOT_DIFF, dy=dy, w=wd, x_saved=xd)
+        if main_grad is not None and grad_needed(main_grad):
+            raise RuntimeError(f"{op}: argument 'main_grad': requires grad, but linear_backward adds into it "
+                               "without a gradient")
+        if wd is None or xd is None:  # a missing copy: the core names it
+            dx, dw = _linear_backward_impl(dy, wd, wsc, wspec, xd, xsc, xspec, need_dx, main_grad,
+                                           main_grad is not None)
+        elif main_grad is None:
+            dx, dw = _dispatch.call("linear_backward", dy, wd, wsc, wspec, xd, xsc, xspec, need_dx)
+        else:
+            dx = _dispatch.call("linear_backward_acc", dy, wd, wsc, wspec, xd, xsc, xspec, main_grad, need_dx)
+            dw = main_grad
+    else:
+        dx, dw = _linear_backward_impl(dy, wd, wsc, wspec, xd, xsc, xspec, need_dx, main_grad, main_grad is not None)
+    if not need_dx:
+        dx = None
+    return dx, (None if main_grad is not None else dw)

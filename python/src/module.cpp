@@ -29,6 +29,7 @@
 
 #include "mxmla/attention.h"
 #include "mxmla/gemm.h"
+#include "mxmla/linear.h"
 #include "mxmla/mxfp8.h"
 #include "mxmla/qproj.h"
 #include "mxmla/rope.h"
@@ -596,6 +597,37 @@ NB_MODULE(_mxmla_core, m) {
         gemm(ha.gemm_input(), hb.gemm_input(), od, opts, to_stream(stream));
       },
       nb::arg("a"), nb::arg("b"), nb::arg("out"), nb::arg("options"), nb::arg("stream"));
+
+  // The MXFP8 Linear's GEMMs with fused quantization (include/mxmla/linear.h): w and x_saved as
+  // MXFP8 operand tuples (the copies the call reads present); x_saved's columnwise buffers written by
+  // the forward.
+  m.def(
+      "linear_forward",
+      [](const Desc& x, const AttnOperand& w, const Desc& y, const AttnOperand& x_saved, uintptr_t stream) {
+        const HeldOperand hw(w), hs(x_saved);
+        if (hw.in.mx == nullptr || hs.in.mx == nullptr)
+          throw Error("mxmla.linear_forward", hw.in.mx == nullptr ? "w" : "x_saved", "must be an MXFP8 tensor");
+        const TensorDesc xd = to_desc(x);
+        TensorDesc yd = to_desc(y);
+        MXFP8Tensor saved = hs.mx;
+        nb::gil_scoped_release release;
+        linear_forward(xd, hw.mx, yd, saved, to_stream(stream));
+      },
+      nb::arg("x"), nb::arg("w"), nb::arg("y"), nb::arg("x_saved"), nb::arg("stream"));
+  m.def(
+      "linear_backward",
+      [](const Desc& dy, const AttnOperand& w, const AttnOperand& x_saved, const OptDesc& dx, const Desc& dw,
+         bool accumulate, uintptr_t stream) {
+        const HeldOperand hw(w), hs(x_saved);
+        if (hw.in.mx == nullptr || hs.in.mx == nullptr)
+          throw Error("mxmla.linear_backward", hw.in.mx == nullptr ? "w" : "x_saved", "must be an MXFP8 tensor");
+        const TensorDesc dyd = to_desc(dy);
+        TensorDesc dxd = opt_desc(dx), dwd = to_desc(dw);
+        nb::gil_scoped_release release;
+        linear_backward(dyd, hw.mx, hs.mx, dx ? &dxd : nullptr, dwd, accumulate, to_stream(stream));
+      },
+      nb::arg("dy"), nb::arg("w"), nb::arg("x_saved"), nb::arg("dx").none(), nb::arg("dw"), nb::arg("accumulate"),
+      nb::arg("stream"));
 
   m.def("build_info", [] {
     const BuildInfo bi = build_info();

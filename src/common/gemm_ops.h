@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/mxfp8_common.h"
+#include "common/ops.h"
 #include "mxmla/gemm.h"
 
 namespace mxmla::detail {
@@ -41,7 +43,31 @@ std::vector<double> gemm_decode(const GemmProblem& p, const GemmOperandView& v, 
 // An MXFP8 operand [rows, cols] read along its cols (its rowwise copy), with mxmla.gemm's checks of
 // it (shape, copy present, dtypes, scale shapes); errors name `op` and the argument `name`.
 GemmOperandView gemm_rowwise_operand(const char* op, const char* name, const MXFP8Tensor& t);
-// The SM90 kernel (MXFP8 operands; src/cuda/sm90_mxfp8_gemm.cu).
-void mxfp8_gemm_cuda(const GemmProblem& p, Stream stream);
+// A 2-D matrix descriptor [rows, cols] (`what` words it): rank, strides, sizes, last dim contiguous,
+// data pointer; errors name `op` and `arg`.
+void check_matrix(const char* op, const std::string& arg, const TensorDesc& t, const std::string& what);
+// The same for either copy: contract_cols = false reads the columnwise copy of [rows, cols] (the
+// contraction along its rows).
+GemmOperandView gemm_operand(const char* op, const char* name, const MXFP8Tensor& t, bool contract_cols);
+// The MXFP8 Linear on CUDA (src/cuda/sm90_mxfp8_gemm.cu; api: src/linear.cpp). forward: q quantizes x
+// (bf16 [T, K]) with its columnwise outputs set (x_saved); g: the fprop GEMM with b (W rowwise) and
+// out (y) set, its operand a made here. backward: q views dy (bf16 [T, N]) without outputs; dgrad
+// (null: none) and wgrad with b and out set, their a made here.
+void linear_forward_cuda(const QuantizeProblem& q, GemmProblem g, Stream stream);
+void linear_backward_cuda(const QuantizeProblem& q, const GemmProblem* dgrad, GemmProblem wgrad, Stream stream);
+// Operands whose bf16 copies the caller made (the MXFP8 Linear: quantize_cuda's row_copy /
+// col_copy): op(X) [R, K] K-major bf16, row stride *_ld elements (a multiple of 8), exact unless
+// the caller's check set *flag. The GEMM's design C reads them instead of dequantizing the operand;
+// `flag` is its design flag, already holding the copies' check (the call ORs the other operand's in;
+// design B, behind it, reads the operands' codes, which the caller must have written by then when
+// the flag is set).
+struct GemmPrepared {
+  const uint16_t* a16 = nullptr;
+  const uint16_t* b16 = nullptr;
+  int64_t a_ld = 0, b_ld = 0;
+  uint32_t* flag = nullptr;
+};
+// The SM90 kernel (MXFP8 operands; src/cuda/sm90_mxfp8_gemm.cu); prep: null, or prepared copies.
+void mxfp8_gemm_cuda(const GemmProblem& p, Stream stream, const GemmPrepared* prep = nullptr);
 
 }  // namespace mxmla::detail

@@ -75,6 +75,12 @@ MXMLA_HD uint8_t block_scale_from_amax_bits(uint32_t amax_bits, uint32_t rcp_max
   return static_cast<uint8_t>(e);
 }
 
+// The smallest scale byte whose block the bf16 GEMM designs (and the MXFP8 Linear's bf16 operand
+// copies) hold exactly: the smallest non-zero code times 2^(e − 127) must be a normal bf16 (E4M3:
+// 2^-9 · 2^(e−127) >= 2^-126; E5M2: 2^-16 · ...). A block below it with non-zero codes sends a GEMM
+// to the FP8 design B.
+MXMLA_HD constexpr uint32_t min_exact_e(bool e4m3) { return e4m3 ? 10u : 17u; }
+
 MXMLA_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 MXMLA_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 

@@ -22,6 +22,19 @@ struct QuantizeProblem {
   uint8_t* row_scales = nullptr;
   uint8_t* col_scales = nullptr;
   ScaleMap row_map, col_map;
+  // The MXFP8 Linear's operand copies (CUDA, bf16 input, E4M3, batch 1; quantize_copies_cuda): the
+  // exact bf16 values of a direction's codes, as the GEMM reads them (K-major). row_copy: [rows, cols],
+  // row stride row_copy_ld; col_copy: transposed, [cols, rows], row stride col_copy_ld (a multiple of
+  // 32 at least round_up(rows, 32): the tail tile's rows past `rows` are written as zeros). A direction
+  // with a copy and no codes writes no scales. inexact[0] (rowwise copy), inexact[1] (columnwise copy):
+  // set to 1 where a block with nonzero codes has a scale byte below the GEMM's min_exact_e (its
+  // values do not fit bf16 exactly).
+  uint16_t* row_copy = nullptr;
+  uint16_t* col_copy = nullptr;
+  int64_t row_copy_ld = 0, col_copy_ld = 0;
+  uint32_t* inexact = nullptr;
+  // null, or a device flag: the launch returns at once while it is clear (the copies' fallback)
+  const uint32_t* run_if = nullptr;
 };
 
 // Codes contiguous [batch, rows, cols]; one direction's scales through `map`.

@@ -23,7 +23,7 @@ void attention_fwd_cuda(const AttentionProblem&, Stream) { no_cuda("mxmla.attent
 bool attention_cuda_supports(int64_t, int64_t) { return false; }
 void attention_bwd_cuda(const AttentionBwdProblem&, Stream) { no_cuda("mxmla.attention_backward", "q"); }
 size_t attention_bwd_cuda_smem(int64_t, int64_t) { return 0; }
-void mxfp8_gemm_cuda(const GemmProblem&, Stream) { no_cuda("mxmla.gemm", "a"); }
+void mxfp8_gemm_cuda(const GemmProblem&, Stream, const GemmPrepared*) { no_cuda("mxmla.gemm", "a"); }
 
 }  // namespace detail
 

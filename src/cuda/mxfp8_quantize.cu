@@ -28,6 +28,7 @@
 #include "cuda/ptx/convert.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/heuristics.h"
+#include "cuda/numerics.cuh"
 #include "cuda/stream_scratch.h"
 
 namespace mxmla::detail {
@@ -44,6 +45,11 @@ static_assert(kStages >= 2 && kRowUnroll >= 1, "a ring of at least two stages");
 constexpr int kTileBytes = kTileRows * kTileChunks * 16;
 constexpr int kRowSinkBytes = kTileRows * 4 * 8;  // compact rowwise scales of a column group
 constexpr int kSmemBytes = kStages * kTileBytes + kRowSinkBytes;  // one ring per block
+// kCopies: the scale bytes each warp hands from its scale pass to its copy pass (rowwise: [2 warps]
+// [32 rows][8 blocks]; columnwise: [256 columns])
+constexpr int kCopyScaleBytes = 2 * kTileRows * 8 + kTileChunks * 8;
+template <bool kCopies>
+constexpr int smem_bytes() { return kSmemBytes + (kCopies ? kCopyScaleBytes : 0); }
 static_assert(kTileRows == 32 && kTileChunks == 32, "the XOR layout maps rows and chunks onto the 32 lanes");
 
 template <typename T>
@@ -148,6 +154,23 @@ __device__ __forceinline__ uint32_t chunk_mag(const uint4& v) {
   return mag_max<T>(mag_max<T>(word_mag<T>(v.x), word_mag<T>(v.y)), mag_max<T>(word_mag<T>(v.z), word_mag<T>(v.w)));
 }
 
+// The MXFP8 Linear's operand copies (QuantizeProblem::row_copy / col_copy): two codes (the low 16
+// bits, element 0 low) dequantized exactly as the GEMM's dequantizing passes do (code · 2^(e−127)
+// through fp16 and fp32, one bf16 rounding: exact for a scale byte >= min_exact_e).
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t codes, float f) {
+  const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(static_cast<uint16_t>(codes));
+  const __half2 h = *reinterpret_cast<const __half2*>(&h2);
+  return bf16x2_rn(__low2float(h) * f, __high2float(h) * f);
+}
+
+// A block whose values a bf16 copy cannot hold exactly (non-zero codes under a scale byte below
+// min_exact_e): the copy's consumer must take the FP8 path.
+template <bool kE4M3>
+__device__ __forceinline__ void check_exact(uint32_t* flag, uint32_t e, uint32_t amax_bits) {
+  if (e < min_exact_e(kE4M3) && amax_bits != 0u) atomicOr(flag, 1u);
+}
+
 struct TileCoord {
   int64_t bi, tr, tc;
   int nrows;  // 0: a tile past the end (groups of 4 tiles may overhang)
@@ -232,15 +255,16 @@ __device__ __forceinline__ void store_group_scales(const QuantizeProblem& p, int
   }
 }
 
-// Columnwise: lane = chunk; 32 rows down, amax per column, then codes row by row.
-template <typename T, bool kE4M3>
+// Columnwise: lane = chunk; 32 rows down, amax per column, then codes row by row (and, with
+// kCopies and a col_copy, the transposed copy, its scales through col_scale_sink).
+template <typename T, bool kE4M3, bool kCopies>
 __device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
-                                                int lane, int q, uint32_t* group_scales) {
+                                                int lane, int q, uint32_t* group_scales, uint8_t* col_scale_sink) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int kPW = InputTraits<T>::kPerWord;
   constexpr uint32_t kRcp = kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;
   const int64_t col = (c.tc * kTileChunks + lane) * VEC;
-  if (col >= p.cols) return;
+  if (!kCopies && col >= p.cols) return;  // (the copy pass below needs every lane)
   uint32_t cm[4] = {0, 0, 0, 0};
 #pragma unroll 8
   for (int r = 0; r < kTileRows; ++r) {
@@ -255,6 +279,43 @@ __device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const 
     const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(mag_elem<T>(cm[j / kPW], j % kPW)), kRcp);
     scales |= static_cast<uint64_t>(e) << (8 * j);
     mult[j] = e8m0_quant_multiplier(e);
+  }
+  if constexpr (kCopies) {
+    if (p.col_copy != nullptr) {
+      static_assert(!kCopies || VEC == 8, "the copies take bf16 input");
+      // the scale pass's bytes to shared memory (column lane * 8 + j), then the copy pass with the
+      // lanes over the output: in step `it`, lane l writes column 8 it + l / 4, rows 8 (l % 4) .. + 7
+      // of the tile (one 16-byte store; a warp writes 8 whole 64-byte row pieces of the copy)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+        check_exact<kE4M3>(p.inexact + 1, static_cast<uint32_t>(scales >> (8 * j)) & 0xFFu,
+                           mag_elem<T>(cm[j / kPW], j % kPW));
+      __syncwarp();
+      *reinterpret_cast<uint2*>(col_scale_sink + lane * VEC) =
+          make_uint2(static_cast<uint32_t>(scales), static_cast<uint32_t>(scales >> 32));
+      __syncwarp();
+      const int r0 = 8 * (lane & 3), jj = lane >> 2;
+      const uint16_t* st = reinterpret_cast<const uint16_t*>(stage);
+#pragma unroll 4
+      for (int it = 0; it < kTileChunks; ++it) {
+        const int64_t cc = (c.tc * kTileChunks + it) * VEC + jj;  // the column this lane writes
+        const uint32_t e = col_scale_sink[it * VEC + jj];
+        const float m = e8m0_quant_multiplier(static_cast<uint8_t>(e)), f = e8m0_factor(e);
+        uint32_t w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = r0 + 2 * i;
+          const float2 v = make_float2(
+              __uint_as_float(static_cast<uint32_t>(st[(r * kTileChunks + (it ^ r)) * VEC + jj]) << 16),
+              __uint_as_float(static_cast<uint32_t>(st[((r + 1) * kTileChunks + (it ^ (r + 1))) * VEC + jj]) << 16));
+          w[i] = dequant_pair<kE4M3>(ptx::cvt_fp8x2<kE4M3>(v.x * m, v.y * m), f);
+        }
+        if (cc < p.cols)
+          *reinterpret_cast<uint4*>(p.col_copy + cc * p.col_copy_ld + c.tr * kTileRows + r0) =
+              make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+    if (p.col_codes == nullptr || col >= p.cols) return;  // a copy without codes: no scales either
   }
   if (!ccur_compact(p)) {
     // F8_128x4 / BHSD: the row blocks 4g..4g+3 of a column are 4 contiguous bytes; collect the
@@ -281,9 +342,13 @@ __device__ __forceinline__ void columnwise_tile(const QuantizeProblem& p, const 
 // Rowwise: lane = row; each 32-element block is CPB chunks of that row. Codes leave in full
 // 32-byte sectors: lanes 2k and 2k+1 swap halves so that each store instruction writes both
 // halves of one row's block. The tile row's scales leave in one wide store where contiguous.
-template <typename T, bool kE4M3>
+// With kCopies and a row_copy, the scale bytes go through row_scale_sink ([32 rows][8 blocks], this
+// warp's) to a copy pass with lane = chunk, row by row (a warp writes 512 contiguous bytes a store);
+// without row codes, no codes and no scales.
+template <typename T, bool kE4M3, bool kCopies>
 __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const TileCoord& c, const uint4* stage,
-                                             int lane, int b_begin, int b_end, uint8_t* scale_sink) {
+                                             int lane, int b_begin, int b_end, uint8_t* scale_sink,
+                                             uint8_t* row_scale_sink) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int CPB = 32 / VEC;                // chunks per block
   constexpr int kBlocks = kTileChunks / CPB;  // blocks per tile row (8 bf16/fp16, 4 fp32)
@@ -310,6 +375,14 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
     }
     const uint8_t e = block_scale_from_amax_bits(InputTraits<T>::mag_to_f32_bits(mag_collapse<T>(m)), kRcp);
     scales |= static_cast<uint64_t>(e) << (8 * b);
+    if constexpr (kCopies) {
+      if (p.row_copy != nullptr) {
+        static_assert(!kCopies || CPB == 4, "the copies take bf16 input");
+        if (row_ok) check_exact<kE4M3>(p.inexact, e, InputTraits<T>::mag_to_f32_bits(mag_collapse<T>(m)));
+        row_scale_sink[lane * 8 + b] = e;
+        if (p.row_codes == nullptr) continue;  // (uniform across the warp)
+      }
+    }
     const float mul = e8m0_quant_multiplier(e);
     float mult[VEC];
 #pragma unroll
@@ -340,7 +413,31 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
     if (even_ok) *reinterpret_cast<uint4*>(dst_even + b * 32) = even_half;
     if (odd_ok) *reinterpret_cast<uint4*>(dst_even + p.cols + b * 32) = odd_half;
   }
+  if constexpr (kCopies) {
+    if (p.row_copy != nullptr) {
+      __syncwarp();  // the sink's bytes of this tile are written
+      const int64_t col = (c.tc * kTileChunks + lane) * 8;  // lane = chunk: 8 columns of every row
+      const int b = lane / CPB;
+      if (b >= b_begin && b < b_end && col < p.cols) {
+#pragma unroll 4
+        for (int r = 0; r < c.nrows; ++r) {
+          const uint32_t e = row_scale_sink[r * 8 + b];
+          float mult[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) mult[j] = e8m0_quant_multiplier(static_cast<uint8_t>(e));
+          const uint64_t q = convert_chunk<T, kE4M3>(stage[r * kTileChunks + (lane ^ r)], mult);
+          const float f = e8m0_factor(e);
+          const uint32_t lo = static_cast<uint32_t>(q), hi = static_cast<uint32_t>(q >> 32);
+          *reinterpret_cast<uint4*>(p.row_copy + (c.tr * kTileRows + r) * p.row_copy_ld + col) =
+              make_uint4(dequant_pair<kE4M3>(lo & 0xFFFFu, f), dequant_pair<kE4M3>(lo >> 16, f),
+                         dequant_pair<kE4M3>(hi & 0xFFFFu, f), dequant_pair<kE4M3>(hi >> 16, f));
+        }
+      }
+      __syncwarp();  // every lane has read the sink before the next tile writes it
+    }
+  }
   if (!row_ok) return;
+  if (kCopies && p.row_codes == nullptr) return;
   if (scale_sink != nullptr) {  // compact: collected per row for the whole column group
     for (int b = b_begin; b < b_end; ++b) scale_sink[b] = static_cast<uint8_t>(scales >> (8 * b));
     return;
@@ -374,7 +471,9 @@ __device__ __forceinline__ void rowwise_tile(const QuantizeProblem& p, const Til
 // quantizes the current one. With both directions, warp 0 runs the columnwise pass and warp 1
 // the rowwise pass of the same tile; with one direction the warps split it (rowwise: half the
 // blocks of each row each; columnwise: warp 0 alone).
-template <typename T, bool kE4M3>
+// kCopies: the MXFP8 Linear's bf16 operand copies (row_copy, col_copy, inexact; bf16 input, E4M3).
+// run_if (any instantiation): return at once while the flag is clear.
+template <typename T, bool kE4M3, bool kCopies>
 __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(const QuantizeProblem p, int64_t num_groups) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int kBlocks = kTileChunks * VEC / 32;  // rowwise blocks per tile row
@@ -382,7 +481,9 @@ __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(const Quantize
   static_assert(kWarpsPerBlock == 2, "the pass split below is written for two warps");
   extern __shared__ __align__(16) uint4 smem[];  // [kStages][32 rows][32 chunks]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const bool do_col = p.col_codes != nullptr, do_row = p.row_codes != nullptr;
+  if (p.run_if != nullptr && *p.run_if == 0u) return;
+  const bool do_col = p.col_codes != nullptr || (kCopies && p.col_copy != nullptr);
+  const bool do_row = p.row_codes != nullptr || (kCopies && p.row_copy != nullptr);
   const bool col_warp = do_col && warp == 0;
   const bool row_warp = do_row && (!do_col || warp == 1);
   const int b_begin = do_col ? 0 : warp * (kBlocks / 2), b_end = do_col ? kBlocks : b_begin + kBlocks / 2;
@@ -395,6 +496,9 @@ __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(const Quantize
   };
   // compact rowwise scales of a column group: [32 rows][4 tiles x kBlocks] bytes
   uint8_t* row_sink = reinterpret_cast<uint8_t*>(smem + kStages * kTileRows * kTileChunks);
+  // kCopies: each warp's rowwise scale bytes [32][8], then the columnwise ones [256]
+  uint8_t* copy_row_sink = row_sink + kRowSinkBytes + warp * kTileRows * 8;
+  uint8_t* copy_col_sink = row_sink + kRowSinkBytes + 2 * kTileRows * 8;
   // Pipeline: tile k + kStages - 1 is issued while tile k is quantized.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -412,10 +516,11 @@ __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(const Quantize
     const uint4* stage = smem + (k % kStages) * kTileRows * kTileChunks;
     const int q = static_cast<int>(k % 4);
     if (cur.nrows > 0) {
-      if (col_warp) columnwise_tile<T, kE4M3>(p, cur, stage, lane, q, group_scales);
+      if (col_warp) columnwise_tile<T, kE4M3, kCopies>(p, cur, stage, lane, q, group_scales, copy_col_sink);
       if (row_warp)
-        rowwise_tile<T, kE4M3>(p, cur, stage, lane, b_begin, b_end,
-                               by_cols ? row_sink + lane * 4 * kBlocks + q * kBlocks : nullptr);
+        rowwise_tile<T, kE4M3, kCopies>(p, cur, stage, lane, b_begin, b_end,
+                                        by_cols ? row_sink + lane * 4 * kBlocks + q * kBlocks : nullptr,
+                                        copy_row_sink);
     }
     if (q == 3 && col_warp && !ccur_compact(p)) {
       store_group_scales<VEC>(p, cur.bi, cur.tr - 3, (cur.tc * kTileChunks + lane) * VEC, group_scales);
@@ -423,7 +528,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(const Quantize
       for (int j = 0; j < VEC; ++j) group_scales[j] = 0;
     }
     __syncthreads();  // the stage is read by both warps before it is refilled
-    if (q == 3 && by_cols && do_row && warp == kWarpsPerBlock - 1) {
+    if (q == 3 && by_cols && p.row_codes != nullptr && warp == kWarpsPerBlock - 1) {
       // the group's rowwise scales of row `lane`: 4 * kBlocks contiguous bytes
       const int64_t kb0 = (cur.tc - 3) * kBlocks, nkb = p.cols / 32;
       const int64_t row = cur.tr * kTileRows + lane;
@@ -442,7 +547,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(const Quantize
   }
 }
 
-template <typename T, bool kE4M3>
+template <typename T, bool kE4M3, bool kCopies = false>
 void launch(const QuantizeProblem& p, cudaStream_t stream) {
   constexpr int kTileCols = kTileChunks * (16 / sizeof(T));
   const bool by_cols = groups_by_columns(p, kTileCols);
@@ -450,9 +555,10 @@ void launch(const QuantizeProblem& p, cudaStream_t stream) {
                                  : p.batch * ceil_div(p.rows, 4 * kTileRows) * ceil_div(p.cols, kTileCols);
   if (groups == 0) return;
   // Persistent grid: as many blocks as fit on the device at once.
-  const void* kernel = reinterpret_cast<const void*>(&mxfp8_quantize_kernel<T, kE4M3>);
-  const int64_t blocks = heuristics::persistent_grid(kernel_fit(kernel, kThreads, kSmemBytes, kSmemBytes).resident(), groups);
-  mxfp8_quantize_kernel<T, kE4M3><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, groups);
+  const void* kernel = reinterpret_cast<const void*>(&mxfp8_quantize_kernel<T, kE4M3, kCopies>);
+  constexpr int smem = smem_bytes<kCopies>();
+  const int64_t blocks = heuristics::persistent_grid(kernel_fit(kernel, kThreads, smem, smem).resident(), groups);
+  mxfp8_quantize_kernel<T, kE4M3, kCopies><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, groups);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -482,6 +588,14 @@ void quantize_bhsd_two_pass(const QuantizeProblem& p, Stream s) {
 }  // namespace
 
 void quantize_cuda(const QuantizeProblem& p, Stream s) {
+  if (p.row_copy != nullptr || p.col_copy != nullptr) {
+    // the MXFP8 Linear's copies (api: linear.cpp): bf16, E4M3, compact scales, one batch
+    if (p.in_dtype != DType::kBFloat16 || p.fmt != Fp8Format::kE4M3 || p.batch != 1 || p.inexact == nullptr ||
+        (p.row_codes && p.row_map.mode != MapMode::kCompact) || (p.col_codes && p.col_map.mode != MapMode::kCompact) ||
+        (p.col_copy && p.col_copy_ld < round_up(p.rows, kTileRows)))
+      throw Error("mxmla.quantize", "input", "internal: the operand copies take bf16 input, E4M3, compact scales");
+    return launch<__nv_bfloat16, true, true>(p, reinterpret_cast<cudaStream_t>(s));
+  }
   if ((p.row_codes && p.row_map.mode == MapMode::kBHSD) || (p.col_codes && p.col_map.mode == MapMode::kBHSD))
     return quantize_bhsd_two_pass(p, s);
   auto stream = reinterpret_cast<cudaStream_t>(s);

@@ -457,9 +457,17 @@ char forced_design() {
   return (e != nullptr && (e[0] == 'A' || e[0] == 'B' || e[0] == 'C')) ? e[0] : '\0';
 }
 
+// A prepared bf16 copy's TMA map (as bf16_copy's).
+CUtensorMap prepared_map(const uint16_t* x16, int64_t ld, int64_t R, int64_t K, int rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * 2)};
+  const cuuint32_t box[2] = {64u, static_cast<cuuint32_t>(rows)};
+  return make_tma_desc(x16, DType::kBFloat16, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
 }  // namespace
 
-void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
+void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* prep) {
   if (!pr.fp8) throw Error(kOp, "a", "bf16 operands: the SM90 kernel takes MXFP8 operands");
   if (pr.M == 0 || pr.N == 0) return;
   auto s = reinterpret_cast<cudaStream_t>(stream);
@@ -472,9 +480,14 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
   }
   const bool e4m3 = pr.fmt == Fp8Format::kE4M3;
   const char forced = forced_design();
-  auto flag = std::make_unique<StreamScratch>(4, s);  // set by the scale check: design B does the work
-  uint32_t* small = reinterpret_cast<uint32_t*>(flag->ptr);
-  MXMLA_CUDA_CHECK(cudaMemsetAsync(small, 0, 4, s));
+  std::unique_ptr<StreamScratch> flag;  // set by the scale check: design B does the work
+  uint32_t* small = prep != nullptr ? prep->flag : nullptr;
+  if (small == nullptr) {
+    flag = std::make_unique<StreamScratch>(4, s);
+    small = reinterpret_cast<uint32_t*>(flag->ptr);
+    MXMLA_CUDA_CHECK(cudaMemsetAsync(small, 0, 4, s));
+  }
+  const bool a_ready = prep != nullptr && prep->a16 != nullptr, b_ready = prep != nullptr && prep->b16 != nullptr;
   std::unique_ptr<StreamScratch> ca, sa, cb, sb;
   KMajor a = kmajor(pr.a, pr.M), b = kmajor(pr.b, pr.N);
   // rows TMA cannot take: every design reads the K-major copy
@@ -490,14 +503,16 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream) {
   p.design_flag = forced != 0 ? nullptr : small;
   if (forced == 0 || forced == 'C') {  // design C: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
     // per call the dequantizing passes run the scale check (forced: none)
-    const uint32_t min_e = forced == 0 ? mxgemm_a::min_exact_e(e4m3) : 0u;
+    const uint32_t min_e = forced == 0 ? min_exact_e(e4m3) : 0u;
     mxgemm::Params pc = p;
     pc.kblocks = static_cast<int>((pr.K + 63) / 64);
     pc.n_tiles = static_cast<int>((pr.N + 255) / 256);  // num_tiles: launch_c (times the K split)
     pc.run_on_flag = false;
     std::unique_ptr<StreamScratch> a16, b16;  // freed on the stream after the kernels
-    const CUtensorMap ta = bf16_copy(pr.a, a, pr.M, pr.K, e4m3, min_e, small, 128, s, a16);
-    const CUtensorMap tb = bf16_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, small, 256, s, b16);
+    const CUtensorMap ta = a_ready ? prepared_map(prep->a16, prep->a_ld, pr.M, pr.K, 128)
+                                   : bf16_copy(pr.a, a, pr.M, pr.K, e4m3, min_e, small, 128, s, a16);
+    const CUtensorMap tb = b_ready ? prepared_map(prep->b16, prep->b_ld, pr.N, pr.K, 256)
+                                   : bf16_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, small, 256, s, b16);
     launch_c(ta, tb, pc, s);
   }
   if (forced == 'C') return;
@@ -532,7 +547,7 @@ void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operand
   o.keep[0] = std::make_unique<StreamScratch>(4, s);
   uint32_t* flag = reinterpret_cast<uint32_t*>(o.keep[0]->ptr);
   MXMLA_CUDA_CHECK(cudaMemsetAsync(flag, 0, 4, s));
-  const uint32_t min_e = mxgemm_a::min_exact_e(e4m3);
+  const uint32_t min_e = min_exact_e(e4m3);
   KMajor a = kmajor(pr.a, pr.M), b = kmajor(pr.b, pr.N);
   if (a.codes == nullptr && a.cols == nullptr) repack(pr.a, pr.M, pr.K, a, s, o.keep[3], nullptr);
   if (b.codes == nullptr && b.cols == nullptr) repack(pr.b, pr.N, pr.K, b, s, o.keep[4], nullptr);
@@ -550,6 +565,99 @@ void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operand
   o.exact.b = {b.codes, b.ld, b.scales, tiles_x};
   o.exact.K = static_cast<int>(pr.K);
   o.exact.e4m3 = e4m3;
+}
+
+// ---------------------------------------------------------------- the MXFP8 Linear
+// One quantize pass writes the GEMM's bf16 copies of x (forward: its rowwise copy, with x's
+// columnwise codes for the backward) or of dy (both directions, no codes), exactly the values that
+// design C's dequantizing passes would make from the codes, and flags a block that bf16 cannot hold
+// exactly (a flag per direction); a second quantize launch per direction, which returns at once
+// unless that direction's flag is set, writes the codes design B then reads (with MXMLA_GEMM_DESIGN=A or B it always writes them). So the common
+// case moves 2 bytes a value for each copy instead of 1 for the codes plus 3 for their dequantizing
+// pass, and a call gives the bits of quantize + gemm in every case.
+namespace {
+// The fallback codes and compact scales of one direction of x [T, C] in `buf` (codes first).
+GemmOperandView fallback_view(uint8_t* buf, int64_t T, int64_t C, bool rowwise) {
+  GemmOperandView v;
+  v.data = buf, v.rows = T, v.cols = C, v.ld = C, v.contract_cols = rowwise;
+  v.scales = buf + T * C;
+  v.map = rowwise ? make_row_map(MapMode::kCompact, 1, T, C) : make_col_map(MapMode::kCompact, 1, T, C);
+  return v;
+}
+int64_t fallback_bytes(int64_t T, int64_t C, bool rowwise) {
+  return T * C + (rowwise ? T * (C / 32) : ceil_div(T, 32) * C);
+}
+bool codes_always() {
+  const char d = forced_design();
+  return d == 'A' || d == 'B';
+}
+}  // namespace
+
+void linear_forward_cuda(const QuantizeProblem& q, GemmProblem g, Stream stream) {
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const int64_t T = q.rows, K = q.cols;
+  StreamScratch flags(8, s), codes(fallback_bytes(T, K, true), s), copy(T * K * 2, s);  // freed after the GEMM
+  uint32_t* inexact = reinterpret_cast<uint32_t*>(flags.ptr);  // [0]: the rowwise copy's check
+  MXMLA_CUDA_CHECK(cudaMemsetAsync(inexact, 0, 8, s));
+  g.a = fallback_view(codes.ptr, T, K, true);
+  if (T > 0) {
+    QuantizeProblem qc = q;  // x's columnwise codes (x_saved) and its rowwise bf16 copy
+    qc.row_codes = nullptr, qc.row_scales = nullptr;
+    qc.row_copy = reinterpret_cast<uint16_t*>(copy.ptr), qc.row_copy_ld = K, qc.inexact = inexact;
+    quantize_cuda(qc, stream);
+    QuantizeProblem qr = q;  // the rowwise codes, for design B
+    qr.col_codes = nullptr, qr.col_scales = nullptr;
+    qr.row_codes = codes.ptr, qr.row_scales = codes.ptr + T * K;
+    qr.row_map = g.a.map;
+    qr.run_if = codes_always() ? nullptr : inexact;
+    quantize_cuda(qr, stream);
+  }
+  GemmPrepared prep;
+  prep.a16 = reinterpret_cast<const uint16_t*>(copy.ptr), prep.a_ld = K, prep.flag = inexact;
+  mxfp8_gemm_cuda(g, stream, &prep);
+}
+
+void linear_backward_cuda(const QuantizeProblem& q, const GemmProblem* dgrad, GemmProblem wgrad, Stream stream) {
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const int64_t T = q.rows, N = q.cols, Tp = round_up(T, 32);
+  const bool dg = dgrad != nullptr;
+  StreamScratch flags(8, s);
+  StreamScratch row_codes(dg ? fallback_bytes(T, N, true) : 0, s), col_codes(fallback_bytes(T, N, false), s);
+  StreamScratch row_copy(dg ? T * N * 2 : 0, s), col_copy(N * Tp * 2, s);
+  // [0]: the rowwise copy's check, dgrad's design flag; [1]: the columnwise copy's, wgrad's
+  uint32_t* inexact = reinterpret_cast<uint32_t*>(flags.ptr);
+  MXMLA_CUDA_CHECK(cudaMemsetAsync(inexact, 0, 8, s));
+  const GemmOperandView rv = fallback_view(row_codes.ptr, T, N, true), cv = fallback_view(col_codes.ptr, T, N, false);
+  if (T > 0) {
+    QuantizeProblem qc = q;  // dy's copies: rowwise [T, N] (dgrad), columnwise transposed [N, Tp] (wgrad)
+    qc.row_copy = dg ? reinterpret_cast<uint16_t*>(row_copy.ptr) : nullptr, qc.row_copy_ld = N;
+    qc.col_copy = reinterpret_cast<uint16_t*>(col_copy.ptr), qc.col_copy_ld = Tp;
+    qc.inexact = inexact;
+    quantize_cuda(qc, stream);
+    // the codes, for design B: each direction behind its own check
+    const bool always = codes_always();
+    if (dg) {
+      QuantizeProblem qr = q;
+      qr.row_codes = row_codes.ptr, qr.row_scales = const_cast<uint8_t*>(rv.scales), qr.row_map = rv.map;
+      qr.run_if = always ? nullptr : inexact;
+      quantize_cuda(qr, stream);
+    }
+    QuantizeProblem qr = q;
+    qr.col_codes = col_codes.ptr, qr.col_scales = const_cast<uint8_t*>(cv.scales), qr.col_map = cv.map;
+    qr.run_if = always ? nullptr : inexact + 1;
+    quantize_cuda(qr, stream);
+  }
+  if (dg) {
+    GemmProblem g = *dgrad;
+    g.a = rv;
+    GemmPrepared prep;
+    prep.a16 = reinterpret_cast<const uint16_t*>(row_copy.ptr), prep.a_ld = N, prep.flag = inexact;
+    mxfp8_gemm_cuda(g, stream, &prep);
+  }
+  wgrad.a = cv;
+  GemmPrepared prep;
+  prep.a16 = reinterpret_cast<const uint16_t*>(col_copy.ptr), prep.a_ld = Tp, prep.flag = inexact + 1;
+  mxfp8_gemm_cuda(wgrad, stream, &prep);
 }
 
 }  // namespace mxmla::detail

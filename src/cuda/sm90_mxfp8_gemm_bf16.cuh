@@ -64,9 +64,7 @@ struct Cfg {
                 "setmaxnreg moves registers inside the CTA's launch allocation");
 };
 
-// The smallest scale byte design A dequantizes exactly: the smallest non-zero code times
-// 2^(e − 127) must be a normal bf16 (E4M3: 2^-9 · 2^(e−127) >= 2^-126; E5M2: 2^-16 · ...).
-constexpr uint32_t min_exact_e(bool e4m3) { return e4m3 ? 10u : 17u; }
+// (The smallest scale byte design A dequantizes exactly: min_exact_e, common/mxfp8_common.h.)
 
 struct Kernel {
   using C = Cfg;

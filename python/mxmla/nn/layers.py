@@ -44,23 +44,24 @@ def _quantized_weight(weight: torch.Tensor):
 class MXFP8LinearFunction(torch.autograd.Function):
     """y = x · Wᵀ as TransformerEngine's MXFP8 recipe runs a Linear (SPEC §6), on mxmla.gemm.
 
-    forward: x [T, K] and W [N, K] cast to bf16 and quantized to MXFP8 (E4M3) with both copies in one
-    pass each; fprop Y = X_row · W_rowᵀ (bf16 out, fp32 accumulation). Saved: x's columnwise copy and
-    W's columnwise copy only. backward: dY quantized (both copies); dgrad dX = dY_row · W_col (bf16),
-    wgrad dW = dY_colᵀ · X_col (fp32, the master weight's dtype). K and N must be multiples of 32 (the
-    rowwise copies' blocks); T any (the columnwise tail block). A weight with a ``main_grad`` attribute
-    (an fp32 tensor of its shape, Megatron's gradient-accumulation buffer) gets the wgrad added into
-    it (the GEMM's accumulate mode) and no ``.grad``. W's MXFP8 copies are made once per version of
-    the weight (every micro-batch between two optimizer steps reuses them)."""
+    forward: x [T, K] and W [N, K] cast to bf16 and quantized to MXFP8 (E4M3); fprop Y = X_row · W_rowᵀ
+    (bf16 out, fp32 accumulation). Saved: x's columnwise copy and W's columnwise copy only.
+    backward: dY quantized (both copies); dgrad dX = dY_row · W_col (bf16), wgrad dW = dY_colᵀ · X_col
+    (fp32, the master weight's dtype). K and N must be multiples of 32 (the rowwise copies' blocks); T
+    any (the columnwise tail block). A weight with a ``main_grad`` attribute (an fp32 tensor of its
+    shape, Megatron's gradient-accumulation buffer) gets the wgrad added into it (the GEMM's
+    accumulate mode) and no ``.grad``. W's MXFP8 copies are made once per version of the weight
+    (every micro-batch between two optimizer steps reuses them). x's and dY's quantization run fused
+    into the GEMMs (``mxmla.linear_forward`` / ``linear_backward``: the bits of quantize + gemm, with
+    one pass over x or dY writing the bf16 values the GEMMs read)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         import mxmla
 
         lead, K = x.shape[:-1], x.shape[-1]
-        x8 = mxmla.quantize(x.detach().reshape(-1, K).to(torch.bfloat16))
         w8 = _quantized_weight(weight)
-        y = mxmla.gemm(x8, w8)
+        y, x8 = mxmla.linear_forward(x.detach().reshape(-1, K).to(torch.bfloat16), w8)
         # only the copies the backward reads (as the reference system keeps x's columnwise copy)
         ctx.save_for_backward(x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data,
                               w8.columnwise_scale_inv)
@@ -75,14 +76,13 @@ class MXFP8LinearFunction(torch.autograd.Function):
         xc, xs, wc, ws = ctx.saved_tensors
         x8 = mxmla.MXFP8Tensor(ctx.shapes[0], "e4m3", "compact", None, None, xc, xs)
         w8 = mxmla.MXFP8Tensor(ctx.shapes[1], "e4m3", "compact", None, None, wc, ws)
-        dy8 = mxmla.quantize(dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous())
-        dx = mxmla.gemm(dy8, w8, trans_b=False)                                        # [T, K] bf16
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous()
         main_grad = getattr(ctx.weight, "main_grad", None)
+        dx, dw = mxmla.linear_backward(dy2, w8, x8, main_grad=main_grad)  # dx [T, K] bf16, dw [N, K] fp32
+        dx = dx.reshape(*ctx.lead, dx.shape[-1])
         if main_grad is not None:  # wgrad accumulated into the fp32 buffer; no .grad
-            mxmla.gemm(dy8, x8, trans_a=True, trans_b=False, out=main_grad, accumulate=True)
-            return dx.reshape(*ctx.lead, dx.shape[-1]), None
-        dw = mxmla.gemm(dy8, x8, trans_a=True, trans_b=False, out_dtype="float32")     # [N, K] fp32
-        return dx.reshape(*ctx.lead, dx.shape[-1]), dw.to(ctx.wdtype)
+            return dx, None
+        return dx, dw.to(ctx.wdtype)
 
 
 def resolve_dtypes(what: str, dtype: torch.dtype, params_dtype: Optional[torch.dtype]) -> Tuple[torch.dtype, torch.dtype]:

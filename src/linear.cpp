@@ -1,0 +1,193 @@
+// mxmla — the MXFP8 Linear's GEMMs with fused operand quantization (include/mxmla/linear.h):
+// validation, then the CPU reference (quantize + the GEMM reference, the composition itself) or the
+// CUDA path (src/cuda/sm90_mxfp8_gemm.cu, linear_forward_cuda / linear_backward_cuda).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/device.h"
+#include "common/gemm_ops.h"
+#include "common/ops.h"
+#include "common/text.h"
+#include "mxmla/linear.h"
+
+namespace mxmla {
+
+namespace {
+
+using detail::MapMode;
+using detail::shape_str;
+
+struct LinearCheck {
+  const char* op;
+  [[noreturn]] void fail(const std::string& arg, const std::string& rule) const { throw Error(op, arg, rule); }
+
+  // A matrix [rows, cols] whose rows do not overlap.
+  void matrix(const std::string& arg, const TensorDesc& t, const std::string& what) const {
+    detail::check_matrix(op, arg, t, what);
+    if (t.shape[0] > 1 && t.shape[1] > 0 && t.stride(0) < t.shape[1])
+      fail(arg, "row stride " + std::to_string(t.stride(0)) + " is smaller than its row length " +
+                    std::to_string(t.shape[1]) + " (rows would overlap)");
+  }
+  int64_t row_stride(const TensorDesc& t) const { return t.shape[0] > 1 ? t.stride(0) : t.shape[1]; }
+  // x or dy: bf16 [T, C], C a positive multiple of 32 (its rowwise blocks)
+  void input(const std::string& arg, const TensorDesc& t, const char* C) const {
+    if (t.dtype != DType::kBFloat16) fail(arg, std::string("dtype ") + dtype_name(t.dtype) + " must be bfloat16");
+    matrix(arg, t, std::string("[T, ") + C + "]");
+    if (t.shape[1] <= 0 || t.shape[1] % 32 != 0)
+      fail(arg, "last dimension " + std::to_string(t.shape[1]) + " (" + C + ") must be a positive multiple of 32 (the "
+                "rowwise MXFP8 blocks)");
+    if (t.device.type == DeviceType::kCUDA && t.numel() > 0) {
+      if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) fail(arg, "data must be 16-byte aligned for the CUDA kernels");
+      if ((row_stride(t) * 2) % 16 != 0) fail(arg, "row stride must be a multiple of 16 bytes for the CUDA kernels");
+    }
+  }
+  void output(const std::string& arg, const TensorDesc& t, const std::vector<int64_t>& shape, bool fp32_ok,
+              bool accumulate) const {
+    matrix(arg, t, shape_str(shape));
+    if (t.shape != shape) fail(arg, "shape " + shape_str(t.shape) + " must be " + shape_str(shape));
+    if (t.dtype != DType::kBFloat16 && !(fp32_ok && t.dtype == DType::kFloat32))
+      fail(arg, std::string("dtype ") + dtype_name(t.dtype) + (fp32_ok ? " must be float32 or bfloat16" : " must be bfloat16"));
+    if (accumulate && t.dtype != DType::kFloat32)
+      fail(arg, std::string("dtype ") + dtype_name(t.dtype) + " must be float32 with accumulate (the wgrad is added "
+                "into an fp32 buffer)");
+  }
+  void e4m3(const std::string& arg, const MXFP8Tensor& t) const {
+    if (t.format != Fp8Format::kE4M3)
+      fail(arg, "FP8 format e5m2 must be e4m3: the Linear quantizes x and dy to E4M3, and a GEMM's operands share one "
+                "format");
+  }
+  void same_device(const std::string& arg, const Device& d, const std::string& ref, const Device& rd) const {
+    if (d != rd)
+      fail(arg, "is on " + detail::device_str(d) + " but " + ref + " is on " + detail::device_str(rd) +
+                    ": every tensor must be on one device");
+  }
+};
+
+detail::GemmProblem gemm_of(int64_t M, int64_t N, int64_t K, const detail::GemmOperandView& b, TensorDesc& out,
+                            bool accumulate) {
+  detail::GemmProblem g;
+  g.M = M, g.N = N, g.K = K, g.fp8 = true, g.fmt = Fp8Format::kE4M3;
+  g.b = b;
+  g.out = out.data, g.out_t = out.dtype, g.ld_out = M > 1 ? out.stride(0) : N;
+  g.accumulate = accumulate;
+  return g;
+}
+
+// The CPU reference's operand: one direction of quantize(t) in host buffers.
+struct HostOperand {
+  std::vector<uint8_t> codes, scales;
+  detail::GemmOperandView view;
+};
+HostOperand host_quantize(detail::QuantizeProblem q, bool rowwise) {
+  HostOperand h;
+  const int64_t T = q.rows, C = q.cols;
+  h.codes.resize(static_cast<size_t>(T * C));
+  const detail::ScaleMap map = rowwise ? detail::make_row_map(MapMode::kCompact, 1, T, C)
+                                       : detail::make_col_map(MapMode::kCompact, 1, T, C);
+  h.scales.resize(static_cast<size_t>(rowwise ? T * (C / 32) : detail::ceil_div(T, 32) * C));
+  q.row_codes = rowwise ? h.codes.data() : nullptr, q.row_scales = rowwise ? h.scales.data() : nullptr;
+  q.col_codes = rowwise ? nullptr : h.codes.data(), q.col_scales = rowwise ? nullptr : h.scales.data();
+  if (rowwise) q.row_map = map;
+  else q.col_map = map;
+  if (T > 0) detail::quantize_cpu(q);
+  h.view.data = h.codes.data(), h.view.rows = T, h.view.cols = C, h.view.ld = C, h.view.contract_cols = rowwise;
+  h.view.scales = h.scales.data(), h.view.map = map;
+  return h;
+}
+
+}  // namespace
+
+void linear_forward(const TensorDesc& x, const MXFP8Tensor& w, TensorDesc& y, MXFP8Tensor& x_saved, Stream stream) {
+  const LinearCheck c{"mxmla.linear_forward"};
+  c.input("x", x, "K");
+  const int64_t T = x.shape[0], K = x.shape[1];
+  const detail::GemmOperandView wv = detail::gemm_operand(c.op, "w", w, true);  // W [N, K], rowwise
+  c.e4m3("w", w);
+  if (wv.cols != K)
+    c.fail("w", "shape " + shape_str(w.shape) + " must be [N, K] with K = " + std::to_string(K) + " (x's last dim)");
+  const int64_t N = wv.rows;
+  c.output("y", y, {T, N}, false, false);
+  const Device dev = x.device;
+  c.same_device("w.rowwise_data", w.rowwise_data.device, "x", dev);
+  c.same_device("w.rowwise_scale_inv", w.rowwise_scale_inv.device, "x", dev);
+  c.same_device("y", y.device, "x", dev);
+  QuantizeOptions o;
+  o.rowwise = false, o.columnwise = true, o.format = Fp8Format::kE4M3, o.swizzle = false;
+  detail::QuantizeProblem q = detail::quantize_outputs(c.op, x.shape, x_saved, o, dev);  // checks x_saved
+  q.in = x.data, q.in_dtype = DType::kBFloat16, q.batch_stride = 0, q.row_stride = c.row_stride(x);
+  detail::GemmProblem g = gemm_of(T, N, K, wv, y, false);
+  if (dev.type == DeviceType::kCUDA) {
+    const int i = dev.index;
+    detail::check_cuda_pointer(c.op, "x", x.data, i);
+    detail::check_cuda_pointer(c.op, "w.rowwise_data", w.rowwise_data.data, i);
+    detail::check_cuda_pointer(c.op, "w.rowwise_scale_inv", w.rowwise_scale_inv.data, i);
+    detail::check_cuda_pointer(c.op, "y", y.data, i);
+    detail::check_cuda_pointer(c.op, "x_saved.columnwise_data", x_saved.columnwise_data.data, i);
+    detail::check_cuda_pointer(c.op, "x_saved.columnwise_scale_inv", x_saved.columnwise_scale_inv.data, i);
+    detail::CudaDeviceGuard guard(i);
+    detail::linear_forward_cuda(q, g, stream);
+    return;
+  }
+  if (T > 0) detail::quantize_cpu(q);  // x_saved
+  const HostOperand xr = host_quantize(q, true);
+  g.a = xr.view;
+  if (T > 0 && N > 0) detail::gemm_cpu(g);
+}
+
+void linear_backward(const TensorDesc& dy, const MXFP8Tensor& w, const MXFP8Tensor& x_saved, TensorDesc* dx,
+                     TensorDesc& dw, bool accumulate, Stream stream) {
+  const LinearCheck c{"mxmla.linear_backward"};
+  c.input("dy", dy, "N");
+  const int64_t T = dy.shape[0], N = dy.shape[1];
+  const detail::GemmOperandView wv = detail::gemm_operand(c.op, "w", w, false);         // W [N, K], columnwise
+  const detail::GemmOperandView xv = detail::gemm_operand(c.op, "x_saved", x_saved, false);  // x [T, K], columnwise
+  c.e4m3("w", w);
+  c.e4m3("x_saved", x_saved);
+  if (wv.rows != N)
+    c.fail("w", "shape " + shape_str(w.shape) + " must be [N, K] with N = " + std::to_string(N) + " (dy's last dim)");
+  const int64_t K = wv.cols;
+  if (xv.rows != T || xv.cols != K)
+    c.fail("x_saved", "shape " + shape_str(x_saved.shape) + " must be [T, K] = " + shape_str({T, K}) +
+                          " (dy's tokens, w's in_features)");
+  if (dx != nullptr) c.output("dx", *dx, {T, K}, false, false);
+  c.output("dw", dw, {N, K}, true, accumulate);
+  const Device dev = dy.device;
+  c.same_device("w.columnwise_data", w.columnwise_data.device, "dy", dev);
+  c.same_device("w.columnwise_scale_inv", w.columnwise_scale_inv.device, "dy", dev);
+  c.same_device("x_saved.columnwise_data", x_saved.columnwise_data.device, "dy", dev);
+  c.same_device("x_saved.columnwise_scale_inv", x_saved.columnwise_scale_inv.device, "dy", dev);
+  if (dx != nullptr) c.same_device("dx", dx->device, "dy", dev);
+  c.same_device("dw", dw.device, "dy", dev);
+  detail::QuantizeProblem q;
+  q.in = dy.data, q.in_dtype = DType::kBFloat16, q.fmt = Fp8Format::kE4M3;
+  q.batch = 1, q.rows = T, q.cols = N, q.batch_stride = 0, q.row_stride = c.row_stride(dy);
+  q.row_map = detail::make_row_map(MapMode::kCompact, 1, T, N);
+  q.col_map = detail::make_col_map(MapMode::kCompact, 1, T, N);
+  detail::GemmProblem dgrad;
+  if (dx != nullptr) dgrad = gemm_of(T, K, N, wv, *dx, false);
+  detail::GemmProblem wgrad = gemm_of(N, K, T, xv, dw, accumulate);
+  if (dev.type == DeviceType::kCUDA) {
+    const int i = dev.index;
+    detail::check_cuda_pointer(c.op, "dy", dy.data, i);
+    detail::check_cuda_pointer(c.op, "w.columnwise_data", w.columnwise_data.data, i);
+    detail::check_cuda_pointer(c.op, "w.columnwise_scale_inv", w.columnwise_scale_inv.data, i);
+    detail::check_cuda_pointer(c.op, "x_saved.columnwise_data", x_saved.columnwise_data.data, i);
+    detail::check_cuda_pointer(c.op, "x_saved.columnwise_scale_inv", x_saved.columnwise_scale_inv.data, i);
+    if (dx != nullptr) detail::check_cuda_pointer(c.op, "dx", dx->data, i);
+    detail::check_cuda_pointer(c.op, "dw", dw.data, i);
+    detail::CudaDeviceGuard guard(i);
+    detail::linear_backward_cuda(q, dx != nullptr ? &dgrad : nullptr, wgrad, stream);
+    return;
+  }
+  if (dx != nullptr && T > 0 && K > 0) {
+    const HostOperand r = host_quantize(q, true);
+    dgrad.a = r.view;
+    detail::gemm_cpu(dgrad);
+  }
+  const HostOperand cq = host_quantize(q, false);
+  wgrad.a = cq.view;
+  if (N > 0 && K > 0) detail::gemm_cpu(wgrad);
+}
+
+}  // namespace mxmla

@@ -1,0 +1,172 @@
+// The MXFP8 Linear's GEMMs with fused quantization (include/mxmla/linear.h), on the CPU:
+//   LinearCpu     linear_forward / linear_backward equal quantize + gemm bit for bit (y, x_saved's
+//                 codes and scales, dx, dw, dw accumulated), token counts with tail blocks, a
+//                 strided x, no dgrad;
+//   LinearErrors  each rule names its argument.
+// (The CUDA path against the unfused CUDA calls: tests/python/test_linear.py.)
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "mxmla/gemm.h"
+#include "mxmla/linear.h"
+#include "test_util.h"
+
+namespace mxmla {
+namespace {
+
+uint16_t bf16_bits(float f) {  // round to nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// bf16 [rows, ld] with N(0, 1) values times a power of two per row; the matrix is its first cols.
+struct Bf16 {
+  std::vector<uint16_t> v;
+  TensorDesc d;
+  Bf16(int64_t rows, int64_t cols, int64_t ld, unsigned seed) : v(static_cast<size_t>(rows * ld)) {
+    std::mt19937 g(seed);
+    std::normal_distribution<float> n;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < ld; ++c) v[r * ld + c] = bf16_bits(n(g) * static_cast<float>(1 << (r % 5)) / 4.f);
+    d = TensorDesc(v.data(), DType::kBFloat16, {rows, cols}, {}, {ld, 1});
+  }
+};
+
+// Both copies of quantize(t) (compact scales, E4M3) in owned buffers.
+struct Q {
+  std::vector<uint8_t> rc, rs, cc, cs;
+  MXFP8Tensor t;
+  Q(const TensorDesc& in, bool rowwise = true, bool columnwise = true) {
+    const MXFP8Shapes s = quantize_shapes(in.shape, false);
+    rc.resize(numel(s.data)), rs.resize(numel(s.rowwise_scale)), cc.resize(numel(s.data));
+    cs.resize(numel(s.columnwise_scale));
+    if (rowwise) {
+      t.rowwise_data = TensorDesc(rc.data(), DType::kUInt8, s.data);
+      t.rowwise_scale_inv = TensorDesc(rs.data(), DType::kUInt8, s.rowwise_scale);
+    }
+    if (columnwise) {
+      t.columnwise_data = TensorDesc(cc.data(), DType::kUInt8, s.data);
+      t.columnwise_scale_inv = TensorDesc(cs.data(), DType::kUInt8, s.columnwise_scale);
+    }
+    QuantizeOptions o;
+    o.rowwise = rowwise, o.columnwise = columnwise;
+    quantize(in, t, o);
+  }
+};
+
+template <typename T>
+struct Mat {
+  std::vector<T> v;
+  TensorDesc d;
+  Mat(int64_t rows, int64_t cols, DType dt, T fill = T{}) : v(static_cast<size_t>(rows * cols), fill) {
+    d = TensorDesc(v.data(), dt, {rows, cols});
+  }
+};
+
+struct LCase {
+  int64_t T, K, N, ld_extra;
+};
+
+class LinearCpu : public ::testing::TestWithParam<LCase> {};
+
+TEST_P(LinearCpu, EqualsQuantizeAndGemmBitForBit) {
+  const LCase c = GetParam();
+  const Bf16 x(c.T, c.K, c.K + c.ld_extra, 1), w(c.N, c.K, c.K, 2), dy(c.T, c.N, c.N, 3);
+  const Q x8(x.d), w8(w.d), dy8(dy.d);
+  // forward
+  Mat<uint16_t> y(c.T, c.N, DType::kBFloat16), y0(c.T, c.N, DType::kBFloat16);
+  const MXFP8Shapes s = quantize_shapes({c.T, c.K}, false);
+  std::vector<uint8_t> sc(numel(s.data)), ss(numel(s.columnwise_scale));
+  MXFP8Tensor saved;
+  saved.columnwise_data = TensorDesc(sc.data(), DType::kUInt8, s.data);
+  saved.columnwise_scale_inv = TensorDesc(ss.data(), DType::kUInt8, s.columnwise_scale);
+  linear_forward(x.d, w8.t, y.d, saved);
+  gemm({nullptr, &x8.t}, {nullptr, &w8.t}, y0.d, GemmOptions{});
+  EXPECT_EQ(y.v, y0.v);
+  EXPECT_EQ(sc, x8.cc);
+  EXPECT_EQ(ss, x8.cs);
+  EXPECT_FALSE(saved.has_rowwise());
+  // backward
+  Mat<uint16_t> dx(c.T, c.K, DType::kBFloat16), dx0(c.T, c.K, DType::kBFloat16);
+  Mat<float> dw(c.N, c.K, DType::kFloat32), dw0(c.N, c.K, DType::kFloat32);
+  linear_backward(dy.d, w8.t, saved, &dx.d, dw.d, false);
+  GemmOptions dg;
+  dg.trans_b = false;
+  gemm({nullptr, &dy8.t}, {nullptr, &w8.t}, dx0.d, dg);
+  GemmOptions wg;
+  wg.trans_a = true, wg.trans_b = false;
+  gemm({nullptr, &dy8.t}, {nullptr, &x8.t}, dw0.d, wg);
+  EXPECT_EQ(dx.v, dx0.v);
+  EXPECT_EQ(dw.v, dw0.v);
+  // accumulate, no dgrad
+  Mat<float> mg(c.N, c.K, DType::kFloat32, 0.5f), mg0(c.N, c.K, DType::kFloat32, 0.5f);
+  linear_backward(dy.d, w8.t, saved, nullptr, mg.d, true);
+  wg.accumulate = true;
+  gemm({nullptr, &dy8.t}, {nullptr, &x8.t}, mg0.d, wg);
+  EXPECT_EQ(mg.v, mg0.v);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearCpu,
+                         ::testing::Values(LCase{1, 32, 32, 0}, LCase{31, 64, 96, 0}, LCase{33, 96, 64, 32},
+                                           LCase{100, 64, 32, 0}),
+                         [](const ::testing::TestParamInfo<LCase>& i) {
+                           const LCase& c = i.param;
+                           return "T" + std::to_string(c.T) + "K" + std::to_string(c.K) + "N" + std::to_string(c.N) +
+                                  (c.ld_extra ? "strided" : "");
+                         });
+
+TEST(LinearErrors, EveryRuleNamesItsArgument) {
+  const Bf16 x(8, 64, 64, 1), w(32, 64, 64, 2), dy(8, 32, 32, 3);
+  const Q w8(w.d), w_row(w.d, true, false);
+  Mat<uint16_t> y(8, 32, DType::kBFloat16);
+  const MXFP8Shapes s = quantize_shapes({8, 64}, false);
+  std::vector<uint8_t> sc(numel(s.data)), ss(numel(s.columnwise_scale));
+  MXFP8Tensor saved;
+  saved.columnwise_data = TensorDesc(sc.data(), DType::kUInt8, s.data);
+  saved.columnwise_scale_inv = TensorDesc(ss.data(), DType::kUInt8, s.columnwise_scale);
+  auto fwd_error = [](const std::function<void()>& fn, const std::string& arg, const std::string& rule) {
+    test::expect_error("mxmla.linear_forward", fn, arg, rule);
+  };
+  auto bwd_error = [](const std::function<void()>& fn, const std::string& arg, const std::string& rule) {
+    test::expect_error("mxmla.linear_backward", fn, arg, rule);
+  };
+  fwd_error([&] {
+    TensorDesc xf = x.d;
+    xf.dtype = DType::kFloat32;
+    linear_forward(xf, w8.t, y.d, saved);
+  }, "x", "dtype float32 must be bfloat16");
+  fwd_error([&] {
+    TensorDesc xs = x.d;
+    xs.shape = {8, 48};
+    linear_forward(xs, w8.t, y.d, saved);
+  }, "x", "last dimension 48 (K) must be a positive multiple of 32");
+  fwd_error([&] {
+    TensorDesc ys = y.d;
+    ys.shape = {8, 31};
+    linear_forward(x.d, w8.t, ys, saved);
+  }, "y", "shape [8, 31] must be [8, 32]");
+  fwd_error([&] {
+    MXFP8Tensor bad = saved;
+    bad.columnwise_scale_inv.shape = {1, 63};
+    linear_forward(x.d, w8.t, y.d, bad);
+  }, "columnwise_scale_inv", "");
+  linear_forward(x.d, w8.t, y.d, saved);
+  Mat<float> dw(32, 64, DType::kFloat32);
+  Mat<uint16_t> dwb(32, 64, DType::kBFloat16);
+  bwd_error([&] { linear_backward(dy.d, w_row.t, saved, nullptr, dw.d, false); }, "w.columnwise_data",
+            "is absent: mxmla.linear_backward reads its columnwise copy");
+  bwd_error([&] { linear_backward(dy.d, w8.t, saved, nullptr, dwb.d, true); }, "dw",
+            "dtype bfloat16 must be float32 with accumulate");
+  bwd_error([&] {
+    const Bf16 dy9(9, 32, 32, 4);
+    linear_backward(dy9.d, w8.t, saved, nullptr, dw.d, false);
+  }, "x_saved", "shape [8, 64] must be [T, K] = [9, 64]");
+}
+
+}  // namespace
+}  // namespace mxmla
