@@ -15,7 +15,11 @@
 // launcher. Tiles are walked in groups of four row tiles (one 128-row swizzle tile), so swizzled
 // columnwise scales leave as whole words. BHSD scales (attention) take two passes: compact
 // scales to scratch, then the staged re-layout kernel of mxfp8_scales.cu
-// (quantize_bhsd_two_pass).
+// (quantize_bhsd_two_pass). The kCopies instantiation (bf16 input, E4M3) also writes the MXFP8
+// Linear's bf16 operand copies (QuantizeProblem::row_copy / col_copy; src/cuda/sm90_mxfp8_gemm.cu,
+// linear_forward_cuda): after a tile's scale pass each warp hands its scale bytes through shared
+// memory to a copy pass whose lanes run along the output (a rowwise copy row's 512 bytes, or eight
+// 64-byte pieces of the transposed columnwise copy, a store).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
