@@ -2,7 +2,9 @@
 // validation, then the CPU reference (quantize + the GEMM reference, the composition itself) or the
 // CUDA path (src/cuda/sm90_mxfp8_gemm.cu, linear_forward_cuda / linear_backward_cuda).
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/device.h"
@@ -57,10 +59,17 @@ struct LinearCheck {
       fail(arg, "FP8 format e5m2 must be e4m3: the Linear quantizes x and dy to E4M3, and a GEMM's operands share one "
                 "format");
   }
-  void same_device(const std::string& arg, const Device& d, const std::string& ref, const Device& rd) const {
-    if (d != rd)
-      fail(arg, "is on " + detail::device_str(d) + " but " + ref + " is on " + detail::device_str(rd) +
-                    ": every tensor must be on one device");
+  // Every named tensor (null: none to check) on `ref`'s device (ref first); on CUDA, each pointer
+  // device memory of it.
+  void one_device(std::initializer_list<std::pair<const char*, const TensorDesc*>> ts) const {
+    const auto& [ref, rt] = *ts.begin();
+    for (const auto& [name, t] : ts)
+      if (t != nullptr && t->device != rt->device)
+        fail(name, "is on " + detail::device_str(t->device) + " but " + ref + " is on " +
+                       detail::device_str(rt->device) + ": every tensor must be on one device");
+    if (rt->device.type == DeviceType::kCUDA)
+      for (const auto& [name, t] : ts)
+        if (t != nullptr) detail::check_cuda_pointer(op, name, t->data, rt->device.index);
   }
 };
 
@@ -109,23 +118,16 @@ void linear_forward(const TensorDesc& x, const MXFP8Tensor& w, TensorDesc& y, MX
   const int64_t N = wv.rows;
   c.output("y", y, {T, N}, false, false);
   const Device dev = x.device;
-  c.same_device("w.rowwise_data", w.rowwise_data.device, "x", dev);
-  c.same_device("w.rowwise_scale_inv", w.rowwise_scale_inv.device, "x", dev);
-  c.same_device("y", y.device, "x", dev);
   QuantizeOptions o;
   o.rowwise = false, o.columnwise = true, o.format = Fp8Format::kE4M3, o.swizzle = false;
   detail::QuantizeProblem q = detail::quantize_outputs(c.op, x.shape, x_saved, o, dev);  // checks x_saved
+  c.one_device({{"x", &x}, {"w.rowwise_data", &w.rowwise_data}, {"w.rowwise_scale_inv", &w.rowwise_scale_inv},
+                {"y", &y}, {"x_saved.columnwise_data", &x_saved.columnwise_data},
+                {"x_saved.columnwise_scale_inv", &x_saved.columnwise_scale_inv}});
   q.in = x.data, q.in_dtype = DType::kBFloat16, q.batch_stride = 0, q.row_stride = c.row_stride(x);
   detail::GemmProblem g = gemm_of(T, N, K, wv, y, false);
   if (dev.type == DeviceType::kCUDA) {
-    const int i = dev.index;
-    detail::check_cuda_pointer(c.op, "x", x.data, i);
-    detail::check_cuda_pointer(c.op, "w.rowwise_data", w.rowwise_data.data, i);
-    detail::check_cuda_pointer(c.op, "w.rowwise_scale_inv", w.rowwise_scale_inv.data, i);
-    detail::check_cuda_pointer(c.op, "y", y.data, i);
-    detail::check_cuda_pointer(c.op, "x_saved.columnwise_data", x_saved.columnwise_data.data, i);
-    detail::check_cuda_pointer(c.op, "x_saved.columnwise_scale_inv", x_saved.columnwise_scale_inv.data, i);
-    detail::CudaDeviceGuard guard(i);
+    detail::CudaDeviceGuard guard(dev.index);
     detail::linear_forward_cuda(q, g, stream);
     return;
   }
@@ -153,12 +155,10 @@ void linear_backward(const TensorDesc& dy, const MXFP8Tensor& w, const MXFP8Tens
   if (dx != nullptr) c.output("dx", *dx, {T, K}, false, false);
   c.output("dw", dw, {N, K}, true, accumulate);
   const Device dev = dy.device;
-  c.same_device("w.columnwise_data", w.columnwise_data.device, "dy", dev);
-  c.same_device("w.columnwise_scale_inv", w.columnwise_scale_inv.device, "dy", dev);
-  c.same_device("x_saved.columnwise_data", x_saved.columnwise_data.device, "dy", dev);
-  c.same_device("x_saved.columnwise_scale_inv", x_saved.columnwise_scale_inv.device, "dy", dev);
-  if (dx != nullptr) c.same_device("dx", dx->device, "dy", dev);
-  c.same_device("dw", dw.device, "dy", dev);
+  c.one_device({{"dy", &dy}, {"w.columnwise_data", &w.columnwise_data}, {"w.columnwise_scale_inv", &w.columnwise_scale_inv},
+                {"x_saved.columnwise_data", &x_saved.columnwise_data},
+                {"x_saved.columnwise_scale_inv", &x_saved.columnwise_scale_inv}, {"dx", dx},
+                {"dw", &dw}});
   detail::QuantizeProblem q;
   q.in = dy.data, q.in_dtype = DType::kBFloat16, q.fmt = Fp8Format::kE4M3;
   q.batch = 1, q.rows = T, q.cols = N, q.batch_stride = 0, q.row_stride = c.row_stride(dy);
@@ -168,15 +168,7 @@ void linear_backward(const TensorDesc& dy, const MXFP8Tensor& w, const MXFP8Tens
   if (dx != nullptr) dgrad = gemm_of(T, K, N, wv, *dx, false);
   detail::GemmProblem wgrad = gemm_of(N, K, T, xv, dw, accumulate);
   if (dev.type == DeviceType::kCUDA) {
-    const int i = dev.index;
-    detail::check_cuda_pointer(c.op, "dy", dy.data, i);
-    detail::check_cuda_pointer(c.op, "w.columnwise_data", w.columnwise_data.data, i);
-    detail::check_cuda_pointer(c.op, "w.columnwise_scale_inv", w.columnwise_scale_inv.data, i);
-    detail::check_cuda_pointer(c.op, "x_saved.columnwise_data", x_saved.columnwise_data.data, i);
-    detail::check_cuda_pointer(c.op, "x_saved.columnwise_scale_inv", x_saved.columnwise_scale_inv.data, i);
-    if (dx != nullptr) detail::check_cuda_pointer(c.op, "dx", dx->data, i);
-    detail::check_cuda_pointer(c.op, "dw", dw.data, i);
-    detail::CudaDeviceGuard guard(i);
+    detail::CudaDeviceGuard guard(dev.index);
     detail::linear_backward_cuda(q, dx != nullptr ? &dgrad : nullptr, wgrad, stream);
     return;
   }

@@ -55,19 +55,17 @@ GemmOperandView gemm_operand(const char* op, const char* name, const MXFP8Tensor
 // (null: none) and wgrad with b and out set, their a made here.
 void linear_forward_cuda(const QuantizeProblem& q, GemmProblem g, Stream stream);
 void linear_backward_cuda(const QuantizeProblem& q, const GemmProblem* dgrad, GemmProblem wgrad, Stream stream);
-// Operands whose bf16 copies the caller made (the MXFP8 Linear: quantize_cuda's row_copy /
-// col_copy): op(X) [R, K] K-major bf16, row stride *_ld elements (a multiple of 8), exact unless
-// the caller's check set *flag. The GEMM's design C reads them instead of dequantizing the operand;
-// `flag` is its design flag, already holding the copies' check (the call ORs the other operand's in;
-// design B, behind it, reads the operands' codes, which the caller must have written by then when
-// the flag is set).
+// Operand A's bf16 copy made by the caller (the MXFP8 Linear: quantize_cuda's row_copy / col_copy):
+// op(A) [M, K] K-major bf16, row stride a_ld elements (a multiple of 8), exact unless the caller's
+// check set *flag. The GEMM's design C reads it instead of dequantizing A; `flag` is its design
+// flag, already holding the copy's check (the call ORs B's in; design B, behind it, reads A's codes,
+// which the caller must have written by then when the flag is set).
 struct GemmPrepared {
   const uint16_t* a16 = nullptr;
-  const uint16_t* b16 = nullptr;
-  int64_t a_ld = 0, b_ld = 0;
+  int64_t a_ld = 0;
   uint32_t* flag = nullptr;
 };
-// The SM90 kernel (MXFP8 operands; src/cuda/sm90_mxfp8_gemm.cu); prep: null, or prepared copies.
+// The SM90 kernel (MXFP8 operands; src/cuda/sm90_mxfp8_gemm.cu); prep: null, or A's prepared copy.
 void mxfp8_gemm_cuda(const GemmProblem& p, Stream stream, const GemmPrepared* prep = nullptr);
 
 }  // namespace mxmla::detail

@@ -487,7 +487,7 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
     small = reinterpret_cast<uint32_t*>(flag->ptr);
     MXMLA_CUDA_CHECK(cudaMemsetAsync(small, 0, 4, s));
   }
-  const bool a_ready = prep != nullptr && prep->a16 != nullptr, b_ready = prep != nullptr && prep->b16 != nullptr;
+  const bool a_ready = prep != nullptr && prep->a16 != nullptr;
   std::unique_ptr<StreamScratch> ca, sa, cb, sb;
   KMajor a = kmajor(pr.a, pr.M), b = kmajor(pr.b, pr.N);
   // rows TMA cannot take: every design reads the K-major copy
@@ -511,8 +511,7 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
     std::unique_ptr<StreamScratch> a16, b16;  // freed on the stream after the kernels
     const CUtensorMap ta = a_ready ? prepared_map(prep->a16, prep->a_ld, pr.M, pr.K, 128)
                                    : bf16_copy(pr.a, a, pr.M, pr.K, e4m3, min_e, small, 128, s, a16);
-    const CUtensorMap tb = b_ready ? prepared_map(prep->b16, prep->b_ld, pr.N, pr.K, 256)
-                                   : bf16_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, small, 256, s, b16);
+    const CUtensorMap tb = bf16_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, small, 256, s, b16);
     launch_c(ta, tb, pc, s);
   }
   if (forced == 'C') return;
