@@ -317,32 +317,121 @@ void quantize(const TensorDesc& input, MXFP8Tensor& out, const QuantizeOptions& 
   run_quantize(p, input.device, stream);
 }
 
+namespace {
+// A 4-D attention input's strides by role: sbhd [s, b, h, d] (no batch: b is the outer index of
+// the columns), bshd [b, s, h, d] (no outer index). Dimensions of size 1 count as stride 0.
+struct AttnStrides {
+  int64_t batch, seq, outer, head;
+};
+AttnStrides attn_strides(const TensorDesc& t, QKVLayout layout) {
+  auto st = [&](int i) { return t.shape[i] == 1 ? int64_t{0} : t.stride(i); };
+  return layout == QKVLayout::kSBHD ? AttnStrides{0, st(0), st(1), st(2)} : AttnStrides{st(0), st(1), 0, st(2)};
+}
+}  // namespace
+
+namespace detail {
+std::vector<int64_t> check_concat(const char* op, const std::string& arg, const ConcatInput& in, int64_t ndim,
+                                  const std::string& dims) {
+  const Check c{op};
+  const std::string a0 = arg + ".part0", a1 = arg + ".part1";
+  for (const auto& [a, t] : {std::pair<const std::string&, const TensorDesc&>{a0, in.part0}, {a1, in.part1}}) {
+    c.shape_valid(a, t);
+    if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16)
+      c.fail(a, std::string("dtype ") + dtype_name(t.dtype) + " is not supported (bfloat16, float16 or float32)");
+    if (t.ndim() != ndim) c.fail(a, "must be " + std::to_string(ndim) + "-D " + dims + ", got shape " + shape_str(t.shape));
+    if (t.shape.back() <= 0) c.fail(a, "last dimension must be positive, got shape " + shape_str(t.shape));
+    if (t.stride(ndim - 1) != 1)
+      c.fail(a, "last dimension must be contiguous (stride 1), got stride " + std::to_string(t.stride(ndim - 1)));
+    for (int64_t i = 0; i < ndim; ++i)
+      if (t.shape[i] > 1 && t.stride(i) < 0) c.fail(a, "strides " + shape_str(t.strides) + " must not be negative");
+    if (t.numel() > 0 && t.data == nullptr) c.fail(a, "data pointer is null");
+  }
+  const TensorDesc &p0 = in.part0, &p1 = in.part1;
+  if (p1.dtype != p0.dtype)
+    c.fail(a1, std::string("dtype ") + dtype_name(p1.dtype) + " must be part0's, " + dtype_name(p0.dtype));
+  if (p1.device != p0.device)
+    c.fail(a1, "is on " + device_str(p1.device) + " but part0 is on " + device_str(p0.device));
+  for (int64_t i = 0; i + 1 < ndim; ++i)
+    if (p1.shape[i] != p0.shape[i])
+      c.fail(a1, "shape " + shape_str(p1.shape) + " must match part0's " + shape_str(p0.shape) + " but in the last dimension");
+  const int64_t chunk = 16 / dtype_size(p0.dtype), d0 = p0.shape.back(), d = d0 + p1.shape.back();
+  if (d0 % chunk != 0)
+    c.fail(a0, "last dimension " + std::to_string(d0) + " must be a multiple of " + std::to_string(chunk) +
+                   " (16 bytes: the parts are read in 16-byte pieces)");
+  if (d % 32 != 0)
+    c.fail(arg, "the parts' last dimensions add up to " + std::to_string(d) +
+                    ", which must be a multiple of 32 (the MXFP8 block size)");
+  std::vector<int64_t> shape = p0.shape;
+  shape.back() = d;
+  if (p0.device.type == DeviceType::kCUDA && numel(shape) > 0) {
+    const int64_t es = dtype_size(p0.dtype);
+    for (const auto& [a, t] : {std::pair<const std::string&, const TensorDesc&>{a0, p0}, {a1, p1}}) {
+      c.aligned(a, t.data, 16);
+      for (int64_t i = 0; i + 1 < ndim; ++i)
+        if (t.shape[i] > 1 && (t.stride(i) * es) % 16 != 0)
+          c.fail(a, "strides " + shape_str(t.strides) + " must be multiples of 16 bytes for the CUDA kernels");
+      c.on_cuda(a, t);
+    }
+  }
+  return shape;
+}
+}  // namespace detail
+
+namespace {
+void quantize_attention_parts(const Check& c, const TensorDesc& p0, const TensorDesc* p1, const std::vector<int64_t>& shape,
+                              MXFP8Tensor& out, const AttentionQuantizeOptions& opts, Stream stream) {
+  const AttnGeom g = attn_geom(c, "input", shape, opts.layout);
+  const AttnStrides s0 = attn_strides(p0, opts.layout);
+  detail::QuantizeProblem p = detail::attention_outputs(c.op, shape, out, opts, p0.device);
+  if (numel(shape) == 0) return;
+  p.in = p0.data, p.in_dtype = p0.dtype;
+  p.batch_stride = s0.batch, p.row_stride = s0.seq;
+  // columns (b?, h, d) nested contiguously: plain rows; else gathered head by head
+  const bool sbhd = opts.layout == QKVLayout::kSBHD;
+  const bool plain = p1 == nullptr && s0.head == (g.H > 1 ? g.D : 0) && s0.outer == (sbhd && g.B > 1 ? g.H * g.D : 0);
+  if (!plain) {
+    if (g.cols >= (int64_t{1} << 31))
+      c.fail("input", "a token's " + std::to_string(g.cols) + " elements (b·h·d for sbhd, h·d for bshd) are too many "
+                      "for a strided or concatenated input (at most 2^31 - 1)");
+    detail::ColumnGather& gt = p.gather;
+    gt.seg = g.D, gt.nh = g.H, gt.split = p0.shape.back();
+    gt.outer_stride[0] = s0.outer, gt.head_stride[0] = s0.head;
+    if (p1 != nullptr) {
+      const AttnStrides s1 = attn_strides(*p1, opts.layout);
+      gt.in1 = p1->data, gt.batch_stride1 = s1.batch, gt.row_stride1 = s1.seq;
+      gt.outer_stride[1] = s1.outer, gt.head_stride[1] = s1.head;
+    }
+  }
+  run_quantize(p, p0.device, stream);
+}
+}  // namespace
+
 void quantize_attention(const TensorDesc& input, MXFP8Tensor& out, const AttentionQuantizeOptions& opts,
                         Stream stream) {
   const Check c{"mxmla.quantize_attention"};
   c.float_input("input", input);
   if (!opts.rowwise && !opts.columnwise) c.fail("options", "at least one of rowwise / columnwise must be set");
-  const AttnGeom g = attn_geom(c, "input", input.shape, opts.layout);
-  // [batch, rows, cols] view: the columns (b?, h, d) must nest contiguously.
-  const int64_t first_col_dim = opts.layout == QKVLayout::kSBHD ? 1 : 2;
-  int64_t expect = 1;
-  for (int64_t i = 3; i >= first_col_dim; --i) {
-    if (input.shape[i] != 1 && input.stride(i) != expect)
-      c.fail("input", "dimensions after the sequence dimension must be contiguous (strides " +
-                          shape_str(input.strides) + ")");
-    expect *= input.shape[i];
+  attn_geom(c, "input", input.shape, opts.layout);
+  for (int64_t i = 0; i < 3; ++i)
+    if (input.shape[i] > 1 && input.stride(i) < 0)
+      c.fail("input", "strides " + shape_str(input.strides) + " must not be negative");
+  if (input.device.type == DeviceType::kCUDA && input.numel() > 0) {
+    const int64_t es = dtype_size(input.dtype);
+    c.aligned("input", input.data, 16);
+    for (int64_t i = 0; i < 3; ++i)
+      if (input.shape[i] > 1 && (input.stride(i) * es) % 16 != 0)
+        c.fail("input", "strides " + shape_str(input.strides) + " must be multiples of 16 bytes for the CUDA kernels");
   }
-  const int64_t seq_dim = opts.layout == QKVLayout::kSBHD ? 0 : 1;
-  const int64_t row_stride = input.stride(seq_dim);
-  const int64_t batch_stride = opts.layout == QKVLayout::kSBHD ? 0 : input.stride(0);
-  if (g.S > 1 && row_stride < g.cols) c.fail("input", "sequence stride is smaller than one token's elements");
-  check_cuda_input_alignment(c, "input", input, row_stride, batch_stride);
   c.on_cuda("input", input);
-  detail::QuantizeProblem p = detail::attention_outputs(c.op, input.shape, out, opts, input.device);
-  if (input.numel() == 0) return;
-  p.in = input.data, p.in_dtype = input.dtype;
-  p.batch_stride = batch_stride, p.row_stride = row_stride;
-  run_quantize(p, input.device, stream);
+  quantize_attention_parts(c, input, nullptr, input.shape, out, opts, stream);
+}
+
+void quantize_attention(const ConcatInput& input, MXFP8Tensor& out, const AttentionQuantizeOptions& opts,
+                        Stream stream) {
+  const Check c{"mxmla.quantize_attention"};
+  const std::vector<int64_t> shape = detail::check_concat(c.op, "input", input, 4, "([s, b, h, d] or [b, s, h, d])");
+  if (!opts.rowwise && !opts.columnwise) c.fail("options", "at least one of rowwise / columnwise must be set");
+  quantize_attention_parts(c, input.part0, &input.part1, shape, out, opts, stream);
 }
 
 // ---------------------------------------------------------------- dequantize

@@ -137,11 +137,12 @@ void linear_forward(const TensorDesc& x, const MXFP8Tensor& w, TensorDesc& y, MX
   if (T > 0 && N > 0) detail::gemm_cpu(g);
 }
 
-void linear_backward(const TensorDesc& dy, const MXFP8Tensor& w, const MXFP8Tensor& x_saved, TensorDesc* dx,
-                     TensorDesc& dw, bool accumulate, Stream stream) {
-  const LinearCheck c{"mxmla.linear_backward"};
-  c.input("dy", dy, "N");
-  const int64_t T = dy.shape[0], N = dy.shape[1];
+namespace {
+// linear_backward on dy's quantize problem q (its input set; T = q.rows, N = q.cols); `dy` is the
+// tensor (or part0) the device checks name.
+void linear_backward_q(const LinearCheck& c, detail::QuantizeProblem q, const TensorDesc& dy, const MXFP8Tensor& w,
+                       const MXFP8Tensor& x_saved, TensorDesc* dx, TensorDesc& dw, bool accumulate, Stream stream) {
+  const int64_t T = q.rows, N = q.cols;
   const detail::GemmOperandView wv = detail::gemm_operand(c.op, "w", w, false);         // W [N, K], columnwise
   const detail::GemmOperandView xv = detail::gemm_operand(c.op, "x_saved", x_saved, false);  // x [T, K], columnwise
   c.e4m3("w", w);
@@ -159,9 +160,7 @@ void linear_backward(const TensorDesc& dy, const MXFP8Tensor& w, const MXFP8Tens
                 {"x_saved.columnwise_data", &x_saved.columnwise_data},
                 {"x_saved.columnwise_scale_inv", &x_saved.columnwise_scale_inv}, {"dx", dx},
                 {"dw", &dw}});
-  detail::QuantizeProblem q;
-  q.in = dy.data, q.in_dtype = DType::kBFloat16, q.fmt = Fp8Format::kE4M3;
-  q.batch = 1, q.rows = T, q.cols = N, q.batch_stride = 0, q.row_stride = c.row_stride(dy);
+  q.fmt = Fp8Format::kE4M3, q.batch = 1;
   q.row_map = detail::make_row_map(MapMode::kCompact, 1, T, N);
   q.col_map = detail::make_col_map(MapMode::kCompact, 1, T, N);
   detail::GemmProblem dgrad;
@@ -180,6 +179,37 @@ void linear_backward(const TensorDesc& dy, const MXFP8Tensor& w, const MXFP8Tens
   const HostOperand cq = host_quantize(q, false);
   wgrad.a = cq.view;
   if (N > 0 && K > 0) detail::gemm_cpu(wgrad);
+}
+}  // namespace
+
+void linear_backward(const TensorDesc& dy, const MXFP8Tensor& w, const MXFP8Tensor& x_saved, TensorDesc* dx,
+                     TensorDesc& dw, bool accumulate, Stream stream) {
+  const LinearCheck c{"mxmla.linear_backward"};
+  c.input("dy", dy, "N");
+  detail::QuantizeProblem q;
+  q.in = dy.data, q.in_dtype = DType::kBFloat16;
+  q.rows = dy.shape[0], q.cols = dy.shape[1], q.batch_stride = 0, q.row_stride = c.row_stride(dy);
+  linear_backward_q(c, q, dy, w, x_saved, dx, dw, accumulate, stream);
+}
+
+void linear_backward(const ConcatInput& dy, const MXFP8Tensor& w, const MXFP8Tensor& x_saved, TensorDesc* dx,
+                     TensorDesc& dw, bool accumulate, Stream stream) {
+  const LinearCheck c{"mxmla.linear_backward"};
+  for (const auto& [a, t] : {std::pair<const char*, const TensorDesc*>{"dy.part0", &dy.part0}, {"dy.part1", &dy.part1}})
+    if (t->dtype != DType::kBFloat16) c.fail(a, std::string("dtype ") + dtype_name(t->dtype) + " must be bfloat16");
+  const std::vector<int64_t> shape = detail::check_concat(c.op, "dy", dy, 3, "[T, h, d]");
+  const int64_t T = shape[0], H = shape[1], D = shape[2];
+  if (H * D >= (int64_t{1} << 31)) c.fail("dy", "N = h·d = " + std::to_string(H * D) + " is too large (at most 2^31 - 1)");
+  c.one_device({{"dy.part0", &dy.part0}, {"dy.part1", &dy.part1}});
+  auto st = [](const TensorDesc& t, int i) { return t.shape[i] == 1 ? int64_t{0} : t.stride(i); };
+  detail::QuantizeProblem q;
+  q.in = dy.part0.data, q.in_dtype = DType::kBFloat16;
+  q.rows = T, q.cols = H * D, q.batch_stride = 0, q.row_stride = st(dy.part0, 0);
+  detail::ColumnGather& g = q.gather;
+  g.seg = D, g.nh = H, g.split = dy.part0.shape[2];
+  g.head_stride[0] = st(dy.part0, 1);
+  g.in1 = dy.part1.data, g.row_stride1 = st(dy.part1, 0), g.head_stride[1] = st(dy.part1, 1);
+  linear_backward_q(c, q, dy.part0, w, x_saved, dx, dw, accumulate, stream);
 }
 
 }  // namespace mxmla

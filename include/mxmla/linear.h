@@ -31,5 +31,11 @@ void linear_forward(const TensorDesc& x, const MXFP8Tensor& w, TensorDesc& y, MX
                     Stream stream = nullptr);
 void linear_backward(const TensorDesc& dy, const MXFP8Tensor& w, const MXFP8Tensor& x_saved, TensorDesc* dx,
                      TensorDesc& dw, bool accumulate, Stream stream = nullptr);
+// The same with dy = torch.cat([part0, part1], -1).flatten(-2), read in place (ConcatInput,
+// include/mxmla/mxfp8.h): bf16 parts [T, h, d0] and [T, h, d1], N = h·(d0 + d1) — e.g. the gradient of
+// MLA's kv_b projection from attention's dK (its first nope_dim columns, a view) and dV without a
+// concatenation pass.
+void linear_backward(const ConcatInput& dy, const MXFP8Tensor& w, const MXFP8Tensor& x_saved, TensorDesc* dx,
+                     TensorDesc& dw, bool accumulate, Stream stream = nullptr);
 
 }  // namespace mxmla

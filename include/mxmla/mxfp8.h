@@ -85,8 +85,25 @@ void unswizzle_scales(const TensorDesc& swizzled, TensorDesc& compact, int64_t M
 
 // Attention hand-off. Fused: quantize and write BHSD scales (opts.bhsd_scales = true); phase one:
 // quantize with compact per-sequence scales (opts.bhsd_scales = false); phase two:
-// attention_scales_to_bhsd(). `shape` is the 4-D Q/K/V shape in `layout`.
+// attention_scales_to_bhsd(). `shape` is the 4-D Q/K/V shape in `layout`. The input's last
+// dimension is contiguous; its other strides are free (non-negative; on CUDA multiples of 16 bytes),
+// e.g. V as a view of a fused K/V projection's output.
 void quantize_attention(const TensorDesc& input, MXFP8Tensor& out, const AttentionQuantizeOptions& opts,
+                        Stream stream = nullptr);
+
+// A tensor given as torch.cat([part0, part1], dim=-1), read in place: it is never materialised.
+// Both parts have one dtype and device and the same sizes but the last; each has its own strides
+// (the last one 1; the others non-negative, on CUDA multiples of 16 bytes, and 0 broadcasts: e.g.
+// DeepSeek-V3's k_pe, one rope key shared by every head, expanded over the heads). part0's last
+// dimension is a multiple of 16 bytes' elements (8 for bf16 / fp16, 4 for fp32), the two together a
+// multiple of 32.
+struct ConcatInput {
+  TensorDesc part0, part1;
+};
+// quantize_attention of torch.cat([part0, part1], -1) (4-D parts in opts.layout): exactly the codes and
+// scales of quantize_attention on the concatenated tensor, in one pass over the parts (MLA's
+// K = [k_nope | k_pe] without a concatenation pass).
+void quantize_attention(const ConcatInput& input, MXFP8Tensor& out, const AttentionQuantizeOptions& opts,
                         Stream stream = nullptr);
 void attention_scales_to_bhsd(const TensorDesc& compact, TensorDesc& bhsd, const std::vector<int64_t>& shape,
                               QKVLayout layout, bool rowwise, Stream stream = nullptr);

@@ -111,6 +111,24 @@ def _(x, layout, rowwise, columnwise, fp8_format, bhsd_scales):
 _no_gradient(quantize_attention, "mxmla.quantize_attention", _mx._NOT_DIFF, ["x"])
 
 
+@_op("quantize_attention_cat", mutates_args=())
+def quantize_attention_cat(x0: Tensor, x1: Tensor, layout: str, rowwise: bool, columnwise: bool, fp8_format: str,
+                           bhsd_scales: bool) -> _T4:
+    outs = _mx._quantize_attention_impl(x0, layout, rowwise, columnwise, fp8_format, bhsd_scales, x1)
+    return tuple(_placeholder(x0, o) for o in outs)
+
+
+@quantize_attention_cat.register_fake
+def _(x0, x1, layout, rowwise, columnwise, fp8_format, bhsd_scales):
+    op = "mxmla.quantize_attention"
+    lay = _mx.QKV_LAYOUT.parse(op, "layout", layout)
+    shape = _mx._cat_shape(op, "x", x0, x1)
+    return _fake4(x0, _core.attention_shapes(shape, lay, bhsd_scales, op, "x"), rowwise, columnwise)
+
+
+_no_gradient(quantize_attention_cat, "mxmla.quantize_attention", _mx._NOT_DIFF, ["x[0]", "x[1]"])
+
+
 @_op("dequantize", mutates_args=())
 def dequantize(data: Tensor, scale: Tensor, shape: List[int], fp8_format: str, scale_layout: str, columnwise: bool,
                attention: bool, layout: str, dtype: torch.dtype) -> Tensor:
@@ -445,15 +463,16 @@ _no_gradient(linear_forward, "mxmla.linear_forward", _LIN_NOT_DIFF, ["x", "w"])
 
 @_op("linear_backward", mutates_args=())
 def linear_backward(dy: Tensor, w: Tensor, w_scale: Tensor, w_mx: str, x: Tensor, x_scale: Tensor, x_mx: str,
-                    need_dx: bool) -> Tuple[Tensor, Tensor]:
+                    need_dx: bool, dy2: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """(dx, dw fp32): the dgrad and wgrad GEMMs of an MXFP8 Linear with dy's quantization fused in; w,
-    x: the columnwise codes and scales of W and x_saved. Without need_dx, dx is an empty placeholder."""
-    dx, dw = _linear_backward_impl(dy, w, w_scale, w_mx, x, x_scale, x_mx, need_dx, None, False)
+    x: the columnwise codes and scales of W and x_saved. Without need_dx, dx is an empty placeholder.
+    dy2: dy is torch.cat([dy, dy2], -1).flatten(-2) (3-D parts), read in place."""
+    dx, dw = _linear_backward_impl(dy, w, w_scale, w_mx, x, x_scale, x_mx, need_dx, None, False, dy2)
     return _placeholder(dy, dx, torch.bfloat16), dw
 
 
 @linear_backward.register_fake
-def _(dy, w, w_scale, w_mx, x, x_scale, x_mx, need_dx):
+def _(dy, w, w_scale, w_mx, x, x_scale, x_mx, need_dx, dy2):
     N, K = _shape_of(w, w_mx)
     dx = dy.new_empty((int(dy.shape[0]), K) if need_dx else (0,), dtype=torch.bfloat16)
     return dx, dy.new_empty((N, K), dtype=torch.float32)
@@ -464,13 +483,13 @@ _no_gradient(linear_backward, "mxmla.linear_backward", _LIN_NOT_DIFF, ["dy", "w"
 
 @_op("linear_backward_acc", mutates_args=("main_grad",))
 def linear_backward_acc(dy: Tensor, w: Tensor, w_scale: Tensor, w_mx: str, x: Tensor, x_scale: Tensor, x_mx: str,
-                        main_grad: Tensor, need_dx: bool) -> Tensor:
-    """dx; the wgrad added into main_grad (fp32 [N, K])."""
-    dx, _ = _linear_backward_impl(dy, w, w_scale, w_mx, x, x_scale, x_mx, need_dx, main_grad, True)
+                        main_grad: Tensor, need_dx: bool, dy2: Optional[Tensor]) -> Tensor:
+    """dx; the wgrad added into main_grad (fp32 [N, K]). dy2 as for linear_backward."""
+    dx, _ = _linear_backward_impl(dy, w, w_scale, w_mx, x, x_scale, x_mx, need_dx, main_grad, True, dy2)
     return _placeholder(dy, dx, torch.bfloat16)
 
 
 @linear_backward_acc.register_fake
-def _(dy, w, w_scale, w_mx, x, x_scale, x_mx, main_grad, need_dx):
+def _(dy, w, w_scale, w_mx, x, x_scale, x_mx, main_grad, need_dx, dy2):
     K = _shape_of(w, w_mx)[1]
     return dy.new_empty((int(dy.shape[0]), K) if need_dx else (0,), dtype=torch.bfloat16)

@@ -17,9 +17,9 @@ import numpy as np
 from . import _dispatch
 from . import _mxmla_core as _core
 from ._backend import Backend, is_ml_bf16, is_torch, kind_of, torch, type_name
-from ._checks import FP8_FORMAT, QKV_LAYOUT, SCALE_LAYOUT, flag, grad_needed, not_differentiable, real
+from ._checks import FP8_FORMAT, QKV_LAYOUT, SCALE_LAYOUT, flag, grad_needed, not_differentiable, real, same_kind
 from .attention import _core_operand, _mx_spec, _parse_spec
-from .mxfp8 import MXFP8Tensor, _dtype_name, _options
+from .mxfp8 import MXFP8Tensor, _dtype_name, _options, _parts
 
 if TYPE_CHECKING:
     import torch as _torch_t
@@ -193,12 +193,14 @@ def _linear_forward_impl(x: Any, w: Any, w_scale: Any, w_spec: str) -> Tuple[Any
 
 
 def _linear_backward_impl(dy: Any, w: Any, w_scale: Any, w_spec: str, xc: Any, xs: Any, x_spec: str, need_dx: bool,
-                          dw: Any, accumulate: bool) -> Tuple[Any, Any]:
-    """(dx or None, dw); dw: None allocates an fp32 [N, K], else it is written (or added to)."""
+                          dw: Any, accumulate: bool, dy2: Any = None) -> Tuple[Any, Any]:
+    """(dx or None, dw); dw: None allocates an fp32 [N, K], else it is written (or added to). dy2: dy
+    is torch.cat([dy, dy2], -1).flatten(-2), read in place."""
     op = "mxmla.linear_backward"
     be = Backend(op, "dy", dy)
-    dyd = be.desc("dy", dy, bf16=True)
-    T = int(dy.shape[0]) if len(dy.shape) == 2 else 0
+    dyd = be.desc("dy" if dy2 is None else "dy[0]", dy, bf16=True)
+    dy2d = None if dy2 is None else be.desc("dy[1]", dy2, bf16=True)
+    T = int(dy.shape[0]) if len(dy.shape) == (2 if dy2 is None else 3) else 0
     N, K = (_shape_of(w, w_spec) + [0, 0])[:2] if w_spec else (0, 0)
     dx = be.empty([T, K], "bfloat16") if need_dx else None
     if dw is None:
@@ -206,7 +208,7 @@ def _linear_backward_impl(dy: Any, w: Any, w_scale: Any, w_spec: str, xc: Any, x
     wo = _core_operand(be, op, "w", w, w_scale, w_spec, False)
     xo = _core_operand(be, op, "x_saved", xc, xs, x_spec, False)
     _core.linear_backward(dyd, wo, xo, None if dx is None else be.desc("dx", dx, bf16=True),
-                          be.desc("dw", dw, bf16=True), accumulate, be.stream())
+                          be.desc("dw", dw, bf16=True), accumulate, be.stream(), dy2d)
     return dx, dw
 
 
@@ -248,29 +250,37 @@ def linear_backward(dy: Array, w: MXFP8Tensor, x_saved: MXFP8Tensor, *, need_dx:
     as ``quantize`` + ``gemm``. dy: bf16 [T, N] (N a multiple of 32); w: W [N, K] with its columnwise
     copy; x_saved: from ``linear_forward`` (or x quantized with a columnwise copy, E4M3). main_grad:
     an fp32 [N, K] buffer the wgrad is added into (Megatron's); dw is then None. On CUDA one pass over
-    dy writes the bf16 values of both its copies, as the GEMMs read them."""
+    dy writes the bf16 values of both its copies, as the GEMMs read them.
+
+    dy may also be a pair (dy0, dy1) of bf16 [T, h, d0] and [T, h, d1] tensors (any strides, last dim
+    contiguous, d0 a multiple of 8): dy is then torch.cat([dy0, dy1], -1).flatten(-2) ([T, h·(d0 + d1)]),
+    read in place — e.g. an MLA kv_b projection's gradient from attention's dK[..., :nope_dim] and dV."""
     op = "mxmla.linear_backward"
-    kind_of(op, "dy", dy)
+    dy, dy2 = _parts(op, "dy", dy)
+    kind_of(op, "dy" if dy2 is None else "dy[0]", dy)
+    if dy2 is not None:
+        same_kind(op, "dy[0]", dy, **{"dy[1]": dy2})
     need_dx = flag(op, "need_dx", need_dx)
     wd, wsc, wspec = _linear_w(op, "w", w, False)
     xd, xsc, xspec = _linear_w(op, "x_saved", x_saved, False)
     if main_grad is not None:
         kind_of(op, "main_grad", main_grad)
     if is_torch(dy):
-        not_differentiable(op, _LIN_NOT_DIFF, dy=dy, w=wd, x_saved=xd)
+        not_differentiable(op, _LIN_NOT_DIFF, **{"dy" if dy2 is None else "dy[0]": dy, "dy[1]": dy2}, w=wd, x_saved=xd)
         if main_grad is not None and grad_needed(main_grad):
             raise RuntimeError(f"{op}: argument 'main_grad': requires grad, but linear_backward adds into it "
                                "without a gradient")
         if wd is None or xd is None:  # a missing copy: the core names it
             dx, dw = _linear_backward_impl(dy, wd, wsc, wspec, xd, xsc, xspec, need_dx, main_grad,
-                                           main_grad is not None)
+                                           main_grad is not None, dy2)
         elif main_grad is None:
-            dx, dw = _dispatch.call("linear_backward", dy, wd, wsc, wspec, xd, xsc, xspec, need_dx)
+            dx, dw = _dispatch.call("linear_backward", dy, wd, wsc, wspec, xd, xsc, xspec, need_dx, dy2)
         else:
-            dx = _dispatch.call("linear_backward_acc", dy, wd, wsc, wspec, xd, xsc, xspec, main_grad, need_dx)
+            dx = _dispatch.call("linear_backward_acc", dy, wd, wsc, wspec, xd, xsc, xspec, main_grad, need_dx, dy2)
             dw = main_grad
     else:
-        dx, dw = _linear_backward_impl(dy, wd, wsc, wspec, xd, xsc, xspec, need_dx, main_grad, main_grad is not None)
+        dx, dw = _linear_backward_impl(dy, wd, wsc, wspec, xd, xsc, xspec, need_dx, main_grad, main_grad is not None,
+                                       dy2)
     if not need_dx:
         dx = None
     return dx, (None if main_grad is not None else dw)

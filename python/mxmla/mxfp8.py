@@ -37,6 +37,7 @@ from ._checks import (
     integer,
     not_differentiable,
     optional_flag,
+    same_kind,
 )
 
 if TYPE_CHECKING:
@@ -277,16 +278,31 @@ def _quantize_impl(x: Any, rowwise: bool, columnwise: bool, fp8_format: str, swi
     return outs
 
 
+def _cat_shape(op: str, arg: str, x: Any, x2: Any) -> list:
+    """The shape of torch.cat([x, x2], -1) of two 4-D parts (the C++ API checks the parts' other rules)."""
+    s0, s1 = [int(v) for v in x.shape], [int(v) for v in x2.shape]
+    for i, s in enumerate((s0, s1)):
+        if len(s) != 4:
+            raise ValueError(f"{op}: argument '{arg}[{i}]': must be 4-D ([s, b, h, d] or [b, s, h, d]), got shape "
+                             f"{tuple(s)}")
+    if s0[:-1] != s1[:-1]:
+        raise ValueError(f"{op}: argument '{arg}[1]': shape {tuple(s1)} must match {arg}[0]'s {tuple(s0)} but in the "
+                         "last dimension")
+    return s0[:-1] + [s0[-1] + s1[-1]]
+
+
 def _quantize_attention_impl(x: Any, layout: str, rowwise: bool, columnwise: bool, fp8_format: str,
-                             bhsd_scales: bool) -> tuple:
+                             bhsd_scales: bool, x2: Any = None) -> tuple:
     op = "mxmla.quantize_attention"
     be = Backend(op, "x", x)
-    xd = be.desc("x", x, bf16=True)
+    xd = be.desc("x" if x2 is None else "x[0]", x, bf16=True)
+    x2d = None if x2 is None else be.desc("x[1]", x2, bf16=True)
+    shape = xd[2] if x2 is None else _cat_shape(op, "x", x, x2)
     lay = QKV_LAYOUT.parse(op, "layout", layout)
-    outs = alloc_outputs(be, _core.attention_shapes(xd[2], lay, bhsd_scales, op, "x"), rowwise, columnwise)
+    outs = alloc_outputs(be, _core.attention_shapes(shape, lay, bhsd_scales, op, "x"), rowwise, columnwise)
     o = _options(_core.AttentionQuantizeOptions, layout=lay, rowwise=rowwise, columnwise=columnwise,
                  format=FP8_FORMAT.parse(op, "fp8_format", fp8_format), bhsd_scales=bhsd_scales)
-    _core.quantize_attention(xd, *output_descs(be, outs), o, be.stream())
+    _core.quantize_attention(xd, *output_descs(be, outs), o, be.stream(), x2d)
     return outs
 
 
@@ -369,20 +385,45 @@ def quantize_attention(x: Array, layout: str = "sbhd", rowwise: bool = True, col
     Codes keep x's layout; columnwise blocks run along s inside each sequence. With
     bhsd_scales=True the scales come out in BHSD order, swizzled and zero-padded, in one call (on
     the GPU: compact scales to scratch, then the BHSD re-layout kernel); with False they are
-    compact (phase one of two; see attention_scales_to_bhsd / to_bhsd). Not differentiable."""
+    compact (phase one of two; see attention_scales_to_bhsd / to_bhsd). Not differentiable.
+
+    x's last dimension must be contiguous; its other strides are free (V as a view of a fused K/V
+    projection's output needs no copy). x may also be a pair (x0, x1): the tensor
+    torch.cat([x0, x1], -1), read in place without being made — e.g. DeepSeek-V3's K from k_nope and
+    the shared k_pe expanded over the heads (a stride of 0) — with the same codes and scales as
+    quantizing the concatenation; x0's last dimension a multiple of 8 (bf16 / fp16) or 4 (fp32)."""
     op = "mxmla.quantize_attention"
     lay = choice(op, "layout", layout, QKV_LAYOUT)
     rowwise, columnwise = flag(op, "rowwise", rowwise), flag(op, "columnwise", columnwise)
     fmt = choice(op, "fp8_format", fp8_format, FP8_FORMAT)
     bhsd_scales = flag(op, "bhsd_scales", bhsd_scales)
     directions(op, rowwise, columnwise)
-    if kind_of(op, "x", x) == "torch":
-        not_differentiable(op, _NOT_DIFF, x=x)
-        outs = _present(_dispatch.call("quantize_attention", x, lay, rowwise, columnwise, fmt, bhsd_scales), rowwise,
-                        columnwise)
+    x, x2 = _parts(op, "x", x)
+    if x2 is not None:
+        kind_of(op, "x[0]", x)
+        same_kind(op, "x[0]", x, **{"x[1]": x2})
+    if kind_of(op, "x" if x2 is None else "x[0]", x) == "torch":
+        if x2 is None:
+            not_differentiable(op, _NOT_DIFF, x=x)
+            outs = _dispatch.call("quantize_attention", x, lay, rowwise, columnwise, fmt, bhsd_scales)
+        else:
+            not_differentiable(op, _NOT_DIFF, **{"x[0]": x, "x[1]": x2})
+            outs = _dispatch.call("quantize_attention_cat", x, x2, lay, rowwise, columnwise, fmt, bhsd_scales)
+        outs = _present(outs, rowwise, columnwise)
     else:
-        outs = _quantize_attention_impl(x, lay, rowwise, columnwise, fmt, bhsd_scales)
-    return MXFP8Tensor(tuple(x.shape), fmt, "bhsd" if bhsd_scales else "compact", *outs, layout=lay, attention=True)
+        outs = _quantize_attention_impl(x, lay, rowwise, columnwise, fmt, bhsd_scales, x2)
+    shape = tuple(x.shape) if x2 is None else tuple(_cat_shape(op, "x", x, x2))
+    return MXFP8Tensor(shape, fmt, "bhsd" if bhsd_scales else "compact", *outs, layout=lay, attention=True)
+
+
+def _parts(op: str, arg: str, x: Any) -> Tuple[Any, Any]:
+    """(x, None) for one tensor; (x0, x1) for a pair that stands for torch.cat([x0, x1], -1)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"{op}: argument '{arg}': a sequence stands for torch.cat of two parts along the last "
+                             f"dimension; got {len(x)} items")
+        return x[0], x[1]
+    return x, None
 
 
 def _dtype_name(op: str, dtype: Any, arg: str = "dtype") -> Tuple[str, bool]:

@@ -358,17 +358,24 @@ NB_MODULE(_mxmla_core, m) {
   m.def(
       "quantize_attention",
       [](const Desc& x, const OptDesc& rd, const OptDesc& rs, const OptDesc& cd, const OptDesc& cs,
-         const AttentionQuantizeOptions& o, uintptr_t stream) {
-        renamed({{"input", "x"}}, [&] {
+         const AttentionQuantizeOptions& o, uintptr_t stream, const OptDesc& x2) {
+        // x2: the second part of torch.cat([x, x2], -1) (ConcatInput), read in place
+        renamed({{"input.part0", "x[0]"}, {"input.part1", "x[1]"}, {"input", "x"}}, [&] {
           MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
           const TensorDesc xd = to_desc(x);
-          nb::gil_scoped_release release;
-          quantize_attention(xd, t, o, to_stream(stream));
+          if (x2) {
+            const ConcatInput in{xd, to_desc(*x2)};
+            nb::gil_scoped_release release;
+            quantize_attention(in, t, o, to_stream(stream));
+          } else {
+            nb::gil_scoped_release release;
+            quantize_attention(xd, t, o, to_stream(stream));
+          }
         });
       },
       nb::arg("x"), nb::arg("rowwise_data").none(), nb::arg("rowwise_scale_inv").none(),
       nb::arg("columnwise_data").none(), nb::arg("columnwise_scale_inv").none(), nb::arg("options"),
-      nb::arg("stream"));
+      nb::arg("stream"), nb::arg("x2").none() = nb::none());
 
   m.def(
       "dequantize",
@@ -617,17 +624,26 @@ NB_MODULE(_mxmla_core, m) {
   m.def(
       "linear_backward",
       [](const Desc& dy, const AttnOperand& w, const AttnOperand& x_saved, const OptDesc& dx, const Desc& dw,
-         bool accumulate, uintptr_t stream) {
+         bool accumulate, uintptr_t stream, const OptDesc& dy2) {
+        // dy2: the second part of dy = torch.cat([dy, dy2], -1).flatten(-2) (ConcatInput), read in place
         const HeldOperand hw(w), hs(x_saved);
         if (hw.in.mx == nullptr || hs.in.mx == nullptr)
           throw Error("mxmla.linear_backward", hw.in.mx == nullptr ? "w" : "x_saved", "must be an MXFP8 tensor");
-        const TensorDesc dyd = to_desc(dy);
-        TensorDesc dxd = opt_desc(dx), dwd = to_desc(dw);
-        nb::gil_scoped_release release;
-        linear_backward(dyd, hw.mx, hs.mx, dx ? &dxd : nullptr, dwd, accumulate, to_stream(stream));
+        renamed({{"dy.part0", "dy[0]"}, {"dy.part1", "dy[1]"}}, [&] {
+          const TensorDesc dyd = to_desc(dy);
+          TensorDesc dxd = opt_desc(dx), dwd = to_desc(dw);
+          if (dy2) {
+            const ConcatInput in{dyd, to_desc(*dy2)};
+            nb::gil_scoped_release release;
+            linear_backward(in, hw.mx, hs.mx, dx ? &dxd : nullptr, dwd, accumulate, to_stream(stream));
+          } else {
+            nb::gil_scoped_release release;
+            linear_backward(dyd, hw.mx, hs.mx, dx ? &dxd : nullptr, dwd, accumulate, to_stream(stream));
+          }
+        });
       },
       nb::arg("dy"), nb::arg("w"), nb::arg("x_saved"), nb::arg("dx").none(), nb::arg("dw"), nb::arg("accumulate"),
-      nb::arg("stream"));
+      nb::arg("stream"), nb::arg("dy2").none() = nb::none());
 
   m.def("build_info", [] {
     const BuildInfo bi = build_info();

@@ -218,13 +218,16 @@ void zero_padding(uint8_t* buf, int64_t bytes, int64_t blocks) {
 void quantize_cpu(const QuantizeProblem& p) {
   const int64_t nrb = ceil_div(p.rows, 32);
   double v[32];
+  auto load = [&](int64_t bi, int64_t r, int64_t c) {
+    const InputRef at = input_ref(p, bi, r, c);
+    return ref::load_as_double(at.part == 0 ? p.in : p.gather.in1, p.in_dtype, at.offset);
+  };
   if (p.row_codes) {
     zero_padding(p.row_scales, row_map_bytes(p.row_map), row_map_blocks(p.row_map));
     for (int64_t bi = 0; bi < p.batch; ++bi)
       for (int64_t r = 0; r < p.rows; ++r)
         for (int64_t kb = 0; kb < p.cols / 32; ++kb) {
-          const int64_t in0 = bi * p.batch_stride + r * p.row_stride + kb * 32;
-          for (int i = 0; i < 32; ++i) v[i] = ref::load_as_double(p.in, p.in_dtype, in0 + i);
+          for (int i = 0; i < 32; ++i) v[i] = load(bi, r, kb * 32 + i);
           uint8_t* out = p.row_codes + (bi * p.rows + r) * p.cols + kb * 32;
           p.row_scales[row_scale_offset(p.row_map, bi, r, kb)] =
               quantize_block(v, 32, p.fmt, [&](int i) -> uint8_t& { return out[i]; });
@@ -236,8 +239,7 @@ void quantize_cpu(const QuantizeProblem& p) {
       for (int64_t rb = 0; rb < nrb; ++rb) {
         const int n = static_cast<int>(std::min<int64_t>(32, p.rows - rb * 32));  // tail block: n < 32
         for (int64_t c = 0; c < p.cols; ++c) {
-          for (int i = 0; i < n; ++i)
-            v[i] = ref::load_as_double(p.in, p.in_dtype, bi * p.batch_stride + (rb * 32 + i) * p.row_stride + c);
+          for (int i = 0; i < n; ++i) v[i] = load(bi, rb * 32 + i, c);
           uint8_t* out = p.col_codes + (bi * p.rows + rb * 32) * p.cols + c;
           p.col_scales[col_scale_offset(p.col_map, bi, rb, c)] =
               quantize_block(v, n, p.fmt, [&](int i) -> uint8_t& { return out[i * p.cols]; });

@@ -230,12 +230,21 @@ __device__ __forceinline__ void issue_tile(const QuantizeProblem& p, const TileC
   const int64_t col = (c.tc * kTileChunks + lane) * VEC;
   const bool col_ok = col < p.cols;
   const int r0 = warp * kRowsPerWarp;
-  const T* src = static_cast<const T*>(p.in) + c.bi * p.batch_stride + (c.tr * kTileRows + r0) * p.row_stride + col;
+  const T* src;
+  int64_t rs;
+  if (p.gather.seg == 0) {
+    src = static_cast<const T*>(p.in) + c.bi * p.batch_stride + (c.tr * kTileRows + r0) * p.row_stride + col;
+    rs = p.row_stride;
+  } else {  // this lane's chunk lies in one part (seg and split are whole chunks)
+    const InputRef at = input_ref(p, c.bi, c.tr * kTileRows + r0, col_ok ? col : 0);
+    src = static_cast<const T*>(at.part == 0 ? p.in : p.gather.in1) + at.offset;
+    rs = at.part == 0 ? p.row_stride : p.gather.row_stride1;
+  }
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int r = r0 + i;
     const bool ok = col_ok && r < c.nrows;
-    ptx::cp_async<16>(stage + r * kTileChunks + (lane ^ r), ok ? static_cast<const void*>(src + i * p.row_stride) : p.in,
+    ptx::cp_async<16>(stage + r * kTileChunks + (lane ^ r), ok ? static_cast<const void*>(src + i * rs) : p.in,
                       ok ? 16 : 0);
   }
 }

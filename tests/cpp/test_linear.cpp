@@ -1,7 +1,7 @@
 // The MXFP8 Linear's GEMMs with fused quantization (include/mxmla/linear.h), on the CPU:
 //   LinearCpu     linear_forward / linear_backward equal quantize + gemm bit for bit (y, x_saved's
 //                 codes and scales, dx, dw, dw accumulated), token counts with tail blocks, a
-//                 strided x, no dgrad;
+//                 strided x, no dgrad; linear_backward of a ConcatInput equals it on the materialised dy;
 //   LinearErrors  each rule names its argument.
 // (The CUDA path against the unfused CUDA calls: tests/python/test_linear.py.)
 #include <gtest/gtest.h>
@@ -120,6 +120,34 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearCpu,
                                   (c.ld_extra ? "strided" : "");
                          });
 
+// linear_backward of a ConcatInput (dy = cat([part0, part1], -1).flatten(-2), read in place): the bits of
+// linear_backward on the materialised dy. MLA's kv_b gradient: part0 = dK[..., :nope] (a view of
+// [T, h, nope + rope]), part1 = dV; T with a tail block, one and three heads.
+TEST(LinearCpu, BackwardOfAConcatenationEqualsTheMaterialisedDy) {
+  for (const int64_t T : {33, 1}) {
+    for (const int64_t H : {3, 1}) {
+      const int64_t NOPE = 32, ROPE = 16, V = 64, K = 64, N = H * (NOPE + V);
+      const Bf16 dk(T * H, NOPE, NOPE + ROPE, 5), dv(T * H, V, V, 6), x(T, K, K, 7), w(N, K, K, 8);
+      Mat<uint16_t> dy(T, N, DType::kBFloat16);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+          std::memcpy(&dy.v[t * N + h * (NOPE + V)], &dk.v[(t * H + h) * (NOPE + ROPE)], NOPE * 2);
+          std::memcpy(&dy.v[t * N + h * (NOPE + V) + NOPE], &dv.v[(t * H + h) * V], V * 2);
+        }
+      const Q w8(w.d), x8(x.d, false, true);
+      const ConcatInput parts{TensorDesc(const_cast<uint16_t*>(dk.v.data()), DType::kBFloat16, {T, H, NOPE}, {},
+                                         {H * (NOPE + ROPE), NOPE + ROPE, 1}),
+                              TensorDesc(const_cast<uint16_t*>(dv.v.data()), DType::kBFloat16, {T, H, V})};
+      Mat<uint16_t> dx(T, K, DType::kBFloat16), dx0(T, K, DType::kBFloat16);
+      Mat<float> dw(N, K, DType::kFloat32), dw0(N, K, DType::kFloat32);
+      linear_backward(parts, w8.t, x8.t, &dx.d, dw.d, false);
+      linear_backward(dy.d, w8.t, x8.t, &dx0.d, dw0.d, false);
+      EXPECT_EQ(dx.v, dx0.v) << "T " << T << " h " << H;
+      EXPECT_EQ(dw.v, dw0.v) << "T " << T << " h " << H;
+    }
+  }
+}
+
 TEST(LinearErrors, EveryRuleNamesItsArgument) {
   const Bf16 x(8, 64, 64, 1), w(32, 64, 64, 2), dy(8, 32, 32, 3);
   const Q w8(w.d), w_row(w.d, true, false);
@@ -166,6 +194,19 @@ TEST(LinearErrors, EveryRuleNamesItsArgument) {
     const Bf16 dy9(9, 32, 32, 4);
     linear_backward(dy9.d, w8.t, saved, nullptr, dw.d, false);
   }, "x_saved", "shape [8, 64] must be [T, K] = [9, 64]");
+  // dy as a ConcatInput: 3-D bf16 parts [T, h, d_i] whose widths add up to w's N
+  std::vector<uint16_t> p(8 * 2 * 16, 0);
+  auto part = [&](int64_t d, DType t = DType::kBFloat16) { return TensorDesc(p.data(), t, {8, 2, d}); };
+  bwd_error([&] { linear_backward(ConcatInput{part(8, DType::kFloat32), part(8)}, w8.t, saved, nullptr, dw.d, false); },
+            "dy.part0", "dtype float32 must be bfloat16");
+  bwd_error([&] { linear_backward(ConcatInput{part(4), part(12)}, w8.t, saved, nullptr, dw.d, false); }, "dy.part0",
+            "must be a multiple of 8");
+  bwd_error([&] {
+    linear_backward(ConcatInput{TensorDesc(p.data(), DType::kBFloat16, {8, 32}), part(8)}, w8.t, saved, nullptr, dw.d,
+                    false);
+  }, "dy.part0", "must be 3-D");
+  bwd_error([&] { linear_backward(ConcatInput{part(8), part(24)}, w8.t, saved, nullptr, dw.d, false); }, "w",
+            "must be [N, K] with N = 64");
 }
 
 }  // namespace

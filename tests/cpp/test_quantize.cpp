@@ -196,6 +196,70 @@ TEST(AttentionCpu, ColumnwiseBlocksStayInsideSequences) {
   }
 }
 
+// Inputs read in place (ConcatInput, strided heads): the same bytes as quantize_attention of the
+// materialised tensor. MLA's K: [k_nope (a view of a [.., h, nope + v] projection output) | k_pe
+// shared by the heads (head stride 0)]; V: the other view. Both layouts, both scale layouts, a tail.
+class AttentionConcatCpu : public ::testing::TestWithParam<std::tuple<QKVLayout, bool>> {};
+
+TEST_P(AttentionConcatCpu, EqualsTheMaterialisedTensor) {
+  const auto [layout, bhsd] = GetParam();
+  const int64_t S = 37, B = 2, H = 3, NOPE = 128, ROPE = 64, V = 128, W = NOPE + V;
+  const std::vector<float> kv = test::make_data(S * B * H, W, Data::kAdversarial, 21);  // [s|b, b|s, h, W]
+  const std::vector<float> pe = test::make_data(S * B, ROPE, Data::kRandom, 22);        // [s|b, b|s, 1, ROPE]
+  const int64_t L0 = layout == QKVLayout::kSBHD ? S : B, L1 = layout == QKVLayout::kSBHD ? B : S;
+  std::vector<float> k(L0 * L1 * H * (NOPE + ROPE)), v(L0 * L1 * H * V);  // materialised K and V
+  for (int64_t t = 0; t < L0 * L1; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(&k[(t * H + h) * (NOPE + ROPE)], &kv[(t * H + h) * W], NOPE * sizeof(float));
+      std::memcpy(&k[(t * H + h) * (NOPE + ROPE) + NOPE], &pe[t * ROPE], ROPE * sizeof(float));
+      std::memcpy(&v[(t * H + h) * V], &kv[(t * H + h) * W + NOPE], V * sizeof(float));
+    }
+  auto* kvp = const_cast<float*>(kv.data());
+  const ConcatInput kin{TensorDesc(kvp, DType::kFloat32, {L0, L1, H, NOPE}, Device{}, {L1 * H * W, H * W, W, 1}),
+                        TensorDesc(const_cast<float*>(pe.data()), DType::kFloat32, {L0, L1, H, ROPE}, Device{},
+                                   {L1 * ROPE, ROPE, 0, 1})};
+  const TensorDesc vin(kvp + NOPE, DType::kFloat32, {L0, L1, H, V}, Device{}, {L1 * H * W, H * W, W, 1});
+  AttentionQuantizeOptions o;
+  o.layout = layout, o.bhsd_scales = bhsd;
+  for (int which = 0; which < 2; ++which) {
+    const int64_t D = which == 0 ? NOPE + ROPE : V;
+    const MXFP8Shapes s = attention_shapes({L0, L1, H, D}, layout, bhsd);
+    HostQ a = test::alloc_host(s, true, true), b = test::alloc_host(s, true, true);
+    if (which == 0) quantize_attention(kin, a.t, o);
+    else quantize_attention(vin, a.t, o);
+    quantize_attention(TensorDesc(which == 0 ? k.data() : v.data(), DType::kFloat32, {L0, L1, H, D}), b.t, o);
+    expect_same(a, b, which == 0 ? "K from its parts" : "V from its view");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, AttentionConcatCpu,
+                         ::testing::Combine(::testing::Values(QKVLayout::kSBHD, QKVLayout::kBSHD),
+                                            ::testing::Values(true, false)));
+
+TEST(AttentionConcatCpu, Errors) {
+  std::vector<uint16_t> x(2 * 8 * 2 * 64, 0);
+  AttentionQuantizeOptions o;
+  o.layout = QKVLayout::kBSHD;
+  HostQ q = test::alloc_host(attention_shapes({2, 8, 2, 64}, QKVLayout::kBSHD, true), true, true);
+  auto part = [&](int64_t d, std::vector<int64_t> st = {}) {
+    return st.empty() ? TensorDesc(x.data(), DType::kBFloat16, {2, 8, 2, d})
+                      : TensorDesc(x.data(), DType::kBFloat16, {2, 8, 2, d}, Device{}, st);
+  };
+  test::expect_error("mxmla.quantize_attention", [&] { quantize_attention(ConcatInput{part(36), part(28)}, q.t, o); },
+                     "input.part0", "multiple of 8");
+  test::expect_error("mxmla.quantize_attention", [&] { quantize_attention(ConcatInput{part(32), part(8)}, q.t, o); },
+                     "input", "multiple of 32");
+  test::expect_error("mxmla.quantize_attention",
+                     [&] { quantize_attention(ConcatInput{part(32), part(32, {512, 64, 32, 2})}, q.t, o); },
+                     "input.part1", "last dimension must be contiguous");
+  test::expect_error("mxmla.quantize_attention",
+                     [&] { quantize_attention(ConcatInput{part(32), TensorDesc(x.data(), DType::kFloat32, {2, 8, 2, 32})}, q.t, o); },
+                     "input.part1", "must be part0's");
+  test::expect_error("mxmla.quantize_attention",
+                     [&] { quantize_attention(ConcatInput{part(32, {512, -64, 32, 1}), part(32)}, q.t, o); },
+                     "input.part0", "must not be negative");
+}
+
 // Two phases (compact, then attention_scales_to_bhsd) equal the fused result, on the CPU and the GPU.
 TEST(AttentionCpu, TwoPhaseEqualsFused) {
   for (QKVLayout l : {QKVLayout::kSBHD, QKVLayout::kBSHD}) {

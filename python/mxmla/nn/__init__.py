@@ -6,7 +6,9 @@
   sequences with cu_seqlens. RoPE is mxmla.apply_rope (DeepSeek's "interleaved" style, plain or
   YaRN tables from mxmla.rope_tables).
 - ``MLAQUpProj`` and ``attention_from_mxfp8_q``: the fused Q up-projection + RoPE + MXFP8 as a module
-  whose MXFP8 Q feeds attention directly, with autograd (an anchor tensor carries dQ back).
+  whose MXFP8 Q feeds attention directly, with autograd (an anchor tensor carries dQ back);
+  ``attention_from_latent``: the same attention with K and V made from the KV latent by the kv_b
+  projection and quantized from their views of its output (no concatenation passes either way).
 - ``DotProductAttention``: MXFP8 attention with autograd (bf16 q, k, v quantized to MXFP8 with both
   copies; saved: the MXFP8 tensors, O and LSE; the backward returns bf16 gradients).
 - ``RMSNorm``, ``SwiGLU`` (DeepSeek-V3's dense MLP), ``Linear`` (the one place a recipe's GEMM runs),
@@ -15,9 +17,9 @@
 Recipes: ``"bf16"`` (the baseline: every Linear and the attention in bf16 with fp32 accumulation,
 parameters in fp32) and ``"mxfp8"`` (every Linear on mxmla's MXFP8 GEMM with its three directions,
 ``MXFP8LinearFunction``; attention on MXFP8 Q, K, V with mxmla's forward and backward,
-``MXFP8Attention``). On a GPU the MXFP8 recipe runs mxmla's kernels, two of which are correctness
-paths for now (the GEMM at about a third of cuBLAS's bf16 speed, the attention backward on CUDA
-cores): it trains correctly but slowly.
+``MXFP8Attention``; ``MLA`` with a q_lora rank on sbhd / bshd: the fused Q up-projection and
+``attention_from_latent``). On a GPU the MXFP8 recipe runs mxmla's CUDA kernels; the README says
+how fast against the bf16 recipe.
 
 Needs torch (``import mxmla`` does not import this subpackage, and works without torch).
 """
@@ -32,6 +34,6 @@ from ..attention_autograd import DotProductAttention
 from .decoder import Block, Decoder, byte_tokens
 from .layers import RECIPES, Linear, MXFP8LinearFunction, RMSNorm, SwiGLU, check_recipe
 from .mla import MLA
-from .qproj import MLAQUpProj, attention_from_mxfp8_q
+from .qproj import MLAQUpProj, attention_from_latent, attention_from_mxfp8_q
 
-__all__ = ["MLA", "MLAQUpProj", "attention_from_mxfp8_q", "DotProductAttention", "MXFP8LinearFunction", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens"]
+__all__ = ["MLA", "MLAQUpProj", "attention_from_mxfp8_q", "attention_from_latent", "DotProductAttention", "MXFP8LinearFunction", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens"]

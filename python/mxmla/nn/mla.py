@@ -89,9 +89,11 @@ class MLA(nn.Module):
             RoPE in bf16 / fp32 as in "bf16"). Under "mxfp8" with q_lora_rank > 0 and layout bshd
             or sbhd, the query's up-projection is the fused Q up-projection with an MXFP8 weight,
             as the reference system runs it (wq_b's MXFP8 GEMM, RoPE and the MXFP8 quantization of
-            q in one op; attention reads that MXFP8 Q; mxmla.nn.MLAQUpProj's autograd); thd runs
-            wq_b's MXFP8 Linear, then RoPE. "mxfp8" needs dtype bf16 and every Linear's dimensions
-            multiples of 32.
+            q in one op; attention reads that MXFP8 Q; mxmla.nn.MLAQUpProj's autograd), and K and V
+            come from wkv_b through mxmla.nn.attention_from_latent (quantized from their views of
+            its output, its backward reading dK and dV in place: no concatenation pass); thd runs
+            wq_b's MXFP8 Linear, then RoPE, and concatenates K. "mxfp8" needs dtype bf16 and every
+            Linear's dimensions multiples of 32.
         yarn: None (plain RoPE), "deepseek_v3" or a dict of YaRN parameters (mxmla.rope_tables);
             it also sets the softmax scale's mscale² (DeepSeek-V3 trains with YaRN only past 4K).
         rope_base: RoPE's base (10000). max_seq_len: the longest sequence (the tables' length).
@@ -289,13 +291,15 @@ class MLA(nn.Module):
         # key / value: the compressed latent (kv) and the shared rope key (one head)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_pe = copy_to_tp(self._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu), g)
-        kv = self.wkv_b(copy_to_tp(self.kv_norm(kv), g)).unflatten(-1, (self.local_heads, self.nope_dim + self.v_dim))
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
-        if fused_q:
-            from .qproj import attention_from_mxfp8_q
-            o = attention_from_mxfp8_q(q8, anchor, k, v, causal=True, softmax_scale=self.softmax_scale)
+        lat = copy_to_tp(self.kv_norm(kv), g)
+        if fused_q:  # kv_b, K = [k_nope | k_pe] and V in MXFP8 without concatenation passes, then attention
+            from .qproj import attention_from_latent
+            o = attention_from_latent(q8, anchor, lat, k_pe, self.wkv_b.weight, self.nope_dim, causal=True,
+                                      softmax_scale=self.softmax_scale)
         else:
+            kv = self.wkv_b(lat).unflatten(-1, (self.local_heads, self.nope_dim + self.v_dim))
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
             o = self._attention(q, k, v, layout, cu, longest)
         return reduce_from_tp(self.wo(o.flatten(-2)), g)
 
