@@ -26,13 +26,26 @@ _OP = "mxmla.MXFP8Attention"
 _FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
 
+def _reads_in_place(x: torch.Tensor) -> bool:
+    """quantize_attention reads x as it lies: last dim contiguous, no negative stride, and on CUDA
+    16-byte aligned (pointer and strides). E.g. q, k, v as views of a packed [s, b, 3, h, d]."""
+    if x.dim() != 4 or x.stride(-1) != 1 or any(st < 0 for st in x.stride()):
+        return False
+    if not x.is_cuda:
+        return True
+    es = x.element_size()
+    return x.data_ptr() % 16 == 0 and all(n == 1 or (st * es) % 16 == 0 for n, st in zip(x.shape, x.stride()))
+
+
 def quantize_for_attention(x: torch.Tensor, fmt: str, fp8_format: str = "e4m3") -> MXFP8Tensor:
     """x (bf16, format fmt) quantized with both copies in one pass, as MXFP8Attention does: sbhd /
-    bshd through quantize_attention (BHSD scales), thd through quantize of the [t, h·d] view (codes
-    viewed [t, h, d]), bhsd through quantize of [b, h, s, d] (columnwise blocks along s)."""
-    x = x.detach().contiguous()
+    bshd through quantize_attention (BHSD scales; a strided x, e.g. a view of a packed QKV tensor,
+    is read in place where the kernels can: no copy), thd through quantize of the [t, h·d] view
+    (codes viewed [t, h, d]), bhsd through quantize of [b, h, s, d] (columnwise blocks along s)."""
+    x = x.detach()
     if fmt in ("sbhd", "bshd"):
-        return quantize_attention(x, fmt, fp8_format=fp8_format)
+        return quantize_attention(x if _reads_in_place(x) else x.contiguous(), fmt, fp8_format=fp8_format)
+    x = x.contiguous()
     if fmt == "thd":
         t, h, d = (int(s) for s in x.shape)
         m = quantize(x.contiguous().reshape(t, h * d), fp8_format=fp8_format)
