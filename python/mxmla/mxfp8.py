@@ -399,10 +399,10 @@ def quantize_attention(x: Array, layout: str = "sbhd", rowwise: bool = True, col
     bhsd_scales = flag(op, "bhsd_scales", bhsd_scales)
     directions(op, rowwise, columnwise)
     x, x2 = _parts(op, "x", x)
+    kind = kind_of(op, "x" if x2 is None else "x[0]", x)
     if x2 is not None:
-        kind_of(op, "x[0]", x)
         same_kind(op, "x[0]", x, **{"x[1]": x2})
-    if kind_of(op, "x" if x2 is None else "x[0]", x) == "torch":
+    if kind == "torch":
         if x2 is None:
             not_differentiable(op, _NOT_DIFF, x=x)
             outs = _dispatch.call("quantize_attention", x, lay, rowwise, columnwise, fmt, bhsd_scales)
