@@ -327,6 +327,21 @@ AttnStrides attn_strides(const TensorDesc& t, QKVLayout layout) {
   auto st = [&](int i) { return t.shape[i] == 1 ? int64_t{0} : t.stride(i); };
   return layout == QKVLayout::kSBHD ? AttnStrides{0, st(0), st(1), st(2)} : AttnStrides{st(0), st(1), 0, st(2)};
 }
+
+// An input read in place with free strides (all but the last, which is 1): none negative, and on
+// CUDA a 16-byte aligned pointer and strides (the kernels load 16-byte pieces).
+void check_free_strides(const Check& c, const std::string& arg, const TensorDesc& t) {
+  const int64_t nd = t.ndim();
+  for (int64_t i = 0; i < nd; ++i)
+    if (t.shape[i] > 1 && t.stride(i) < 0) c.fail(arg, "strides " + shape_str(t.strides) + " must not be negative");
+  if (t.device.type != DeviceType::kCUDA || t.numel() == 0) return;
+  c.aligned(arg, t.data, 16);
+  const int64_t es = dtype_size(t.dtype);
+  for (int64_t i = 0; i + 1 < nd; ++i)
+    if (t.shape[i] > 1 && (t.stride(i) * es) % 16 != 0)
+      c.fail(arg, "strides " + shape_str(t.strides) + " must be multiples of 16 bytes for the CUDA kernels");
+  c.on_cuda(arg, t);
+}
 }  // namespace
 
 namespace detail {
@@ -342,8 +357,6 @@ std::vector<int64_t> check_concat(const char* op, const std::string& arg, const 
     if (t.shape.back() <= 0) c.fail(a, "last dimension must be positive, got shape " + shape_str(t.shape));
     if (t.stride(ndim - 1) != 1)
       c.fail(a, "last dimension must be contiguous (stride 1), got stride " + std::to_string(t.stride(ndim - 1)));
-    for (int64_t i = 0; i < ndim; ++i)
-      if (t.shape[i] > 1 && t.stride(i) < 0) c.fail(a, "strides " + shape_str(t.strides) + " must not be negative");
     if (t.numel() > 0 && t.data == nullptr) c.fail(a, "data pointer is null");
   }
   const TensorDesc &p0 = in.part0, &p1 = in.part1;
@@ -363,16 +376,8 @@ std::vector<int64_t> check_concat(const char* op, const std::string& arg, const 
                     ", which must be a multiple of 32 (the MXFP8 block size)");
   std::vector<int64_t> shape = p0.shape;
   shape.back() = d;
-  if (p0.device.type == DeviceType::kCUDA && numel(shape) > 0) {
-    const int64_t es = dtype_size(p0.dtype);
-    for (const auto& [a, t] : {std::pair<const std::string&, const TensorDesc&>{a0, p0}, {a1, p1}}) {
-      c.aligned(a, t.data, 16);
-      for (int64_t i = 0; i + 1 < ndim; ++i)
-        if (t.shape[i] > 1 && (t.stride(i) * es) % 16 != 0)
-          c.fail(a, "strides " + shape_str(t.strides) + " must be multiples of 16 bytes for the CUDA kernels");
-      c.on_cuda(a, t);
-    }
-  }
+  check_free_strides(c, a0, p0);
+  check_free_strides(c, a1, p1);
   return shape;
 }
 }  // namespace detail
@@ -412,17 +417,7 @@ void quantize_attention(const TensorDesc& input, MXFP8Tensor& out, const Attenti
   c.float_input("input", input);
   if (!opts.rowwise && !opts.columnwise) c.fail("options", "at least one of rowwise / columnwise must be set");
   attn_geom(c, "input", input.shape, opts.layout);
-  for (int64_t i = 0; i < 3; ++i)
-    if (input.shape[i] > 1 && input.stride(i) < 0)
-      c.fail("input", "strides " + shape_str(input.strides) + " must not be negative");
-  if (input.device.type == DeviceType::kCUDA && input.numel() > 0) {
-    const int64_t es = dtype_size(input.dtype);
-    c.aligned("input", input.data, 16);
-    for (int64_t i = 0; i < 3; ++i)
-      if (input.shape[i] > 1 && (input.stride(i) * es) % 16 != 0)
-        c.fail("input", "strides " + shape_str(input.strides) + " must be multiples of 16 bytes for the CUDA kernels");
-  }
-  c.on_cuda("input", input);
+  check_free_strides(c, "input", input);
   quantize_attention_parts(c, input, nullptr, input.shape, out, opts, stream);
 }
 

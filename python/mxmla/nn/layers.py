@@ -41,6 +41,26 @@ def _quantized_weight(weight: torch.Tensor):
     return w8
 
 
+def linear_saved(x8, w8) -> tuple:
+    """What an MXFP8 Linear's backward reads (as the reference system keeps: x's and W's columnwise
+    copies), for save_for_backward."""
+    return x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data, w8.columnwise_scale_inv
+
+
+def linear_grads(saved, shapes, weight: torch.Tensor, dy):
+    """(dx bf16 [T, K], dW in the weight's dtype or None) of an MXFP8 Linear from linear_saved's tensors
+    and the (x, W) shapes: ``mxmla.linear_backward`` (dy: a [T, N] tensor or its pair form), the wgrad
+    added into the weight's ``main_grad`` (Megatron's fp32 buffer; then no dW) when it has one."""
+    import mxmla
+
+    xc, xs, wc, ws = saved
+    x8 = mxmla.MXFP8Tensor(shapes[0], "e4m3", "compact", None, None, xc, xs)
+    w8 = mxmla.MXFP8Tensor(shapes[1], "e4m3", "compact", None, None, wc, ws)
+    main_grad = getattr(weight, "main_grad", None)
+    dx, dw = mxmla.linear_backward(dy, w8, x8, main_grad=main_grad)
+    return dx, (None if main_grad is not None else dw.to(weight.dtype))
+
+
 class MXFP8LinearFunction(torch.autograd.Function):
     """y = x · Wᵀ as TransformerEngine's MXFP8 recipe runs a Linear (SPEC §6), on mxmla.gemm.
 
@@ -62,27 +82,16 @@ class MXFP8LinearFunction(torch.autograd.Function):
         lead, K = x.shape[:-1], x.shape[-1]
         w8 = _quantized_weight(weight)
         y, x8 = mxmla.linear_forward(x.detach().reshape(-1, K).to(torch.bfloat16), w8)
-        # only the copies the backward reads (as the reference system keeps x's columnwise copy)
-        ctx.save_for_backward(x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data,
-                              w8.columnwise_scale_inv)
-        ctx.shapes, ctx.lead, ctx.wdtype = (x8.shape, w8.shape), lead, weight.dtype
+        ctx.save_for_backward(*linear_saved(x8, w8))  # only the copies the backward reads
+        ctx.shapes, ctx.lead = (x8.shape, w8.shape), lead
         ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
         return y.reshape(*lead, y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        import mxmla
-
-        xc, xs, wc, ws = ctx.saved_tensors
-        x8 = mxmla.MXFP8Tensor(ctx.shapes[0], "e4m3", "compact", None, None, xc, xs)
-        w8 = mxmla.MXFP8Tensor(ctx.shapes[1], "e4m3", "compact", None, None, wc, ws)
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous()
-        main_grad = getattr(ctx.weight, "main_grad", None)
-        dx, dw = mxmla.linear_backward(dy2, w8, x8, main_grad=main_grad)  # dx [T, K] bf16, dw [N, K] fp32
-        dx = dx.reshape(*ctx.lead, dx.shape[-1])
-        if main_grad is not None:  # wgrad accumulated into the fp32 buffer; no .grad
-            return dx, None
-        return dx, dw.to(ctx.wdtype)
+        dx, dw = linear_grads(ctx.saved_tensors, ctx.shapes, ctx.weight, dy2)  # dx [T, K] bf16
+        return dx.reshape(*ctx.lead, dx.shape[-1]), dw
 
 
 def resolve_dtypes(what: str, dtype: torch.dtype, params_dtype: Optional[torch.dtype]) -> Tuple[torch.dtype, torch.dtype]:

@@ -26,7 +26,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from .layers import _quantized_weight, generator, init_normal_
+from .layers import _quantized_weight, generator, init_normal_, linear_grads, linear_saved
 
 _OP = "mxmla.nn.MLAQUpProj"
 
@@ -81,8 +81,7 @@ class _QUpProjMXFP8Function(torch.autograd.Function):
                                          cfg["layout"], cfg["batch"], "nk", True, True, "e4m3", cfg["bhsd_scales"],
                                          False)
         # only the copies the backward reads: x's and W's columnwise ones
-        ctx.save_for_backward(x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data,
-                              w8.columnwise_scale_inv, cos, sin)
+        ctx.save_for_backward(*linear_saved(x8, w8), cos, sin)
         ctx.cfg, ctx.x_shape, ctx.w_dtype, ctx.weight = cfg, x.shape, weight.dtype, weight
         ctx.shapes, ctx.x_dtype = (x8.shape, w8.shape), x.dtype
         anchor = torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(q8.rowwise_data.shape)
@@ -162,6 +161,14 @@ class MLAQUpProj(nn.Module):
                 f"rope_dim={self.rope_dim}, weights={self.weights!r}, style={self.style!r}, layout={self.layout!r}")
 
 
+def _rowwise_only(t: Any) -> Any:
+    """An MXFP8Tensor without its columnwise copy."""
+    import mxmla
+
+    return mxmla.MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout, t.rowwise_data, t.rowwise_scale_inv, None, None,
+                             layout=t.layout, attention=t.attention)
+
+
 class _AttentionFromQ8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, rd, rs, cd, cs, k, v, meta, kw):
@@ -173,9 +180,7 @@ class _AttentionFromQ8(torch.autograd.Function):
         q8 = mxmla.MXFP8Tensor(shape, fmt, sl, rd, rs, cd, cs, layout=lay, attention=True)
         k8, v8 = (quantize_for_attention(t, kw["layout"]) for t in (k, v))
         o, lse = mxmla.attention(q8, k8, v8, return_lse=True, **kw)
-        # (V's columnwise copy served the forward only: the backward reads V rowwise)
-        v8 = mxmla.MXFP8Tensor(v8.shape, v8.fp8_format, v8.scale_layout, v8.rowwise_data, v8.rowwise_scale_inv,
-                               None, None, layout=v8.layout, attention=v8.attention)
+        v8 = _rowwise_only(v8)  # (V's columnwise copy served the forward only: the backward reads V rowwise)
         ctx.q8, ctx.k8, ctx.v8, ctx.kw = q8, k8, v8, kw
         ctx.save_for_backward(o, lse)
         return o
@@ -221,12 +226,9 @@ class _AttentionFromLatent(torch.autograd.Function):
         v8 = mxmla.quantize_attention(kv[..., nope:], lay)
         del kv
         o, lse = mxmla.attention(q8, k8, v8, return_lse=True, **kw)
-        # (V's columnwise copy served the forward only: the backward reads V rowwise)
-        v8 = mxmla.MXFP8Tensor(v8.shape, v8.fp8_format, v8.scale_layout, v8.rowwise_data, v8.rowwise_scale_inv,
-                               None, None, layout=v8.layout, attention=v8.attention)
+        v8 = _rowwise_only(v8)  # (V's columnwise copy served the forward only: the backward reads V rowwise)
         ctx.qkv8, ctx.kw, ctx.nope = (q8, k8, v8), kw, nope
-        ctx.save_for_backward(o, lse, x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data,
-                              w8.columnwise_scale_inv)
+        ctx.save_for_backward(o, lse, *linear_saved(x8, w8))
         ctx.shapes, ctx.lead, ctx.lat_dtype, ctx.pe_dtype = (x8.shape, w8.shape), lead, lat.dtype, k_pe.dtype
         ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
         return o
@@ -235,22 +237,18 @@ class _AttentionFromLatent(torch.autograd.Function):
     def backward(ctx, do):
         import mxmla
 
-        o, lse, xc, xs, wc, ws = ctx.saved_tensors
+        o, lse, *saved = ctx.saved_tensors
         q8, k8, v8 = ctx.qkv8
         ctx.qkv8 = None  # (the MXFP8 Q, K, V leave memory before the kv_b GEMMs' scratch arrives)
         dq, dk, dv = mxmla.attention_backward(do.to(torch.bfloat16).contiguous(), q8, k8, v8, o, lse, **ctx.kw)
         del q8, k8, v8
         nope, H = ctx.nope, dk.shape[-2]
-        x8 = mxmla.MXFP8Tensor(ctx.shapes[0], "e4m3", "compact", None, None, xc, xs)
-        w8 = mxmla.MXFP8Tensor(ctx.shapes[1], "e4m3", "compact", None, None, wc, ws)
         dk_pe = dk[..., nope:].sum(dim=-2, keepdim=True).to(ctx.pe_dtype)  # k_pe's expansion over the heads
         # the kv_b Linear's dy = [dK_nope | dV] per head, read in place (no concatenation pass)
-        main_grad = getattr(ctx.weight, "main_grad", None)
-        dx, dw = mxmla.linear_backward((dk[..., :nope].reshape(-1, H, nope), dv.reshape(-1, H, dv.shape[-1])), w8, x8,
-                                       main_grad=main_grad)
+        dx, dw = linear_grads(saved, ctx.shapes, ctx.weight,
+                              (dk[..., :nope].reshape(-1, H, nope), dv.reshape(-1, H, dv.shape[-1])))
         dlat = dx.reshape(*ctx.lead, dx.shape[-1]).to(ctx.lat_dtype)
-        return dq, None, None, None, None, dlat, dk_pe, (None if main_grad is not None else dw.to(ctx.weight.dtype)), \
-            None, None, None
+        return dq, None, None, None, None, dlat, dk_pe, dw, None, None, None
 
 
 def attention_from_latent(q8: Any, anchor: torch.Tensor, lat: torch.Tensor, k_pe: torch.Tensor, weight: torch.Tensor,
