@@ -116,6 +116,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help=f"sequences per step (GPU {GPU_CONFIG['batch']}, CPU {CPU_CONFIG['batch']})")
     p.add_argument("--lr", type=float, help=f"peak learning rate (GPU {GPU_CONFIG['lr']}, CPU {CPU_CONFIG['lr']})")
     p.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the mxfp8 attention backward in a fixed summation order (reproducible runs, ~1.1x its time)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when usable, else cpu)")
     p.add_argument("--out", default="train_mla_out", help="output folder (default train_mla_out)")
     p.add_argument("--text-file", default=None, help=f"train on this file instead of {CORPUS_PACKAGE}'s documentation")
@@ -180,11 +182,12 @@ def mla_dims(cfg: Dict, recipes, device: str) -> Dict:
     return dict(head, q_lora_rank=lora(h // 2), kv_lora_rank=lora(h // 4))
 
 
-def build_model(recipe: str, cfg: Dict, seed: int, device: str, dims: Dict = None, tp_group=None):
+def build_model(recipe: str, cfg: Dict, seed: int, device: str, dims: Dict = None, tp_group=None,
+                deterministic: bool = False):
     from mxmla.nn import Decoder
 
     return Decoder(cfg["hidden"], cfg["layers"], cfg["heads"], max_seq_len=cfg["seq"], recipe=recipe, seed=seed,
-                   device=device, tp_group=tp_group, **(dims or {}))
+                   device=device, tp_group=tp_group, deterministic=deterministic, **(dims or {}))
 
 
 def init_tp(tp: int, device: str):
@@ -331,7 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     models = {}
     for recipe in args.recipes:
         try:
-            models[recipe] = build_model(recipe, cfg, args.seed, device, mla_dims(cfg, args.recipes, device), tp_group)
+            models[recipe] = build_model(recipe, cfg, args.seed, device, mla_dims(cfg, args.recipes, device), tp_group,
+                                         args.deterministic)
         except (NotImplementedError, ValueError) as e:
             print(f"train_mla.py: --recipe {recipe}: {e}", file=sys.stderr)
             return 2

@@ -138,6 +138,8 @@ def test_mla_input_errors():
         m(randn(1, 6, 64), layout="bhsd")
     with pytest.raises(ValueError, match="rope_dim must be even"):
         mla(rope_dim=7)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        mla(deterministic=1)
 
 
 # ----------------------------------------------------------------------------- MLA: DeepSeek-V3's structure
@@ -417,6 +419,38 @@ def test_mla_mxfp8_recipe_tracks_the_bf16_block(layout):
     assert rel(outs[1][1], outs[0][1]) < 0.1
     for n, gr in outs[0][2].items():
         assert rel(outs[1][2][n], gr) < 0.25, n
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_mla_mxfp8_deterministic_reaches_the_attention_backward(layout, monkeypatch):
+    """MLA(deterministic=True) hands deterministic=True to every attention backward of the block (bshd:
+    attention_from_latent; thd: MXFP8Attention), and the default hands False; on the CPU (the float64
+    reference, one summation order) both give the same gradients."""
+    import mxmla.nn.qproj as nq
+    import mxmla.attention_autograd as aa
+    seen = []
+    real = mxmla.attention_backward
+
+    def spy(*a, **k):
+        seen.append(k.get("deterministic"))
+        return real(*a, **k)
+    for mod in (mxmla, nq, aa):
+        if hasattr(mod, "attention_backward"):
+            monkeypatch.setattr(mod, "attention_backward", spy)
+    kw = dict(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
+              max_seq_len=64, layout=layout, seed=5, recipe="mxfp8")
+    x = torch.randn((1, 40, 64) if layout == "bshd" else (40, 64), generator=torch.Generator().manual_seed(0))
+    cu = [0, 25, 40] if layout == "thd" else None
+    grads = []
+    for det in (True, False):
+        m = mnn.MLA(**kw, deterministic=det)
+        xi = x.to(torch.bfloat16).requires_grad_()
+        m(xi, cu_seqlens=cu).float().square().mean().backward()
+        grads.append([xi.grad] + [p.grad for _, p in sorted(m.named_parameters())])
+    assert seen == [True, False], seen
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    assert "deterministic=True" in repr(mnn.MLA(**kw, deterministic=True))
 
 
 # ----------------------------------------------------------------------------- Decoder

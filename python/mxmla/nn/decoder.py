@@ -31,7 +31,8 @@ class Block(nn.Module):
                  v_dim: int, inter_dim: int, recipe: str = "bf16", yarn: Any = None, *, max_seq_len: int = 4096,
                  rope_base: float = 10000.0, norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
-                 out_init_std: Optional[float] = None, seed: int = 0, tp_group: Any = None):
+                 out_init_std: Optional[float] = None, seed: int = 0, tp_group: Any = None,
+                 deterministic: bool = False):
         super().__init__()
         check_recipe(recipe, "mxmla.nn.Block")
         dtype, params_dtype = resolve_dtypes("mxmla.nn.Block", dtype, params_dtype)
@@ -40,7 +41,7 @@ class Block(nn.Module):
         self.attn = MLA(hidden, heads, q_lora_rank, kv_lora_rank, nope_dim, rope_dim, v_dim, recipe, yarn,
                         rope_base=rope_base, max_seq_len=max_seq_len, norm_eps=norm_eps, dtype=dtype,
                         params_dtype=params_dtype, init_std=init_std, out_init_std=out_init_std, seed=child_seed(g),
-                        tp_group=tp_group)
+                        tp_group=tp_group, deterministic=deterministic)
         self.ffn_norm = RMSNorm(hidden, norm_eps, params_dtype)
         self.ffn = SwiGLU(hidden, inter_dim, recipe, dtype, params_dtype, init_std, out_init_std, seed=child_seed(g))
 
@@ -68,6 +69,7 @@ class Decoder(nn.Module):
             residual stream (wo, w2) use init_std / sqrt(2·layers).
         seed: every weight is drawn from this seed (the same weights on any device and dtype).
         tp_group: tensor parallelism of every MLA block (see mxmla.nn.MLA); the rest is replicated.
+        deterministic: every MLA block's attention backward in a fixed summation order (see MLA).
         device: where the model lives.
 
     forward(tokens, cu_seqlens=None) -> logits (fp32; float64 for a float64 model):
@@ -80,7 +82,8 @@ class Decoder(nn.Module):
                  v_dim: Optional[int] = None, inter_dim: Optional[int] = None, vocab_size: int = 256,
                  max_seq_len: int = 1024, recipe: str = "bf16", yarn: Any = None, *, rope_base: float = 10000.0,
                  norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16, params_dtype: Optional[torch.dtype] = None,
-                 init_std: float = 0.02, seed: int = 0, device: Any = None, tp_group: Any = None):
+                 init_std: float = 0.02, seed: int = 0, device: Any = None, tp_group: Any = None,
+                 deterministic: bool = False):
         super().__init__()
         what = "mxmla.nn.Decoder"
         self.recipe = check_recipe(recipe, what)
@@ -103,7 +106,7 @@ class Decoder(nn.Module):
             Block(hidden, heads, cfg["q_lora_rank"], cfg["kv_lora_rank"], nope_dim, rope_dim, cfg["v_dim"],
                   cfg["inter_dim"], recipe, yarn, max_seq_len=max_seq_len, rope_base=rope_base, norm_eps=norm_eps,
                   dtype=dtype, params_dtype=params_dtype, init_std=init_std, out_init_std=out_std,
-                  seed=child_seed(g), tp_group=tp_group)
+                  seed=child_seed(g), tp_group=tp_group, deterministic=deterministic)
             for _ in range(layers))
         self.norm = RMSNorm(hidden, norm_eps, params_dtype)
         # the output head in bf16 under every recipe (DeepSeek-V3 §3.3.1 keeps it in higher precision)

@@ -108,6 +108,9 @@ class MLA(nn.Module):
         seed: the weights are drawn from this seed (CPU generator): the same seed gives the same
             weights on any device and at any dtype.
         device: where the module lives (built on the CPU, then moved).
+        deterministic: under "mxfp8", the attention backward adds dQ's parts in a fixed order
+            (attention_backward's deterministic=True: bitwise reproducible gradients, at about 1.1x the
+            backward's time); under "bf16" torch's SDPA follows torch.use_deterministic_algorithms.
         tp_group: a torch.distributed process group for tensor parallelism (None: no parallelism).
             Heads are split evenly over its ranks: wq / wq_b and wkv_b keep this rank's heads (column
             parallel), wo their columns (row parallel, its output all-reduced); wq_a, q_norm, wkv_a,
@@ -125,9 +128,13 @@ class MLA(nn.Module):
                  rope_base: float = 10000.0, max_seq_len: int = 4096, softmax_scale: Optional[float] = None,
                  layout: str = "bshd", norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
-                 out_init_std: Optional[float] = None, seed: int = 0, device: Any = None, tp_group: Any = None):
+                 out_init_std: Optional[float] = None, seed: int = 0, device: Any = None, tp_group: Any = None,
+                 deterministic: bool = False):
         super().__init__()
         what = "mxmla.nn.MLA"
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"{what}: deterministic must be a bool, got {type(deterministic).__name__}")
+        self.deterministic = deterministic
         self.recipe = check_recipe(recipe, what)
         self.dtype, params_dtype = resolve_dtypes(what, dtype, params_dtype)
         dims = dict(hidden=hidden, heads=heads, kv_lora_rank=kv_lora_rank, nope_dim=nope_dim, rope_dim=rope_dim,
@@ -240,7 +247,8 @@ class MLA(nn.Module):
             from ..attention_autograd import MXFP8Attention
             # thd: the longest sequence as the bound, so that neither pass copies cu_seqlens back to the host
             bound = longest if layout == "thd" and longest > 0 else None
-            return MXFP8Attention.apply(q, k, v, True, self.softmax_scale, layout, cu, cu, bound, bound)
+            return MXFP8Attention.apply(q, k, v, True, self.softmax_scale, layout, cu, cu, bound, bound, "e4m3", False,
+                                        self.deterministic)
         if layout == "bshd":  # [b, s, h, d] -> [b, h, s, d]
             return self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
         if layout == "sbhd":  # [s, b, h, d] -> [b, h, s, d]
@@ -295,7 +303,7 @@ class MLA(nn.Module):
         if fused_q:  # kv_b, K = [k_nope | k_pe] and V in MXFP8 without concatenation passes, then attention
             from .qproj import attention_from_latent
             o = attention_from_latent(q8, anchor, lat, k_pe, self.wkv_b.weight, self.nope_dim, causal=True,
-                                      softmax_scale=self.softmax_scale)
+                                      softmax_scale=self.softmax_scale, deterministic=self.deterministic)
         else:
             kv = self.wkv_b(lat).unflatten(-1, (self.local_heads, self.nope_dim + self.v_dim))
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -307,4 +315,5 @@ class MLA(nn.Module):
         return (f"hidden={self.hidden}, heads={self.heads}, q_lora_rank={self.q_lora_rank}, "
                 f"kv_lora_rank={self.kv_lora_rank}, nope_dim={self.nope_dim}, rope_dim={self.rope_dim}, "
                 f"v_dim={self.v_dim}, recipe={self.recipe!r}, dtype={self.dtype}, layout={self.layout!r}, "
-                f"softmax_scale={self.softmax_scale:.6g}, yarn={self.yarn!r}")
+                f"softmax_scale={self.softmax_scale:.6g}, yarn={self.yarn!r}" +
+                (", deterministic=True" if self.deterministic else ""))

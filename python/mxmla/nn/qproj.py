@@ -161,6 +161,12 @@ class MLAQUpProj(nn.Module):
                 f"rope_dim={self.rope_dim}, weights={self.weights!r}, style={self.style!r}, layout={self.layout!r}")
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"mxmla.nn: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def _rowwise_only(t: Any) -> Any:
     """An MXFP8Tensor without its columnwise copy."""
     import mxmla
@@ -171,7 +177,7 @@ def _rowwise_only(t: Any) -> Any:
 
 class _AttentionFromQ8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, rd, rs, cd, cs, k, v, meta, kw):
+    def forward(ctx, anchor, rd, rs, cd, cs, k, v, meta, kw, deterministic):
         import mxmla
 
         from ..attention_autograd import quantize_for_attention
@@ -181,7 +187,7 @@ class _AttentionFromQ8(torch.autograd.Function):
         k8, v8 = (quantize_for_attention(t, kw["layout"]) for t in (k, v))
         o, lse = mxmla.attention(q8, k8, v8, return_lse=True, **kw)
         v8 = _rowwise_only(v8)  # (V's columnwise copy served the forward only: the backward reads V rowwise)
-        ctx.q8, ctx.k8, ctx.v8, ctx.kw = q8, k8, v8, kw
+        ctx.q8, ctx.k8, ctx.v8, ctx.kw = q8, k8, v8, dict(kw, deterministic=deterministic)
         ctx.save_for_backward(o, lse)
         return o
 
@@ -192,17 +198,19 @@ class _AttentionFromQ8(torch.autograd.Function):
         o, lse = ctx.saved_tensors
         dq, dk, dv = mxmla.attention_backward(do.to(torch.bfloat16).contiguous(), ctx.q8, ctx.k8, ctx.v8, o, lse,
                                               **ctx.kw)
-        return dq, None, None, None, None, dk, dv, None, None
+        return dq, None, None, None, None, dk, dv, None, None, None
 
 
 def attention_from_mxfp8_q(q8: Any, anchor: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                           softmax_scale: Optional[float] = None, bottom_right: bool = False) -> torch.Tensor:
+                           softmax_scale: Optional[float] = None, bottom_right: bool = False,
+                           deterministic: bool = False) -> torch.Tensor:
     """O = attention(q8, MXFP8(k), MXFP8(v)) with autograd: q8 and anchor from MLAQUpProj (dQ flows to
-    the anchor), k and v bf16 tensors in q8's layout (quantized here with both copies). Returns bf16 O."""
+    the anchor), k and v bf16 tensors in q8's layout (quantized here with both copies). Returns bf16 O.
+    deterministic: the backward's dQ sums in a fixed order (attention_backward's)."""
     kw = dict(causal=causal, softmax_scale=softmax_scale, bottom_right=bottom_right, layout=q8.layout)
     meta = (q8.shape, q8.fp8_format, q8.scale_layout, q8.layout)
     return _AttentionFromQ8.apply(anchor, q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data,
-                                  q8.columnwise_scale_inv, k, v, meta, kw)
+                                  q8.columnwise_scale_inv, k, v, meta, kw, _flag("deterministic", deterministic))
 
 
 class _AttentionFromLatent(torch.autograd.Function):
@@ -211,7 +219,7 @@ class _AttentionFromLatent(torch.autograd.Function):
     (One node: as two, with K and V handed over through anchors, the step measured 1.5 % slower.)"""
 
     @staticmethod
-    def forward(ctx, anchor, rd, rs, cd, cs, lat, k_pe, weight, meta, kw, nope):
+    def forward(ctx, anchor, rd, rs, cd, cs, lat, k_pe, weight, meta, kw, nope, deterministic):
         import mxmla
 
         shape, fmt, sl, lay = meta
@@ -227,7 +235,7 @@ class _AttentionFromLatent(torch.autograd.Function):
         del kv
         o, lse = mxmla.attention(q8, k8, v8, return_lse=True, **kw)
         v8 = _rowwise_only(v8)  # (V's columnwise copy served the forward only: the backward reads V rowwise)
-        ctx.qkv8, ctx.kw, ctx.nope = (q8, k8, v8), kw, nope
+        ctx.qkv8, ctx.kw, ctx.nope = (q8, k8, v8), dict(kw, deterministic=deterministic), nope
         ctx.save_for_backward(o, lse, *linear_saved(x8, w8))
         ctx.shapes, ctx.lead, ctx.lat_dtype, ctx.pe_dtype = (x8.shape, w8.shape), lead, lat.dtype, k_pe.dtype
         ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
@@ -248,12 +256,12 @@ class _AttentionFromLatent(torch.autograd.Function):
         dx, dw = linear_grads(saved, ctx.shapes, ctx.weight,
                               (dk[..., :nope].reshape(-1, H, nope), dv.reshape(-1, H, dv.shape[-1])))
         dlat = dx.reshape(*ctx.lead, dx.shape[-1]).to(ctx.lat_dtype)
-        return dq, None, None, None, None, dlat, dk_pe, dw, None, None, None
+        return dq, None, None, None, None, dlat, dk_pe, dw, None, None, None, None
 
 
 def attention_from_latent(q8: Any, anchor: torch.Tensor, lat: torch.Tensor, k_pe: torch.Tensor, weight: torch.Tensor,
                           nope_dim: int, *, causal: bool = True, softmax_scale: Optional[float] = None,
-                          bottom_right: bool = False) -> torch.Tensor:
+                          bottom_right: bool = False, deterministic: bool = False) -> torch.Tensor:
     """MLA's keys and values from the KV latent, and attention on them, with autograd (what
     ``mxmla.nn.MLA`` runs under the "mxfp8" recipe): kv = lat · Wᵀ on the MXFP8 Linear
     (``linear_forward``; W [h·(nope_dim + v_dim), kv_lora_rank], quantized once per version),
@@ -263,8 +271,10 @@ def attention_from_latent(q8: Any, anchor: torch.Tensor, lat: torch.Tensor, k_pe
     Linear's backward reads dK[..., :nope_dim] and dV in place (``linear_backward`` of a pair);
     dk_pe = dK[..., nope_dim:] summed over the heads. The same bits as that composition written with
     torch.cat, without its concatenation passes. q8, anchor from ``MLAQUpProj``; lat, k_pe in q8's
-    layout (bshd / sbhd). Returns bf16 O."""
+    layout (bshd / sbhd). deterministic: the attention backward's dQ sums in a fixed order (bitwise
+    reproducible gradients). Returns bf16 O."""
     kw = dict(causal=causal, softmax_scale=softmax_scale, bottom_right=bottom_right, layout=q8.layout)
     meta = (q8.shape, q8.fp8_format, q8.scale_layout, q8.layout)
     return _AttentionFromLatent.apply(anchor, q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data,
-                                      q8.columnwise_scale_inv, lat, k_pe, weight, meta, kw, int(nope_dim))
+                                      q8.columnwise_scale_inv, lat, k_pe, weight, meta, kw, int(nope_dim),
+                                      _flag("deterministic", deterministic))
