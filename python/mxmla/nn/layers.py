@@ -27,6 +27,13 @@ def check_recipe(recipe: str, what: str) -> str:
     return recipe
 
 
+def check_bool(what: str, name: str, value) -> bool:
+    """value, or a TypeError naming the argument when it is not a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what}: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def _quantized_weight(weight: torch.Tensor):
     """W's MXFP8 copies (both directions), quantized once per version of the weight: micro-batches
     between two optimizer steps reuse them (an optimizer's in-place update bumps the version)."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import rope as _rope
-from .layers import Linear, RMSNorm, check_recipe, child_seed, generator, resolve_dtypes
+from .layers import Linear, RMSNorm, check_bool, check_recipe, child_seed, generator, resolve_dtypes
 from .tp import all_gather_cat, copy_to_tp, reduce_from_tp, tp_size_rank
 
 LAYOUTS = ("bshd", "sbhd", "thd")
@@ -132,9 +132,7 @@ class MLA(nn.Module):
                  deterministic: bool = False):
         super().__init__()
         what = "mxmla.nn.MLA"
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"{what}: deterministic must be a bool, got {type(deterministic).__name__}")
-        self.deterministic = deterministic
+        self.deterministic = check_bool(what, "deterministic", deterministic)
         self.recipe = check_recipe(recipe, what)
         self.dtype, params_dtype = resolve_dtypes(what, dtype, params_dtype)
         dims = dict(hidden=hidden, heads=heads, kv_lora_rank=kv_lora_rank, nope_dim=nope_dim, rope_dim=rope_dim,

@@ -26,7 +26,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from .layers import _quantized_weight, generator, init_normal_, linear_grads, linear_saved
+from .layers import _quantized_weight, check_bool, generator, init_normal_, linear_grads, linear_saved
 
 _OP = "mxmla.nn.MLAQUpProj"
 
@@ -161,12 +161,6 @@ class MLAQUpProj(nn.Module):
                 f"rope_dim={self.rope_dim}, weights={self.weights!r}, style={self.style!r}, layout={self.layout!r}")
 
 
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"mxmla.nn: {name} must be a bool, got {type(value).__name__}")
-    return value
-
-
 def _rowwise_only(t: Any) -> Any:
     """An MXFP8Tensor without its columnwise copy."""
     import mxmla
@@ -210,7 +204,8 @@ def attention_from_mxfp8_q(q8: Any, anchor: torch.Tensor, k: torch.Tensor, v: to
     kw = dict(causal=causal, softmax_scale=softmax_scale, bottom_right=bottom_right, layout=q8.layout)
     meta = (q8.shape, q8.fp8_format, q8.scale_layout, q8.layout)
     return _AttentionFromQ8.apply(anchor, q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data,
-                                  q8.columnwise_scale_inv, k, v, meta, kw, _flag("deterministic", deterministic))
+                                  q8.columnwise_scale_inv, k, v, meta, kw,
+                                  check_bool("mxmla.nn.attention_from_mxfp8_q", "deterministic", deterministic))
 
 
 class _AttentionFromLatent(torch.autograd.Function):
@@ -277,4 +272,4 @@ def attention_from_latent(q8: Any, anchor: torch.Tensor, lat: torch.Tensor, k_pe
     meta = (q8.shape, q8.fp8_format, q8.scale_layout, q8.layout)
     return _AttentionFromLatent.apply(anchor, q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data,
                                       q8.columnwise_scale_inv, lat, k_pe, weight, meta, kw, int(nope_dim),
-                                      _flag("deterministic", deterministic))
+                                      check_bool("mxmla.nn.attention_from_latent", "deterministic", deterministic))
