@@ -81,15 +81,17 @@ struct Check {
       if (s < 0) fail(arg, "shape " + shape_str(t.shape) + " has a negative size");
   }
 
-  // A float input: dtype, non-null data (unless empty), last dim a positive multiple of 32, unit inner stride.
-  void float_input(const std::string& arg, const TensorDesc& t) const {
+  // A float input: dtype, non-null data (unless empty), last dim a positive multiple of 32 (whole
+  // MXFP8 blocks; block32 false: positive, e.g. one part of a ConcatInput), unit inner stride.
+  void float_input(const std::string& arg, const TensorDesc& t, bool block32 = true) const {
     shape_valid(arg, t);
     if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16)
       fail(arg, std::string("dtype ") + dtype_name(t.dtype) + " is not supported (bfloat16, float16 or float32)");
     if (t.ndim() < 1) fail(arg, "must have at least one dimension");
     const int64_t K = t.shape.back();
-    if (K <= 0 || K % 32 != 0)
+    if (block32 && (K <= 0 || K % 32 != 0))
       fail(arg, "last dimension " + std::to_string(K) + " must be a positive multiple of 32 (the MXFP8 block size)");
+    if (!block32 && K <= 0) fail(arg, "last dimension must be positive, got shape " + shape_str(t.shape));
     if (t.stride(t.ndim() - 1) != 1)
       fail(arg, "last dimension must be contiguous (stride 1), got stride " + std::to_string(t.stride(t.ndim() - 1)));
     if (t.numel() > 0 && t.data == nullptr) fail(arg, "data pointer is null");
@@ -350,14 +352,8 @@ std::vector<int64_t> check_concat(const char* op, const std::string& arg, const 
   const Check c{op};
   const std::string a0 = arg + ".part0", a1 = arg + ".part1";
   for (const auto& [a, t] : {std::pair<const std::string&, const TensorDesc&>{a0, in.part0}, {a1, in.part1}}) {
-    c.shape_valid(a, t);
-    if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16)
-      c.fail(a, std::string("dtype ") + dtype_name(t.dtype) + " is not supported (bfloat16, float16 or float32)");
     if (t.ndim() != ndim) c.fail(a, "must be " + std::to_string(ndim) + "-D " + dims + ", got shape " + shape_str(t.shape));
-    if (t.shape.back() <= 0) c.fail(a, "last dimension must be positive, got shape " + shape_str(t.shape));
-    if (t.stride(ndim - 1) != 1)
-      c.fail(a, "last dimension must be contiguous (stride 1), got stride " + std::to_string(t.stride(ndim - 1)));
-    if (t.numel() > 0 && t.data == nullptr) c.fail(a, "data pointer is null");
+    c.float_input(a, t, false);
   }
   const TensorDesc &p0 = in.part0, &p1 = in.part1;
   if (p1.dtype != p0.dtype)

@@ -200,7 +200,6 @@ void linear_backward(const ConcatInput& dy, const MXFP8Tensor& w, const MXFP8Ten
   const std::vector<int64_t> shape = detail::check_concat(c.op, "dy", dy, 3, "[T, h, d]");
   const int64_t T = shape[0], H = shape[1], D = shape[2];
   if (H * D >= (int64_t{1} << 31)) c.fail("dy", "N = h·d = " + std::to_string(H * D) + " is too large (at most 2^31 - 1)");
-  c.one_device({{"dy.part0", &dy.part0}, {"dy.part1", &dy.part1}});
   auto st = [](const TensorDesc& t, int i) { return t.shape[i] == 1 ? int64_t{0} : t.stride(i); };
   detail::QuantizeProblem q;
   q.in = dy.part0.data, q.in_dtype = DType::kBFloat16;

@@ -48,7 +48,7 @@ def quantize_for_attention(x: torch.Tensor, fmt: str, fp8_format: str = "e4m3") 
     x = x.contiguous()
     if fmt == "thd":
         t, h, d = (int(s) for s in x.shape)
-        m = quantize(x.contiguous().reshape(t, h * d), fp8_format=fp8_format)
+        m = quantize(x.reshape(t, h * d), fp8_format=fp8_format)
         return MXFP8Tensor(m.shape, m.fp8_format, m.scale_layout, m.rowwise_data.view(t, h, d), m.rowwise_scale_inv,
                            m.columnwise_data.view(t, h, d), m.columnwise_scale_inv)
     if fmt == "bhsd":
