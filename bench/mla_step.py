@@ -8,7 +8,10 @@ before it (weights, input, output gradient), counted in a second process where t
 from the device's default memory pool (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), the pool
 mxmla's scratch comes from, so that the pool's peak (mxmla.scratch_memory) counts both; "torch
 only" is torch.cuda.max_memory_allocated in the timing process, which leaves mxmla's scratch out.
-Usage: PYTHONPATH=<build>/python python3 bench/mla_step.py [T ...]   (default 4096)"""
+--thd: T tokens packed as four sequences (thd, cu_seqlens [0, 1500, 2200, 3300, T] scaled to T):
+"mxfp8" as in bshd (the fused query path, K and V quantized in place), "bf16" torch SDPA on each
+sequence in turn.
+Usage: PYTHONPATH=<build>/python python3 bench/mla_step.py [--thd] [T ...]   (default 4096)"""
 import json
 import os
 import subprocess
@@ -23,11 +26,16 @@ import mxmla  # noqa: E402
 import mxmla.nn as mnn  # noqa: E402
 
 
-def measure(m, x, dy, flush):
+def packed(T):
+    """cu_seqlens of the four packed sequences (--thd)."""
+    return [0] + [round(c * T / 4096) for c in (1500, 2200, 3300)] + [T]
+
+
+def measure(m, x, dy, flush, cu=None):
     def step():
         x.grad = None
         m.zero_grad(set_to_none=True)
-        m(x).backward(dy)
+        m(x, cu_seqlens=cu).backward(dy)
 
     step()
     torch.cuda.synchronize()
@@ -35,42 +43,44 @@ def measure(m, x, dy, flush):
     m.zero_grad(set_to_none=True)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    m(x).backward(dy)
+    m(x, cu_seqlens=cu).backward(dy)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     t_step = timer(step, 10, flush)
-    t_fwd = timer(lambda: m(x), 10, flush)
+    t_fwd = timer(lambda: m(x, cu_seqlens=cu), 10, flush)
     return t_step, t_fwd, peak / 2**30
 
 
-def setup(T, recipe, ref=None):
+def setup(T, recipe, ref=None, thd=False):
     kw = dict(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128,
-              max_seq_len=T, layout="bshd", seed=11)
+              max_seq_len=T, layout="thd" if thd else "bshd", seed=11)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(1, T, 7168, generator=g).to(torch.bfloat16).cuda().requires_grad_()
-    dy = torch.randn(1, T, 7168, generator=g).to(torch.bfloat16).cuda()
+    lead = (T,) if thd else (1, T)
+    x = torch.randn(*lead, 7168, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+    dy = torch.randn(*lead, 7168, generator=g).to(torch.bfloat16).cuda()
     m = mnn.MLA(**kw, recipe=recipe).cuda()
     if ref is not None:
         m.load_state_dict(ref)
     return m, x, dy
 
 
-def pool_peaks(T):
+def pool_peaks(T, thd=False):
     """(In the child process, torch on the cudaMallocAsync backend.) Each recipe's step peak in the
     default pool above what is in use before it, in GiB."""
     out, ref = {}, None
+    cu = packed(T) if thd else None
     for recipe in ("bf16", "mxfp8"):
-        m, x, dy = setup(T, recipe, ref)
+        m, x, dy = setup(T, recipe, ref, thd)
         ref = ref if ref is not None else m.state_dict()
         for _ in range(2):
             x.grad = None
             m.zero_grad(set_to_none=True)
-            m(x).backward(dy)
+            m(x, cu_seqlens=cu).backward(dy)
         torch.cuda.synchronize()
         x.grad = None
         m.zero_grad(set_to_none=True)
         base = mxmla.scratch_memory(reset_peak=True)["in_use"]
-        m(x).backward(dy)
+        m(x, cu_seqlens=cu).backward(dy)
         torch.cuda.synchronize()
         out[recipe] = (mxmla.scratch_memory()["peak"] - base) / 2**30
         del m, x, dy
@@ -79,16 +89,19 @@ def pool_peaks(T):
 
 def main():
     if sys.argv[1:2] == ["--pool-peaks"]:
-        print(json.dumps(pool_peaks(int(sys.argv[2]))))
+        print(json.dumps(pool_peaks(int(sys.argv[2]), sys.argv[3:4] == ["--thd"])))
         return
-    seqs = [int(a) for a in sys.argv[1:]] or [4096]
+    args = sys.argv[1:]
+    thd = "--thd" in args
+    seqs = [int(a) for a in args if a != "--thd"] or [4096]
     flush = flush_buffer(torch.device("cuda"))
-    print("MLA block, DeepSeek-V3 dims (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, 128 / 64 / 128), b 1, causal")
+    print("MLA block, DeepSeek-V3 dims (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, 128 / 64 / 128), causal, " +
+          ("thd: T tokens in four packed sequences" if thd else "b 1"))
     print(f"{'T':>6s} {'recipe':>7s} {'step ms':>9s} {'fwd ms':>8s} {'peak GiB':>9s} {'torch only':>10s}")
     for T in seqs:
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
-        child = subprocess.run([sys.executable, __file__, "--pool-peaks", str(T)], env=env, capture_output=True,
-                               text=True)
+        child = subprocess.run([sys.executable, __file__, "--pool-peaks", str(T)] + (["--thd"] if thd else []), env=env,
+                               capture_output=True, text=True)
         if child.returncode != 0:
             print(f"the pool peak child failed: {child.stderr[-2000:]}")
             peaks = {"bf16": float("nan"), "mxfp8": float("nan")}
@@ -96,9 +109,9 @@ def main():
             peaks = json.loads(child.stdout.strip().splitlines()[-1])
         res, ref = {}, None
         for recipe in ("bf16", "mxfp8"):
-            m, x, dy = setup(T, recipe, ref)
+            m, x, dy = setup(T, recipe, ref, thd)
             ref = ref if ref is not None else m.state_dict()
-            res[recipe] = measure(m, x, dy, flush)
+            res[recipe] = measure(m, x, dy, flush, packed(T) if thd else None)
             s, f, p = res[recipe]
             print(f"{T:6d} {recipe:>7s} {s:9.3f} {f:8.3f} {peaks[recipe]:9.2f} {p:10.2f}")
             del m, x, dy

@@ -12,7 +12,8 @@ causal, bshd, s 4096 and 8192) on MXFP8 Q, K, V from quantize_attention and on t
 bf16 tensors (its checksum covers dK and dV: dQ's fp32 sums run in scheduling order), with
 attnbwddet added also deterministic=True on the MXFP8 tensors (all three gradients); with --only
 linear mxmla.nn.Linear's mxfp8 forward + backward at the MLA block's shapes (T 4096); with --only mla one
-MLA block's training step (recipe mxfp8, T 4096, bench/mla_step.py's); with --only
+MLA block's training step (recipe mxfp8, T 4096, bench/mla_step.py's); with --only mlathd the same
+on four packed sequences (thd); with --only
 attnfwd the attention forward at the same dims, s 2048 / 4096 / 8192, on the MXFP8 tensors (the
 default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors; with --only
 gemm the MXFP8 GEMM's fprop, dgrad and wgrad of the Q up-projection at T 16384 and 4096 (N 24576, K 1536), and 8192³.
@@ -175,6 +176,24 @@ def main() -> int:
         # (the checksum: y and the output projection's weight gradient; dQ's fp32 sums, and so x.grad, run in
         # scheduling order)
         case("mla step mxfp8 4096", step, lambda: [step().detach(), m.wo.weight.grad])
+        del m, x, dy
+    if "mlathd" in only:  # the same block on packed sequences (thd, bench/mla_step.py --thd's four), T 4096
+        import mxmla.nn as mnn
+        T, cu = 4096, [0, 1500, 2200, 3300, 4096]
+        m = mnn.MLA(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128,
+                    max_seq_len=T, layout="thd", seed=11, recipe="mxfp8").to(dev)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(T, 7168, generator=g).to(torch.bfloat16).to(dev).requires_grad_()
+        dy = torch.randn(T, 7168, generator=g).to(torch.bfloat16).to(dev)
+
+        def step_thd():
+            x.grad = None
+            m.zero_grad(set_to_none=True)
+            y = m(x, cu_seqlens=cu)
+            y.backward(dy)
+            return y
+
+        case("mla step mxfp8 thd 4096", step_thd, lambda: [step_thd().detach(), m.wo.weight.grad])
         del m, x, dy
     for r in out:
         print(json.dumps(r))

@@ -3,8 +3,9 @@ dims, b 1, T tokens, causal, bshd, both recipes from the same weights): every GP
 under torch.profiler, L2 flushed and a GPU sleep before each step (as bench/timing.py does), grouped
 by kernel name, summed over its launches in a step, medians over the steps; then the sum of the
 kernels against the step's time by CUDA events (the difference: the GPU idle between kernels,
-waiting for the host to launch them).
-Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_step_parts.py [T] [--top N]"""
+waiting for the host to launch them). --thd: the T tokens as bench/mla_step.py --thd's four packed
+sequences; --recipes: which recipes (default both).
+Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_step_parts.py [T] [--top N] [--thd] [--recipes mxfp8]"""
 import argparse
 import os
 import statistics
@@ -15,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mla_step import setup  # noqa: E402
+from mla_step import packed, setup  # noqa: E402
 from parts import profiled_calls  # noqa: E402
 from timing import flush_buffer, timer  # noqa: E402
 
@@ -49,25 +50,28 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("T", type=int, nargs="?", default=4096)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--thd", action="store_true")
+    ap.add_argument("--recipes", default="bf16,mxfp8")
     a = ap.parse_args()
     T, top = a.T, a.top
+    cu = packed(T) if a.thd else None
     flush = flush_buffer(torch.device("cuda"))
     ref = None
-    for recipe in ("bf16", "mxfp8"):
-        m, x, dy = setup(T, recipe, ref)
+    for recipe in a.recipes.split(","):
+        m, x, dy = setup(T, recipe, ref, a.thd)
         ref = ref if ref is not None else m.state_dict()
 
         def step():
             x.grad = None
             m.zero_grad(set_to_none=True)
-            m(x).backward(dy)
+            m(x, cu_seqlens=cu).backward(dy)
 
         iters = 10
         per, launches = step_kernels(step, iters, flush)
         t_step = timer(step, iters, flush)
         rows = sorted(((statistics.median(ts), n) for n, ts in per.items()), reverse=True)
         total = sum(statistics.median(ts) for ts in per.values())
-        print(f"== {recipe}, T {T}: step {t_step:.3f} ms (events), kernels {total:.3f} ms, "
+        print(f"== {recipe}, T {T}{' thd' if a.thd else ''}: step {t_step:.3f} ms (events), kernels {total:.3f} ms, "
               f"{sum(launches.values()):.0f} launches a step; GPU idle between kernels {t_step - total:.3f} ms")
         for ms, n in rows[:top]:
             print(f"  {n:64s} {ms:8.4f} ms  x{launches[n]:g}")

@@ -176,24 +176,25 @@ def test_linear_backward_pair_errors(dy, match):
 
 
 # ----------------------------------------------------------------------------- mxmla.nn.MLA
-def mla_grads(m, x, layout, composed):
+def mla_grads(m, x, layout, composed, cu=None):
     """Output, dx and every parameter's gradient of m (composed: the composition attention_from_latent
-    replaces, written with the kv_b Linear, torch.cat and attention_from_mxfp8_q)."""
+    replaces, written with the kv_b Linear, torch.cat and attention_from_mxfp8_q; cu: thd's cu_seqlens)."""
     from mxmla.nn.qproj import attention_from_mxfp8_q
 
     def old(xi):
         H = m.local_heads
-        q8, anchor = m._fused_q(m.q_norm(m.wq_a(xi)), layout)
+        q8, anchor = m._fused_q(m.q_norm(m.wq_a(xi)), layout, cu)
         kv, k_pe = m.wkv_a(xi).split([m.kv_lora_rank, m.rope_dim], -1)
-        k_pe = m._rope(k_pe.unsqueeze(-2).contiguous(), layout, None)
+        k_pe = m._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu)
         kv = m.wkv_b(m.kv_norm(kv)).unflatten(-1, (H, m.nope_dim + m.v_dim))
         k_nope, v = kv.split([m.nope_dim, m.v_dim], -1)
         k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], m.rope_dim)], -1)
-        return m.wo(attention_from_mxfp8_q(q8, anchor, k, v, causal=True, softmax_scale=m.softmax_scale).flatten(-2))
+        return m.wo(attention_from_mxfp8_q(q8, anchor, k, v, causal=True, softmax_scale=m.softmax_scale,
+                                           cu_seqlens=cu).flatten(-2))
 
     m.zero_grad(set_to_none=True)
     xi = x.clone().requires_grad_()
-    o = old(xi) if composed else m(xi)
+    o = old(xi) if composed else m(xi, cu_seqlens=cu)
     o.float().square().mean().backward()
     return o.detach(), xi.grad, {n: (p.grad, getattr(p, "main_grad", None)) for n, p in m.named_parameters()}
 
@@ -223,8 +224,9 @@ def assert_same_step(a, b, dq_exact=True):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
-@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "thd"])
 def test_mla_mxfp8_path_is_the_concatenation_composition_bit_for_bit(device, layout):
+    """thd: packed sequences of unequal lengths (an empty one among them), the same tokens as bshd's."""
     import mxmla.nn as mnn
 
     if device == "cpu":
@@ -236,16 +238,20 @@ def test_mla_mxfp8_path_is_the_concatenation_composition_bit_for_bit(device, lay
     m = mnn.MLA(**kw, max_seq_len=512, layout=layout, seed=7, recipe="mxfp8", device=device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=g).to(torch.bfloat16)
-    x = (x if layout == "bshd" else x.transpose(0, 1).contiguous()).to(device)
+    cu = None
+    if layout == "thd":
+        T = shape[0] * shape[1]
+        x, cu = x.reshape(-1, shape[-1]), [0, 29, 29, T // 2 + 7, T]
+    x = (x if layout != "sbhd" else x.transpose(0, 1).contiguous()).to(device)
     exact = device == "cpu"
-    assert_same_step(mla_grads(m, x, layout, False), mla_grads(m, x, layout, True), exact)
+    assert_same_step(mla_grads(m, x, layout, False, cu), mla_grads(m, x, layout, True, cu), exact)
     # Megatron's main_grad on kv_b's weight: the wgrad is added into it, no .grad
     w = m.wkv_b.weight
     w.main_grad = torch.full_like(w, 0.5, dtype=torch.float32)
-    a = mla_grads(m, x, layout, False)
+    a = mla_grads(m, x, layout, False, cu)
     mg_a = w.main_grad.clone()
     w.main_grad.fill_(0.5)
-    b = mla_grads(m, x, layout, True)
+    b = mla_grads(m, x, layout, True, cu)
     assert a[2]["wkv_b.weight"][0] is None and torch.equal(mg_a, w.main_grad)
     assert_same_step(a, b, exact)
 

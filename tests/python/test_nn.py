@@ -421,10 +421,59 @@ def test_mla_mxfp8_recipe_tracks_the_bf16_block(layout):
         assert rel(outs[1][2][n], gr) < 0.25, n
 
 
+def mla_step_bits(m, x, cu=None, layout=None):
+    """(output, dx, every parameter's gradient) of one forward + backward of m."""
+    m.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    o = m(xi, cu_seqlens=cu, layout=layout)
+    o.float().square().mean().backward()
+    return [o.detach(), xi.grad] + [p.grad for _, p in sorted(m.named_parameters())]
+
+
+@pytest.mark.parametrize("q_lora_rank", [32, 0])
+def test_mla_mxfp8_thd_is_bshd_bit_for_bit_on_whole_blocks(q_lora_rank):
+    """Under "mxfp8", thd runs the fused query path (the tables' rows gathered by each token's position in
+    its own sequence) and quantizes q, K and V as [t, h·d], columnwise blocks of 32 along the packed
+    tokens. With sequences of 32·n tokens no block straddles two sequences, so packing them gives the
+    bits of bshd with one sequence a batch row: output, dx and every gradient (q_lora_rank 0: the fused
+    op on wq)."""
+    kw = dict(hidden=64, heads=2, q_lora_rank=q_lora_rank, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
+              max_seq_len=64, seed=9, recipe="mxfp8")
+    m = mnn.MLA(**kw)
+    x = randn(3, 64, 64, seed=4).to(torch.bfloat16)
+    bshd = mla_step_bits(m, x)
+    thd = mla_step_bits(m, x.reshape(192, 64), cu=[0, 64, 128, 192], layout="thd")
+    assert torch.equal(thd[0].reshape(3, 64, 64), bshd[0]) and torch.equal(thd[1].reshape(3, 64, 64), bshd[1])
+    for a, b in zip(thd[2:], bshd[2:]):
+        assert torch.equal(a, b)
+
+
+def test_mla_mxfp8_fused_query_path_checks():
+    with pytest.raises(ValueError, match="recipe 'mxfp8' needs nope_dim \\+ rope_dim \\(40\\) and v_dim \\(32\\) to be "
+                                         "multiples of 32"):
+        mnn.MLA(64, 2, 32, 32, nope_dim=24, rope_dim=16, v_dim=32, recipe="mxfp8")
+    q = mnn.MLAQUpProj(32, 2, 32, 32, weights="mxfp8", layout="thd", max_seq_len=16)
+    with pytest.raises(ValueError, match="a sequence of 20 tokens is longer than max_seq_len=16"):
+        q(randn(24, 32).to(torch.bfloat16), cu_seqlens=[0, 4, 24])
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        q(randn(24, 32).to(torch.bfloat16), cu_seqlens=[0, 4, 20])
+    with pytest.raises(ValueError, match="x must be \\[t, in_features\\]"):
+        q(randn(1, 24, 32).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="cu_seqlens is for layout 'thd'"):
+        mnn.MLAQUpProj(32, 2, 32, 32, layout="bshd")(randn(1, 4, 32).to(torch.bfloat16), cu_seqlens=[0, 4])
+    from mxmla.nn.qproj import attention_from_mxfp8_q
+    q8, anchor = mnn.MLAQUpProj(32, 2, 32, 32, weights="mxfp8", layout="bshd")(randn(1, 4, 32).to(torch.bfloat16))
+    kv = randn(1, 4, 2, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="q8 must be the thd tensor of MLAQUpProj"):
+        attention_from_mxfp8_q(q8, anchor, kv, kv, cu_seqlens=[0, 4])
+    with pytest.raises(ValueError, match="max_seqlen is for packed sequences"):
+        attention_from_mxfp8_q(q8, anchor, kv, kv, max_seqlen=4)
+
+
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 def test_mla_mxfp8_deterministic_reaches_the_attention_backward(layout, monkeypatch):
-    """MLA(deterministic=True) hands deterministic=True to every attention backward of the block (bshd:
-    attention_from_latent; thd: MXFP8Attention), and the default hands False; on the CPU (the float64
+    """MLA(deterministic=True) hands deterministic=True to every attention backward of the block
+    (attention_from_latent, bshd and thd alike), and the default hands False; on the CPU (the float64
     reference, one summation order) both give the same gradients."""
     import mxmla.nn.qproj as nq
     import mxmla.attention_autograd as aa

@@ -53,22 +53,29 @@ def test_mxfp8_linear_cuda_equals_cpu_on_integer_data():
         assert torch.equal(c, g), name
 
 
-def test_mlaqupproj_cuda_against_cpu():
+@pytest.mark.parametrize("weights", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_mlaqupproj_cuda_against_cpu(layout, weights):
     """The fused op (GEMM + RoPE + MXFP8) and its backward (RoPE backward, dgrad, wgrad) on the GPU
     against the same module on the CPU: the MXFP8 Q's bytes may differ where the fp32 GEMM lands next
-    to a rounding boundary (< 1 % of codes, measured 0), the gradients within 1 % relative RMS."""
+    to a rounding boundary (< 1 % of codes, measured 0), the gradients within 1 % relative RMS. thd:
+    packed sequences of unequal lengths (an empty one), compact scales, positions by sequence."""
     s, b, K, H = 64, 2, 128, 4
     g = torch.Generator().manual_seed(0)
     # the SM90 fused kernel's heads: nope 128 + rope 64
-    mods = [mnn.MLAQUpProj(K, H, 128, 64, layout="sbhd", max_seq_len=s, seed=3, init_std=0.05) for _ in range(2)]
+    mods = [mnn.MLAQUpProj(K, H, 128, 64, weights=weights, layout=layout, max_seq_len=s, seed=3, init_std=0.05)
+            for _ in range(2)]
     mods[1].load_state_dict(mods[0].state_dict())
     mods[1].cuda()
     x = torch.randn(s, b, K, generator=g).to(torch.bfloat16)
+    kw = {}
+    if layout == "thd":
+        x, kw = x.reshape(s * b, K), dict(cu_seqlens=[0, 50, 50, 100, 128])
     dq = None
     res = []
     for m, dev in zip(mods, ("cpu", "cuda")):
         xi = x.to(dev).clone().requires_grad_()
-        q8, anchor = m(xi)
+        q8, anchor = m(xi, **kw)
         if dq is None:
             dq = torch.randn(anchor.shape, generator=g).to(torch.bfloat16)
         dx, dw = torch.autograd.grad(anchor, (xi, m.weight), dq.to(dev))
@@ -202,11 +209,37 @@ def test_mla_mxfp8_block_cuda_against_cpu(layout):
         assert e < 0.1, (n, e)
 
 
+@pytest.mark.parametrize("q_lora_rank", [32, 0])
+def test_mla_mxfp8_thd_is_bshd_bit_for_bit_on_whole_blocks(q_lora_rank):
+    """The CUDA path of tests/python/test_nn.py's test of the same name, at the SM90 kernels' head dims
+    (192 / 128): packed sequences of 32·n tokens give the bits of bshd with one sequence a batch row —
+    output, dx and every gradient (deterministic=True: the attention backward's dQ in a fixed order)."""
+    kw = dict(hidden=64, heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32, nope_dim=128, rope_dim=64, v_dim=128,
+              max_seq_len=320, seed=3, recipe="mxfp8", deterministic=True)
+    m = mnn.MLA(**kw).cuda()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 320, 64, generator=g).to(torch.bfloat16).cuda()
+
+    def step(xx, **k):
+        m.zero_grad(set_to_none=True)
+        xi = xx.clone().requires_grad_()
+        o = m(xi, **k)
+        o.float().square().mean().backward()
+        return [o.detach().reshape(2, 320, 64), xi.grad.reshape(2, 320, 64)] + \
+            [p.grad for _, p in sorted(m.named_parameters())]
+
+    bshd = step(x)
+    thd = step(x.reshape(640, 64), cu_seqlens=[0, 320, 640], layout="thd")
+    names = ["out", "dx"] + [n for n, _ in sorted(m.named_parameters())]
+    for n, a, b in zip(names, thd, bshd):
+        assert torch.equal(a, b), (n, rel(a, b))
+
+
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 def test_mla_mxfp8_deterministic_gradients_are_bitwise_reproducible(layout):
     """MLA(deterministic=True) under "mxfp8": the attention backward adds dQ's parts in a fixed order,
-    so two steps on the same data give the same bits in every gradient (bshd: the fused query path and
-    attention_from_latent; thd: MXFP8Attention); several key blocks of 96 and query tiles of 64. Its
+    so two steps on the same data give the same bits in every gradient (the fused query path and
+    attention_from_latent, thd with packed sequences); several key blocks of 96 and query tiles of 64. Its
     gradients agree with the default order's within fp32 summation-order noise (relative RMS < 1e-2)."""
     kw = dict(hidden=64, heads=4, q_lora_rank=32, kv_lora_rank=32, nope_dim=128, rope_dim=64, v_dim=128,
               max_seq_len=512, layout=layout, recipe="mxfp8", seed=3)

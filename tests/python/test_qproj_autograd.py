@@ -71,11 +71,40 @@ def test_the_query_path_with_attention_against_float64_autograd(weights):
 def test_what_is_not_there_says_so():
     with pytest.raises(ValueError, match="weights must be 'bf16' or 'mxfp8'"):
         mnn.MLAQUpProj(64, 2, 32, 32, weights="fp8")
-    with pytest.raises(ValueError, match="layout must be 'sbhd' or 'bshd'"):
-        mnn.MLAQUpProj(64, 2, 32, 32, layout="thd")
+    with pytest.raises(ValueError, match="layout must be 'sbhd', 'bshd' or 'thd', got 'bhsd'"):
+        mnn.MLAQUpProj(64, 2, 32, 32, layout="bhsd")
     qp = mnn.MLAQUpProj(64, 2, 32, 32, max_seq_len=64)
     with pytest.raises(ValueError, match=r"x must be \[s, b, in_features\] with in_features=64"):
         qp(torch.zeros(4, 2, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("weights", ["bf16", "mxfp8"])
+def test_thd_packs_sequences_as_bshd_rows(weights):
+    """layout "thd" (packed sequences; RoPE positions restart at 0 in each): with sequences of 32·n
+    tokens no columnwise block straddles two sequences, so q's codes and values (both copies) and the
+    gradients equal bshd's with one sequence a batch row; thd's scales are compact, [t, h·d]'s."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 64, 64, generator=g).to(torch.bfloat16)
+    dq = torch.randn(2, 64, 2, 64, generator=g).to(torch.bfloat16)
+    res = {}
+    for lay in ("bshd", "thd"):
+        qp = mnn.MLAQUpProj(64, 2, 32, 32, weights=weights, layout=lay, max_seq_len=64, seed=3, init_std=0.1)
+        xi = (x if lay == "bshd" else x.reshape(128, 64)).clone().requires_grad_()
+        q8, anchor = qp(xi, cu_seqlens=[0, 64, 128]) if lay == "thd" else qp(xi)
+        anchor.backward(dq.reshape(anchor.shape))
+        res[lay] = (q8, xi.grad.reshape(2, 64, 64), qp.weight.grad)
+    b, t = res["bshd"], res["thd"]
+    assert t[0].shape == (128, 128) and t[0].rowwise_data.shape == (128, 2, 64) and t[0].scale_layout == "compact"
+    assert tuple(t[0].rowwise_scale_inv.shape) == (128, 4) and tuple(t[0].columnwise_scale_inv.shape) == (4, 128)
+    for cw in (False, True):
+        f = "columnwise_data" if cw else "rowwise_data"
+        assert torch.equal(getattr(t[0], f).reshape(2, 64, 2, 64), getattr(b[0], f)), f
+        q = t[0]  # (its codes viewed [t, h, d], as attention reads them; dequantize takes them as [t, h·d])
+        flat = mxmla.MXFP8Tensor(q.shape, "e4m3", "compact", q.rowwise_data.reshape(128, 128), q.rowwise_scale_inv,
+                                 q.columnwise_data.reshape(128, 128), q.columnwise_scale_inv)
+        dt, db = (mxmla.dequantize(q, "float32", columnwise=cw) for q in (flat, b[0]))
+        assert torch.equal(dt.reshape(2, 64, 2, 64), db.reshape(2, 64, 2, 64)), cw
+    assert torch.equal(t[1], b[1]) and torch.equal(t[2], b[2])
 
 
 @pytest.mark.parametrize("weights", ["bf16", "mxfp8"])

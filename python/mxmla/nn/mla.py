@@ -85,15 +85,16 @@ class MLA(nn.Module):
             128, 64, 128).
         recipe: "bf16" (the baseline: every Linear and the attention in bf16, fp32 accumulation,
             fp32 parameters) or "mxfp8" (every Linear on mxmla's MXFP8 GEMM, MXFP8LinearFunction;
-            the attention on MXFP8 Q, K, V with mxmla's backward, MXFP8Attention; RMSNorm and
-            RoPE in bf16 / fp32 as in "bf16"). Under "mxfp8" with q_lora_rank > 0 and layout bshd
-            or sbhd, the query's up-projection is the fused Q up-projection with an MXFP8 weight,
-            as the reference system runs it (wq_b's MXFP8 GEMM, RoPE and the MXFP8 quantization of
-            q in one op; attention reads that MXFP8 Q; mxmla.nn.MLAQUpProj's autograd), and K and V
-            come from wkv_b through mxmla.nn.attention_from_latent (quantized from their views of
-            its output, its backward reading dK and dV in place: no concatenation pass); thd runs
-            wq_b's MXFP8 Linear, then RoPE, and concatenates K. "mxfp8" needs dtype bf16 and every
-            Linear's dimensions multiples of 32.
+            the attention on MXFP8 Q, K, V with mxmla's backward; RMSNorm and the rope key's RoPE
+            in bf16 as in "bf16"). Under "mxfp8" the query's up-projection (wq_b; wq when
+            q_lora_rank is 0) is the fused Q up-projection with an MXFP8 weight, as the reference
+            system runs it (the MXFP8 GEMM, RoPE and the MXFP8 quantization of q in one op;
+            attention reads that MXFP8 Q; mxmla.nn.MLAQUpProj's autograd), and K and V come from
+            wkv_b through mxmla.nn.attention_from_latent (quantized from their views of its
+            output, its backward reading dK and dV in place: no concatenation pass), in every
+            layout (thd: q, K and V quantized as [t, h·d], columnwise blocks along the packed
+            tokens, as TransformerEngine's thd). "mxfp8" needs dtype bf16, every Linear's
+            dimensions and nope_dim + rope_dim multiples of 32.
         yarn: None (plain RoPE), "deepseek_v3" or a dict of YaRN parameters (mxmla.rope_tables);
             it also sets the softmax scale's mscale² (DeepSeek-V3 trains with YaRN only past 4K).
         rope_base: RoPE's base (10000). max_seq_len: the longest sequence (the tables' length).
@@ -146,6 +147,9 @@ class MLA(nn.Module):
             raise ValueError(f"{what}: rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
         if layout not in LAYOUTS:
             raise ValueError(f"{what}: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if self.recipe == "mxfp8" and ((nope_dim + rope_dim) % 32 or v_dim % 32):
+            raise ValueError(f"{what}: recipe 'mxfp8' needs nope_dim + rope_dim ({nope_dim + rope_dim}) and v_dim "
+                             f"({v_dim}) to be multiples of 32 (the MXFP8 blocks of q, k and v along the head dim)")
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = tp_size_rank(tp_group)
         if heads % self.tp_size:
@@ -224,29 +228,23 @@ class MLA(nn.Module):
         return _rope.apply_rope(x, self.rope_cos, self.rope_sin, style=ROPE_STYLE, layout=layout,
                                 rope_dim=self.rope_dim, cu_seqlens=cu)
 
-    def _fused_q(self, lat: torch.Tensor, layout: str):
-        """(q8, anchor): the fused Q up-projection of the normalized latent with wq_b's MXFP8 weight
-        (this rank's heads), RoPE'd and quantized for attention (both copies, BHSD scales)."""
-        from .. import MXFP8Tensor
-        from .qproj import _QUpProjMXFP8Function
+    def _fused_q(self, lat: torch.Tensor, layout: str, cu: Optional[List[int]] = None):
+        """(q8, anchor): the fused Q up-projection of the normalized latent (of x when q_lora_rank is 0)
+        with wq_b's (wq's) MXFP8 weight, this rank's heads, RoPE'd and quantized for attention with
+        both copies (mxmla.nn.qproj.q_up: BHSD scales; thd: compact, the tables' rows by position)."""
+        from .qproj import _QUpProjMXFP8Function, q_up
 
-        cfg = dict(nope_dim=self.nope_dim, rope_dim=self.rope_dim, style=ROPE_STYLE, layout=layout,
-                   batch=int(lat.shape[0] if layout == "bshd" else lat.shape[1]), bhsd_scales=True)
-        anchor, rd, rs, cd, cs = _QUpProjMXFP8Function.apply(lat, self.wq_b.weight, self.rope_cos, self.rope_sin, cfg)
-        return MXFP8Tensor(tuple(rd.shape), "e4m3", "bhsd", rd, rs, cd, cs, layout=layout, attention=True), anchor
+        weight = (self.wq if self.q_lora_rank == 0 else self.wq_b).weight
+        return q_up(_QUpProjMXFP8Function, lat, weight, self.rope_cos, self.rope_sin, self.nope_dim, self.rope_dim,
+                    ROPE_STYLE, layout, cu)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """[.., h, s, d] -> [.., h, s, v_dim]: causal (top-left), one sequence per leading index."""
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
-                   cu: Optional[List[int]], longest: int) -> torch.Tensor:
-        if self.recipe == "mxfp8":  # MXFP8 Q, K, V (both copies), O and LSE saved; bf16 gradients
-            from ..attention_autograd import MXFP8Attention
-            # thd: the longest sequence as the bound, so that neither pass copies cu_seqlens back to the host
-            bound = longest if layout == "thd" and longest > 0 else None
-            return MXFP8Attention.apply(q, k, v, True, self.softmax_scale, layout, cu, cu, bound, bound, "e4m3", False,
-                                        self.deterministic)
+                   cu: Optional[List[int]]) -> torch.Tensor:
+        """The "bf16" recipe's attention (torch SDPA)."""
         if layout == "bshd":  # [b, s, h, d] -> [b, h, s, d]
             return self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
         if layout == "sbhd":  # [s, b, h, d] -> [b, h, s, d]
@@ -285,9 +283,10 @@ class MLA(nn.Module):
         # (tensor parallel: the latents are replicated, copy_to_tp sums their gradients over the ranks'
         # heads; wq / wq_b and wkv_b hold this rank's heads, wo's partial sums are all-reduced)
         g = self.tp_group
-        fused_q = self.recipe == "mxfp8" and self.q_lora_rank > 0 and layout != "thd"
+        fused_q = self.recipe == "mxfp8"
         if fused_q:  # the fused Q up-projection with an MXFP8 weight: MXFP8 q and its autograd anchor
-            q8, anchor = self._fused_q(copy_to_tp(self.q_norm(self.wq_a(x)), g), layout)
+            q_in = x if self.q_lora_rank == 0 else self.q_norm(self.wq_a(x))
+            q8, anchor = self._fused_q(copy_to_tp(q_in, g), layout, cu)
         else:
             if self.q_lora_rank == 0:
                 q = self.wq(copy_to_tp(x, g))
@@ -300,13 +299,15 @@ class MLA(nn.Module):
         lat = copy_to_tp(self.kv_norm(kv), g)
         if fused_q:  # kv_b, K = [k_nope | k_pe] and V in MXFP8 without concatenation passes, then attention
             from .qproj import attention_from_latent
+            thd = layout == "thd"  # packed: the longest sequence as the bound (no copy of cu_seqlens to the host)
             o = attention_from_latent(q8, anchor, lat, k_pe, self.wkv_b.weight, self.nope_dim, causal=True,
-                                      softmax_scale=self.softmax_scale, deterministic=self.deterministic)
+                                      softmax_scale=self.softmax_scale, deterministic=self.deterministic,
+                                      cu_seqlens=cu if thd else None, max_seqlen=(longest or None) if thd else None)
         else:
             kv = self.wkv_b(lat).unflatten(-1, (self.local_heads, self.nope_dim + self.v_dim))
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
             k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
-            o = self._attention(q, k, v, layout, cu, longest)
+            o = self._attention(q, k, v, layout, cu)
         return reduce_from_tp(self.wo(o.flatten(-2)), g)
 
     def extra_repr(self) -> str:

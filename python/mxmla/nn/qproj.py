@@ -31,6 +31,31 @@ from .layers import _quantized_weight, check_bool, generator, init_normal_, line
 _OP = "mxmla.nn.MLAQUpProj"
 
 
+def packed_positions(cu, device: Any = None) -> torch.Tensor:
+    """Each packed token's position inside its own sequence (thd: positions restart at 0 at every
+    sequence of cu_seqlens ``cu``, a host list), int64 [t] on ``device``."""
+    starts = torch.tensor(cu[:-1], dtype=torch.int64)
+    lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], dtype=torch.int64)
+    pos = torch.arange(cu[-1], dtype=torch.int64) - torch.repeat_interleave(starts, lengths)
+    dev = torch.device(device) if device is not None else pos.device
+    if dev.type == "cuda":  # from pinned memory without waiting: a pageable copy would synchronize the stream
+        return pos.pin_memory().to(dev, non_blocking=True)
+    return pos.to(dev)
+
+
+def thd_tensor(fmt: str, rd: torch.Tensor, rs: torch.Tensor, cd: torch.Tensor, cs: torch.Tensor) -> Any:
+    """Codes [.., h, d] of t tokens run as one sequence with compact scales (the fused op's q as one
+    sbhd sequence [t, 1, h, d], quantize_attention's bshd [1, t, h, d]) as the thd tensor attention
+    reads: the bytes of quantize([t, h·d]), as quantize_for_attention makes them for thd (columnwise
+    blocks along the packed tokens)."""
+    import mxmla
+
+    h, d = rd.shape[-2], rd.shape[-1]
+    t = rd.numel() // (h * d)
+    return mxmla.MXFP8Tensor((t, h * d), fmt, "compact", rd.view(t, h, d), rs.view(t, h * d // 32), cd.view(t, h, d),
+                             cs)
+
+
 class _QUpProjFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: dict):
@@ -108,18 +133,44 @@ class _QUpProjMXFP8Function(torch.autograd.Function):
         return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None
 
 
+def q_up(fn: Any, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope_dim: int,
+         rope_dim: int, style: str, layout: str, cu: Optional[list] = None) -> Tuple[Any, torch.Tensor]:
+    """(q8, anchor): the fused op with autograd (fn: _QUpProjFunction or _QUpProjMXFP8Function) on x in
+    ``layout``. sbhd / bshd: q8 with BHSD scales. thd (cu: the checked host cu_seqlens): the t tokens
+    run as one sbhd sequence on the tables' rows gathered by each token's position in its own sequence,
+    compact scales; q8 the thd tensor (``thd_tensor``), the anchor [t, 1, h, d]."""
+    import mxmla
+
+    if layout == "thd":
+        pos = packed_positions(cu, cos.device)
+        cos, sin, op_layout, batch = cos[pos], sin[pos], "sbhd", 1
+    else:
+        op_layout, batch = layout, x.shape[1] if layout == "sbhd" else x.shape[0]
+    cfg = dict(nope_dim=nope_dim, rope_dim=rope_dim, style=style, layout=op_layout, batch=int(batch),
+               bhsd_scales=layout != "thd")
+    anchor, rd, rs, cd, cs = fn.apply(x, weight, cos, sin, cfg)
+    if layout == "thd":
+        return thd_tensor("e4m3", rd, rs, cd, cs), anchor
+    return mxmla.MXFP8Tensor(tuple(rd.shape), "e4m3", "bhsd", rd, rs, cd, cs, layout=layout, attention=True), anchor
+
+
 class MLAQUpProj(nn.Module):
     """DeepSeek-V3's Q up-projection as a module: q = RoPE(x · Wᵀ) quantized to MXFP8 for attention
     (the fused op, ``mxmla.fused_q_uproj_rope_quant``), with autograd through an anchor (see the
     module docstring).
 
     in_features (DeepSeek-V3: q_lora_rank 1536), heads, nope_dim, rope_dim (128, 64), style (RoPE
-    style, default DeepSeek's "interleaved"), layout ("sbhd" [s, b, in_features] or "bshd"), tables
-    for positions 0 .. max_seq_len - 1 (rope_base, yarn as for mxmla.rope_tables), weights "bf16" or
-    "mxfp8" (the module docstring), init_std, seed (the weight is drawn from it on the CPU, as mxmla.nn's other modules).
+    style, default DeepSeek's "interleaved"), layout ("sbhd" [s, b, in_features], "bshd" or "thd"
+    [t, in_features]: packed sequences, whose RoPE positions restart at 0 at each sequence of
+    forward's cu_seqlens), tables for positions 0 .. max_seq_len - 1 (rope_base, yarn as for
+    mxmla.rope_tables), weights "bf16" or "mxfp8" (the module docstring), init_std, seed (the weight
+    is drawn from it on the CPU, as mxmla.nn's other modules).
 
-    forward(x) -> (q8, anchor): q8 the MXFP8Tensor of q ([s, b, heads, D] or [b, s, heads, D], both
-    copies, BHSD scales); anchor the bf16 autograd edge to pass to ``attention_from_mxfp8_q``."""
+    forward(x, cu_seqlens=None) -> (q8, anchor): q8 the MXFP8Tensor of q ([s, b, heads, D] or
+    [b, s, heads, D], both copies, BHSD scales; thd: [t, heads·D] with codes viewed [t, heads, D] and
+    compact scales, columnwise blocks along the packed tokens, as quantize makes them); anchor the
+    bf16 autograd edge to pass to ``attention_from_mxfp8_q``. cu_seqlens: thd only (None: one
+    sequence)."""
 
     def __init__(self, in_features: int = 1536, heads: int = 128, nope_dim: int = 128, rope_dim: int = 64,
                  weights: str = "bf16", *, style: str = "interleaved", layout: str = "sbhd", max_seq_len: int = 4096,
@@ -130,8 +181,8 @@ class MLAQUpProj(nn.Module):
 
         if weights not in ("bf16", "mxfp8"):
             raise ValueError(f"{_OP}: weights must be 'bf16' or 'mxfp8', got {weights!r}")
-        if layout not in ("sbhd", "bshd"):
-            raise ValueError(f"{_OP}: layout must be 'sbhd' or 'bshd' (the fused op's token orders), got {layout!r}")
+        if layout not in ("sbhd", "bshd", "thd"):
+            raise ValueError(f"{_OP}: layout must be 'sbhd', 'bshd' or 'thd', got {layout!r}")
         self.in_features, self.heads, self.nope_dim, self.rope_dim = in_features, heads, nope_dim, rope_dim
         self.style, self.layout, self.weights = style, layout, weights
         self.weight = nn.Parameter(torch.empty(heads * (nope_dim + rope_dim), in_features, dtype=torch.float32))
@@ -142,19 +193,26 @@ class MLAQUpProj(nn.Module):
         if device is not None:
             self.to(device)
 
-    def forward(self, x: torch.Tensor) -> Tuple[Any, torch.Tensor]:
-        import mxmla
+    def forward(self, x: torch.Tensor, cu_seqlens: Any = None) -> Tuple[Any, torch.Tensor]:
+        from .mla import cu_seqlens_list
 
-        if x.dim() != 3 or x.shape[-1] != self.in_features:
-            dims = "[s, b, in_features]" if self.layout == "sbhd" else "[b, s, in_features]"
+        thd = self.layout == "thd"
+        if x.dim() != (2 if thd else 3) or x.shape[-1] != self.in_features:
+            dims = {"sbhd": "[s, b, in_features]", "bshd": "[b, s, in_features]", "thd": "[t, in_features]"}[self.layout]
             raise ValueError(f"{_OP}: x must be {dims} with in_features={self.in_features}, got {tuple(x.shape)}")
-        batch = x.shape[1] if self.layout == "sbhd" else x.shape[0]
-        cfg = dict(nope_dim=self.nope_dim, rope_dim=self.rope_dim, style=self.style, layout=self.layout,
-                   batch=int(batch), bhsd_scales=True)
+        cu = None
+        if thd:
+            cu = cu_seqlens_list(_OP, cu_seqlens, x.shape[0])
+            longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        else:
+            if cu_seqlens is not None:
+                raise ValueError(f"{_OP}: cu_seqlens is for layout 'thd' (packed sequences), not '{self.layout}'")
+            longest = x.shape[0] if self.layout == "sbhd" else x.shape[1]
+        if longest > self.rope_cos.shape[0]:
+            raise ValueError(f"{_OP}: a sequence of {longest} tokens is longer than max_seq_len={self.rope_cos.shape[0]}")
         fn = _QUpProjMXFP8Function if self.weights == "mxfp8" else _QUpProjFunction
-        anchor, rd, rs, cd, cs = fn.apply(x, self.weight, self.rope_cos, self.rope_sin, cfg)
-        q8 = mxmla.MXFP8Tensor(tuple(rd.shape), "e4m3", "bhsd", rd, rs, cd, cs, layout=self.layout, attention=True)
-        return q8, anchor
+        return q_up(fn, x, self.weight, self.rope_cos, self.rope_sin, self.nope_dim, self.rope_dim, self.style,
+                    self.layout, cu)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, heads={self.heads}, nope_dim={self.nope_dim}, "
@@ -169,6 +227,31 @@ def _rowwise_only(t: Any) -> Any:
                              layout=t.layout, attention=t.attention)
 
 
+def _q8_meta(q8: Any) -> tuple:
+    return (q8.shape, q8.fp8_format, q8.scale_layout, q8.layout, q8.attention)
+
+
+def _q8_of(meta: tuple, rd, rs, cd, cs) -> Any:
+    import mxmla
+
+    shape, fmt, sl, lay, att = meta
+    return mxmla.MXFP8Tensor(shape, fmt, sl, rd, rs, cd, cs, layout=lay, attention=att)
+
+
+def _attention_kw(what: str, q8: Any, causal: bool, softmax_scale: Optional[float], bottom_right: bool,
+                  cu_seqlens: Any, max_seqlen: Optional[int]) -> dict:
+    """attention's keywords for q8's tokens: its own layout, or thd when cu_seqlens is given."""
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError(f"{what}: max_seqlen is for packed sequences (with cu_seqlens)")
+        return dict(causal=causal, softmax_scale=softmax_scale, bottom_right=bottom_right, layout=q8.layout)
+    if q8.attention:
+        raise ValueError(f"{what}: with cu_seqlens (packed sequences), q8 must be the thd tensor of MLAQUpProj(layout="
+                         f"'thd'), got one in layout '{q8.layout}'")
+    return dict(causal=causal, softmax_scale=softmax_scale, bottom_right=bottom_right, layout="thd",
+                cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
 class _AttentionFromQ8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, rd, rs, cd, cs, k, v, meta, kw, deterministic):
@@ -176,12 +259,12 @@ class _AttentionFromQ8(torch.autograd.Function):
 
         from ..attention_autograd import quantize_for_attention
 
-        shape, fmt, sl, lay = meta
-        q8 = mxmla.MXFP8Tensor(shape, fmt, sl, rd, rs, cd, cs, layout=lay, attention=True)
+        q8 = _q8_of(meta, rd, rs, cd, cs)
         k8, v8 = (quantize_for_attention(t, kw["layout"]) for t in (k, v))
         o, lse = mxmla.attention(q8, k8, v8, return_lse=True, **kw)
         v8 = _rowwise_only(v8)  # (V's columnwise copy served the forward only: the backward reads V rowwise)
         ctx.q8, ctx.k8, ctx.v8, ctx.kw = q8, k8, v8, dict(kw, deterministic=deterministic)
+        ctx.anchor_shape = anchor.shape
         ctx.save_for_backward(o, lse)
         return o
 
@@ -192,20 +275,23 @@ class _AttentionFromQ8(torch.autograd.Function):
         o, lse = ctx.saved_tensors
         dq, dk, dv = mxmla.attention_backward(do.to(torch.bfloat16).contiguous(), ctx.q8, ctx.k8, ctx.v8, o, lse,
                                               **ctx.kw)
-        return dq, None, None, None, None, dk, dv, None, None, None
+        return dq.view(ctx.anchor_shape), None, None, None, None, dk, dv, None, None, None
 
 
 def attention_from_mxfp8_q(q8: Any, anchor: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                            softmax_scale: Optional[float] = None, bottom_right: bool = False,
-                           deterministic: bool = False) -> torch.Tensor:
+                           deterministic: bool = False, cu_seqlens: Any = None,
+                           max_seqlen: Optional[int] = None) -> torch.Tensor:
     """O = attention(q8, MXFP8(k), MXFP8(v)) with autograd: q8 and anchor from MLAQUpProj (dQ flows to
     the anchor), k and v bf16 tensors in q8's layout (quantized here with both copies). Returns bf16 O.
-    deterministic: the backward's dQ sums in a fixed order (attention_backward's)."""
-    kw = dict(causal=causal, softmax_scale=softmax_scale, bottom_right=bottom_right, layout=q8.layout)
-    meta = (q8.shape, q8.fp8_format, q8.scale_layout, q8.layout)
+    deterministic: the backward's dQ sums in a fixed order (attention_backward's). Packed sequences:
+    q8 from MLAQUpProj(layout="thd"), k and v [t, h, d], cu_seqlens as given to it; max_seqlen (the
+    longest sequence, optional) spares both passes a copy of cu_seqlens to the host."""
+    what = "mxmla.nn.attention_from_mxfp8_q"
+    kw = _attention_kw(what, q8, causal, softmax_scale, bottom_right, cu_seqlens, max_seqlen)
     return _AttentionFromQ8.apply(anchor, q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data,
-                                  q8.columnwise_scale_inv, k, v, meta, kw,
-                                  check_bool("mxmla.nn.attention_from_mxfp8_q", "deterministic", deterministic))
+                                  q8.columnwise_scale_inv, k, v, _q8_meta(q8), kw,
+                                  check_bool(what, "deterministic", deterministic))
 
 
 class _AttentionFromLatent(torch.autograd.Function):
@@ -217,20 +303,27 @@ class _AttentionFromLatent(torch.autograd.Function):
     def forward(ctx, anchor, rd, rs, cd, cs, lat, k_pe, weight, meta, kw, nope, deterministic):
         import mxmla
 
-        shape, fmt, sl, lay = meta
-        q8 = mxmla.MXFP8Tensor(shape, fmt, sl, rd, rs, cd, cs, layout=lay, attention=True)
-        lead, K, H = lat.shape[:-1], lat.shape[-1], shape[2]
+        q8 = _q8_of(meta, rd, rs, cd, cs)
+        lead, K, H = lat.shape[:-1], lat.shape[-1], anchor.shape[-2]
         w8 = _quantized_weight(weight)
         kv, x8 = mxmla.linear_forward(lat.detach().reshape(-1, K).to(torch.bfloat16), w8)  # [T, H·(nope + v)]
         kv = kv.view(*lead, H, -1)
-        pe = k_pe.detach().to(torch.bfloat16)
+        pe = k_pe.detach().to(torch.bfloat16).expand(*lead, H, k_pe.shape[-1])
         # K = [k_nope | k_pe] and V, quantized from their views of kv (and k_pe over the heads) in place
-        k8 = mxmla.quantize_attention((kv[..., :nope], pe.expand(*lead, H, pe.shape[-1])), lay)
-        v8 = mxmla.quantize_attention(kv[..., nope:], lay)
+        # (thd: as one bshd sequence of the t tokens with compact scales — quantize's bytes of [t, h·d])
+        if kw["layout"] == "thd":
+            k8, v8 = (mxmla.quantize_attention(x, "bshd", bhsd_scales=False)
+                      for x in ((kv[None, ..., :nope], pe[None]), kv[None, ..., nope:]))
+            k8, v8 = (thd_tensor(m.fp8_format, m.rowwise_data, m.rowwise_scale_inv, m.columnwise_data,
+                                 m.columnwise_scale_inv) for m in (k8, v8))
+        else:
+            k8 = mxmla.quantize_attention((kv[..., :nope], pe), kw["layout"])
+            v8 = mxmla.quantize_attention(kv[..., nope:], kw["layout"])
         del kv
         o, lse = mxmla.attention(q8, k8, v8, return_lse=True, **kw)
         v8 = _rowwise_only(v8)  # (V's columnwise copy served the forward only: the backward reads V rowwise)
         ctx.qkv8, ctx.kw, ctx.nope = (q8, k8, v8), dict(kw, deterministic=deterministic), nope
+        ctx.anchor_shape = anchor.shape
         ctx.save_for_backward(o, lse, *linear_saved(x8, w8))
         ctx.shapes, ctx.lead, ctx.lat_dtype, ctx.pe_dtype = (x8.shape, w8.shape), lead, lat.dtype, k_pe.dtype
         ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
@@ -251,12 +344,13 @@ class _AttentionFromLatent(torch.autograd.Function):
         dx, dw = linear_grads(saved, ctx.shapes, ctx.weight,
                               (dk[..., :nope].reshape(-1, H, nope), dv.reshape(-1, H, dv.shape[-1])))
         dlat = dx.reshape(*ctx.lead, dx.shape[-1]).to(ctx.lat_dtype)
-        return dq, None, None, None, None, dlat, dk_pe, dw, None, None, None, None
+        return dq.view(ctx.anchor_shape), None, None, None, None, dlat, dk_pe, dw, None, None, None, None
 
 
 def attention_from_latent(q8: Any, anchor: torch.Tensor, lat: torch.Tensor, k_pe: torch.Tensor, weight: torch.Tensor,
                           nope_dim: int, *, causal: bool = True, softmax_scale: Optional[float] = None,
-                          bottom_right: bool = False, deterministic: bool = False) -> torch.Tensor:
+                          bottom_right: bool = False, deterministic: bool = False, cu_seqlens: Any = None,
+                          max_seqlen: Optional[int] = None) -> torch.Tensor:
     """MLA's keys and values from the KV latent, and attention on them, with autograd (what
     ``mxmla.nn.MLA`` runs under the "mxfp8" recipe): kv = lat · Wᵀ on the MXFP8 Linear
     (``linear_forward``; W [h·(nope_dim + v_dim), kv_lora_rank], quantized once per version),
@@ -266,10 +360,12 @@ def attention_from_latent(q8: Any, anchor: torch.Tensor, lat: torch.Tensor, k_pe
     Linear's backward reads dK[..., :nope_dim] and dV in place (``linear_backward`` of a pair);
     dk_pe = dK[..., nope_dim:] summed over the heads. The same bits as that composition written with
     torch.cat, without its concatenation passes. q8, anchor from ``MLAQUpProj``; lat, k_pe in q8's
-    layout (bshd / sbhd). deterministic: the attention backward's dQ sums in a fixed order (bitwise
-    reproducible gradients). Returns bf16 O."""
-    kw = dict(causal=causal, softmax_scale=softmax_scale, bottom_right=bottom_right, layout=q8.layout)
-    meta = (q8.shape, q8.fp8_format, q8.scale_layout, q8.layout)
+    layout (bshd / sbhd). Packed sequences: q8 from MLAQUpProj(layout="thd"), lat [t, r], k_pe
+    [t, 1, rope_dim], cu_seqlens as given to it, max_seqlen (the longest sequence, optional: it spares
+    both attention passes a copy of cu_seqlens to the host). deterministic: the attention backward's
+    dQ sums in a fixed order (bitwise reproducible gradients). Returns bf16 O."""
+    what = "mxmla.nn.attention_from_latent"
+    kw = _attention_kw(what, q8, causal, softmax_scale, bottom_right, cu_seqlens, max_seqlen)
     return _AttentionFromLatent.apply(anchor, q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data,
-                                      q8.columnwise_scale_inv, lat, k_pe, weight, meta, kw, int(nope_dim),
-                                      check_bool("mxmla.nn.attention_from_latent", "deterministic", deterministic))
+                                      q8.columnwise_scale_inv, lat, k_pe, weight, _q8_meta(q8), kw, int(nope_dim),
+                                      check_bool(what, "deterministic", deterministic))
