@@ -21,7 +21,7 @@ checks) runs the same rotation in plain torch.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,23 @@ def cu_seqlens_list(what: str, cu_seqlens: CuSeqlens, tokens: int) -> List[int]:
         raise ValueError(f"{what}: cu_seqlens must start at 0, never decrease and end at the token count {tokens}, "
                          f"got {cu}")
     return cu
+
+
+def sequences(what: str, x: torch.Tensor, layout: str, cu_seqlens: CuSeqlens,
+              max_seq_len: int) -> Tuple[Optional[List[int]], int]:
+    """(cu_seqlens as a host list or None, the longest sequence) of x ([b, s, ..] bshd, [s, b, ..] sbhd,
+    [t, ..] thd), checked: cu_seqlens only with thd, no sequence longer than max_seq_len."""
+    cu = None
+    if layout == "thd":
+        cu = cu_seqlens_list(what, cu_seqlens, x.shape[0])
+        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    else:
+        if cu_seqlens is not None:
+            raise ValueError(f"{what}: cu_seqlens is for layout 'thd' (packed sequences), not '{layout}'")
+        longest = x.shape[1] if layout == "bshd" else x.shape[0]
+    if longest > max_seq_len:
+        raise ValueError(f"{what}: a sequence of {longest} tokens is longer than max_seq_len={max_seq_len}")
+    return cu, longest
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, rope_dim: int,
@@ -268,16 +285,7 @@ class MLA(nn.Module):
             shape = {"bshd": "[b, s, hidden]", "sbhd": "[s, b, hidden]", "thd": "[t, hidden]"}[layout]
             raise ValueError(f"{what}: x must be {shape} with hidden={self.hidden} for layout '{layout}', "
                              f"got {tuple(x.shape)}")
-        cu = None
-        if layout == "thd":
-            cu = cu_seqlens_list(what, cu_seqlens, x.shape[0])
-            longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-        else:
-            if cu_seqlens is not None:
-                raise ValueError(f"{what}: cu_seqlens is for layout 'thd' (packed sequences), not '{layout}'")
-            longest = x.shape[1] if layout == "bshd" else x.shape[0]
-        if longest > self.max_seq_len:
-            raise ValueError(f"{what}: a sequence of {longest} tokens is longer than max_seq_len={self.max_seq_len}")
+        cu, longest = sequences(what, x, layout, cu_seqlens, self.max_seq_len)
 
         # query: low-rank projection, RMSNorm, up-projection; RoPE on the trailing rope_dim of each head
         # (tensor parallel: the latents are replicated, copy_to_tp sums their gradients over the ranks'

@@ -194,22 +194,12 @@ class MLAQUpProj(nn.Module):
             self.to(device)
 
     def forward(self, x: torch.Tensor, cu_seqlens: Any = None) -> Tuple[Any, torch.Tensor]:
-        from .mla import cu_seqlens_list
+        from .mla import sequences
 
-        thd = self.layout == "thd"
-        if x.dim() != (2 if thd else 3) or x.shape[-1] != self.in_features:
+        if x.dim() != (2 if self.layout == "thd" else 3) or x.shape[-1] != self.in_features:
             dims = {"sbhd": "[s, b, in_features]", "bshd": "[b, s, in_features]", "thd": "[t, in_features]"}[self.layout]
             raise ValueError(f"{_OP}: x must be {dims} with in_features={self.in_features}, got {tuple(x.shape)}")
-        cu = None
-        if thd:
-            cu = cu_seqlens_list(_OP, cu_seqlens, x.shape[0])
-            longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-        else:
-            if cu_seqlens is not None:
-                raise ValueError(f"{_OP}: cu_seqlens is for layout 'thd' (packed sequences), not '{self.layout}'")
-            longest = x.shape[0] if self.layout == "sbhd" else x.shape[1]
-        if longest > self.rope_cos.shape[0]:
-            raise ValueError(f"{_OP}: a sequence of {longest} tokens is longer than max_seq_len={self.rope_cos.shape[0]}")
+        cu, _ = sequences(_OP, x, self.layout, cu_seqlens, self.rope_cos.shape[0])
         fn = _QUpProjMXFP8Function if self.weights == "mxfp8" else _QUpProjFunction
         return q_up(fn, x, self.weight, self.rope_cos, self.rope_sin, self.nope_dim, self.rope_dim, self.style,
                     self.layout, cu)
