@@ -10,6 +10,7 @@
 #include "common/device.h"
 #include "common/gemm_ops.h"
 #include "common/ops.h"
+#include "common/rope_ops.h"
 #include "common/text.h"
 #include "mxmla/linear.h"
 
@@ -138,47 +139,63 @@ void linear_forward(const TensorDesc& x, const MXFP8Tensor& w, TensorDesc& y, MX
 }
 
 namespace {
-// linear_backward on dy's quantize problem q (its input set; T = q.rows, N = q.cols); `dy` is the
-// tensor (or part0) the device checks name.
-void linear_backward_q(const LinearCheck& c, detail::QuantizeProblem q, const TensorDesc& dy, const MXFP8Tensor& w,
-                       const MXFP8Tensor& x_saved, TensorDesc* dx, TensorDesc& dw, bool accumulate, Stream stream) {
-  const int64_t T = q.rows, N = q.cols;
+// linear_backward's checks and GEMM problems for dy [T, N] (`dy`: the tensor the device checks name,
+// as `dy_name`), then on CUDA cuda(dgrad or null, wgrad), on the CPU the GEMM reference on host(need
+// the rowwise operand)'s (rowwise, columnwise) operands of dy.
+template <class Cuda, class Host>
+void linear_backward_with(const LinearCheck& c, int64_t T, int64_t N, const TensorDesc& dy, const char* dy_name,
+                          const MXFP8Tensor& w, const MXFP8Tensor& x_saved, TensorDesc* dx, TensorDesc& dw,
+                          bool accumulate, Cuda&& cuda, Host&& host) {
   const detail::GemmOperandView wv = detail::gemm_operand(c.op, "w", w, false);         // W [N, K], columnwise
   const detail::GemmOperandView xv = detail::gemm_operand(c.op, "x_saved", x_saved, false);  // x [T, K], columnwise
   c.e4m3("w", w);
   c.e4m3("x_saved", x_saved);
   if (wv.rows != N)
-    c.fail("w", "shape " + shape_str(w.shape) + " must be [N, K] with N = " + std::to_string(N) + " (dy's last dim)");
+    c.fail("w", "shape " + shape_str(w.shape) + " must be [N, K] with N = " + std::to_string(N) + " (" +
+                    (std::string(dy_name) == "dy" ? "dy's last dim" : "h·d of dq") + ")");
   const int64_t K = wv.cols;
   if (xv.rows != T || xv.cols != K)
-    c.fail("x_saved", "shape " + shape_str(x_saved.shape) + " must be [T, K] = " + shape_str({T, K}) +
-                          " (dy's tokens, w's in_features)");
+    c.fail("x_saved", "shape " + shape_str(x_saved.shape) + " must be [T, K] = " + shape_str({T, K}) + " (" +
+                          (std::string(dy_name) == "dy" ? "dy" : "dq") + "'s tokens, w's in_features)");
   if (dx != nullptr) c.output("dx", *dx, {T, K}, false, false);
   c.output("dw", dw, {N, K}, true, accumulate);
   const Device dev = dy.device;
-  c.one_device({{"dy", &dy}, {"w.columnwise_data", &w.columnwise_data}, {"w.columnwise_scale_inv", &w.columnwise_scale_inv},
-                {"x_saved.columnwise_data", &x_saved.columnwise_data},
-                {"x_saved.columnwise_scale_inv", &x_saved.columnwise_scale_inv}, {"dx", dx},
-                {"dw", &dw}});
-  q.fmt = Fp8Format::kE4M3, q.batch = 1;
-  q.row_map = detail::make_row_map(MapMode::kCompact, 1, T, N);
-  q.col_map = detail::make_col_map(MapMode::kCompact, 1, T, N);
+  c.one_device({{dy_name, &dy}, {"w.columnwise_data", &w.columnwise_data},
+                {"w.columnwise_scale_inv", &w.columnwise_scale_inv}, {"x_saved.columnwise_data", &x_saved.columnwise_data},
+                {"x_saved.columnwise_scale_inv", &x_saved.columnwise_scale_inv}, {"dx", dx}, {"dw", &dw}});
   detail::GemmProblem dgrad;
   if (dx != nullptr) dgrad = gemm_of(T, K, N, wv, *dx, false);
   detail::GemmProblem wgrad = gemm_of(N, K, T, xv, dw, accumulate);
   if (dev.type == DeviceType::kCUDA) {
     detail::CudaDeviceGuard guard(dev.index);
-    detail::linear_backward_cuda(q, dx != nullptr ? &dgrad : nullptr, wgrad, stream);
+    cuda(dx != nullptr ? &dgrad : nullptr, wgrad);
     return;
   }
-  if (dx != nullptr && T > 0 && K > 0) {
-    const HostOperand r = host_quantize(q, true);
-    dgrad.a = r.view;
+  const bool need_row = dx != nullptr && T > 0 && K > 0;
+  const std::pair<HostOperand, HostOperand> ops = host(need_row);
+  if (need_row) {
+    dgrad.a = ops.first.view;
     detail::gemm_cpu(dgrad);
   }
-  const HostOperand cq = host_quantize(q, false);
-  wgrad.a = cq.view;
+  wgrad.a = ops.second.view;
   if (N > 0 && K > 0) detail::gemm_cpu(wgrad);
+}
+
+// linear_backward on dy's quantize problem q (its input set; T = q.rows, N = q.cols).
+void linear_backward_q(const LinearCheck& c, detail::QuantizeProblem q, const TensorDesc& dy, const MXFP8Tensor& w,
+                       const MXFP8Tensor& x_saved, TensorDesc* dx, TensorDesc& dw, bool accumulate, Stream stream) {
+  const int64_t T = q.rows, N = q.cols;
+  q.fmt = Fp8Format::kE4M3, q.batch = 1;
+  q.row_map = detail::make_row_map(MapMode::kCompact, 1, T, N);
+  q.col_map = detail::make_col_map(MapMode::kCompact, 1, T, N);
+  linear_backward_with(
+      c, T, N, dy, "dy", w, x_saved, dx, dw, accumulate,
+      [&](const detail::GemmProblem* dgrad, const detail::GemmProblem& wgrad) {
+        detail::linear_backward_cuda(q, dgrad, wgrad, stream);
+      },
+      [&](bool need_row) {
+        return std::make_pair(need_row ? host_quantize(q, true) : HostOperand{}, host_quantize(q, false));
+      });
 }
 }  // namespace
 
@@ -209,6 +226,46 @@ void linear_backward(const ConcatInput& dy, const MXFP8Tensor& w, const MXFP8Ten
   g.head_stride[0] = st(dy.part0, 1);
   g.in1 = dy.part1.data, g.row_stride1 = st(dy.part1, 0), g.head_stride[1] = st(dy.part1, 1);
   linear_backward_q(c, q, dy.part0, w, x_saved, dx, dw, accumulate, stream);
+}
+
+void linear_backward(const RopeGrad& dy, const MXFP8Tensor& w, const MXFP8Tensor& x_saved, TensorDesc* dx,
+                     TensorDesc& dw, bool accumulate, Stream stream) {
+  const LinearCheck c{"mxmla.rope_linear_backward"};
+  const TensorDesc& dq = dy.dq;
+  const bool thd = dy.rope.layout == RopeLayout::kTHD;
+  if (dq.ndim() != (thd ? 3 : 4))
+    c.fail("grad", std::string("must be ") + (thd ? "3-D [t, h, d]" : "4-D [s, b, h, d] or [b, s, h, d]") + ", got " +
+                       shape_str(dq.shape));
+  const int64_t N = dq.shape[dq.ndim() - 2] * dq.shape[dq.ndim() - 1], T = thd ? dq.shape[0] : dq.shape[0] * dq.shape[1];
+  if (N >= (int64_t{1} << 31)) c.fail("grad", "h·d = " + std::to_string(N) + " is too large (at most 2^31 - 1)");
+  linear_backward_with(
+      c, T, N, dq, "grad", w, x_saved, dx, dw, accumulate,
+      [&](const detail::GemmProblem* dgrad, const detail::GemmProblem& wgrad) {
+        detail::rope_grad_run(c.op, dq, dy.cos, dy.sin, dy.rope, dy.cu_seqlens, nullptr,
+                              [&](const detail::RopeQuantizeParams& k) {
+                                detail::rope_linear_backward_cuda(k, dgrad, wgrad, stream);
+                              });
+      },
+      [&](bool need_row) {
+        std::pair<HostOperand, HostOperand> h;
+        HostOperand& r = h.first;
+        HostOperand& cq = h.second;
+        r.codes.resize(static_cast<size_t>(need_row ? T * N : 0)), r.scales.resize(static_cast<size_t>(need_row ? T * (N / 32) : 0));
+        cq.codes.resize(static_cast<size_t>(T * N)), cq.scales.resize(static_cast<size_t>(detail::ceil_div(T, 32) * N));
+        detail::QuantizeProblem q;
+        q.rows = T, q.cols = N, q.fmt = Fp8Format::kE4M3, q.batch = 1, q.batch_stride = 0;
+        q.row_map = detail::make_row_map(MapMode::kCompact, 1, T, N);
+        q.col_map = detail::make_col_map(MapMode::kCompact, 1, T, N);
+        if (need_row) q.row_codes = r.codes.data(), q.row_scales = r.scales.data();
+        q.col_codes = cq.codes.data(), q.col_scales = cq.scales.data();
+        detail::rope_grad_run(c.op, dq, dy.cos, dy.sin, dy.rope, dy.cu_seqlens, &q, {});
+        for (auto [o, rowwise] : {std::pair<HostOperand*, bool>{&r, true}, {&cq, false}}) {
+          o->view.data = o->codes.data(), o->view.rows = T, o->view.cols = N, o->view.ld = N;
+          o->view.contract_cols = rowwise, o->view.scales = o->scales.data();
+          o->view.map = rowwise ? q.row_map : q.col_map;
+        }
+        return h;
+      });
 }
 
 }  // namespace mxmla

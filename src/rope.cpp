@@ -1,5 +1,6 @@
 // mxmla — RoPE API: validation, table-row mapping, tables, positions, YaRN.
 #include <algorithm>
+#include <functional>
 #include <utility>
 #include <cmath>
 #include <string>
@@ -209,19 +210,51 @@ void rope_backward(const TensorDesc& grad, const TensorDesc& cos, const TensorDe
   run_rope("mxmla.rope_backward", grad, cos, sin, dx, opts, cu_seqlens, true, stream);
 }
 
+namespace {
+// rope_backward_quantize's checks of dq and the tables (op names the call): the RoPE problem
+// (dx: its fp32 output on the CPU, sized here; on CUDA the kernel keeps dx on chip and dq stands in
+// for the output that the shared validation expects).
+detail::RopeProblem grad_problem(const char* op, const TensorDesc& dq, const TensorDesc& cos, const TensorDesc& sin,
+                                 const RopeOptions& o, const TensorDesc* cu_seqlens, std::vector<float>& dx) {
+  const bool on_cpu = dq.device.type == DeviceType::kCPU;
+  dx.assign(static_cast<size_t>(on_cpu ? std::max<int64_t>(dq.numel(), 0) : 0), 0.f);
+  const TensorDesc dxd = on_cpu ? TensorDesc(dx.data(), DType::kFloat32, dq.shape, dq.device) : dq;
+  detail::RopeProblem p = make_problem(op, dq, cos, sin, dxd, o, cu_seqlens, true);
+  if (p.D % 32 != 0) fail(op, "grad", "head dimension " + std::to_string(p.D) + " must be a multiple of 32");
+#if MXMLA_WITH_CUDA
+  if (!on_cpu && p.D > detail::kRopeQuantizeMaxHeadDim)
+    fail(op, "grad", "head dimension " + std::to_string(p.D) + " exceeds " +
+                         std::to_string(detail::kRopeQuantizeMaxHeadDim) + " on the CUDA path");
+#endif
+  return p;
+}
+
+// The CPU path: dx = R^T dq in fp32 (contiguous [tokens, h*d] in dq's token order), quantized by q
+// (its outputs set).
+void grad_quantize_cpu(detail::RopeProblem& p, const RopeOptions& o, std::vector<float>& dx, detail::QuantizeProblem& q) {
+  const int64_t H = p.H, D = p.D;
+  p.out = dx.data(), p.out_t = DType::kFloat32;
+  // contiguous strides of dq's logical shape, mapped to (s, b, h, d)
+  const bool bshd = o.layout == RopeLayout::kBSHD, thd = o.layout == RopeLayout::kTHD;
+  p.out_st[3] = 1, p.out_st[2] = D;
+  if (thd) p.out_st[0] = H * D, p.out_st[1] = 0;
+  else if (bshd) p.out_st[0] = H * D, p.out_st[1] = p.S * H * D;
+  else p.out_st[0] = p.B * H * D, p.out_st[1] = H * D;
+  detail::rope_cpu(p);
+  q.in = dx.data(), q.in_dtype = DType::kFloat32, q.row_stride = H * D;
+  detail::quantize_cpu(q);
+}
+}  // namespace
+
 void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const TensorDesc& sin, MXFP8Tensor& out,
                             TensorDesc* dx_copy, const RopeBackwardQuantizeOptions& opts,
                             const TensorDesc* cu_seqlens, Stream stream) {
   const char* op = "mxmla.rope_backward_quantize";
   if (!opts.rowwise && !opts.columnwise) fail(op, "options", "at least one of rowwise / columnwise must be set");
-  // CPU: dx in fp32, contiguous in dq's shape. CUDA: the kernel keeps dx on chip; dq stands in
-  // for the output that the shared validation expects.
   const bool on_cpu = dq.device.type == DeviceType::kCPU;
-  std::vector<float> dx(static_cast<size_t>(on_cpu ? std::max<int64_t>(dq.numel(), 0) : 0));
-  const TensorDesc dxd = on_cpu ? TensorDesc(dx.data(), DType::kFloat32, dq.shape, dq.device) : dq;
-  detail::RopeProblem p = make_problem(op, dq, cos, sin, dxd, opts.rope, cu_seqlens, true);
+  std::vector<float> dx;
+  detail::RopeProblem p = grad_problem(op, dq, cos, sin, opts.rope, cu_seqlens, dx);
   const int64_t H = p.H, D = p.D, T = p.S * p.B;
-  if (D % 32 != 0) fail(op, "grad", "head dimension " + std::to_string(D) + " must be a multiple of 32");
   if (dx_copy != nullptr) {
     if (dx_copy->shape != dq.shape || !dx_copy->is_contiguous() ||
         (dx_copy->dtype != DType::kBFloat16 && dx_copy->dtype != DType::kFloat32))
@@ -235,9 +268,6 @@ void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const T
   detail::QuantizeProblem qp = detail::quantize_outputs(op, {T, H * D}, out, qo, dq.device);
   if (!on_cpu) {
 #if MXMLA_WITH_CUDA
-    if (D > detail::kRopeQuantizeMaxHeadDim)
-      fail(op, "grad", "head dimension " + std::to_string(D) + " exceeds " +
-                           std::to_string(detail::kRopeQuantizeMaxHeadDim) + " on the CUDA path");
     if (dx_copy != nullptr && dq.numel() > 0) {
       if (reinterpret_cast<uintptr_t>(dx_copy->data) % 16 != 0) fail(op, "dx_copy", "data pointer must be 16-byte aligned");
       detail::check_cuda_pointer(op, "dx_copy", dx_copy->data, dq.device.index);
@@ -252,25 +282,43 @@ void rope_backward_quantize(const TensorDesc& dq, const TensorDesc& cos, const T
     detail::rope_quantize_cuda(k, stream);
     return;
 #else
+    (void)stream;
     fail(op, "grad", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
 #endif
   }
   if (dq.numel() == 0) return;
-  p.out = dx.data(), p.out_t = DType::kFloat32;
-  // contiguous strides of dq's logical shape, mapped to (s, b, h, d)
-  const bool bshd = opts.rope.layout == RopeLayout::kBSHD, thd = opts.rope.layout == RopeLayout::kTHD;
-  p.out_st[3] = 1, p.out_st[2] = D;
-  if (thd) p.out_st[0] = H * D, p.out_st[1] = 0;
-  else if (bshd) p.out_st[0] = H * D, p.out_st[1] = p.S * H * D;
-  else p.out_st[0] = p.B * H * D, p.out_st[1] = H * D;
-  detail::rope_cpu(p);
-  qp.in = dx.data(), qp.in_dtype = DType::kFloat32, qp.row_stride = H * D;
-  detail::quantize_cpu(qp);
+  grad_quantize_cpu(p, opts.rope, dx, qp);
   if (dx_copy != nullptr && dx_copy->dtype == DType::kFloat32)
     std::copy(dx.begin(), dx.end(), static_cast<float*>(dx_copy->data));
   else if (dx_copy != nullptr)
     for (size_t i = 0; i < dx.size(); ++i) static_cast<uint16_t*>(dx_copy->data)[i] = ref::float_to_bf16(dx[i]);
 }
+
+namespace detail {
+void rope_grad_run(const char* op, const TensorDesc& dq, const TensorDesc& cos, const TensorDesc& sin,
+                   const RopeOptions& o, const TensorDesc* cu_seqlens, QuantizeProblem* host,
+                   const std::function<void(const RopeQuantizeParams&)>& cuda) {
+  std::vector<float> dx;
+  RopeProblem p = grad_problem(op, dq, cos, sin, o, cu_seqlens, dx);
+  if (dq.device.type != DeviceType::kCPU) {
+#if MXMLA_WITH_CUDA
+    RopeQuantizeParams k;
+    if (dq.numel() > 0) {
+      k.rope = cuda_rope_params(op, "grad", "dx", dq, cos, sin, nullptr, o, p);
+    } else {  // no tokens (or no heads): the GEMMs alone
+      k.rope.S = p.S, k.rope.B = p.B, k.rope.H = p.H, k.rope.D = p.D, k.rope.R = p.rope_dim;
+    }
+    k.fmt = Fp8Format::kE4M3;
+    cuda(k);
+    return;
+#else
+    (void)cuda;
+    fail(op, "grad", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
+#endif
+  }
+  if (dq.numel() > 0) grad_quantize_cpu(p, o, dx, *host);
+}
+}  // namespace detail
 
 // ---------------------------------------------------------------- tables
 namespace {

@@ -13,7 +13,8 @@ bf16 tensors (its checksum covers dK and dV: dQ's fp32 sums run in scheduling or
 attnbwddet added also deterministic=True on the MXFP8 tensors (all three gradients); with --only
 linear mxmla.nn.Linear's mxfp8 forward + backward at the MLA block's shapes (T 4096); with --only mla one
 MLA block's training step (recipe mxfp8, T 4096, bench/mla_step.py's); with --only mlathd the same
-on four packed sequences (thd); with --only
+on four packed sequences (thd); with --only qprojbwd the backward of mxmla.nn.MLAQUpProj (weights mxfp8,
+T 4096, 128 heads, K 1536: RoPE backward, quantization and the two GEMMs); with --only
 attnfwd the attention forward at the same dims, s 2048 / 4096 / 8192, on the MXFP8 tensors (the
 default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors; with --only
 gemm the MXFP8 GEMM's fprop, dgrad and wgrad of the Q up-projection at T 16384 and 4096 (N 24576, K 1536), and 8192³.
@@ -157,6 +158,17 @@ def main() -> int:
                 return y, x.grad, lin.weight.grad
             case(f"linear mxfp8 {K}->{N}", run, lambda run=run: [t.detach() for t in run()])
             del lin, x, dy
+    if "qprojbwd" in only:  # mxmla.nn.MLAQUpProj's backward (weights mxfp8, sbhd), T 4096, 128 heads, K 1536
+        import mxmla.nn as mnn
+        qp = mnn.MLAQUpProj(1536, 128, weights="mxfp8", layout="sbhd", max_seq_len=4096).to(dev)
+        x = torch.randn(4096, 1, 1536, device=dev).to(torch.bfloat16).requires_grad_()
+        q8, anchor = qp(x)
+        dq = torch.randn(anchor.shape, device=dev).to(torch.bfloat16)
+
+        def qbwd():
+            return torch.autograd.grad(anchor, [x, qp.weight], dq, retain_graph=True)
+        case("qproj backward mxfp8 4096", qbwd, lambda: list(qbwd()))
+        del qp, x, q8, anchor, dq
     if "mla" in only:  # one MLA block's training step (bench/mla_step.py's, recipe mxfp8), T 4096
         import mxmla.nn as mnn
         T = 4096

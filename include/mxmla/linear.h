@@ -23,6 +23,7 @@
 #pragma once
 
 #include "mxmla/mxfp8.h"
+#include "mxmla/rope.h"
 #include "mxmla/tensor.h"
 
 namespace mxmla {
@@ -36,6 +37,21 @@ void linear_backward(const TensorDesc& dy, const MXFP8Tensor& w, const MXFP8Tens
 // MLA's kv_b projection from attention's dK (its first nope_dim columns, a view) and dV without a
 // concatenation pass.
 void linear_backward(const ConcatInput& dy, const MXFP8Tensor& w, const MXFP8Tensor& x_saved, TensorDesc* dx,
+                     TensorDesc& dw, bool accumulate, Stream stream = nullptr);
+
+// The same with dy the RoPE backward of dq, quantized as rope_backward_quantize quantizes it
+// (E4M3, dy = R^T dq in fp32 viewed as [T, h·d], T = dq's tokens in their memory order): the
+// backward GEMMs of the fused Q up-projection (its dgrad and wgrad from attention's dQ) =
+// gemm(rope_backward_quantize(dq, cos, sin), w, {.trans_b = false}) and the wgrad likewise, bit for
+// bit. dq, cos, sin, rope and cu_seqlens follow rope_backward_quantize's rules (include/mxmla/rope.h).
+// On CUDA, for bf16 DeepSeek-V3 query heads (d 192, rope_dim 64) at one token stride, the RoPE pass
+// writes the bf16 values the GEMMs read instead of codes they would dequantize in passes of their own.
+struct RopeGrad {
+  TensorDesc dq, cos, sin;
+  RopeOptions rope;
+  const TensorDesc* cu_seqlens = nullptr;
+};
+void linear_backward(const RopeGrad& dy, const MXFP8Tensor& w, const MXFP8Tensor& x_saved, TensorDesc* dx,
                      TensorDesc& dw, bool accumulate, Stream stream = nullptr);
 
 }  // namespace mxmla

@@ -19,7 +19,7 @@ from . import _mxmla_core as _core
 from ._backend import torch_available as _torch_available
 from .attention import attention, qkv_layout
 from .attention_backward import attention_backward
-from .gemm import gemm, linear_backward, linear_forward
+from .gemm import gemm, linear_backward, linear_forward, rope_linear_backward
 from .mxfp8 import (
     MXFP8Tensor,
     attention_scales_to_bhsd,
@@ -73,6 +73,7 @@ __all__ = [
     "qkv_layout",
     "gemm",
     "linear_backward",
+    "rope_linear_backward",
     "linear_forward",
     "info",
     "scratch_memory",

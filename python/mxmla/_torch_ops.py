@@ -30,7 +30,8 @@ from .attention import _attention_impl, _out_shapes
 from .attention_backward import _attention_backward_impl
 from .attention_backward import _fake_shapes as _bwd_fake_shapes
 from .gemm import _NOT_DIFF as _GEMM_NOT_DIFF
-from .gemm import _LIN_NOT_DIFF, _gemm_impl, _linear_backward_impl, _linear_forward_impl, _shape_of, _x_saved_shapes
+from .gemm import (_LIN_NOT_DIFF, _gemm_impl, _linear_backward_impl, _linear_forward_impl, _rope_linear_backward_impl,
+                   _shape_of, _x_saved_shapes)
 from .gemm import _out_shape as _gemm_out_shape
 
 Tensor = torch.Tensor
@@ -493,3 +494,49 @@ def linear_backward_acc(dy: Tensor, w: Tensor, w_scale: Tensor, w_mx: str, x: Te
 def _(dy, w, w_scale, w_mx, x, x_scale, x_mx, main_grad, need_dx, dy2):
     K = _shape_of(w, w_mx)[1]
     return dy.new_empty((int(dy.shape[0]), K) if need_dx else (0,), dtype=torch.bfloat16)
+
+
+@_op("rope_linear_backward", mutates_args=())
+def rope_linear_backward(dq: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str, rope_dim: int,
+                         cu_seqlens: Optional[Tensor], tables_per_token: bool, w: Tensor, w_scale: Tensor, w_mx: str,
+                         x: Tensor, x_scale: Tensor, x_mx: str, need_dx: bool) -> Tuple[Tensor, Tensor]:
+    """(dx, dw fp32): linear_backward's GEMMs with dy the RoPE backward of dq, quantized (E4M3); w, x:
+    the columnwise codes and scales of W and x_saved. Without need_dx, dx is an empty placeholder."""
+    dx, dw = _rope_linear_backward_impl(dq, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token, w,
+                                        w_scale, w_mx, x, x_scale, x_mx, need_dx, None, False)
+    return _placeholder(dq, dx, torch.bfloat16), dw
+
+
+def _rope_tokens(dq: Tensor) -> int:
+    return math.prod(_ints(dq.shape)[:-2])
+
+
+@rope_linear_backward.register_fake
+def _(dq, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token, w, w_scale, w_mx, x, x_scale, x_mx,
+      need_dx):
+    N, K = _shape_of(w, w_mx)
+    dx = dq.new_empty((_rope_tokens(dq), K) if need_dx else (0,), dtype=torch.bfloat16)
+    return dx, dq.new_empty((N, K), dtype=torch.float32)
+
+
+_no_gradient(rope_linear_backward, "mxmla.rope_linear_backward", _LIN_NOT_DIFF, ["dq", "cos", "sin", "style", "layout",
+                                                                                "rope_dim", "cu_seqlens",
+                                                                                "tables_per_token", "w"])
+
+
+@_op("rope_linear_backward_acc", mutates_args=("main_grad",))
+def rope_linear_backward_acc(dq: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str, rope_dim: int,
+                             cu_seqlens: Optional[Tensor], tables_per_token: bool, w: Tensor, w_scale: Tensor,
+                             w_mx: str, x: Tensor, x_scale: Tensor, x_mx: str, main_grad: Tensor,
+                             need_dx: bool) -> Tensor:
+    """dx; the wgrad added into main_grad (fp32 [N, K])."""
+    dx, _ = _rope_linear_backward_impl(dq, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token, w,
+                                       w_scale, w_mx, x, x_scale, x_mx, need_dx, main_grad, True)
+    return _placeholder(dq, dx, torch.bfloat16)
+
+
+@rope_linear_backward_acc.register_fake
+def _(dq, cos, sin, style, layout, rope_dim, cu_seqlens, tables_per_token, w, w_scale, w_mx, x, x_scale, x_mx,
+      main_grad, need_dx):
+    K = _shape_of(w, w_mx)[1]
+    return dq.new_empty((_rope_tokens(dq), K) if need_dx else (0,), dtype=torch.bfloat16)

@@ -284,3 +284,81 @@ def linear_backward(dy: Array, w: MXFP8Tensor, x_saved: MXFP8Tensor, *, need_dx:
     if not need_dx:
         dx = None
     return dx, (None if main_grad is not None else dw)
+
+
+# ----------------------------------------------------------------------------- RoPE + the Linear's backward
+def _rope_linear_backward_impl(dq: Any, cos: Any, sin: Any, style: str, layout: str, rope_dim: int, cu_seqlens: Any,
+                               tables_per_token: bool, w: Any, w_scale: Any, w_spec: str, xc: Any, xs: Any,
+                               x_spec: str, need_dx: bool, dw: Any, accumulate: bool) -> Tuple[Any, Any]:
+    """(dx or None, dw) of rope_linear_backward; dw: None allocates an fp32 [N, K], else it is written
+    (or added to)."""
+    from .rope import _cu_desc, _rope_options
+
+    op = _ROPE_LIN_OP
+    be = Backend(op, "dq", dq)
+    dd = be.desc("dq", dq, bf16=True)
+    shape = dd[2]
+    T = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) >= 3 else 0
+    N, K = (_shape_of(w, w_spec) + [0, 0])[:2] if w_spec else (0, 0)
+    dx = be.empty([T, K], "bfloat16") if need_dx else None
+    if dw is None:
+        dw = be.empty([N, K], "float32")
+    wo = _core_operand(be, op, "w", w, w_scale, w_spec, False)
+    xo = _core_operand(be, op, "x_saved", xc, xs, x_spec, False)
+    cu, _cu_owner = _cu_desc(be, cu_seqlens)
+    _core.rope_linear_backward(dd, be.desc("cos", cos, bf16=True), be.desc("sin", sin, bf16=True),
+                               _rope_options(op, style, layout, rope_dim, tables_per_token), cu, wo, xo,
+                               None if dx is None else be.desc("dx", dx, bf16=True), be.desc("dw", dw, bf16=True),
+                               accumulate, be.stream())
+    return dx, dw
+
+
+_ROPE_LIN_OP = "mxmla.rope_linear_backward"
+
+
+def rope_linear_backward(dq: Array, cos: Array, sin: Array, w: MXFP8Tensor, x_saved: MXFP8Tensor, *,
+                         style: str = "interleaved_in_halves_out", layout: str = "sbhd", rope_dim: int = 64,
+                         cu_seqlens: Any = None, tables_per_token: bool = False, need_dx: bool = True,
+                         main_grad: Optional[Array] = None) -> Tuple[Optional[Array], Optional[Array]]:
+    """The backward GEMMs of a Linear whose output went through RoPE — the fused Q up-projection's,
+    from attention's dQ: ``(dx, dw)`` = ``linear_backward``'s with dy = ``rope_backward_quantize(dq,
+    cos, sin, style=, layout=, rope_dim=, cu_seqlens=, tables_per_token=)`` (E4M3, both copies; dy
+    [T, h·d], T = dq's tokens in their memory order), the same bits as that composition:
+    dx = ``gemm(dy, w, trans_b=False)`` (bf16 [T, K]; None without need_dx), dw = ``gemm(dy, x_saved,
+    trans_a=True, trans_b=False)`` (fp32 [N, K], N = h·d), or added into main_grad (fp32 [N, K];
+    dw is then None). dq: [s,b,h,d], [b,s,h,d] or [t,h,d] as ``rope_backward_quantize`` takes it;
+    w: W [N, K] (E4M3) with its columnwise copy; x_saved: x [T, K] with its columnwise copy (E4M3).
+    On CUDA, for bf16 DeepSeek-V3 query heads (d 192, rope_dim 64) at one token stride, the RoPE
+    pass writes the bf16 values the GEMMs read instead of codes they would dequantize in passes of
+    their own. numpy and CPU tensors run the reference. Not differentiable."""
+    from .rope import _rope_args
+
+    op = _ROPE_LIN_OP
+    torch_kind, style, layout, rope_dim, cu, per_token = _rope_args(op, dq, cos, sin, style, layout, rope_dim,
+                                                                    cu_seqlens, tables_per_token, "dq")
+    need_dx = flag(op, "need_dx", need_dx)
+    wd, wsc, wspec = _linear_w(op, "w", w, False)
+    xd, xsc, xspec = _linear_w(op, "x_saved", x_saved, False)
+    if main_grad is not None:
+        kind_of(op, "main_grad", main_grad)
+    if torch_kind:
+        not_differentiable(op, _LIN_NOT_DIFF, dq=dq, cos=cos, sin=sin, w=wd, x_saved=xd)
+        if main_grad is not None and grad_needed(main_grad):
+            raise RuntimeError(f"{op}: argument 'main_grad': requires grad, but rope_linear_backward adds into it "
+                               "without a gradient")
+        if wd is None or xd is None:  # a missing copy: the core names it
+            dx, dw = _rope_linear_backward_impl(dq, cos, sin, style, layout, rope_dim, cu, per_token, wd, wsc, wspec,
+                                                xd, xsc, xspec, need_dx, main_grad, main_grad is not None)
+        elif main_grad is None:
+            dx, dw = _dispatch.call("rope_linear_backward", dq, cos, sin, style, layout, rope_dim, cu, per_token, wd,
+                                    wsc, wspec, xd, xsc, xspec, need_dx)
+        else:
+            dx = _dispatch.call("rope_linear_backward_acc", dq, cos, sin, style, layout, rope_dim, cu, per_token, wd,
+                                wsc, wspec, xd, xsc, xspec, main_grad, need_dx)
+            dw = main_grad
+    else:
+        dx, dw = _rope_linear_backward_impl(dq, cos, sin, style, layout, rope_dim, cu, per_token, wd, wsc, wspec, xd,
+                                            xsc, xspec, need_dx, main_grad, main_grad is not None)
+    if not need_dx:
+        dx = None
+    return dx, (None if main_grad is not None else dw)

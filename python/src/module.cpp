@@ -644,6 +644,24 @@ NB_MODULE(_mxmla_core, m) {
       },
       nb::arg("dy"), nb::arg("w"), nb::arg("x_saved"), nb::arg("dx").none(), nb::arg("dw"), nb::arg("accumulate"),
       nb::arg("stream"), nb::arg("dy2").none() = nb::none());
+  m.def(
+      "rope_linear_backward",
+      [](const Desc& dq, const Desc& cos, const Desc& sin, const RopeOptions& rope, const OptDesc& cu,
+         const AttnOperand& w, const AttnOperand& x_saved, const OptDesc& dx, const Desc& dw, bool accumulate,
+         uintptr_t stream) {
+        const HeldOperand hw(w), hs(x_saved);
+        if (hw.in.mx == nullptr || hs.in.mx == nullptr)
+          throw Error("mxmla.rope_linear_backward", hw.in.mx == nullptr ? "w" : "x_saved", "must be an MXFP8 tensor");
+        renamed({{"grad", "dq"}}, [&] {
+          const TensorDesc cud = opt_desc(cu);
+          const RopeGrad in{to_desc(dq), to_desc(cos), to_desc(sin), rope, cu ? &cud : nullptr};
+          TensorDesc dxd = opt_desc(dx), dwd = to_desc(dw);
+          nb::gil_scoped_release release;
+          linear_backward(in, hw.mx, hs.mx, dx ? &dxd : nullptr, dwd, accumulate, to_stream(stream));
+        });
+      },
+      nb::arg("dq"), nb::arg("cos"), nb::arg("sin"), nb::arg("rope"), nb::arg("cu_seqlens").none(), nb::arg("w"),
+      nb::arg("x_saved"), nb::arg("dx").none(), nb::arg("dw"), nb::arg("accumulate"), nb::arg("stream"));
 
   m.def("build_info", [] {
     const BuildInfo bi = build_info();

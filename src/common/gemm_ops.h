@@ -8,6 +8,7 @@
 
 #include "common/mxfp8_common.h"
 #include "common/ops.h"
+#include "common/rope_cuda.h"
 #include "mxmla/gemm.h"
 
 namespace mxmla::detail {
@@ -55,6 +56,11 @@ GemmOperandView gemm_operand(const char* op, const char* name, const MXFP8Tensor
 // (null: none) and wgrad with b and out set, their a made here.
 void linear_forward_cuda(const QuantizeProblem& q, GemmProblem g, Stream stream);
 void linear_backward_cuda(const QuantizeProblem& q, const GemmProblem* dgrad, GemmProblem wgrad, Stream stream);
+// The same backward with dy the RoPE backward of dq (linear_backward's RopeGrad form): r has the
+// rope fields set (outputs unset); T = tokens, N = H·D. The fast path's pass writes the GEMMs' bf16
+// copies of dy instead of its codes; other shapes run rope_quantize_cuda and the GEMMs' own passes.
+void rope_linear_backward_cuda(const RopeQuantizeParams& r, const GemmProblem* dgrad, GemmProblem wgrad,
+                               Stream stream);
 // Operand A's bf16 copy made by the caller (the MXFP8 Linear: quantize_cuda's row_copy / col_copy):
 // op(A) [M, K] K-major bf16, row stride a_ld elements (a multiple of 8), exact unless the caller's
 // check set *flag. The GEMM's design C reads it instead of dequantizing A; `flag` is its design

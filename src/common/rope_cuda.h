@@ -46,9 +46,24 @@ struct RopeQuantizeParams {
   ScaleMap row_map, col_map;  // batch 1, rows = tokens, cols = H*D
   void* dx = nullptr;
   DType dx_t = DType::kBFloat16;
+  // The MXFP8 GEMM's bf16 operand copies (rope_quantize_copies_cuda only; E4M3, no codes, no
+  // scales): rowwise [tokens, H*D] (row stride row_copy_ld) and columnwise transposed [H*D, Tp]
+  // (row stride col_copy_ld >= Tp = tokens rounded up to 32), each value the dequantized code
+  // (numerics.cuh dequant_pair); inexact[0] / [1] set where a rowwise / columnwise block's values
+  // are not exact in bf16 (check_exact). Null: that copy is off.
+  uint16_t* row_copy = nullptr;
+  uint16_t* col_copy = nullptr;
+  int64_t row_copy_ld = 0, col_copy_ld = 0;
+  uint32_t* inexact = nullptr;
+  // rope_quantize_cuda: the launch returns at once while *run_if is 0 (null: it always runs).
+  const uint32_t* run_if = nullptr;
 };
 constexpr int64_t kRopeQuantizeMaxHeadDim = 256;  // the fused kernel holds 32 tokens x one head in shared memory
 
 void rope_quantize_cuda(const RopeQuantizeParams& p, Stream stream);
+// The copies instead of codes (row_copy / col_copy / inexact set, codes null), on the fast path
+// only: returns false, launching nothing, where the fast path does not take the call (not bf16 dq
+// with DeepSeek-V3 query heads at one token stride, or not E4M3).
+bool rope_quantize_copies_cuda(const RopeQuantizeParams& p, Stream stream);
 
 }  // namespace mxmla::detail

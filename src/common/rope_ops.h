@@ -2,8 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
+#include "common/ops.h"
+#include "common/rope_cuda.h"
 #include "mxmla/rope.h"
 
 namespace mxmla::detail {
@@ -29,5 +32,13 @@ struct RopeProblem {
 };
 
 void rope_cpu(const RopeProblem& p);
+
+// The RoPE backward of dq as an operand (src/rope.cpp; linear_backward's RopeGrad form), checked as
+// rope_backward_quantize checks it (errors name `op`). CPU: dx = R^T dq in fp32 quantized by `host`
+// (outputs and maps set by the caller; rows = tokens, cols = H·D). CUDA: `cuda` is called with the
+// kernel parameters (the rope fields; E4M3; outputs unset).
+void rope_grad_run(const char* op, const TensorDesc& dq, const TensorDesc& cos, const TensorDesc& sin,
+                   const RopeOptions& o, const TensorDesc* cu_seqlens, QuantizeProblem* host,
+                   const std::function<void(const RopeQuantizeParams&)>& cuda);
 
 }  // namespace mxmla::detail

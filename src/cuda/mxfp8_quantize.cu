@@ -158,23 +158,6 @@ __device__ __forceinline__ uint32_t chunk_mag(const uint4& v) {
   return mag_max<T>(mag_max<T>(word_mag<T>(v.x), word_mag<T>(v.y)), mag_max<T>(word_mag<T>(v.z), word_mag<T>(v.w)));
 }
 
-// The MXFP8 Linear's operand copies (QuantizeProblem::row_copy / col_copy): two codes (the low 16
-// bits, element 0 low) dequantized exactly as the GEMM's dequantizing passes do (code · 2^(e−127)
-// through fp16 and fp32, one bf16 rounding: exact for a scale byte >= min_exact_e).
-template <bool kE4M3>
-__device__ __forceinline__ uint32_t dequant_pair(uint32_t codes, float f) {
-  const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(static_cast<uint16_t>(codes));
-  const __half2 h = *reinterpret_cast<const __half2*>(&h2);
-  return bf16x2_rn(__low2float(h) * f, __high2float(h) * f);
-}
-
-// A block whose values a bf16 copy cannot hold exactly (non-zero codes under a scale byte below
-// min_exact_e): the copy's consumer must take the FP8 path.
-template <bool kE4M3>
-__device__ __forceinline__ void check_exact(uint32_t* flag, uint32_t e, uint32_t amax_bits) {
-  if (e < min_exact_e(kE4M3) && amax_bits != 0u) atomicOr(flag, 1u);
-}
-
 struct TileCoord {
   int64_t bi, tr, tc;
   int nrows;  // 0: a tile past the end (groups of 4 tiles may overhang)

@@ -78,4 +78,31 @@ __device__ __forceinline__ uint16_t f16_out(float f) { return isnan(f) ? uint16_
 // An output fp32: NaN -> 0x7FC00000.
 __device__ __forceinline__ uint32_t f32_out(float f) { return isnan(f) ? 0x7FC00000u : __float_as_uint(f); }
 
+// ---------------------------------------------------------------- bf16 copies of MXFP8 operands
+// The MXFP8 GEMM's bf16 operand copies written by a quantizing pass (the Linear's QuantizeProblem::
+// row_copy / col_copy, rope_backward_quantize's for linear_backward's RopeGrad form): two codes
+// (the low 16 bits, element 0 low) dequantized exactly as the GEMM's dequantizing passes do
+// (code · 2^(e−127) through fp16 and fp32, one bf16 rounding: exact for a scale byte >= min_exact_e).
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t codes, float f_lo, float f_hi) {
+  const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(static_cast<uint16_t>(codes));
+  const __half2 h = *reinterpret_cast<const __half2*>(&h2);
+  return bf16x2_rn(__low2float(h) * f_lo, __high2float(h) * f_hi);
+}
+// ... both codes in one block (one factor).
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t codes, float f) {
+  return dequant_pair<kE4M3>(codes, f, f);
+}
+// Columns j and j + 1 of a pair of rows (a, b: bf16 pairs of one row each, element 0 low) as the
+// rows' pairs of one column each: (a.lo, b.lo) and (a.hi, b.hi). For transposed copies.
+__device__ __forceinline__ uint32_t pair_lo(uint32_t a, uint32_t b) { return __byte_perm(a, b, 0x5410); }
+__device__ __forceinline__ uint32_t pair_hi(uint32_t a, uint32_t b) { return __byte_perm(a, b, 0x7632); }
+// A block whose values a bf16 copy cannot hold exactly (non-zero codes under a scale byte below
+// min_exact_e; amax_bits: the block's amax as fp32 bits): the copy's consumer must take the FP8 path.
+template <bool kE4M3>
+__device__ __forceinline__ void check_exact(uint32_t* flag, uint32_t e, uint32_t amax_bits) {
+  if (e < min_exact_e(kE4M3) && amax_bits != 0u) atomicOr(flag, 1u);
+}
+
 }  // namespace mxmla::detail

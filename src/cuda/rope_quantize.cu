@@ -66,4 +66,19 @@ void rope_quantize_cuda(const RopeQuantizeParams& p, Stream s) {
   }
 }
 
+bool rope_quantize_copies_cuda(const RopeQuantizeParams& p, Stream s) {
+  auto stream = reinterpret_cast<cudaStream_t>(s);
+  int64_t tok_stride = 0;
+  if (p.fmt != Fp8Format::kE4M3 || p.rope.io_t != DType::kBFloat16 || p.rope.D != mla::kD || p.rope.R != mla::kR ||
+      !uniform_token_stride(p.rope, tok_stride))
+    return false;
+  if (p.row_codes != nullptr || p.col_codes != nullptr || p.dx != nullptr || p.inexact == nullptr)
+    throw Error("mxmla.rope_backward_quantize", "copies", "take no codes and no dx copy, and need the inexact flags");
+  if (p.rope.S * p.rope.B * p.rope.H == 0) return true;
+  DeviceCuSeqlens cu(p.rope.cu, stream);
+  if (p.rope.tab_t == DType::kFloat32) launch_mla<float, true, NoProbe, true>(p, cu.ptr, cu.n, tok_stride, stream);
+  else launch_mla<__nv_bfloat16, true, NoProbe, true>(p, cu.ptr, cu.n, tok_stride, stream);
+  return true;
+}
+
 }  // namespace mxmla::detail

@@ -292,6 +292,7 @@ __device__ __forceinline__ void copy_dx(const RopeQuantizeParams& P, const Tile&
 template <typename T, typename TT, bool kE4M3>
 __global__ void __launch_bounds__(kThreads) rope_quantize_kernel(const RopeQuantizeParams P, const int64_t* cu,
                                                                       int64_t ncu, int ntiles) {
+  if (P.run_if != nullptr && *P.run_if == 0u) return;  // a fallback launch whose flag is clear
   extern __shared__ __align__(16) float smem[];
   const RopeKernelParams& p = P.rope;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, ntok = static_cast<int>(p.S * p.B);
@@ -451,10 +452,72 @@ __device__ __forceinline__ void tab8(const float4* tab, int slot0, int lane, flo
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
+// Copies: lanes 2k and 2k + 1 each hold one 32-byte sector of the output as two 16-byte halves
+// (x0, x1; their own sector at `mine`, the partner's at `theirs`). They swap one half, so that each
+// of the two store instructions writes whole sectors: the first the even lane's sector, the second
+// the odd lane's (16-byte stores from every lane to separate sectors took 10 % longer than the
+// codes and the GEMMs' dequantizing passes together; same-run A/B on the H200, docs/notes-rope.md).
+// Every lane of the warp calls it; `ok`: this pair stores (uniform in the pair).
+__device__ __forceinline__ void store_sector_pair(uint4* mine, uint4* theirs, const uint4& x0, const uint4& x1, int lane,
+                                                  bool ok) {
+  const int odd = lane & 1;
+  const uint4 give = odd ? x0 : x1;
+  uint4 got;
+  got.x = __shfl_xor_sync(0xFFFFFFFFu, give.x, 1), got.y = __shfl_xor_sync(0xFFFFFFFFu, give.y, 1);
+  got.z = __shfl_xor_sync(0xFFFFFFFFu, give.z, 1), got.w = __shfl_xor_sync(0xFFFFFFFFu, give.w, 1);
+  if (!ok) return;
+  if (odd) {
+    theirs[1] = got;  // the even lane's sector, second half
+    mine[1] = x1;
+  } else {
+    mine[0] = x0;
+    theirs[0] = got;  // the odd lane's sector, first half
+  }
+}
+
+// W0 with copies: the rowwise copy of the row's two rope blocks (the dequantized codes, 128 bytes),
+// staged in the row's own (consumed) row of the stage's rope third (16-byte chunk cc at cc ^ (row %
+// 8)), then after a __syncwarp stored 4 rows x 128 bytes per instruction.
+template <bool kE4M3>
+__device__ __forceinline__ void rope_row_copy(const RopeQuantizeParams& P, const float* rr, uint4* third, const Tile& t,
+                                              int lane) {
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    float4 v[8];
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      v[k] = *reinterpret_cast<const float4*>(rr + 32 * b + 4 * k);
+      m = max(m, max(max(mag_bits(v[k].x), mag_bits(v[k].y)), max(mag_bits(v[k].z), mag_bits(v[k].w))));
+    }
+    const uint8_t e = block_scale_from_amax_bits(m, rcp_max_bits<kE4M3>());
+    const float mul = e8m0_quant_multiplier(e), f = e8m0_factor(e);
+    check_exact<kE4M3>(P.inexact, e, m);  // rows past the end are zero
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+      const uint32_t w0 = fp8x4<kE4M3>(v[k].x, v[k].y, v[k].z, v[k].w, mul);
+      const uint32_t w1 = fp8x4<kE4M3>(v[k + 1].x, v[k + 1].y, v[k + 1].z, v[k + 1].w, mul);
+      third[lane * 8 + ((4 * b + k / 2) ^ (lane & 7))] =
+          make_uint4(dequant_pair<kE4M3>(w0 & 0xFFFFu, f), dequant_pair<kE4M3>(w0 >> 16, f),
+                     dequant_pair<kE4M3>(w1 & 0xFFFFu, f), dequant_pair<kE4M3>(w1 >> 16, f));
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < kRows / 4; ++j) {
+    const int r = 4 * j + (lane >> 3), cc = lane & 7;
+    const uint4 v = third[r * 8 + (cc ^ (r & 7))];
+    if (r < t.nrows)
+      *reinterpret_cast<uint4*>(P.row_copy + static_cast<int64_t>(t.t0 + r) * P.row_copy_ld +
+                                static_cast<int64_t>(t.h) * kD + kNope + 8 * cc) = v;
+  }
+  ptx::fence_proxy_async();  // generic writes to the stage, before the TMA refills it
+}
+
 // W0: RoPE backward of row `lane`, its fp32 rope row, then its two rope blocks rowwise (codes
 // staged in the stage's rope third, which only W0 reads; scales into the group sink: `sink` =
 // the head's 6-byte column of row 0).
-template <bool kE4M3>
+template <bool kE4M3, bool kCopies>
 __device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetChoice& sc, __nv_bfloat16* stage,
                                          const float4* tab, float* rope, uint8_t* sink, const Tile& t, int64_t HD,
                                          int lane) {
@@ -488,8 +551,12 @@ __device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetC
       else store_raw8<__nv_bfloat16>(static_cast<__nv_bfloat16*>(P.dx) + row0 + kNope + c, pack8<__nv_bfloat16>(v));
     }
   }
-  if (P.row_codes == nullptr) return;
   uint4* third = reinterpret_cast<uint4*>(stage) + 2 * (kRows * 8);  // [32 rows][8 chunks]
+  if constexpr (kCopies) {
+    if (P.row_copy != nullptr) rope_row_copy<kE4M3>(P, rr, third, t, lane);
+    return;
+  }
+  if (P.row_codes == nullptr) return;
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     float4 v[8];
@@ -525,7 +592,7 @@ __device__ __forceinline__ void rope_row(const RopeQuantizeParams& P, const SetC
 
 // W1: the four nope blocks of row `lane` (and the nope part of the dx copy); scales into the
 // group sink as in rope_row.
-template <bool kE4M3>
+template <bool kE4M3, bool kCopies>
 __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv_bfloat16* stage, uint8_t* sink,
                                          const Tile& t, int64_t HD, int lane) {
   const int64_t row0 = static_cast<int64_t>(t.t0 + lane) * HD + static_cast<int64_t>(t.h) * kD;
@@ -538,7 +605,7 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
       else store_raw8<__nv_bfloat16>(static_cast<__nv_bfloat16*>(P.dx) + row0 + 8 * c, pack8<__nv_bfloat16>(v));
     }
   }
-  if (P.row_codes == nullptr) return;
+  if ((kCopies ? static_cast<const void*>(P.row_copy) : P.row_codes) == nullptr) return;
   // Codes: lane = (row 4i + rs, 16 columns 16 (lane % 8)); two lanes per 32-column block (amax
   // joined by one shuffle), so each store instruction writes 4 whole 128-byte code rows. rs =
   // lane / 8, but lanes 4-7 of each quarter warp (the second column third) take the neighbouring
@@ -551,7 +618,10 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
   for (int par = 0; par < 2; ++par)
 #pragma unroll
     for (int k = 0; k < 2; ++k) src[par][k] = chunk_at(stage, 4 * par + rs, 2 * cp + k);
-  uint8_t* dst = P.row_codes + static_cast<int64_t>(t.t0 + rs) * HD + static_cast<int64_t>(t.h) * kD + 16 * cp;
+  uint8_t* dst = kCopies ? nullptr : P.row_codes + static_cast<int64_t>(t.t0 + rs) * HD + static_cast<int64_t>(t.h) * kD + 16 * cp;
+  // with copies: the lane's 16 bf16 values of a row (32 bytes) instead of its 16 codes
+  uint16_t* cdst = kCopies ? P.row_copy + static_cast<int64_t>(t.t0 + rs) * P.row_copy_ld + static_cast<int64_t>(t.h) * kD + 16 * cp
+                           : nullptr;
   uint8_t* sk = sink + rs * kGPitch + (cp >> 1);
 #pragma unroll 1
   for (int m = 0; m < kRows / 8; ++m) {
@@ -562,15 +632,30 @@ __device__ __forceinline__ void nope_row(const RopeQuantizeParams& P, const __nv
       uint32_t mm = __vmaxu2(__vmaxu2(__vmaxu2(bf_mag(v0.x), bf_mag(v0.y)), __vmaxu2(bf_mag(v0.z), bf_mag(v0.w))),
                              __vmaxu2(__vmaxu2(bf_mag(v1.x), bf_mag(v1.y)), __vmaxu2(bf_mag(v1.z), bf_mag(v1.w))));
       mm = __vmaxu2(mm, __shfl_xor_sync(0xFFFFFFFFu, mm, 1));
-      const uint8_t e = block_scale_from_amax_bits(max(mm & 0xFFFFu, mm >> 16) << 16, rcp_max_bits<kE4M3>());
+      const uint32_t amax = max(mm & 0xFFFFu, mm >> 16) << 16;
+      const uint8_t e = block_scale_from_amax_bits(amax, rcp_max_bits<kE4M3>());
       const float mul = e8m0_quant_multiplier(e);
       const uint4 w = make_uint4(fp8x4<kE4M3>(bf16_lo(v0.x), bf16_hi(v0.x), bf16_lo(v0.y), bf16_hi(v0.y), mul),
                                  fp8x4<kE4M3>(bf16_lo(v0.z), bf16_hi(v0.z), bf16_lo(v0.w), bf16_hi(v0.w), mul),
                                  fp8x4<kE4M3>(bf16_lo(v1.x), bf16_hi(v1.x), bf16_lo(v1.y), bf16_hi(v1.y), mul),
                                  fp8x4<kE4M3>(bf16_lo(v1.z), bf16_hi(v1.z), bf16_lo(v1.w), bf16_hi(v1.w), mul));
-      if (r < t.nrows) *reinterpret_cast<uint4*>(dst) = w;
-      dst += 4 * HD;
-      if ((cp & 1) == 0) sk[(8 * m + 4 * par) * kGPitch] = e;
+      if constexpr (kCopies) {
+        const float f = e8m0_factor(e);
+        if ((cp & 1) == 0) check_exact<kE4M3>(P.inexact, e, amax);  // rows past the end are zero
+        // the lane's 32 bytes are one sector; its pair (lane ^ 1) holds the next 16 columns of the row
+        uint4* mine = reinterpret_cast<uint4*>(cdst);
+        store_sector_pair(mine, mine + ((lane & 1) ? -2 : 2),
+                          make_uint4(dequant_pair<kE4M3>(w.x & 0xFFFFu, f), dequant_pair<kE4M3>(w.x >> 16, f),
+                                     dequant_pair<kE4M3>(w.y & 0xFFFFu, f), dequant_pair<kE4M3>(w.y >> 16, f)),
+                          make_uint4(dequant_pair<kE4M3>(w.z & 0xFFFFu, f), dequant_pair<kE4M3>(w.z >> 16, f),
+                                     dequant_pair<kE4M3>(w.w & 0xFFFFu, f), dequant_pair<kE4M3>(w.w >> 16, f)),
+                          lane, r < t.nrows);
+        cdst += 4 * P.row_copy_ld;
+      } else {
+        if (r < t.nrows) *reinterpret_cast<uint4*>(dst) = w;
+        dst += 4 * HD;
+        if ((cp & 1) == 0) sk[(8 * m + 4 * par) * kGPitch] = e;
+      }
     }
   }
 }
@@ -600,7 +685,35 @@ __device__ __forceinline__ void nope_col_codes(const uint2* const (&src)[8], uin
 // a group of 8 rows are computed once (the swizzle repeats every 8 rows), and full tiles store
 // without a row predicate (fewer address instructions than chunk_at per row: level alone, -0.3 %
 // together with W1's row permutation, git history of docs/performance.md).
+// W2 / W3 with copies: 8 rows x 4 columns of codes (a[i]: columns 0-1 of row i, b[i]: columns 2-3,
+// factors f) dequantized, as out[c]: column c's 8 bf16 values (16 bytes of the transposed copy).
 template <bool kE4M3>
+__device__ __forceinline__ void col_copy8(const uint32_t (&a)[8], const uint32_t (&b)[8], const float (&f)[4],
+                                          uint4 (&out)[4]) {
+  uint32_t d[4][8];  // d[c][i]: row i of column c, bf16
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t x = dequant_pair<kE4M3>(a[i], f[0], f[1]), y = dequant_pair<kE4M3>(b[i], f[2], f[3]);
+    d[0][i] = x & 0xFFFFu, d[1][i] = x >> 16, d[2][i] = y & 0xFFFFu, d[3][i] = y >> 16;
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    out[c] = make_uint4(d[c][0] | (d[c][1] << 16), d[c][2] | (d[c][3] << 16), d[c][4] | (d[c][5] << 16),
+                        d[c][6] | (d[c][7] << 16));
+}
+// ... rows row0 .. row0 + 15 of the lane's 4 columns (lo: rows row0 .. + 7, hi: the next 8) into the
+// transposed copy, whole sectors per store: the lane pair's columns are 8 apart (col: this lane's first).
+__device__ __forceinline__ void store_col_copy16(const RopeQuantizeParams& P, int64_t col, int row0, const uint4 (&lo)[4],
+                                                 const uint4 (&hi)[4], int lane) {
+  const int64_t partner = col + ((lane & 1) ? -4 : 4);
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    store_sector_pair(reinterpret_cast<uint4*>(P.col_copy + (col + c) * P.col_copy_ld + row0),
+                      reinterpret_cast<uint4*>(P.col_copy + (partner + c) * P.col_copy_ld + row0), lo[c], hi[c], lane,
+                      true);
+}
+
+template <bool kE4M3, bool kCopies>
 __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv_bfloat16* stage, const Tile& t,
                                          int64_t HD, int lane) {
   // lane's 8 bytes of row 8 g + j: src[j][128 g] (the 128-byte swizzle repeats every 8 rows = 1024 bytes)
@@ -623,6 +736,28 @@ __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv
   const float mul0 = e8m0_quant_multiplier(static_cast<uint8_t>(e0)), mul1 = e8m0_quant_multiplier(static_cast<uint8_t>(e1));
   const float mul2 = e8m0_quant_multiplier(static_cast<uint8_t>(e2)), mul3 = e8m0_quant_multiplier(static_cast<uint8_t>(e3));
   const int64_t col = static_cast<int64_t>(t.h) * kD + 4 * lane;
+  if constexpr (kCopies) {  // the transposed copy: every row of the tile (rows past the end are zero)
+    check_exact<kE4M3>(P.inexact + 1, e0, m0 << 16), check_exact<kE4M3>(P.inexact + 1, e1, m0 & 0xFFFF0000u);
+    check_exact<kE4M3>(P.inexact + 1, e2, m1 << 16), check_exact<kE4M3>(P.inexact + 1, e3, m1 & 0xFFFF0000u);
+    const float f[4] = {e8m0_factor(e0), e8m0_factor(e1), e8m0_factor(e2), e8m0_factor(e3)};
+#pragma unroll 1
+    for (int g = 0; g < kRows / 8; g += 2) {  // rows 8 g .. 8 g + 15
+      uint4 half[2][4];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        uint32_t a[8], b[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint2 v = src[j][128 * (g + k)];
+          a[j] = ptx::cvt_fp8x2<kE4M3>(bf16_lo(v.x) * mul0, bf16_hi(v.x) * mul1);
+          b[j] = ptx::cvt_fp8x2<kE4M3>(bf16_lo(v.y) * mul2, bf16_hi(v.y) * mul3);
+        }
+        col_copy8<kE4M3>(a, b, f, half[k]);
+      }
+      store_col_copy16(P, col, t.t0 + 8 * g, half[0], half[1], lane);
+    }
+    return;
+  }
   uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0) * HD + col;
   if (t.nrows == kRows) nope_col_codes<kE4M3, false>(src, dst, HD, t.nrows, mul0, mul1, mul2, mul3);
   else nope_col_codes<kE4M3, true>(src, dst, HD, t.nrows, mul0, mul1, mul2, mul3);
@@ -633,7 +768,7 @@ __device__ __forceinline__ void nope_col(const RopeQuantizeParams& P, const __nv
 // lane % 16, row half lane / 16: rows [16 half, 16 half + 16)). Pass 1 takes the amax of the lane's
 // 16 rows and one shuffle joins the halves; pass 2 reads again and converts. Each code store
 // instruction writes 2 rows x 64 bytes (one row per instruction, 2 bytes per lane: 0.5 % slower).
-template <bool kE4M3>
+template <bool kE4M3, bool kCopies>
 __device__ __forceinline__ void rope_col(const RopeQuantizeParams& P, const float* rope, const Tile& t, int64_t HD,
                                          int lane) {
   constexpr int kStep = kRopePitch / 4;  // float4 per row
@@ -646,15 +781,36 @@ __device__ __forceinline__ void rope_col(const RopeQuantizeParams& P, const floa
     m[0] = max(m[0], v.x & 0x7FFFFFFFu), m[1] = max(m[1], v.y & 0x7FFFFFFFu);
     m[2] = max(m[2], v.z & 0x7FFFFFFFu), m[3] = max(m[3], v.w & 0x7FFFFFFFu);
   }
-  float mul[4];
+  float mul[4], f[4];
   uint32_t scales = 0;  // byte j: the scale of column col + j
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t e = block_scale_from_amax_bits(max(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], 16)), rcp_max_bits<kE4M3>());
+    const uint32_t amax = max(m[j], __shfl_xor_sync(0xFFFFFFFFu, m[j], 16));
+    const uint32_t e = block_scale_from_amax_bits(amax, rcp_max_bits<kE4M3>());
     scales |= e << (8 * j);
     mul[j] = e8m0_quant_multiplier(static_cast<uint8_t>(e));
+    if constexpr (kCopies) {
+      f[j] = e8m0_factor(e);
+      if (r0 == 0) check_exact<kE4M3>(P.inexact + 1, e, amax);  // rows past the end are zero
+    }
   }
   const int64_t col = static_cast<int64_t>(t.h) * kD + kNope + 4 * c;
+  if constexpr (kCopies) {  // the transposed copy of the lane's 16 rows, 8 at a time
+    uint4 half[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t a[8], b[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint4 v = src[(8 * h + i) * kStep];
+        a[i] = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.x) * mul[0], __uint_as_float(v.y) * mul[1]);
+        b[i] = ptx::cvt_fp8x2<kE4M3>(__uint_as_float(v.z) * mul[2], __uint_as_float(v.w) * mul[3]);
+      }
+      col_copy8<kE4M3>(a, b, f, half[h]);
+    }
+    store_col_copy16(P, col, t.t0 + r0, half[0], half[1], lane);  // the pair (lane ^ 1): the same rows
+    return;
+  }
   uint8_t* dst = P.col_codes + static_cast<int64_t>(t.t0 + r0) * HD + col;
 #pragma unroll 8
   for (int i = 0; i < 16; ++i) {
@@ -711,12 +867,14 @@ __device__ __forceinline__ void issue(const CUtensorMap* tmap, int t0, int h, __
 
 }  // namespace mla
 
-template <typename TT, bool kE4M3, class Probe = NoProbe>
+template <typename TT, bool kE4M3, class Probe = NoProbe, bool kCopies = false>
 __global__ void __launch_bounds__(mla::kThreads, 3)
     rope_quantize_mla_kernel(const __grid_constant__ CUtensorMap tmap, const RopeQuantizeParams P,
                                   const int64_t* cu, int64_t ncu, const __grid_constant__ TileQueue Q,
                                   int* queue) {
   using mla::kRopeFloats, mla::kStageElems, mla::kStages;
+  static_assert(!kCopies || kE4M3, "the GEMM's copies are of E4M3 operands");
+  if (P.run_if != nullptr && *P.run_if == 0u) return;  // a fallback launch whose flag is clear
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const RopeKernelParams& p = P.rope;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -736,6 +894,7 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
     ptx::fence_barrier_init();
   }
   const SetChoice sc = sets_of(p.style, true);
+  const bool col_on = kCopies ? P.col_copy != nullptr : P.col_codes != nullptr;
   // every block has a run (the launcher's grid <= the queue's runs, <= the tiles)
   const int G = gridDim.x, blk = blockIdx.x;
   const bool queued = Q.nseg > 0;  // else the block's range (cuda/tile_scheduler.h)
@@ -812,16 +971,17 @@ __global__ void __launch_bounds__(mla::kThreads, 3)
       ptx::mbar_wait(&bars[st], parity);  // tile k has landed
       if (lane == 0) Probe::stamp_value(k, 8 + warp, Probe::clock() - w0);
       if (warp == 0) {
-        mla::rope_row<kE4M3>(P, sc, stage, tab, rope0 + (k & 1) * kRopeFloats, sink, t, HD, lane);
+        mla::rope_row<kE4M3, kCopies>(P, sc, stage, tab, rope0 + (k & 1) * kRopeFloats, sink, t, HD, lane);
       } else if (warp == 1) {
-        mla::nope_row<kE4M3>(P, stage, sink, t, HD, lane);
-      } else if (P.col_codes != nullptr) {
-        mla::nope_col<kE4M3>(P, stage, t, HD, lane);
+        mla::nope_row<kE4M3, kCopies>(P, stage, sink, t, HD, lane);
+      } else if (col_on) {
+        mla::nope_col<kE4M3, kCopies>(P, stage, t, HD, lane);
       }
     }
     if (have_prev && warp == 3) {  // tile k - 1
-      if (P.col_codes != nullptr) mla::rope_col<kE4M3>(P, rope0 + ((k - 1) & 1) * kRopeFloats, prev, HD, lane);
-      if (P.row_codes != nullptr && flush) mla::flush_group(P, sink0 + done_par * kRows * mla::kGPitch, done, lane);
+      if (col_on) mla::rope_col<kE4M3, kCopies>(P, rope0 + ((k - 1) & 1) * kRopeFloats, prev, HD, lane);
+      if (!kCopies && P.row_codes != nullptr && flush)
+        mla::flush_group(P, sink0 + done_par * kRows * mla::kGPitch, done, lane);
     }
     // Tile k's stage is read by W0-W2 and free; its rope tile and sink are complete for W3; W3
     // is done with tile k - 1's, which tile k + 1 reuses.
@@ -866,7 +1026,7 @@ inline bool uniform_token_stride(const RopeKernelParams& p, int64_t& stride) {
 }
 
 // Launches the fast path on `stream`; returns its grid size.
-template <typename TT, bool kE4M3, class Probe = NoProbe>
+template <typename TT, bool kE4M3, class Probe = NoProbe, bool kCopies = false>
 int64_t launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, int64_t tok_stride, cudaStream_t stream) {
   const int64_t tokens = p.rope.S * p.rope.B, tiles = ceil_div(tokens, kRows) * p.rope.H;
   if (tokens > 0x7FFFFFFF - kRows || tiles > 0x7FFFFFFF / 2)  // tile indices and the queue counter fit 32 bits
@@ -878,7 +1038,7 @@ int64_t launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, 
   const cuuint64_t strides[2] = {cuuint64_t(hs * 2), cuuint64_t(ts * 2)};
   const cuuint32_t box[3] = {cuuint32_t(mla::kThird), 1, cuuint32_t(kRows)};
   const CUtensorMap tmap = make_tma_desc(p.rope.in, DType::kBFloat16, 3, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
-  const void* kernel = reinterpret_cast<const void*>(&rope_quantize_mla_kernel<TT, kE4M3, Probe>);
+  const void* kernel = reinterpret_cast<const void*>(&rope_quantize_mla_kernel<TT, kE4M3, Probe, kCopies>);
   int64_t blocks = heuristics::persistent_grid(kernel_fit(kernel, mla::kThreads, mla::kSmemBytes, mla::kSmemBytes).resident(), tiles);
   const TileQueue Q = make_tile_queue(static_cast<int>(tiles), static_cast<int>(blocks), static_cast<int>(p.rope.H),
                                       mla::kRun0);
@@ -886,7 +1046,7 @@ int64_t launch_mla(const RopeQuantizeParams& p, const int64_t* cu, int64_t ncu, 
   // the queue's counter, zero at launch (stream-ordered: concurrent launches and graphs each get their own)
   StreamScratch counter(Q.nseg > 0 ? static_cast<int64_t>(sizeof(int)) : 0, stream);
   if (Q.nseg > 0) MXMLA_CUDA_CHECK(cudaMemsetAsync(counter.ptr, 0, sizeof(int), stream));
-  rope_quantize_mla_kernel<TT, kE4M3, Probe><<<static_cast<unsigned>(blocks), mla::kThreads, mla::kSmemBytes, stream>>>(
+  rope_quantize_mla_kernel<TT, kE4M3, Probe, kCopies><<<static_cast<unsigned>(blocks), mla::kThreads, mla::kSmemBytes, stream>>>(
       tmap, p, cu, ncu, Q, reinterpret_cast<int*>(counter.ptr));
   MXMLA_CUDA_CHECK(cudaGetLastError());
   return blocks;

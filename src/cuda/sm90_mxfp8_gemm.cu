@@ -659,4 +659,65 @@ void linear_backward_cuda(const QuantizeProblem& q, const GemmProblem* dgrad, Ge
   mxfp8_gemm_cuda(wgrad, stream, &prep);
 }
 
+void rope_linear_backward_cuda(const RopeQuantizeParams& r, const GemmProblem* dgrad, GemmProblem wgrad,
+                               Stream stream) {
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const int64_t T = r.rope.S * r.rope.B, N = r.rope.H * r.rope.D, Tp = round_up(T, 32);
+  const bool dg = dgrad != nullptr;
+  RopeQuantizeParams k = r;
+  k.fmt = Fp8Format::kE4M3;
+  k.row_map = make_row_map(MapMode::kCompact, 1, T, N), k.col_map = make_col_map(MapMode::kCompact, 1, T, N);
+  StreamScratch flags(8, s);
+  // dy's copies: rowwise [T, N] (dgrad), columnwise transposed [N, Tp] (wgrad); when a direction's
+  // check fails, its fallback codes and compact scales overwrite its copy (which no design then reads)
+  StreamScratch row_copy(dg ? T * N * 2 : 0, s), col_copy(N * Tp * 2, s);
+  uint32_t* inexact = reinterpret_cast<uint32_t*>(flags.ptr);  // [0]: rowwise / dgrad, [1]: columnwise / wgrad
+  MXMLA_CUDA_CHECK(cudaMemsetAsync(inexact, 0, 8, s));
+  const GemmOperandView rv = fallback_view(row_copy.ptr, T, N, true), cv = fallback_view(col_copy.ptr, T, N, false);
+  RopeQuantizeParams kc = k;
+  kc.row_copy = dg ? reinterpret_cast<uint16_t*>(row_copy.ptr) : nullptr, kc.row_copy_ld = N;
+  kc.col_copy = reinterpret_cast<uint16_t*>(col_copy.ptr), kc.col_copy_ld = Tp;
+  kc.inexact = inexact;
+  if (!rope_quantize_copies_cuda(kc, stream)) {  // not the fast path: the codes, and the GEMMs' own passes
+    StreamScratch codes(fallback_bytes(T, N, true) + fallback_bytes(T, N, false), s);
+    const GemmOperandView rc = fallback_view(codes.ptr, T, N, true);
+    const GemmOperandView cc = fallback_view(codes.ptr + fallback_bytes(T, N, true), T, N, false);
+    k.row_codes = const_cast<uint8_t*>(static_cast<const uint8_t*>(rc.data)), k.row_scales = const_cast<uint8_t*>(rc.scales);
+    k.col_codes = const_cast<uint8_t*>(static_cast<const uint8_t*>(cc.data)), k.col_scales = const_cast<uint8_t*>(cc.scales);
+    rope_quantize_cuda(k, stream);
+    if (dg) {
+      GemmProblem g = *dgrad;
+      g.a = rc;
+      mxfp8_gemm_cuda(g, stream);
+    }
+    wgrad.a = cc;
+    mxfp8_gemm_cuda(wgrad, stream);
+    return;
+  }
+  if (forced_design() != 'C') {  // design C alone never reads codes
+    const bool always = codes_always();
+    if (dg) {
+      RopeQuantizeParams kr = k;
+      kr.row_codes = row_copy.ptr, kr.row_scales = const_cast<uint8_t*>(rv.scales);
+      kr.run_if = always ? nullptr : inexact;
+      rope_quantize_cuda(kr, stream);
+    }
+    RopeQuantizeParams kk = k;
+    kk.col_codes = col_copy.ptr, kk.col_scales = const_cast<uint8_t*>(cv.scales);
+    kk.run_if = always ? nullptr : inexact + 1;
+    rope_quantize_cuda(kk, stream);
+  }
+  if (dg) {
+    GemmProblem g = *dgrad;
+    g.a = rv;
+    GemmPrepared prep;
+    prep.a16 = reinterpret_cast<const uint16_t*>(row_copy.ptr), prep.a_ld = N, prep.flag = inexact;
+    mxfp8_gemm_cuda(g, stream, &prep);
+  }
+  wgrad.a = cv;
+  GemmPrepared prep;
+  prep.a16 = reinterpret_cast<const uint16_t*>(col_copy.ptr), prep.a_ld = Tp, prep.flag = inexact + 1;
+  mxfp8_gemm_cuda(wgrad, stream, &prep);
+}
+
 }  // namespace mxmla::detail

@@ -1,7 +1,8 @@
 // The MXFP8 Linear's GEMMs with fused quantization (include/mxmla/linear.h), on the CPU:
 //   LinearCpu     linear_forward / linear_backward equal quantize + gemm bit for bit (y, x_saved's
 //                 codes and scales, dx, dw, dw accumulated), token counts with tail blocks, a
-//                 strided x, no dgrad; linear_backward of a ConcatInput equals it on the materialised dy;
+//                 strided x, no dgrad; linear_backward of a ConcatInput equals it on the materialised dy,
+//                 of a RopeGrad rope_backward_quantize + gemm;
 //   LinearErrors  each rule names its argument.
 // (The CUDA path against the unfused CUDA calls: tests/python/test_linear.py.)
 #include <gtest/gtest.h>
@@ -144,6 +145,53 @@ TEST(LinearCpu, BackwardOfAConcatenationEqualsTheMaterialisedDy) {
       linear_backward(dy.d, w8.t, x8.t, &dx0.d, dw0.d, false);
       EXPECT_EQ(dx.v, dx0.v) << "T " << T << " h " << H;
       EXPECT_EQ(dw.v, dw0.v) << "T " << T << " h " << H;
+    }
+  }
+}
+
+// linear_backward of a RopeGrad (dy = the RoPE backward of dq, quantized as rope_backward_quantize
+// quantizes it): the bits of rope_backward_quantize + gemm; sbhd with two sequences, a tail block,
+// one and three heads; the wgrad accumulated.
+TEST(LinearCpu, BackwardOfARopeGradEqualsRopeBackwardQuantizeAndGemm) {
+  for (const int64_t S : {33, 1}) {
+    for (const int64_t H : {3, 1}) {
+      const int64_t B = 2, D = 64, R = 32, K = 32, T = S * B, N = H * D;
+      const Bf16 dq(T * H, D, D, 9), x(T, K, K, 10), w(N, K, K, 11);
+      std::vector<float> cos(static_cast<size_t>(S * R)), sin(cos.size());
+      const TensorDesc cd(cos.data(), DType::kFloat32, {S, R}), sd(sin.data(), DType::kFloat32, {S, R});
+      std::vector<double> pos(static_cast<size_t>(S));
+      for (int64_t s = 0; s < S; ++s) pos[s] = static_cast<double>(s);
+      TensorDesc cw = cd, sw = sd;
+      rope_tables(pos, R, 10000.0, YarnParams{}, RopeStyle::kInterleaved, cw, sw);
+      const TensorDesc dqd(const_cast<uint16_t*>(dq.v.data()), DType::kBFloat16, {S, B, H, D});
+      RopeBackwardQuantizeOptions ro;
+      ro.rope.style = RopeStyle::kInterleaved, ro.rope.layout = RopeLayout::kSBHD, ro.rope.rope_dim = R;
+      const MXFP8Shapes s = quantize_shapes({T, N}, false);
+      std::vector<uint8_t> rc(numel(s.data)), rs(numel(s.rowwise_scale)), cc(numel(s.data)), cs(numel(s.columnwise_scale));
+      MXFP8Tensor dy8;
+      dy8.rowwise_data = TensorDesc(rc.data(), DType::kUInt8, s.data);
+      dy8.rowwise_scale_inv = TensorDesc(rs.data(), DType::kUInt8, s.rowwise_scale);
+      dy8.columnwise_data = TensorDesc(cc.data(), DType::kUInt8, s.data);
+      dy8.columnwise_scale_inv = TensorDesc(cs.data(), DType::kUInt8, s.columnwise_scale);
+      rope_backward_quantize(dqd, cd, sd, dy8, nullptr, ro);
+      const Q w8(w.d), x8(x.d, false, true);
+      Mat<uint16_t> dx(T, K, DType::kBFloat16), dx0(T, K, DType::kBFloat16);
+      Mat<float> dw(N, K, DType::kFloat32), dw0(N, K, DType::kFloat32), mg(N, K, DType::kFloat32, 0.5f),
+          mg0(N, K, DType::kFloat32, 0.5f);
+      const RopeGrad g{dqd, cd, sd, ro.rope, nullptr};
+      linear_backward(g, w8.t, x8.t, &dx.d, dw.d, false);
+      linear_backward(g, w8.t, x8.t, nullptr, mg.d, true);
+      GemmOptions dg;
+      dg.trans_b = false;
+      gemm({nullptr, &dy8}, {nullptr, &w8.t}, dx0.d, dg);
+      GemmOptions wg;
+      wg.trans_a = true, wg.trans_b = false;
+      gemm({nullptr, &dy8}, {nullptr, &x8.t}, dw0.d, wg);
+      wg.accumulate = true;
+      gemm({nullptr, &dy8}, {nullptr, &x8.t}, mg0.d, wg);
+      EXPECT_EQ(dx.v, dx0.v) << "S " << S << " h " << H;
+      EXPECT_EQ(dw.v, dw0.v) << "S " << S << " h " << H;
+      EXPECT_EQ(mg.v, mg0.v) << "S " << S << " h " << H;
     }
   }
 }

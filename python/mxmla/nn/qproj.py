@@ -15,9 +15,9 @@ Weights: ``weights="bf16"`` (bf16 copies of fp32 master weights). ``"mxfp8"``: t
 MXFP8-weight path, as the reference system runs it (TransformerEngine's MXFP8 recipe): W quantized
 once per version of the weight (both copies; micro-batches between optimizer steps reuse them), x
 quantized rowwise + columnwise in one pass, fprop X_row·W_rowᵀ on mxmla.gemm, then RoPE and the MXFP8
-quantization of q; saved: x's and W's columnwise copies only. Backward: RoPE backward and the MXFP8
-quantization of dQ' in one pass (``rope_backward_quantize``), dgrad dX = dQ'_row·W_col and wgrad
-dW = dQ'_colᵀ·X_col on mxmla.gemm (SPEC §6).
+quantization of q; saved: x's and W's columnwise copies only. Backward (``rope_linear_backward``):
+RoPE backward and the MXFP8 quantization of dQ' in one pass (``rope_backward_quantize``'s), dgrad
+dX = dQ'_row·W_col and wgrad dW = dQ'_colᵀ·X_col on mxmla.gemm's kernels (SPEC §6).
 """
 from __future__ import annotations
 
@@ -122,14 +122,14 @@ class _QUpProjMXFP8Function(torch.autograd.Function):
         cfg = ctx.cfg
         x8 = mxmla.MXFP8Tensor(ctx.shapes[0], "e4m3", "compact", None, None, xc, xsc)
         w8 = mxmla.MXFP8Tensor(ctx.shapes[1], "e4m3", "compact", None, None, wc, wsc)
-        dq8 = mxmla.rope_backward_quantize(dq.to(torch.bfloat16).contiguous(), cos, sin, style=cfg["style"],
-                                           layout=cfg["layout"], rope_dim=cfg["rope_dim"])  # dQ' [T, N], both copies
-        dx = mxmla.gemm(dq8, w8, trans_b=False)                                          # [T, K] bf16
+        # dQ' = RoPE backward of dq quantized (both copies, [T, N]); dx = dQ'·W [T, K] bf16, dW = dQ'ᵀ·x
+        # [N, K] fp32 (or added into Megatron's fp32 main_grad; no .grad): one call, which on CUDA
+        # writes the GEMMs' bf16 copies of dQ' instead of its codes
         main_grad = getattr(ctx.weight, "main_grad", None)
-        if main_grad is not None:  # wgrad accumulated into Megatron's fp32 buffer; no .grad
-            mxmla.gemm(dq8, x8, trans_a=True, trans_b=False, out=main_grad, accumulate=True)
+        dx, dw = mxmla.rope_linear_backward(dq.to(torch.bfloat16).contiguous(), cos, sin, w8, x8, style=cfg["style"],
+                                            layout=cfg["layout"], rope_dim=cfg["rope_dim"], main_grad=main_grad)
+        if main_grad is not None:
             return dx.reshape(ctx.x_shape).to(ctx.x_dtype), None, None, None, None
-        dw = mxmla.gemm(dq8, x8, trans_a=True, trans_b=False, out_dtype="float32")       # [N, K] fp32
         return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None
 
 
