@@ -13,6 +13,9 @@ Cases (issue 2):
   rope         RoPE forward / backward, [16384, 128, 192] bf16; rope_backward_quantize
   qproj        fused Q up-projection (GEMM + RoPE + MXFP8, K 1536) at T x NH = 16384 x 128,
                4096 x 128, 16384 x 16
+  qproj-block  the same with a block-FP8 weight (DeepSeek-V3 recipe: 128 x 128 W blocks, 1 x 128 x
+               blocks, FP8 tensor cores); peers: cuBLAS bf16 GEMM, cuBLAS block-scaled FP8 GEMM
+               (torch.nn.functional.scaled_mm), cuBLAS FP8 per-tensor GEMM (the ceiling)
   attn_fwd     attention forward on MXFP8 Q, K, V (DeepSeek-V3: b 1, h 128, d 192/128, causal,
                s 2048 / 4096 / 8192), TFLOP/s = 2*b*h*(s^2/2)*(d_qk + d_v) / time; bench/attn_fwd.py
 Peers: device-to-device copy (torch), torch.compile'd MXFP8 quantizers (rowwise, rowwise+columnwise),
@@ -195,6 +198,73 @@ def bench_qproj(iters, flush, dev, add, compile_peer: bool):
         del x, w, w8
 
 
+def _scaled_mm_block(xb, wb):
+    """cuBLAS's block-scaled FP8 GEMM on Hopper (torch.nn.functional.scaled_mm, 1 x 128 x 128 x 128
+    block scales; the scales' layouts it asks for vary between torch versions: the first that runs)."""
+    F = torch.nn.functional
+    sx, sw = xb.scale_inv, wb.scale_inv
+    tries = (("sx outer-major, sw [N/128, K/128]^T", sx.t().contiguous().t(), sw.t()),
+             ("sx outer-major, sw [N/128, K/128]", sx.t().contiguous().t(), sw),
+             ("sx contiguous, sw^T", sx, sw.t()))
+    errs = []
+    for name, a, b in tries:
+        def call(a=a, b=b):
+            return F.scaled_mm(xb.data, wb.data.t(), a, F.ScalingType.BlockWise1x128, b,
+                               F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        try:
+            call()
+            return call, name
+        except Exception as e:  # noqa: BLE001 (the peer is optional: report why it did not run)
+            errs.append(f"{name}: {str(e).splitlines()[0][:160]}")
+    return None, "; ".join(errs)
+
+
+def bench_qproj_block(iters, flush, dev, add):
+    """The fused Q up-projection with a block-FP8 weight (DeepSeek-V3 recipe: 128 x 128 W blocks,
+    1 x 128 x blocks; FP8 wgmma) against cuBLAS's bf16 GEMM alone, the bf16-weight fused op, cuBLAS's
+    block-scaled FP8 GEMM alone and cuBLAS FP8 with per-tensor scales (the ceiling), same run."""
+    K = 1536
+    for T, NH in ((16384, 128), (4096, 128), (16384, 16)):
+        N = NH * 192
+        flop = 2.0 * T * N * K
+        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(N, K, device=dev) / K ** 0.5).to(torch.bfloat16)
+        c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
+        wb = mxmla.quantize_blockwise(w, block_rows=128)
+        xb = mxmla.quantize_blockwise(x)
+        case = f"qproj-block {T}x{NH}"
+
+        def tf(ms):
+            return f"{flop / ms / 1e9:.0f} TFLOP/s"
+
+        # check: the GEMM part of q (nope dims) against float64 math on the dequantized operands
+        _, q = mxmla.fused_q_uproj_rope_quant(xb, wb, c, s, return_q=True)
+        rows = slice(0, 512)
+        ref = (xb.dequantize()[rows].double() @ wb.dequantize().double().t()).view(-1, NH, 192)[..., :128]
+        got = q[rows].double().view(-1, NH, 192)[..., :128]
+        rel = ((got - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+        t_g = timer(lambda: torch.matmul(x, w.t()), iters, flush)
+        t_f = timer(lambda: mxmla.fused_q_uproj_rope_quant(x, w, c, s), iters, flush)
+        t_k = timer(lambda: mxmla.fused_q_uproj_rope_quant(xb, wb, c, s), iters, flush)
+        t_x = timer(lambda: mxmla.fused_q_uproj_rope_quant(x, wb, c, s), iters, flush)
+        add(case, "mxmla, block-FP8 x and W", t_k, 0.0,
+            f"{tf(t_k)}; {t_k / t_g:.3f}x cuBLAS bf16 GEMM alone; {t_k / t_f:.3f}x the bf16-W op; q rel RMS err {rel:.1e}")
+        add(case, "mxmla, block-FP8 W, bf16 x (quantized inside)", t_x, 0.0, f"{tf(t_x)}; {t_x / t_g:.3f}x cuBLAS bf16")
+        add(case, "mxmla, bf16 W (fused op)", t_f, 0.0, f"{tf(t_f)}; {t_f / t_g:.3f}x cuBLAS bf16")
+        add(case, "cuBLAS bf16 GEMM alone", t_g, 0.0, tf(t_g))
+        peer, how = _scaled_mm_block(xb, wb)
+        if peer is not None:
+            t_p = timer(peer, iters, flush)
+            add(case, "cuBLAS block-scaled FP8 GEMM alone", t_p, 0.0, f"{tf(t_p)}; ours {t_k / t_p:.3f}x its time ({how})")
+        else:
+            add(case, "cuBLAS block-scaled FP8 GEMM alone", float("nan"), 0.0, f"did not run: {how}")
+        one = torch.ones((), device=dev)
+        x8, w8 = xb.data, wb.data
+        t_t = timer(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16), iters, flush)
+        add(case, "cuBLAS FP8 per-tensor GEMM alone (ceiling)", t_t, 0.0, f"{tf(t_t)}; ours {t_k / t_t:.3f}x its time")
+        del x, w, wb, xb, q
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
@@ -205,6 +275,8 @@ def main() -> int:
     ap.add_argument("--quant-only", action="store_true", help="only the quantize cases (no peers, no attention)")
     ap.add_argument("--rope-only", action="store_true", help="only the copy ceiling and the RoPE cases")
     ap.add_argument("--qproj-only", action="store_true", help="only the fused Q up-projection cases")
+    ap.add_argument("--qproj-block-only", action="store_true",
+                    help="only the fused Q up-projection with a block-FP8 weight (and its peers)")
     ap.add_argument("--attn-only", action="store_true", help="only the copy ceiling and the attention hand-off cases")
     ap.add_argument("--attn-fwd-only", action="store_true",
                     help="only the copy ceiling and the attention forward (mxmla.attention vs cuDNN, FA4, dequantize + peer)")
@@ -257,6 +329,11 @@ def main() -> int:
     if a.qproj_only:
         del x, y
         bench_qproj(a.iters, flush, dev, add, not a.no_compile)
+        bench_qproj_block(a.iters, flush, dev, add)
+        return report(a, res, rows, agree)
+    if a.qproj_block_only:
+        del x, y
+        bench_qproj_block(a.iters, flush, dev, add)
         return report(a, res, rows, agree)
     if a.attn_only:
         del x, y
@@ -291,6 +368,7 @@ def main() -> int:
         bench_attention(a.iters, flush, dev, add)
         bench_rope(a.iters, flush, dev, add, not a.no_compile)
         bench_qproj(a.iters, flush, dev, add, not a.no_compile)
+        bench_qproj_block(a.iters, flush, dev, add)
         if not a.no_attn_fwd:
             return bench_attn_fwd(a, flush, dev, add, res, rows, agree)
     return report(a, res, rows, agree)

@@ -2,11 +2,13 @@
 #include <string>
 #include <utility>
 
+#include "common/blockfp8_ops.h"
 #include "common/device.h"
 #include "common/gemm_ops.h"
 #include "common/ops.h"
 #include "common/qproj_ops.h"
 #include "common/text.h"
+#include "mxmla/blockfp8.h"
 #include "mxmla/qproj.h"
 
 namespace mxmla {
@@ -208,6 +210,77 @@ void fused_q_uproj_rope_quant(const MXFP8Tensor& x, const MXFP8Tensor& w, const 
   for (const auto& [name, t] : bufs) detail::check_cuda_pointer(kOp, name, t->data, dev.index);
   detail::CudaDeviceGuard guard(dev.index);
   detail::qproj_mxfp8_cuda(p, g, stream);
+#else
+  (void)stream;
+  fail("x", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
+#endif
+}
+
+namespace {
+// A block-FP8 operand of the fused op: 2-D codes [rows, K] (E4M3 / uint8, innermost stride 1) and
+// fp32 scale_inv of block_scale_shape; returns the scales' row stride.
+int64_t check_block_operand(const char* arg, const BlockFP8Tensor& t, int64_t block_rows) {
+  const std::string a(arg);
+  if (t.block_rows != block_rows)
+    fail(a + ".block_rows", std::to_string(t.block_rows) + " must be " + std::to_string(block_rows) + " (" +
+                                (block_rows == 1 ? "x: 1 x 128 blocks" : "w: 128 x 128 blocks") + ")");
+  check_2d(a + ".data", t.data);
+  if (t.data.dtype != DType::kFloat8E4M3 && t.data.dtype != DType::kUInt8)
+    fail(a + ".data", std::string("dtype ") + dtype_name(t.data.dtype) + " must be float8_e4m3fn (or uint8)");
+  const std::vector<int64_t> ss = block_scale_shape(t.data.shape[0], t.data.shape[1], block_rows);
+  if (t.scale_inv.ndim() != 2 || t.scale_inv.shape != ss)
+    fail(a + ".scale_inv", "shape " + detail::shape_str(t.scale_inv.shape) + " must be " + detail::shape_str(ss));
+  if (t.scale_inv.dtype != DType::kFloat32)
+    fail(a + ".scale_inv", std::string("dtype ") + dtype_name(t.scale_inv.dtype) + " must be float32");
+  if (!t.scale_inv.strides.empty() && t.scale_inv.strides.size() != 2) fail(a + ".scale_inv", "has strides that do not match its shape");
+  if (ss[1] > 0 && t.scale_inv.stride(1) != 1) fail(a + ".scale_inv", "last dimension must be contiguous (stride 1)");
+  if (t.scale_inv.numel() > 0 && t.scale_inv.data == nullptr) fail(a + ".scale_inv", "data pointer is null");
+  if (t.scale_inv.device != t.data.device) fail(a + ".scale_inv", "is on another device than " + a + ".data");
+  return ss[0] > 1 ? t.scale_inv.stride(0) : ss[1];
+}
+}  // namespace
+
+void fused_q_uproj_rope_quant(const BlockFP8Tensor& x, const BlockFP8Tensor& w, const TensorDesc& cos,
+                              const TensorDesc& sin, MXFP8Tensor& out, TensorDesc* q, const QProjOptions& o,
+                              Stream stream) {
+  check_options(o);
+  if (o.weight_layout != WeightLayout::kNK)
+    fail("weight_layout", "a block-FP8 w is [N, K] (128 x 128 blocks): weight_layout must be nk");
+  detail::BlockFp8Operands bo;
+  bo.sx_ld = check_block_operand("x", x, 1);
+  bo.sw_ld = check_block_operand("w", w, 128);
+  bo.sx = static_cast<const float*>(x.scale_inv.data), bo.sw = static_cast<const float*>(w.scale_inv.data);
+  const int64_t T = x.data.shape[0], K = x.data.shape[1];
+  if (K < 1) fail("x", "needs K >= 1 columns");
+  if (w.data.shape[1] != K)
+    fail("w", "shape " + detail::shape_str(w.data.shape) + " does not match K = " + std::to_string(K) + " of x ([N, K])");
+  const Device dev = x.data.device;
+  if (w.data.device != dev) fail("w.data", "is on another device than x.data");
+  detail::QProjProblem p = common_problem(T, K, w.data.shape[0], dev, cos, sin, out, q, o);
+  p.x = x.data.data;
+  const int64_t xr = x.data.stride(0);
+  p.x_st_s = o.layout == QKVLayout::kSBHD ? o.batch * xr : xr;
+  p.x_st_b = o.layout == QKVLayout::kSBHD ? xr : p.S * xr;
+  p.w = w.data.data, p.w_st = w.data.stride(0), p.w_kn = false;
+  if (T == 0) return;
+  if (dev.type == DeviceType::kCPU) return detail::qproj_block_fp8_cpu(p, bo);
+
+#if MXMLA_WITH_CUDA
+  check_cuda(p, cos, sin, out, q, o, dev.index);
+  if (o.format != Fp8Format::kE4M3) fail("fp8_format", "the block-FP8 CUDA path writes E4M3 q (got e5m2)");
+  if (K % 16 != 0) fail("x", "K = " + std::to_string(K) + " must be a multiple of 16 on the CUDA path (TMA: 16-byte rows)");
+  const std::pair<const char*, const BlockFP8Tensor*> ops[] = {{"x", &x}, {"w", &w}};
+  for (const auto& [n, t] : ops) {
+    const std::string d = std::string(n) + ".data";
+    if (reinterpret_cast<uintptr_t>(t->data.data) % 16 != 0) fail(d, "data pointer must be 16-byte aligned (TMA)");
+    if (t->data.stride(0) % 16 != 0 || t->data.stride(0) >= (int64_t{1} << 40))
+      fail(d, "row stride must be a multiple of 16 bytes below 2^40 (TMA)");
+    detail::check_cuda_pointer(kOp, d.c_str(), t->data.data, dev.index);
+    detail::check_cuda_pointer(kOp, (std::string(n) + ".scale_inv").c_str(), t->scale_inv.data, dev.index);
+  }
+  if (p.x_st_b >= (int64_t{1} << 40) || p.x_st_s >= (int64_t{1} << 40)) fail("x", "is too large for a TMA descriptor");
+  detail::CudaDeviceGuard guard(dev.index);
+  detail::qproj_block_fp8_cuda(p, bo, stream);
 #else
   (void)stream;
   fail("x", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");

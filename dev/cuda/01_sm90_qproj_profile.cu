@@ -18,7 +18,7 @@ void profile(const char* what, QProjCase& c, bool epilogue) {
   detail::StreamScratch sw(0, nullptr), st(0, nullptr);
   CUtensorMap tx, tw;
   detail::qproj::Params kp;
-  detail::qproj_prepare(c.p, nullptr, sw, st, tx, tw, kp);
+  detail::qproj_prepare(c.p, nullptr, sw, st, tx, tw, kp, false);
   int grid = 0;
   const float ms = time_ms([&] { grid = launch<K>(c.p, tx, tw, kp); }, 5);  // the last launch's stamps remain
   std::printf("%s: %.4f ms (probed; %.0f TFLOP/s)\n", what, ms, c.flops() / ms * 1e-9);

@@ -18,7 +18,7 @@ float time_variant(QProjCase& c) {
   detail::StreamScratch sw(0, nullptr), st(0, nullptr);
   CUtensorMap tx, tw;
   detail::qproj::Params kp;
-  detail::qproj_prepare(c.p, nullptr, sw, st, tx, tw, kp);
+  detail::qproj_prepare(c.p, nullptr, sw, st, tx, tw, kp, false);
   return time_ms([&] { launch<K>(c.p, tx, tw, kp); });
 }
 

@@ -181,6 +181,46 @@ def fused_q_mxfp8_weight(x: Any, w8: MXFP8Tensor, cos: Any, sin: Any, nope_dim: 
     return t, (qr.to(torch.bfloat16) if return_q else None), x8
 
 
+def fused_q_block_fp8_weight(x: Any, w8: Any, cos: Any, sin: Any, nope_dim: int, rope_dim: int, style: str,
+                             layout: str, batch: int, weight_layout: str, rowwise: bool, columnwise: bool,
+                             fp8_format: str, bhsd_scales: bool, return_q: bool) -> tuple:
+    """The fused op with a block-FP8 weight (the DeepSeek-V3 recipe; arguments checked by the caller):
+    w a BlockFP8Tensor [N, K] with 128 x 128 blocks, x a bf16 tensor [T, K] (quantized here with
+    1 x 128 blocks and power-of-two scales, quantize_blockwise) or a BlockFP8Tensor with 1 x 128
+    blocks. q_acc = Σ over 128-blocks of K of (Σ x_code · w_code) · x_scale_inv · w_scale_inv, fp32
+    across blocks (on CUDA the FP8 tensor cores add a block's products, in their own precision),
+    rounded to bf16, then the bf16 op's RoPE + MXFP8 epilogue. Returns (q8, q or None, x8)."""
+    from .blockfp8 import BlockFP8Tensor, _check_block, quantize_blockwise
+
+    op = _OP
+    if weight_layout != "nk":
+        raise ValueError(f"{op}: argument 'weight_layout': a block-FP8 w is [N, K] (weight_layout 'nk'), "
+                         f"got {weight_layout!r}")
+    _check_block(op, "w", w8, 128)
+    if isinstance(x, BlockFP8Tensor):
+        _check_block(op, "x", x, 1)
+        x8 = x
+    else:
+        kind_of(op, "x", x)
+        not_differentiable(op, _NOT_DIFF, x=x)
+        x8 = quantize_blockwise(x, block_rows=1)
+    same_kind(op, "x", x8.data, w=w8.data, cos=cos, sin=sin)
+    _check_tables(op, style, cos, sin)
+    be = Backend(op, "x", x8.data)
+    o = _qproj_options(nope_dim, rope_dim, style, layout, batch, "nk", rowwise, columnwise, fp8_format, bhsd_scales)
+    tokens, heads = _heads(x8.shape, w8.shape, nope_dim, rope_dim, "nk")
+    qshape, data, rs, cs = _qproj_shapes(tokens, heads, o)
+    outs = alloc_outputs(be, (data, rs, cs), rowwise, columnwise)
+    q = be.empty(qshape, "bfloat16") if return_q else None
+    _core.fused_q_uproj_rope_quant_block(
+        be.desc("x.data", x8.data), be.desc("x.scale_inv", x8.scale_inv), be.desc("w.data", w8.data),
+        be.desc("w.scale_inv", w8.scale_inv), be.desc("cos", cos, bf16=True), be.desc("sin", sin, bf16=True),
+        *output_descs(be, outs), be.opt_desc("q", q, bf16=True), o, be.stream())
+    t = MXFP8Tensor(tuple(qshape), fp8_format, "bhsd" if bhsd_scales else "compact", *outs, layout=layout,
+                    attention=True)
+    return t, q, x8
+
+
 def fused_q_uproj_rope_quant(x: Array, w: Array, cos: Array, sin: Array, nope_dim: int = 128, rope_dim: int = 64,
                              style: str = "interleaved_in_halves_out", layout: str = "sbhd", batch: int = 1,
                              weight_layout: str = "nk", rowwise: bool = True, columnwise: bool = True,
@@ -200,12 +240,22 @@ def fused_q_uproj_rope_quant(x: Array, w: Array, cos: Array, sin: Array, nope_di
     (quantized here rowwise + columnwise in one pass) or an MXFP8Tensor [T, K]: the GEMM runs on the
     exactly dequantized MXFP8 copies (SPEC §6, fp32 accumulation), then the same RoPE + MXFP8
     epilogue (see fused_q_mxfp8_weight: on CUDA the fused kernel on bf16 copies of x and W).
+
+    Block-FP8 weights (the DeepSeek-V3 recipe): w a BlockFP8Tensor [N, K] with 128 x 128 blocks
+    (quantize_blockwise(w, block_rows=128), or a DeepSeek-V3 checkpoint's weight and
+    weight_scale_inv), x bf16 (quantized here with 1 x 128 blocks) or a BlockFP8Tensor with 1 x 128
+    blocks: on CUDA the kernel multiplies on the FP8 tensor cores (see fused_q_block_fp8_weight).
     Not differentiable (see the module docstring)."""
     op = _OP
     (nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise, columnwise, fp8_format,
      bhsd_scales) = _fused_args(op, nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise, columnwise,
                                 fp8_format, bhsd_scales)
     return_q = flag(op, "return_q", return_q)
+    from .blockfp8 import BlockFP8Tensor
+    if isinstance(w, BlockFP8Tensor):
+        t, q, _ = fused_q_block_fp8_weight(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch, weight_layout,
+                                           rowwise, columnwise, fp8_format, bhsd_scales, return_q)
+        return (t, q) if return_q else t
     if isinstance(w, MXFP8Tensor):
         t, q, _ = fused_q_mxfp8_weight(x, w, cos, sin, nope_dim, rope_dim, style, layout, batch, weight_layout, rowwise,
                                        columnwise, fp8_format, bhsd_scales, return_q)

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "mxmla/attention.h"
+#include "mxmla/blockfp8.h"
 #include "mxmla/gemm.h"
 #include "mxmla/linear.h"
 #include "mxmla/mxfp8.h"
@@ -551,6 +552,41 @@ NB_MODULE(_mxmla_core, m) {
       nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"), nb::arg("rowwise_data").none(),
       nb::arg("rowwise_scale_inv").none(), nb::arg("columnwise_data").none(), nb::arg("columnwise_scale_inv").none(),
       nb::arg("q").none(), nb::arg("options"), nb::arg("stream"));
+
+  // ------------------------------------------------------------------ block FP8 (DeepSeek-V3 recipe)
+  m.def("block_scale_shape", &block_scale_shape, nb::arg("rows"), nb::arg("cols"), nb::arg("block_rows"));
+  m.def(
+      "quantize_blockwise",
+      [](const Desc& in, const Desc& data, const Desc& scale_inv, int64_t block_rows, bool pow2_scales,
+         uintptr_t stream) {
+        BlockFP8Tensor t{to_desc(data), to_desc(scale_inv), block_rows};
+        const TensorDesc i = to_desc(in);
+        BlockQuantizeOptions o;
+        o.block_rows = block_rows, o.pow2_scales = pow2_scales;
+        nb::gil_scoped_release release;
+        quantize_blockwise(i, t, o, to_stream(stream));
+      },
+      nb::arg("input"), nb::arg("data"), nb::arg("scale_inv"), nb::arg("block_rows"), nb::arg("pow2_scales"),
+      nb::arg("stream"));
+  // x: codes [T, K] + scale_inv [T, ceil(K / 128)]; w: codes [N, K] + scale_inv [ceil(N / 128), ceil(K / 128)]
+  m.def(
+      "fused_q_uproj_rope_quant_block",
+      [](const Desc& xc, const Desc& xs, const Desc& wc, const Desc& ws, const Desc& cos, const Desc& sin,
+         const OptDesc& rd, const OptDesc& rs, const OptDesc& cd, const OptDesc& cs, const OptDesc& q,
+         const QProjOptions& o, uintptr_t stream) {
+        renamed({{"options", "rowwise"}}, [&] {
+          MXFP8Tensor t = make_tensor(rd, rs, cd, cs);
+          const BlockFP8Tensor x{to_desc(xc), to_desc(xs), 1}, w{to_desc(wc), to_desc(ws), 128};
+          const TensorDesc c = to_desc(cos), s = to_desc(sin);
+          TensorDesc qd = opt_desc(q);
+          nb::gil_scoped_release release;
+          fused_q_uproj_rope_quant(x, w, c, s, t, q ? &qd : nullptr, o, to_stream(stream));
+        });
+      },
+      nb::arg("x_data"), nb::arg("x_scale_inv"), nb::arg("w_data"), nb::arg("w_scale_inv"), nb::arg("cos"),
+      nb::arg("sin"), nb::arg("rowwise_data").none(), nb::arg("rowwise_scale_inv").none(),
+      nb::arg("columnwise_data").none(), nb::arg("columnwise_scale_inv").none(), nb::arg("q").none(),
+      nb::arg("options"), nb::arg("stream"));
 
   // ------------------------------------------------------------------ attention
   // q, k, v: each a bf16 descriptor or an MXFP8 operand tuple (see MxOperand); o: bf16 in q's format

@@ -5,6 +5,8 @@
 // fp32 accumulation equal to this one, so its codes and scales compare bit for bit.
 #include <vector>
 
+#include "common/blockfp8_common.h"
+#include "common/blockfp8_ops.h"
 #include "common/gemm_ops.h"
 #include "common/ops.h"
 #include "common/qproj_ops.h"
@@ -78,6 +80,25 @@ void qproj_cpu(const QProjProblem& p) {
 void qproj_mxfp8_cpu(const QProjProblem& p, const GemmProblem& g) {
   const std::vector<double> xd = gemm_decode(g, g.a, g.M), wd = gemm_decode(g, g.b, g.N);
   qproj_decoded(p, [&](int64_t, int64_t, int64_t t, std::vector<double>&) { return xd.data() + t * p.K; }, wd);
+}
+
+// Block-FP8 x [T, K] (1 x 128 blocks) and W [N, K] (128 x 128): code · scale_inv in float64 (exact:
+// both are fp32 numbers), then the same.
+void qproj_block_fp8_cpu(const QProjProblem& p, const BlockFp8Operands& bo) {
+  const int64_t N = p.NH * p.D;
+  const auto* xc = static_cast<const uint8_t*>(p.x);
+  const auto* wc = static_cast<const uint8_t*>(p.w);
+  std::vector<double> wd(static_cast<size_t>(N * p.K));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < p.K; ++k)
+      wd[n * p.K + k] = ref::fp8_to_double(wc[n * p.w_st + k], Fp8Format::kE4M3) *
+                        static_cast<double>(bo.sw[(n / kBlockFp8K) * bo.sw_ld + k / kBlockFp8K]);
+  qproj_decoded(p, [&](int64_t b, int64_t s, int64_t t, std::vector<double>& buf) {
+    for (int64_t k = 0; k < p.K; ++k)
+      buf[k] = ref::fp8_to_double(xc[b * p.x_st_b + s * p.x_st_s + k], Fp8Format::kE4M3) *
+               static_cast<double>(bo.sx[t * bo.sx_ld + k / kBlockFp8K]);
+    return buf.data();
+  }, wd);
 }
 
 }  // namespace mxmla::detail

@@ -89,19 +89,23 @@ bool qproj_cuda_supports(int64_t D, int64_t R) { return D == qproj::Cfg::kD && R
 // The kernel's inputs for problem p: tensor maps of x and W (W transposed into `scratch_w` first
 // when given as [K, N]) and the parameters, with bf16 tables widened into `scratch_tab`.
 void qproj_prepare(const QProjProblem& p, cudaStream_t stream, StreamScratch& scratch_w, StreamScratch& scratch_tab,
-                   CUtensorMap& tx, CUtensorMap& tw, qproj::Params& kp) {
+                   CUtensorMap& tx, CUtensorMap& tw, qproj::Params& kp, bool fp8) {
   using Cfg = qproj::Cfg;
-  // x: {K, B, S} (sbhd) or {K, S, B} (bshd), box {64, 1, 128} / {64, 128, 1}
+  // x: {K, B, S} (sbhd) or {K, S, B} (bshd), box {kBK, 1, 128} / {kBK, 128, 1}: 128 bytes of K (64
+  // bf16 values, or 128 E4M3 codes)
+  const int64_t es = fp8 ? 1 : 2;
+  const DType et = fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
+  const cuuint32_t bk = cuuint32_t(128 / es);
   cuuint64_t xd[3], xs[2];
   cuuint32_t xb[3];
-  xd[0] = p.K, xb[0] = Cfg::kBK;
+  xd[0] = p.K, xb[0] = bk;
   const int64_t st_b = p.B > 1 ? p.x_st_b : p.x_st_s * p.S;  // any legal stride when there is one sequence
-  if (p.sbhd) xd[1] = p.B, xd[2] = p.S, xs[0] = st_b * 2, xs[1] = p.x_st_s * 2, xb[1] = 1, xb[2] = Cfg::kBM;
-  else xd[1] = p.S, xd[2] = p.B, xs[0] = p.x_st_s * 2, xs[1] = st_b * 2, xb[1] = Cfg::kBM, xb[2] = 1;
-  tx = make_tma_desc(p.x, DType::kBFloat16, 3, xd, xs, xb, CU_TENSOR_MAP_SWIZZLE_128B);
+  if (p.sbhd) xd[1] = p.B, xd[2] = p.S, xs[0] = st_b * es, xs[1] = p.x_st_s * es, xb[1] = 1, xb[2] = Cfg::kBM;
+  else xd[1] = p.S, xd[2] = p.B, xs[0] = p.x_st_s * es, xs[1] = st_b * es, xb[1] = Cfg::kBM, xb[2] = 1;
+  tx = make_tma_desc(p.x, et, 3, xd, xs, xb, CU_TENSOR_MAP_SWIZZLE_128B);
   const void* w = p.w;
   int64_t w_st = p.w_st;
-  if (p.w_kn) {
+  if (p.w_kn) {  // (bf16 only)
     const int64_t N = p.NH * p.D;
     const dim3 grid(unsigned((N + 31) / 32), unsigned((p.K + 31) / 32)), block(32, 8);
     transpose_kn_to_nk<<<grid, block, 0, stream>>>(static_cast<const uint16_t*>(p.w), p.w_st,
@@ -109,15 +113,15 @@ void qproj_prepare(const QProjProblem& p, cudaStream_t stream, StreamScratch& sc
     MXMLA_CUDA_CHECK(cudaGetLastError());
     w = scratch_w.ptr, w_st = p.K;
   }
-  const cuuint64_t wd[2] = {cuuint64_t(p.K), cuuint64_t(p.NH * p.D)}, ws[1] = {cuuint64_t(w_st * 2)};
-  const cuuint32_t wb[2] = {Cfg::kBK, Cfg::kD};
-  tw = make_tma_desc(w, DType::kBFloat16, 2, wd, ws, wb, CU_TENSOR_MAP_SWIZZLE_128B);
+  const cuuint64_t wd[2] = {cuuint64_t(p.K), cuuint64_t(p.NH * p.D)}, ws[1] = {cuuint64_t(w_st * es)};
+  const cuuint32_t wb[2] = {bk, Cfg::kD};
+  tw = make_tma_desc(w, et, 2, wd, ws, wb, CU_TENSOR_MAP_SWIZZLE_128B);
 
   kp = qproj::Params{};
   kp.sched.B = int(p.B), kp.sched.NH = int(p.NH);
   kp.sched.mtiles = int((p.S + Cfg::kBM - 1) / Cfg::kBM);
   kp.sched.num_tiles = int(p.B * kp.sched.mtiles * p.NH);
-  kp.kblocks = int((p.K + Cfg::kBK - 1) / Cfg::kBK);
+  kp.kblocks = int((p.K + bk - 1) / bk);
   sm90::RopeMxfp8Params& e = kp.epi;
   e.B = int(p.B), e.S = int(p.S), e.NH = int(p.NH), e.sbhd = p.sbhd;
   if (p.tab_t == DType::kFloat32) {
@@ -147,7 +151,7 @@ void run(const QProjProblem& p, cudaStream_t stream, const Mxfp8Exact* ex) {
   StreamScratch scratch_tab(p.tab_t == DType::kFloat32 ? 0 : 2 * p.S * qproj::Cfg::kR * 4, stream);  // fp32 tables
   CUtensorMap tx, tw;
   qproj::Params kp{};
-  qproj_prepare(p, stream, scratch_w, scratch_tab, tx, tw, kp);
+  qproj_prepare(p, stream, scratch_w, scratch_tab, tx, tw, kp, false);
   if (ex != nullptr) kp.ex = *ex;
   const bool e4m3 = p.fmt == Fp8Format::kE4M3;
   switch (p.style) {

@@ -20,6 +20,7 @@
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/sm90/epilogue_rope_mxfp8.cuh"
 #include "cuda/sm90/mainloop_tma_wgmma.cuh"
+#include "cuda/sm90/mainloop_tma_wgmma_block_scaled.cuh"
 #include "cuda/sm90/pipeline.cuh"
 #include "cuda/probe.cuh"
 #include "cuda/tile_scheduler.h"
@@ -39,27 +40,40 @@ struct Cfg {
 struct SchedParams {
   int B, NH, mtiles, num_tiles;  // sequences, heads, token tiles per sequence, tiles
 };
+struct BlockFactors {  // block-FP8 x and W (the tensor maps read their E4M3 codes): fp32 scale_inv
+  const float* sx;      // [T, ceil(K / 128)], row stride sx_ld: token t's factors
+  int64_t sx_ld;
+  const float* sw;      // [ceil(N / 128), ceil(K / 128)], row stride sw_ld
+  int64_t sw_ld;
+};
 struct Params {
   SchedParams sched;
   int kblocks;
   sm90::RopeMxfp8Params epi;
   Mxfp8Exact ex;  // MXFP8 x and W (the tensor maps read their bf16 copies): the exact fallback; else flag null
+  BlockFactors bf;  // the block-FP8 kernel's factors (unused by the others)
 };
 
-// Kernel traits: the parts and the shared memory they share. Epi: the epilogue (the default one
-// computes the op; dev/cuda/ has others); Probe: NoProbe, or a recording one (dev/cuda/).
-template <RopeStyle kStyle, bool kE4M3, class Epi = sm90::EpilogueRopeMxfp8<Cfg::kD, Cfg::kR, Cfg::kBM, kStyle, kE4M3>,
-          class ProbeT = NoProbe, bool kExact_ = false>
-struct Kernel {
+// Kernel traits: the parts and the shared memory they share. MainloopT: bf16 (MainloopTmaWgmma) or
+// block-FP8 (MainloopTmaWgmmaBlockScaled, kBlockFp8: its MMA warpgroups hold a slice's temporary
+// accumulators besides the tile's, so the warpgroups' registers are moved by setmaxnreg); Epi: the
+// epilogue (the default one computes the op; dev/cuda/ has others); Probe: NoProbe, or a recording
+// one (dev/cuda/).
+template <class MainloopT, class Epi, class ProbeT, bool kExact_, bool kBlockFp8_>
+struct KernelTraits {
   // false: the wgmma kernel (returns at once when p.ex.flag is set); true: its exact fallback for
   // MXFP8 x and W (exact_tile below instead of the mainloop; returns at once unless the flag is set)
   static constexpr bool kExact = kExact_;
-  using Mainloop = sm90::MainloopTmaWgmma<Cfg::kBM, Cfg::kD, Cfg::kBK, Cfg::kStages, Cfg::kMmaWGs, ptx::MmaDtype::kBF16,
-                                          ptx::MmaDtype::kBF16>;
+  static constexpr bool kBlockFp8 = kBlockFp8_;
+  using Mainloop = MainloopT;
   using Epilogue = Epi;
   using Probe = ProbeT;
   // warpgroups: 0 producer (warp 0: TMA; warps 1..3: epilogue), 1..kMmaWGs MMA, then the epilogue's
   static constexpr int kThreads = 128 * (Cfg::kMmaWGs + 2);
+  // block-FP8: registers a thread of the MMA warpgroups / of the other two (the launch gives 128)
+  static constexpr uint32_t kRegsMma = 152, kRegsOther = 104;
+  static_assert(!kBlockFp8 || Cfg::kMmaWGs * kRegsMma + 2 * kRegsOther == (Cfg::kMmaWGs + 2) * 128,
+                "setmaxnreg moves registers inside the CTA's launch allocation");
   static_assert(Epilogue::kThreads == 128 + 96, "the epilogue takes warps 1..3 and the last warpgroup");
   struct alignas(1024) Smem {
     typename Mainloop::SharedStorage ml;  // the stage ring (x, W tiles)
@@ -69,6 +83,21 @@ struct Kernel {
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack of the dynamic buffer
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
+};
+
+template <RopeStyle kStyle, bool kE4M3, class Epi = sm90::EpilogueRopeMxfp8<Cfg::kD, Cfg::kR, Cfg::kBM, kStyle, kE4M3>,
+          class ProbeT = NoProbe, bool kExact_ = false>
+struct Kernel : KernelTraits<sm90::MainloopTmaWgmma<Cfg::kBM, Cfg::kD, Cfg::kBK, Cfg::kStages, Cfg::kMmaWGs,
+                                                    ptx::MmaDtype::kBF16, ptx::MmaDtype::kBF16>,
+                             Epi, ProbeT, kExact_, false> {};
+
+// Block-FP8 x and W (E4M3 codes, 128 of K per stage): column slices of 64, so that a slice lies in
+// one 128-row block of W whatever the head (head h's rows start at 192 h, a multiple of 64).
+template <RopeStyle kStyle, bool kE4M3>
+struct KernelBlockFp8
+    : KernelTraits<sm90::MainloopTmaWgmmaBlockScaled<Cfg::kBM, Cfg::kD, Cfg::kStages, Cfg::kMmaWGs, 64>,
+                   sm90::EpilogueRopeMxfp8<Cfg::kD, Cfg::kR, Cfg::kBM, kStyle, kE4M3>, NoProbe, false, true> {
+  static_assert(Cfg::kD % 64 == 0 && 128 % 64 == 0, "a 64-column slice never straddles two blocks of W's rows");
 };
 
 // Tile t -> (sequence bi, first token m0, head h): groups of kGroupM token tiles, head-major inside.
@@ -186,8 +215,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
     ptx::fence_barrier_init();
   }
   __syncthreads();
-
-  if (threadIdx.x < 32) {  // ---------------- producer: one thread issues the TMA loads
+  // ---------------- producer: one thread issues the TMA loads
+  auto producer = [&] {
     if (threadIdx.x == 0 && !K::kExact) {
       Probe::cta_begin();
       ptx::prefetch_tmap(&tmap_x);
@@ -199,16 +228,15 @@ __global__ void __launch_bounds__(K::kThreads, 1)
         tile_coords(p.sched, t, bi, m0, h);
         Mainloop::template produce<Probe>(sm.ml, sm.stages, st, p.kblocks, n, [&](void* a, void* b, uint64_t* bar, int kb) {
           // x map dims: {K, B, S} for sbhd (b is the inner token dim), {K, S, B} for bshd
-          if (p.epi.sbhd) ptx::tma_load_3d(a, &tmap_x, bar, kb * Cfg::kBK, bi, m0);
-          else ptx::tma_load_3d(a, &tmap_x, bar, kb * Cfg::kBK, m0, bi);
-          ptx::tma_load_2d(b, &tmap_w, bar, kb * Cfg::kBK, h * Cfg::kD);
+          if (p.epi.sbhd) ptx::tma_load_3d(a, &tmap_x, bar, kb * Mainloop::kBK, bi, m0);
+          else ptx::tma_load_3d(a, &tmap_x, bar, kb * Mainloop::kBK, m0, bi);
+          ptx::tma_load_2d(b, &tmap_w, bar, kb * Mainloop::kBK, h * Cfg::kD);
         });
       }
     }
-    return;
-  }
-
-  if (wg == 0 || wg == Cfg::kMmaWGs + 1) {  // ---------------- epilogue: warps 1..3 and the last warpgroup
+  };
+  // ---------------- epilogue: warps 1..3 and the last warpgroup
+  auto epilogue = [&] {
     const int tid = wg == 0 ? 128 + threadIdx.x - 32 : threadIdx.x - 128 * wg;  // whole warps
     uint32_t n = 0;
     for (int t = sched.first(); sched.valid(t); t = sched.next(t), ++n) {
@@ -221,7 +249,19 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       sm.handoff.consumer_release();
     }
     if (tid == 0) Probe::cta_end(n);
-    return;
+  };
+  if constexpr (K::kBlockFp8) {
+    // registers move between whole warpgroups: every warp of one executes the same setmaxnreg
+    if (wg == 0 || wg == Cfg::kMmaWGs + 1) {
+      ptx::setmaxnreg_dec<K::kRegsOther>();
+      if (threadIdx.x < 32) producer();
+      else epilogue();
+      return;
+    }
+    ptx::setmaxnreg_inc<K::kRegsMma>();
+  } else {
+    if (threadIdx.x < 32) return producer();
+    if (wg == 0 || wg == Cfg::kMmaWGs + 1) return epilogue();
   }
 
   // ---------------- MMA warpgroups: 64 rows each
@@ -239,7 +279,30 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       sm.handoff.producer_commit();
       continue;
     }
-    mma.template mma<Probe>(sm.stages, st, p.kblocks, acc, stamps, n);
+    if constexpr (K::kBlockFp8) {
+      // this thread's rows r0, r0 + 8 of the warpgroup's 64 (0 past the sequence: TMA filled them
+      // with zero codes) and the 128-row blocks of W under the head's three 64-column slices
+      int bi, m0, h;
+      tile_coords(p.sched, t, bi, m0, h);
+      const int r0 = 64 * cw + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
+      const float* fx[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int si = m0 + r0 + 8 * hh;
+        fx[hh] = si < p.epi.S ? p.bf.sx + Epilogue::token_of(p.epi, bi, si) * p.bf.sx_ld : nullptr;
+      }
+      const float* fw = p.bf.sw + (int64_t{h} * Cfg::kD / 128) * p.bf.sw_ld;  // the block of the head's first row
+      const int second = (h * Cfg::kD) % 128 == 0 ? 2 : 1;  // the first slice in the next block
+      mma.template mma<Probe>(sm.stages, st, p.kblocks, acc, [&](int kb, float (&fr)[2], float (&fs)[3]) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) fr[hh] = fx[hh] != nullptr ? __ldg(fx[hh] + kb) : 0.f;
+        const float w0 = __ldg(fw + kb), w1 = __ldg(fw + p.bf.sw_ld + kb);
+#pragma unroll
+        for (int sl = 0; sl < 3; ++sl) fs[sl] = sl < second ? w0 : w1;
+      }, stamps, n);
+    } else {
+      mma.template mma<Probe>(sm.stages, st, p.kblocks, acc, stamps, n);
+    }
     sm.handoff.producer_wait(n);  // the epilogue has read the previous tile
     if (stamps) Probe::stamp(n, 2);
     Epilogue::store_accumulators(sm.epi, cw, acc);
@@ -254,7 +317,8 @@ __global__ void __launch_bounds__(K::kThreads, 1)
 namespace mxmla::detail {
 // Host: the kernel's inputs for problem p (tensor maps of x and W; W transposed into scratch_w
 // first when given as [K, N], scratch_w then holding N * K bf16; bf16 tables widened into
-// scratch_tab, 2 * S * R floats). Queues those conversions on `stream`.
+// scratch_tab, 2 * S * R floats). Queues those conversions on `stream`. fp8: x and W are E4M3 codes
+// (block-FP8; W [N, K]): maps of 128-code boxes, k-blocks of 128.
 void qproj_prepare(const QProjProblem& p, cudaStream_t stream, StreamScratch& scratch_w, StreamScratch& scratch_tab,
-                   CUtensorMap& tx, CUtensorMap& tw, qproj::Params& kp);
+                   CUtensorMap& tx, CUtensorMap& tw, qproj::Params& kp, bool fp8);
 }  // namespace mxmla::detail

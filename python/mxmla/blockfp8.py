@@ -1,0 +1,99 @@
+"""Block FP8: the DeepSeek-V3 recipe (TransformerEngine's Float8BlockScaling) — E4M3 codes with one
+fp32 scale per block of 1 x 128 values (activations) or 128 x 128 values (weights), the format of
+DeepSeek-V3's released checkpoints (``weight`` + ``weight_scale_inv``).
+
+``quantize_blockwise`` makes one from a bf16 / fp32 matrix (TransformerEngine's rule: scale = 448 /
+amax, rounded down to a power of two by default; the stored factor is ``scale_inv = 1 / scale``);
+``BlockFP8Tensor.dequantize`` gives back ``code * scale_inv``. ``fused_q_uproj_rope_quant`` accepts a
+BlockFP8Tensor weight (128 x 128 blocks): the Q up-projection then runs on Hopper's FP8 tensor cores
+(see ``mxmla.qproj``). torch tensors (CPU or CUDA) and numpy arrays (CPU reference) alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _mxmla_core as _core
+from ._backend import Backend, is_torch, kind_of, torch, type_name
+from ._checks import flag, integer, not_differentiable
+
+_OP = "mxmla.quantize_blockwise"
+
+
+def _e4m3_table() -> np.ndarray:
+    """The 256 E4M3 (OCP "fn") values: exponent bias 7, no Inf, 0x7F / 0xFF NaN."""
+    v = np.empty(256, dtype=np.float64)
+    for c in range(256):
+        s, e, m = c >> 7, (c >> 3) & 0xF, c & 7
+        mag = np.nan if (e == 15 and m == 7) else (m / 8.0 * 2.0 ** -6 if e == 0 else (1 + m / 8.0) * 2.0 ** (e - 7))
+        v[c] = -mag if s else mag
+    return v
+
+
+_E4M3 = _e4m3_table()
+
+
+@dataclass(frozen=True)
+class BlockFP8Tensor:
+    """E4M3 codes ``data`` [rows, cols] (torch float8_e4m3fn, or uint8; numpy uint8) and fp32
+    ``scale_inv``: [rows, ceil(cols / 128)] for block_rows 1, [ceil(rows / 128), ceil(cols / 128)]
+    for block_rows 128. A value is ``code * scale_inv`` of its block."""
+
+    data: Any
+    scale_inv: Any
+    block_rows: int = 128
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.data.shape)
+
+    def dequantize(self) -> Any:
+        """float32 values [rows, cols] (exact: code · scale_inv is an fp32 product of two fp32 numbers
+        unless it leaves fp32's range), in the data's kind and device."""
+        rows, cols = self.shape
+        br = self.block_rows
+        if is_torch(self.data):
+            codes = self.data.view(torch.uint8) if self.data.dtype != torch.uint8 else self.data
+            lut = torch.from_numpy(_E4M3.astype(np.float32)).to(codes.device)
+            vals = lut[codes.long()]
+            s = self.scale_inv.float().repeat_interleave(br, 0).repeat_interleave(128, 1)[:rows, :cols]
+            return vals * s
+        codes = np.asarray(self.data).view(np.uint8)
+        s = np.asarray(self.scale_inv, dtype=np.float32).repeat(br, 0).repeat(128, 1)[:rows, :cols]
+        return (_E4M3[codes] * s.astype(np.float64)).astype(np.float32)
+
+
+def quantize_blockwise(x: Any, block_rows: int = 1, pow2_scales: bool = True) -> BlockFP8Tensor:
+    """x [rows, cols] bf16 or float32 (torch, or numpy: float32, ml_dtypes.bfloat16 or uint16 bf16
+    bits) -> BlockFP8Tensor with blocks of 1 x 128 (block_rows 1, activations) or 128 x 128
+    (block_rows 128, weights). Per block: amax = max |v| (NaN ignored); scale = 448 / amax in fp32
+    (1 when amax is 0 or Inf, the largest finite fp32 on overflow), with pow2_scales rounded down to
+    a power of two; code = E4M3(fp32(v · scale)), nearest even, saturating, NaN → 0x7F;
+    scale_inv = fp32(1 / scale). Partial blocks at the edges take the values they hold."""
+    op = _OP
+    block_rows = integer(op, "block_rows", block_rows)
+    pow2_scales = flag(op, "pow2_scales", pow2_scales)
+    kind_of(op, "input", x)  # (the argument is named as the C++ API names it)
+    not_differentiable(op, "quantization has no gradient", input=x)
+    be = Backend(op, "input", x)
+    xd = be.desc("input", x, bf16=True)
+    if len(xd[2]) != 2:
+        raise ValueError(f"{op}: argument 'input': must be 2-D [rows, cols], got shape {tuple(xd[2])}")
+    ss = _core.block_scale_shape(xd[2][0], xd[2][1], block_rows)
+    codes = be.empty(xd[2], "uint8")
+    scale_inv = be.empty(ss, "float32")
+    _core.quantize_blockwise(xd, be.desc("data", codes), be.desc("scale_inv", scale_inv), block_rows, pow2_scales,
+                             be.stream())
+    if be.torch:
+        codes = codes.view(torch.float8_e4m3fn)
+    return BlockFP8Tensor(codes, scale_inv, block_rows)
+
+
+def _check_block(op: str, arg: str, t: Any, block_rows: int) -> None:
+    if not isinstance(t, BlockFP8Tensor):
+        raise TypeError(f"{op}: argument '{arg}': expected a BlockFP8Tensor, got {type_name(t)}")
+    if t.block_rows != block_rows:
+        raise ValueError(f"{op}: argument '{arg}': needs {'1 x 128' if block_rows == 1 else '128 x 128'} blocks "
+                         f"(block_rows {block_rows}), got block_rows {t.block_rows}")

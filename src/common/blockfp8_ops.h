@@ -1,0 +1,41 @@
+// mxmla internal — block-FP8 problems (include/mxmla/blockfp8.h) that src/blockfp8.cpp
+// (validation) hands to a backend: the CPU reference (src/cpu/blockfp8_reference.cpp,
+// src/cpu/qproj_reference.cpp) or the CUDA kernels (src/cuda/blockfp8_quantize.cu,
+// src/cuda/sm90_qproj_block_fp8.cu).
+#pragma once
+
+#include <cstdint>
+
+#include "common/qproj_ops.h"
+#include "mxmla/tensor.h"
+
+namespace mxmla::detail {
+
+// in [rows, cols] (bf16 or fp32, element (r, c) at in + r * in_st + c) -> codes [rows, cols]
+// contiguous E4M3, scale_inv [block rows][ceil(cols / 128)] at scale_inv + i * s_st + j.
+struct BlockQuantizeProblem {
+  const void* in = nullptr;
+  DType in_t = DType::kBFloat16;
+  int64_t rows = 0, cols = 0, in_st = 0;
+  uint8_t* codes = nullptr;
+  float* scale_inv = nullptr;
+  int64_t s_st = 0;
+  int64_t block_rows = 1;  // 1 or 128
+  bool pow2 = true;
+};
+void block_quantize_cpu(const BlockQuantizeProblem& p);
+void block_quantize_cuda(const BlockQuantizeProblem& p, Stream stream);
+
+// The fused Q up-projection on block-FP8 operands: QProjProblem's x and w point to the E4M3 codes
+// (x_st_* and w_st in bytes = elements, w [N, K]); the factors: sx [T, ceil(K / 128)] (row t =
+// token t in the problem's token order), sw [ceil(N / 128), ceil(K / 128)].
+struct BlockFp8Operands {
+  const float* sx = nullptr;
+  int64_t sx_ld = 0;
+  const float* sw = nullptr;
+  int64_t sw_ld = 0;
+};
+void qproj_block_fp8_cpu(const QProjProblem& p, const BlockFp8Operands& b);
+void qproj_block_fp8_cuda(const QProjProblem& p, const BlockFp8Operands& b, Stream stream);
+
+}  // namespace mxmla::detail

@@ -1,0 +1,102 @@
+// mxmla internal — SM90 part: the mainloop of a warp-specialized FP8 GEMM tile with block scales
+// along K (the DeepSeek-V3 recipe: 1 x 128 blocks of A, 128 x 128 blocks of B).
+//
+//   acc[kBM x kBN] = Σ_kb (A_kb · B_kbᵀ) ⊙ (sa_kb ⊗ sb_kb)     A [kBM x K], B [kBN x K] E4M3, K-major
+//
+// with kb the 128-wide blocks of K: sa_kb one fp32 factor per row of A, sb_kb one per 128 rows of B.
+// The producer is MainloopTmaWgmma's (one stage = one 128-byte swizzle row = exactly one block of
+// K). Each consumer warpgroup multiplies its 64 rows in column slices of kSubN: the four FP8 wgmmas
+// (K = 32 each) of a slice go into a temporary accumulator, and once they have retired it is folded
+// into the fp32 accumulator with the row's and the slice's factors, acc += tmp · (sa · sb): one FMUL
+// per row and one FFMA per element for every 128 of K, on the CUDA cores, while the other
+// warpgroup's wgmmas keep the tensor cores busy. A slice never straddles two blocks of B's rows
+// (kSubN divides the caller's block boundaries). Precision: the 128 products of a block are exact,
+// the tensor cores add them in their own reduced precision (DeepSeek-V3 §3.3.2), every sum across
+// blocks is fp32 (the "promotion" of DeepGEMM's sm90_fp8_gemm_1d2d, whose code is not used here).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/probe.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm90/mainloop_tma_wgmma.cuh"
+
+namespace mxmla::sm90 {
+
+template <int kBM_, int kBN_, int kStages_, int kMmaWGs_, int kSubN_>
+struct MainloopTmaWgmmaBlockScaled {
+  // The ring, the barriers and the producer: the plain mainloop's with FP8 operands (kBK = 128 bytes).
+  using Ring = MainloopTmaWgmma<kBM_, kBN_, 128, kStages_, kMmaWGs_, ptx::MmaDtype::kE4M3, ptx::MmaDtype::kE4M3>;
+  static constexpr int kBM = kBM_, kBN = kBN_, kBK = 128, kStages = kStages_, kMmaWGs = kMmaWGs_, kSubN = kSubN_;
+  static constexpr int kSlices = kBN / kSubN;
+  static constexpr int kAcc = kBN / 2, kSubAcc = kSubN / 2;  // accumulators per thread: the tile's, a slice's
+  using Op = ptx::WgmmaOp<kSubN, ptx::MmaDtype::kE4M3, ptx::MmaDtype::kE4M3, false>;
+  static_assert(kBN % kSubN == 0, "whole slices");
+  static_assert((kSubN * kBK) % 1024 == 0, "a slice of B starts on a 1024-byte swizzle atom");
+  static_assert(Op::kK == 32 && kBK / Op::kK == 4, "four wgmmas per stage (32 bytes = 2 descriptor units each)");
+
+  using State = typename Ring::State;
+  using Barriers = typename Ring::Barriers;
+  using SharedStorage = typename Ring::SharedStorage;
+  static constexpr uint32_t kStageBytes = Ring::kStageBytes;
+  static constexpr int kConsumerArrivals = Ring::kConsumerArrivals;
+
+  template <class Probe, class Issue>
+  __device__ __forceinline__ static void produce(SharedStorage& sm, Barriers& bars, State& st, int kblocks, uint32_t n,
+                                                 Issue&& issue) {
+    Ring::template produce<Probe>(sm, bars, st, kblocks, n, issue);
+  }
+
+  struct Consumer {
+    uint64_t da0, db0;
+    static constexpr uint32_t kAStep = sizeof(SharedStorage::a[0]) / 16, kBStep = sizeof(SharedStorage::b[0]) / 16;
+    static constexpr uint32_t kSliceStep = kSubN * kBK / 16;  // descriptor units between slices of B
+
+    __device__ __forceinline__ Consumer(const SharedStorage& sm, int cw)
+        : da0(ptx::wgmma_desc_k_sw128(sm.a[0] + 64 * cw * kBK)), db0(ptx::wgmma_desc_k_sw128(sm.b[0])) {}
+
+    // acc = the tile's block-scaled product over kblocks blocks of K (overwritten). factors(kb, fr,
+    // fs) gives block kb's factors: fr[h] for the thread's rows r0 + 8 h (r0 = 16 · warp + lane / 4 of
+    // the warpgroup's 64), fs[s] for slice s of the columns; it is called before the block's stage is
+    // waited for (its loads hit L1 after a tile's first block: a row's factors are adjacent).
+    // Returns with every wgmma retired and every stage released.
+    template <class Probe, class Factors>
+    __device__ __forceinline__ void mma(Barriers& bars, State& st, int kblocks, float (&acc)[kAcc], Factors&& factors,
+                                        bool stamps, uint32_t n) const {
+      const int lane = threadIdx.x % 32;
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+      unsigned long long waited = 0;  // (probes only)
+      for (int kb = 0; kb < kblocks; ++kb) {
+        float fr[2], fs[kSlices];
+        factors(kb, fr, fs);
+        const unsigned long long w0 = Probe::clock();
+        bars.consumer_wait(st);
+        waited += Probe::clock() - w0;
+        const uint64_t da = da0 + st.index * kAStep, db = db0 + st.index * kBStep;
+#pragma unroll
+        for (int s = 0; s < kSlices; ++s) {
+          float tmp[kSubAcc];
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int k = 0; k < 4; ++k) Op::mma(tmp, da + 2 * k, db + s * kSliceStep + 2 * k, k > 0);
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<0>();
+#pragma unroll
+          for (int i = 0; i < kSubAcc; ++i) ptx::fence_reg(tmp[i]);
+          if (s == kSlices - 1 && lane == 0) bars.consumer_release(st.index);  // the stage is read
+          const float f0 = fr[0] * fs[s], f1 = fr[1] * fs[s];
+#pragma unroll
+          for (int i = 0; i < kSubAcc; ++i) {  // element i: row r0 + 8 ((i / 2) % 2)
+            const int a = s * kSubAcc + i;
+            acc[a] = fmaf(tmp[i], (i & 2) ? f1 : f0, acc[a]);
+          }
+        }
+        st.advance();
+      }
+      if (stamps) Probe::stamp(n, 1), Probe::stamp_value(n, 15, waited);
+    }
+  };
+};
+
+}  // namespace mxmla::sm90
