@@ -18,6 +18,7 @@ T 4096, 128 heads, K 1536: RoPE backward, quantization and the two GEMMs); with 
 attnfwd the attention forward at the same dims, s 2048 / 4096 / 8192, on the MXFP8 tensors (the
 default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors; with --only
 gemm the MXFP8 GEMM's fprop, dgrad and wgrad of the Q up-projection at T 16384 and 4096 (N 24576, K 1536), and 8192³.
+With --only qblock the fused Q up-projection on block-FP8 x and W (DeepSeek-V3 recipe) at the qproj shapes.
 Usage: PYTHONPATH=<build>/python python3 dev/bench/ab_kernels.py [--iters 30] [--only quant,rope,ropeq,qproj]"""
 from __future__ import annotations
 
@@ -93,6 +94,14 @@ def main() -> int:
             c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
             case(f"fused Q {T} x {NH}", lambda: mxmla.fused_q_uproj_rope_quant(x, w, c, s),
                  lambda: q_bufs(mxmla.fused_q_uproj_rope_quant(x, w, c, s)))
+    if "qblock" in only and hasattr(mxmla, "quantize_blockwise"):  # the same with block-FP8 x and W (FP8 wgmma)
+        K = 1536
+        for T, NH in ((16384, 128), (4096, 128), (16384, 16)):
+            xb = mxmla.quantize_blockwise(torch.randn(T, K, device=dev, dtype=torch.bfloat16))
+            wb = mxmla.quantize_blockwise(torch.randn(NH * 192, K, device=dev) / K ** 0.5, block_rows=128)
+            c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
+            case(f"fused Q block-FP8 {T} x {NH}", lambda: mxmla.fused_q_uproj_rope_quant(xb, wb, c, s),
+                 lambda: q_bufs(mxmla.fused_q_uproj_rope_quant(xb, wb, c, s)))
     if "gemm" in only:  # the Q up-projection's three GEMMs at T 16384 and 4096, and 8192³ (mxmla.gemm, as
         # dev/bench/gemm_time.py runs them)
         N, K = 24576, 1536

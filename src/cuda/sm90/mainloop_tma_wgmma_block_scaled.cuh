@@ -18,19 +18,24 @@
 #include <cstdint>
 
 #include "cuda/probe.cuh"
+#include "cuda/ptx/mma_sync.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/sm90/mainloop_tma_wgmma.cuh"
 
 namespace mxmla::sm90 {
 
-template <int kBM_, int kBN_, int kStages_, int kMmaWGs_, int kSubN_>
+// kRegA (an experiment, off): each k-block's A rows are loaded into registers once (ldmatrix) and
+// every slice's wgmmas read them there, so that shared memory serves B alone (off: A is re-read
+// from shared memory by every slice). Measured in the fused Q up-projection: 1.078x the time, its 16
+// more registers spilled (docs/notes-qproj.md).
+template <int kBM_, int kBN_, int kStages_, int kMmaWGs_, int kSubN_, bool kRegA = false>
 struct MainloopTmaWgmmaBlockScaled {
   // The ring, the barriers and the producer: the plain mainloop's with FP8 operands (kBK = 128 bytes).
   using Ring = MainloopTmaWgmma<kBM_, kBN_, 128, kStages_, kMmaWGs_, ptx::MmaDtype::kE4M3, ptx::MmaDtype::kE4M3>;
   static constexpr int kBM = kBM_, kBN = kBN_, kBK = 128, kStages = kStages_, kMmaWGs = kMmaWGs_, kSubN = kSubN_;
   static constexpr int kSlices = kBN / kSubN;
   static constexpr int kAcc = kBN / 2, kSubAcc = kSubN / 2;  // accumulators per thread: the tile's, a slice's
-  using Op = ptx::WgmmaOp<kSubN, ptx::MmaDtype::kE4M3, ptx::MmaDtype::kE4M3, false>;
+  using Op = ptx::WgmmaOp<kSubN, ptx::MmaDtype::kE4M3, ptx::MmaDtype::kE4M3, kRegA>;
   static_assert(kBN % kSubN == 0, "whole slices");
   static_assert((kSubN * kBK) % 1024 == 0, "a slice of B starts on a 1024-byte swizzle atom");
   static_assert(Op::kK == 32 && kBK / Op::kK == 4, "four wgmmas per stage (32 bytes = 2 descriptor units each)");
@@ -49,11 +54,27 @@ struct MainloopTmaWgmmaBlockScaled {
 
   struct Consumer {
     uint64_t da0, db0;
+    uint32_t a_row;  // kRegA: this lane's ldmatrix row of the warpgroup's A tile in stage 0 (shared address)
     static constexpr uint32_t kAStep = sizeof(SharedStorage::a[0]) / 16, kBStep = sizeof(SharedStorage::b[0]) / 16;
     static constexpr uint32_t kSliceStep = kSubN * kBK / 16;  // descriptor units between slices of B
 
     __device__ __forceinline__ Consumer(const SharedStorage& sm, int cw)
-        : da0(ptx::wgmma_desc_k_sw128(sm.a[0] + 64 * cw * kBK)), db0(ptx::wgmma_desc_k_sw128(sm.b[0])) {}
+        : da0(ptx::wgmma_desc_k_sw128(sm.a[0] + 64 * cw * kBK)),
+          db0(ptx::wgmma_desc_k_sw128(sm.b[0])),
+          // matrix l / 8 of an ldmatrix.x4: rows 8 ((l / 8) % 2) .. + 7 of the warp's 16
+          a_row(ptx::smem_u32(sm.a[0] + (64 * cw + 16 * ((threadIdx.x / 32) % 4) + 8 * ((threadIdx.x / 8) % 2) +
+                                         threadIdx.x % 8) * kBK)) {}
+
+    // The k-block's A fragments (kRegA): k-step k's 32 bytes of the thread's rows r0, r0 + 8 as the
+    // wgmma's register operand wants them (a[k][0 | 1]: bytes 0..15 of rows r0 | r0 + 8, a[k][2 | 3]
+    // bytes 16..31), from the 128-byte-swizzled tile (16-byte chunk c of row r at c ^ (r % 8)).
+    __device__ __forceinline__ void load_a(int stage, uint32_t (&a)[4][4]) const {
+      const uint32_t row = a_row + stage * uint32_t(sizeof(SharedStorage::a[0]));
+      const uint32_t l = threadIdx.x % 32;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        ptx::ldmatrix_x4(row + (((2 * k + l / 16) ^ (l % 8)) << 4), a[k][0], a[k][1], a[k][2], a[k][3]);
+    }
 
     // acc = the tile's block-scaled product over kblocks blocks of K (overwritten). factors(kb, fr,
     // fs) gives block kb's factors: fr[h] for the thread's rows r0 + 8 h (r0 = 16 · warp + lane / 4 of
@@ -74,12 +95,17 @@ struct MainloopTmaWgmmaBlockScaled {
         bars.consumer_wait(st);
         waited += Probe::clock() - w0;
         const uint64_t da = da0 + st.index * kAStep, db = db0 + st.index * kBStep;
+        uint32_t a[4][4];
+        if constexpr (kRegA) load_a(st.index, a);
 #pragma unroll
         for (int s = 0; s < kSlices; ++s) {
           float tmp[kSubAcc];
           ptx::wgmma_fence();
 #pragma unroll
-          for (int k = 0; k < 4; ++k) Op::mma(tmp, da + 2 * k, db + s * kSliceStep + 2 * k, k > 0);
+          for (int k = 0; k < 4; ++k) {
+            if constexpr (kRegA) Op::mma(tmp, a[k], db + s * kSliceStep + 2 * k, k > 0);
+            else Op::mma(tmp, da + 2 * k, db + s * kSliceStep + 2 * k, k > 0);
+          }
           ptx::wgmma_commit();
           ptx::wgmma_wait<0>();
 #pragma unroll
