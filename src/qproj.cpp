@@ -279,6 +279,9 @@ void fused_q_uproj_rope_quant(const BlockFP8Tensor& x, const BlockFP8Tensor& w, 
     detail::check_cuda_pointer(kOp, (std::string(n) + ".scale_inv").c_str(), t->scale_inv.data, dev.index);
   }
   if (p.x_st_b >= (int64_t{1} << 40) || p.x_st_s >= (int64_t{1} << 40)) fail("x", "is too large for a TMA descriptor");
+  if (T * bo.sx_ld >= (int64_t{1} << 31)) fail("x.scale_inv", "is too large for the kernel's 32-bit offsets");
+  if (((w.data.shape[0] + 127) / 128) * bo.sw_ld >= (int64_t{1} << 31))
+    fail("w.scale_inv", "is too large for the kernel's 32-bit offsets");
   detail::CudaDeviceGuard guard(dev.index);
   detail::qproj_block_fp8_cuda(p, bo, stream);
 #else

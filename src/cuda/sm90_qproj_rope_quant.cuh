@@ -285,18 +285,18 @@ __global__ void __launch_bounds__(K::kThreads, 1)
       int bi, m0, h;
       tile_coords(p.sched, t, bi, m0, h);
       const int r0 = 64 * cw + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
-      const float* fx[2];
+      int ox[2];  // 32-bit offsets of the rows' factors in p.bf.sx (-1: past the sequence); the host checks the range
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int si = m0 + r0 + 8 * hh;
-        fx[hh] = si < p.epi.S ? p.bf.sx + Epilogue::token_of(p.epi, bi, si) * p.bf.sx_ld : nullptr;
+        ox[hh] = si < p.epi.S ? static_cast<int>(Epilogue::token_of(p.epi, bi, si) * p.bf.sx_ld) : -1;
       }
-      const float* fw = p.bf.sw + (int64_t{h} * Cfg::kD / 128) * p.bf.sw_ld;  // the block of the head's first row
-      const int second = (h * Cfg::kD) % 128 == 0 ? 2 : 1;  // the first slice in the next block
+      const int ow = static_cast<int>((h * Cfg::kD / 128) * p.bf.sw_ld);  // the block of the head's first row
+      const int second = (h * Cfg::kD) % 128 == 0 ? 2 : 1;                 // the first slice in the next block
       mma.template mma<Probe>(sm.stages, st, p.kblocks, acc, [&](int kb, float (&fr)[2], float (&fs)[3]) {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) fr[hh] = fx[hh] != nullptr ? __ldg(fx[hh] + kb) : 0.f;
-        const float w0 = __ldg(fw + kb), w1 = __ldg(fw + p.bf.sw_ld + kb);
+        for (int hh = 0; hh < 2; ++hh) fr[hh] = ox[hh] >= 0 ? __ldg(p.bf.sx + ox[hh] + kb) : 0.f;
+        const float w0 = __ldg(p.bf.sw + ow + kb), w1 = __ldg(p.bf.sw + (ow + static_cast<int>(p.bf.sw_ld)) + kb);
 #pragma unroll
         for (int sl = 0; sl < 3; ++sl) fs[sl] = sl < second ? w0 : w1;
       }, stamps, n);
