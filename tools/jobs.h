@@ -18,6 +18,7 @@ struct QProjRunArgs {
   RopeStyle style = RopeStyle::kInterleavedInHalvesOut;
   Fp8Format format = Fp8Format::kE4M3;
   bool mxfp8_weights = false;  // --weights mxfp8: W quantized once (rowwise), x per call (both copies)
+  bool block_weights = false;  // --weights block-fp8: W quantized once (128 x 128 blocks), x per call (1 x 128)
 };
 
 // `mxmla run-quantize`. tokens < 0: the device's default (GPU 4096, CPU 256).

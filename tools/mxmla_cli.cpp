@@ -189,10 +189,14 @@ int cmd_run(int argc, char** argv) {
            }},
           {"--format", "F", "FP8 codes: e4m3 (default) or e5m2", [&](const std::string& v) { a.format = parse_format(cmd, v); }},
           {"--weights", "W",
-           "bf16 (default) or mxfp8: the MXFP8-weight path (W quantized once,\nrowwise; x quantized rowwise + "
+           "bf16 (default), mxfp8: the MXFP8-weight path (W quantized once,\nrowwise; x quantized rowwise + "
            "columnwise in each call, as\nits saved activation; the GEMM on the exactly dequantized\ncodes; the "
-           "same RoPE + MXFP8 epilogue)",
-           [&](const std::string& v) { a.mxfp8_weights = parse_choice(cmd, "--weights", v, {"bf16", "mxfp8"}) == "mxfp8"; }},
+           "same RoPE + MXFP8 epilogue), or block-fp8: the\nDeepSeek-V3 recipe (W quantized once in 128 x 128 "
+           "blocks, x\nin 1 x 128 blocks in each call; the GEMM on the FP8 tensor\ncores)",
+           [&](const std::string& v) {
+             const std::string w = parse_choice(cmd, "--weights", v, {"bf16", "mxfp8", "block-fp8"});
+             a.mxfp8_weights = w == "mxfp8", a.block_weights = w == "block-fp8";
+           }},
           {"--iters", "N", "GPU: timed calls per measurement (after 3 warm-up calls), >= 1;\ndefault 10",
            count("--iters", a.iters)},
           {"--check-groups", "N", "GPU: (32-token group, head) pairs checked against the CPU\nreference, >= 1; default 64",

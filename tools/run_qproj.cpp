@@ -18,6 +18,7 @@
 
 #include "common/host_util.h"
 #include "cpu/reference.h"
+#include "mxmla/blockfp8.h"
 #include "mxmla/qproj.h"
 #include "tools/cli_args.h"
 #include "tools/jobs.h"
@@ -85,6 +86,33 @@ void require_k32(const QProjRunArgs& a) {
       throw std::runtime_error("an MXFP8 value is not a bf16 value: the check's bf16 reference cannot hold it");
   }
   return b;
+}
+
+// --weights block-fp8: a block-FP8 operand on the host (codes [R, K], fp32 scale_inv of 1 x 128 or 128 x 128 blocks).
+struct HostBlock {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  BlockFP8Tensor t;
+  HostBlock(int64_t R, int64_t K, int64_t br) {
+    const std::vector<int64_t> ss = block_scale_shape(R, K, br);
+    codes.resize(R * K), scales.resize(ss[0] * ss[1]);
+    t = BlockFP8Tensor{TensorDesc(codes.data(), DType::kUInt8, {R, K}), TensorDesc(scales.data(), DType::kFloat32, ss), br};
+  }
+};
+// Its values as bf16 (code · scale_inv, exact with the power-of-two scales quantize_blockwise makes):
+// the bf16 reference on them then computes the block-FP8 op.
+[[maybe_unused]] std::vector<uint16_t> exact_bf16(const HostBlock& b) {
+  const int64_t R = b.t.data.shape[0], K = b.t.data.shape[1], nk = b.t.scale_inv.shape[1];
+  std::vector<uint16_t> out(R * K);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K; ++k) {
+      const double v = ref::fp8_to_double(b.codes[r * K + k], Fp8Format::kE4M3) *
+                       static_cast<double>(b.scales[(r / b.t.block_rows) * nk + k / 128]);
+      out[r * K + k] = ref::double_to_bf16(v);
+      if (!(ref::bf16_to_double(out[r * K + k]) == v) && !std::isnan(v))
+        throw std::runtime_error("a block-FP8 value is not a bf16 value: the check's bf16 reference cannot hold it");
+    }
+  return out;
 }
 
 QProjOptions options(const QProjRunArgs& a) {
@@ -223,6 +251,16 @@ int run_qproj_cpu(const QProjRunArgs& a, Progress& progress) {
     std::printf("--weights mxfp8: x and W quantized rowwise (%s); the GEMM on their exactly dequantized codes\n",
                 b.format == Fp8Format::kE4M3 ? "E4M3" : "E5M2");
   }
+  // --weights block-fp8: x (1 x 128 blocks) and W (128 x 128 blocks) quantized once, power-of-two scales
+  HostBlock bx(b.block_weights ? T : 0, b.k, 1), bw(b.block_weights ? N : 0, b.k, 128);
+  if (b.block_weights) {
+    BlockQuantizeOptions qo;
+    quantize_blockwise(TensorDesc(const_cast<uint16_t*>(in.x.data()), DType::kBFloat16, {T, b.k}), bx.t, qo);
+    qo.block_rows = 128;
+    quantize_blockwise(TensorDesc(const_cast<uint16_t*>(in.w.data()), DType::kBFloat16, {N, b.k}), bw.t, qo);
+    std::printf("--weights block-fp8: x (1 x 128 blocks) and W (128 x 128 blocks) quantized to E4M3 with fp32 "
+                "scales; the GEMM on code x scale_inv\n");
+  }
   Compact out;
   out.row.resize(numel(s.data)), out.rs.resize(numel(s.rowwise_scale));
   out.col.resize(numel(s.data)), out.cs.resize(numel(s.columnwise_scale));
@@ -247,6 +285,11 @@ int run_qproj_cpu(const QProjRunArgs& a, Progress& progress) {
       xc.rowwise_data = TensorDesc(x8.codes.data() + r0 * b.k, DType::kUInt8, {nt, b.k});
       xc.rowwise_scale_inv = TensorDesc(x8.scales.data() + r0 * b.k / 32, DType::kUInt8, {nt, b.k / 32});
       fused_q_uproj_rope_quant(xc, w8.t, c, sn, t, &qd, o);
+    } else if (b.block_weights) {  // the chunk's rows of x's codes and scales
+      const int64_t nk = bx.t.scale_inv.shape[1];
+      const BlockFP8Tensor xc{TensorDesc(bx.codes.data() + r0 * b.k, DType::kUInt8, {nt, b.k}),
+                              TensorDesc(bx.scales.data() + r0 * nk, DType::kFloat32, {nt, nk}), 1};
+      fused_q_uproj_rope_quant(xc, bw.t, c, sn, t, &qd, o);
     } else {
       fused_q_uproj_rope_quant(TensorDesc(const_cast<uint16_t*>(in.x.data() + r0 * b.k), DType::kBFloat16, {nt, b.k}),
                                TensorDesc(const_cast<uint16_t*>(in.w.data()), DType::kBFloat16, {N, b.k}), c, sn, t,
@@ -333,7 +376,9 @@ int run_qproj_cuda(const QProjRunArgs& args, Progress& progress) {
   std::printf("fused Q up-projection + RoPE + MXFP8 (%s, rowwise + columnwise, compact scales): x [%lld, %lld] bf16, "
               "W [%lld, %lld] %s -> q [%lld, %lld, 192]\n",
               a.format == Fp8Format::kE4M3 ? "E4M3" : "E5M2", (long long)T, (long long)K, (long long)N, (long long)K,
-              a.mxfp8_weights ? "MXFP8 (rowwise, quantized once; x quantized rowwise + columnwise in each call)" : "bf16",
+              a.mxfp8_weights  ? "MXFP8 (rowwise, quantized once; x quantized rowwise + columnwise in each call)"
+              : a.block_weights ? "block-FP8 (128 x 128 blocks, quantized once; x quantized 1 x 128 in each call)"
+                                : "bf16",
               (long long)T, (long long)a.heads);
   progress.begin("generating inputs");
   const Inputs in = make_inputs(a, T);
@@ -367,8 +412,24 @@ int run_qproj_cuda(const QProjRunArgs& args, Progress& progress) {
     wq.columnwise = false;
     quantize(w, w8, wq);
   }
+  // --weights block-fp8: W quantized once (128 x 128 blocks); each call quantizes x (1 x 128) and runs
+  // the op on the FP8 tensor cores
+  const bool bk = a.block_weights;
+  const std::vector<int64_t> bxs = block_scale_shape(T, K, 1), bws = block_scale_shape(N, K, 128);
+  util::DeviceBuffer bxc(bk ? T * K : 0), bxsc(bk ? numel(bxs) * 4 : 0), bwc(bk ? N * K : 0), bwsc(bk ? numel(bws) * 4 : 0);
+  const BlockFP8Tensor bx0{TensorDesc(bxc.ptr, DType::kUInt8, {T, K}, dev), TensorDesc(bxsc.ptr, DType::kFloat32, bxs, dev), 1};
+  const BlockFP8Tensor bw0{TensorDesc(bwc.ptr, DType::kUInt8, {N, K}, dev), TensorDesc(bwsc.ptr, DType::kFloat32, bws, dev), 128};
+  BlockFP8Tensor bx = bx0, bw = bw0;
+  if (bk) {
+    BlockQuantizeOptions wq;
+    wq.block_rows = 128;
+    quantize_blockwise(w, bw, wq);
+  }
   auto fused = [&] {
-    if (mx) {
+    if (bk) {
+      quantize_blockwise(x, bx, BlockQuantizeOptions{});
+      fused_q_uproj_rope_quant(bx, bw, c, sn, q, nullptr, o);
+    } else if (mx) {
       quantize(x, x8, xq);
       fused_q_uproj_rope_quant(x8, w8, c, sn, q, nullptr, o);
     } else {
@@ -434,17 +495,30 @@ int run_qproj_cuda(const QProjRunArgs& args, Progress& progress) {
     ref_in = in;
     ref_in.x = exact_bf16(hx.t), ref_in.w = exact_bf16(hw.t);
   }
-  const bool ok = report_check(check_sample(a, T, mx ? ref_in : in, got, progress), std::min(total, a.check_groups), total);
+  if (bk) {  // --weights block-fp8: the GPU's codes and scales, exactly dequantized (power-of-two scales)
+    HostBlock hx(T, K, 1), hw(N, K, 128);
+    hx.codes = bxc.download<uint8_t>(), hx.scales = bxsc.download<float>();
+    hw.codes = bwc.download<uint8_t>(), hw.scales = bwsc.download<float>();
+    ref_in = in;
+    ref_in.x = exact_bf16(hx), ref_in.w = exact_bf16(hw);
+  }
+  const bool ok =
+      report_check(check_sample(a, T, mx || bk ? ref_in : in, got, progress), std::min(total, a.check_groups), total);
   const double flop = 2.0 * T * N * K;
   std::printf("fused        : %.4f ms  %.0f TFLOP/s%s\n", t_f, flop / t_f / 1e9,
-              mx ? " (MXFP8 W; x's quantization, both copies, included)" : "");
+              mx ? " (MXFP8 W; x's quantization, both copies, included)"
+              : bk ? " (block-FP8 W; x's 1 x 128 quantization included)"
+                   : "");
   if (have_blas) {
     const float t_g = median(tg), t_u = median(tu);
     std::printf("cuBLAS GEMM  : %.4f ms  %.0f TFLOP/s (bf16 out, same run)\n", t_g, flop / t_g / 1e9);
     std::printf("GEMM+RoPE+Q  : %.4f ms  %.0f TFLOP/s (cuBLAS + mxmla apply_rope + quantize_attention)\n", t_u,
                 flop / t_u / 1e9);
     std::printf("ratio        : fused / cuBLAS GEMM alone = %.3f (%s); unfused / fused = %.2fx\n", t_f / t_g,
-                mx ? "target <= 1.15 with an MXFP8 weight" : "<= 1.00: the fusion is free", t_u / t_f);
+                mx   ? "target <= 1.15 with an MXFP8 weight"
+                : bk ? "<= 1.00 with a block-FP8 weight: the FP8 tensor cores"
+                     : "<= 1.00: the fusion is free",
+                t_u / t_f);
     blas.destroy(handle);
   }
   return ok ? 0 : 1;

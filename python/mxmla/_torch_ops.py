@@ -22,6 +22,7 @@ import torch
 
 from . import _dispatch
 from . import _mxmla_core as _core
+from . import blockfp8 as _bf
 from . import mxfp8 as _mx
 from . import qproj as _qp
 from . import rope as _rope
@@ -360,6 +361,51 @@ def _(x_codes, x_scales, w_codes, w_scales, x_mx, w_mx, cos, sin, nope_dim, rope
     qshape, data, rs, cs = _qp._qproj_shapes(tokens, heads, o)
     q = cos.new_empty(tuple(qshape) if return_q else (0,), dtype=torch.bfloat16)
     return (*_fake4(cos, (data, rs, cs), rowwise, columnwise), q)
+
+
+@_op("fused_q_uproj_rope_quant_block", mutates_args=())
+def fused_q_uproj_rope_quant_block(x_codes: Tensor, x_scale_inv: Tensor, w_codes: Tensor, w_scale_inv: Tensor,
+                                   cos: Tensor, sin: Tensor, nope_dim: int, rope_dim: int, style: str, layout: str,
+                                   batch: int, fp8_format: str, bhsd_scales: bool, rowwise: bool = True,
+                                   columnwise: bool = True, return_q: bool = False) -> _T5:
+    """The block-FP8-weight op: x's E4M3 codes and fp32 scale_inv (1 x 128 blocks), W's (128 x 128
+    blocks) -> (rowwise codes, rowwise scales, columnwise codes, columnwise scales, q) as
+    fused_q_uproj_rope_quant."""
+    res = _qp._fused_block_impl(x_codes, x_scale_inv, w_codes, w_scale_inv, cos, sin, nope_dim, rope_dim, style,
+                                layout, batch, rowwise, columnwise, fp8_format, bhsd_scales, return_q)
+    return (*(_placeholder(cos, o) for o in res[:4]), _placeholder(cos, res[4], torch.bfloat16))
+
+
+@fused_q_uproj_rope_quant_block.register_fake
+def _(x_codes, x_scale_inv, w_codes, w_scale_inv, cos, sin, nope_dim, rope_dim, style, layout, batch, fp8_format,
+      bhsd_scales, rowwise=True, columnwise=True, return_q=False):
+    o = _qp._qproj_options(nope_dim, rope_dim, style, layout, batch, "nk", rowwise, columnwise, fp8_format,
+                           bhsd_scales)
+    tokens, heads = _qp._heads(_ints(x_codes.shape), _ints(w_codes.shape), nope_dim, rope_dim, "nk")
+    qshape, data, rs, cs = _qp._qproj_shapes(tokens, heads, o)
+    q = cos.new_empty(tuple(qshape) if return_q else (0,), dtype=torch.bfloat16)
+    return (*_fake4(cos, (data, rs, cs), rowwise, columnwise), q)
+
+
+_no_gradient(fused_q_uproj_rope_quant_block, "mxmla.fused_q_uproj_rope_quant", _qp._NOT_DIFF,
+             ["x_codes", "x_scale_inv", "w_codes", "w_scale_inv", "cos", "sin"])
+
+
+@_op("quantize_blockwise", mutates_args=())
+def quantize_blockwise(x: Tensor, block_rows: int, pow2_scales: bool) -> Tuple[Tensor, Tensor]:
+    """(E4M3 codes as uint8, fp32 scale_inv) of x's 1 x 128 (block_rows 1) or 128 x 128 blocks."""
+    return _bf._quantize_blockwise_impl(x, block_rows, pow2_scales)
+
+
+@quantize_blockwise.register_fake
+def _(x, block_rows, pow2_scales):
+    if x.dim() != 2:
+        raise ValueError(f"{_bf._OP}: argument 'input': must be 2-D [rows, cols], got shape {list(x.shape)}")
+    ss = _core.block_scale_shape(int(x.shape[0]), int(x.shape[1]), block_rows)
+    return x.new_empty(tuple(_ints(x.shape)), dtype=torch.uint8), x.new_empty(tuple(ss), dtype=torch.float32)
+
+
+_no_gradient(quantize_blockwise, "mxmla.quantize_blockwise", _bf._NOT_DIFF, ["input"])
 
 
 # ----------------------------------------------------------------------------- attention

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _dispatch
 from . import _mxmla_core as _core
 from ._backend import Backend, is_torch, kind_of, torch, type_name
 from ._checks import flag, integer, not_differentiable
@@ -65,29 +66,40 @@ class BlockFP8Tensor:
         return (_E4M3[codes] * s.astype(np.float64)).astype(np.float32)
 
 
+_NOT_DIFF = "quantization has no gradient"
+
+
+def _quantize_blockwise_impl(x: Any, block_rows: int, pow2_scales: bool) -> tuple:
+    """The compiled op: (codes as uint8, scale_inv) of x's kind."""
+    be = Backend(_OP, "input", x)
+    xd = be.desc("input", x, bf16=True)
+    if len(xd[2]) != 2:
+        raise ValueError(f"{_OP}: argument 'input': must be 2-D [rows, cols], got shape {tuple(xd[2])}")
+    ss = _core.block_scale_shape(xd[2][0], xd[2][1], block_rows)
+    codes = be.empty(xd[2], "uint8")
+    scale_inv = be.empty(ss, "float32")
+    o = _core.BlockQuantizeOptions()
+    o.block_rows, o.pow2_scales = block_rows, pow2_scales
+    _core.quantize_blockwise(xd, be.desc("data", codes), be.desc("scale_inv", scale_inv), o, be.stream())
+    return codes, scale_inv
+
+
 def quantize_blockwise(x: Any, block_rows: int = 1, pow2_scales: bool = True) -> BlockFP8Tensor:
     """x [rows, cols] bf16 or float32 (torch, or numpy: float32, ml_dtypes.bfloat16 or uint16 bf16
     bits) -> BlockFP8Tensor with blocks of 1 x 128 (block_rows 1, activations) or 128 x 128
     (block_rows 128, weights). Per block: amax = max |v| (NaN ignored); scale = 448 / amax in fp32
     (1 when amax is 0 or Inf, the largest finite fp32 on overflow), with pow2_scales rounded down to
     a power of two; code = E4M3(fp32(v · scale)), nearest even, saturating, NaN → 0x7F;
-    scale_inv = fp32(1 / scale). Partial blocks at the edges take the values they hold."""
+    scale_inv = fp32(1 / scale). Partial blocks at the edges take the values they hold. torch: also
+    the custom op torch.ops.mxmla.quantize_blockwise (codes as uint8; here viewed as float8_e4m3fn)."""
     op = _OP
     block_rows = integer(op, "block_rows", block_rows)
     pow2_scales = flag(op, "pow2_scales", pow2_scales)
-    kind_of(op, "input", x)  # (the argument is named as the C++ API names it)
-    not_differentiable(op, "quantization has no gradient", input=x)
-    be = Backend(op, "input", x)
-    xd = be.desc("input", x, bf16=True)
-    if len(xd[2]) != 2:
-        raise ValueError(f"{op}: argument 'input': must be 2-D [rows, cols], got shape {tuple(xd[2])}")
-    ss = _core.block_scale_shape(xd[2][0], xd[2][1], block_rows)
-    codes = be.empty(xd[2], "uint8")
-    scale_inv = be.empty(ss, "float32")
-    _core.quantize_blockwise(xd, be.desc("data", codes), be.desc("scale_inv", scale_inv), block_rows, pow2_scales,
-                             be.stream())
-    if be.torch:
-        codes = codes.view(torch.float8_e4m3fn)
+    if kind_of(op, "input", x) == "torch":  # (the argument is named as the C++ API names it)
+        not_differentiable(op, _NOT_DIFF, input=x)
+        codes, scale_inv = _dispatch.call("quantize_blockwise", x, block_rows, pow2_scales)
+        return BlockFP8Tensor(codes.view(torch.float8_e4m3fn), scale_inv, block_rows)
+    codes, scale_inv = _quantize_blockwise_impl(x, block_rows, pow2_scales)
     return BlockFP8Tensor(codes, scale_inv, block_rows)
 
 

@@ -181,6 +181,24 @@ def fused_q_mxfp8_weight(x: Any, w8: MXFP8Tensor, cos: Any, sin: Any, nope_dim: 
     return t, (qr.to(torch.bfloat16) if return_q else None), x8
 
 
+def _fused_block_impl(xc: Any, xs: Any, wc: Any, ws: Any, cos: Any, sin: Any, nope_dim: int, rope_dim: int,
+                      style: str, layout: str, batch: int, rowwise: bool, columnwise: bool, fp8_format: str,
+                      bhsd_scales: bool, return_q: bool) -> tuple:
+    """The compiled op on block-FP8 x (codes xc, scale_inv xs: 1 x 128 blocks) and W (wc, ws: 128 x 128
+    blocks). Returns (*outputs, q or None, q's shape)."""
+    be = Backend(_OP, "x", xc)
+    o = _qproj_options(nope_dim, rope_dim, style, layout, batch, "nk", rowwise, columnwise, fp8_format, bhsd_scales)
+    tokens, heads = _heads(tuple(xc.shape), tuple(wc.shape), nope_dim, rope_dim, "nk")
+    qshape, data, rs, cs = _qproj_shapes(tokens, heads, o)
+    outs = alloc_outputs(be, (data, rs, cs), rowwise, columnwise)
+    q = be.empty(qshape, "bfloat16") if return_q else None
+    _core.fused_q_uproj_rope_quant_block(
+        be.desc("x.data", xc), be.desc("x.scale_inv", xs), be.desc("w.data", wc), be.desc("w.scale_inv", ws),
+        be.desc("cos", cos, bf16=True), be.desc("sin", sin, bf16=True), *output_descs(be, outs),
+        be.opt_desc("q", q, bf16=True), o, be.stream())
+    return (*outs, q, qshape)
+
+
 def fused_q_block_fp8_weight(x: Any, w8: Any, cos: Any, sin: Any, nope_dim: int, rope_dim: int, style: str,
                              layout: str, batch: int, weight_layout: str, rowwise: bool, columnwise: bool,
                              fp8_format: str, bhsd_scales: bool, return_q: bool) -> tuple:
@@ -206,16 +224,17 @@ def fused_q_block_fp8_weight(x: Any, w8: Any, cos: Any, sin: Any, nope_dim: int,
         x8 = quantize_blockwise(x, block_rows=1)
     same_kind(op, "x", x8.data, w=w8.data, cos=cos, sin=sin)
     _check_tables(op, style, cos, sin)
-    be = Backend(op, "x", x8.data)
-    o = _qproj_options(nope_dim, rope_dim, style, layout, batch, "nk", rowwise, columnwise, fp8_format, bhsd_scales)
-    tokens, heads = _heads(x8.shape, w8.shape, nope_dim, rope_dim, "nk")
-    qshape, data, rs, cs = _qproj_shapes(tokens, heads, o)
-    outs = alloc_outputs(be, (data, rs, cs), rowwise, columnwise)
-    q = be.empty(qshape, "bfloat16") if return_q else None
-    _core.fused_q_uproj_rope_quant_block(
-        be.desc("x.data", x8.data), be.desc("x.scale_inv", x8.scale_inv), be.desc("w.data", w8.data),
-        be.desc("w.scale_inv", w8.scale_inv), be.desc("cos", cos, bf16=True), be.desc("sin", sin, bf16=True),
-        *output_descs(be, outs), be.opt_desc("q", q, bf16=True), o, be.stream())
+    if is_torch(x8.data):
+        res = _dispatch.call("fused_q_uproj_rope_quant_block", x8.data, x8.scale_inv, w8.data, w8.scale_inv, cos, sin,
+                             nope_dim, rope_dim, style, layout, batch, fp8_format, bhsd_scales, rowwise, columnwise,
+                             return_q)
+        outs = _present(res[:4], rowwise, columnwise)
+        q = res[4] if return_q else None
+        qshape = res[0].shape if rowwise else res[2].shape  # the codes have q's shape
+    else:
+        *outs, q, qshape = _fused_block_impl(x8.data, x8.scale_inv, w8.data, w8.scale_inv, cos, sin, nope_dim,
+                                             rope_dim, style, layout, batch, rowwise, columnwise, fp8_format,
+                                             bhsd_scales, return_q)
     t = MXFP8Tensor(tuple(qshape), fp8_format, "bhsd" if bhsd_scales else "compact", *outs, layout=layout,
                     attention=True)
     return t, q, x8

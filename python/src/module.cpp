@@ -555,19 +555,22 @@ NB_MODULE(_mxmla_core, m) {
 
   // ------------------------------------------------------------------ block FP8 (DeepSeek-V3 recipe)
   m.def("block_scale_shape", &block_scale_shape, nb::arg("rows"), nb::arg("cols"), nb::arg("block_rows"));
+  nb::class_<BlockQuantizeOptions>(m, "BlockQuantizeOptions")
+      .def(nb::init<>())
+      .def_rw("block_rows", &BlockQuantizeOptions::block_rows)
+      .def_rw("pow2_scales", &BlockQuantizeOptions::pow2_scales)
+      .def("__repr__", [](const BlockQuantizeOptions& o) {
+        return "BlockQuantizeOptions(block_rows=" + std::to_string(o.block_rows) + ", pow2_scales=" + b(o.pow2_scales) + ")";
+      });
   m.def(
       "quantize_blockwise",
-      [](const Desc& in, const Desc& data, const Desc& scale_inv, int64_t block_rows, bool pow2_scales,
-         uintptr_t stream) {
-        BlockFP8Tensor t{to_desc(data), to_desc(scale_inv), block_rows};
+      [](const Desc& in, const Desc& data, const Desc& scale_inv, const BlockQuantizeOptions& o, uintptr_t stream) {
+        BlockFP8Tensor t{to_desc(data), to_desc(scale_inv), o.block_rows};
         const TensorDesc i = to_desc(in);
-        BlockQuantizeOptions o;
-        o.block_rows = block_rows, o.pow2_scales = pow2_scales;
         nb::gil_scoped_release release;
         quantize_blockwise(i, t, o, to_stream(stream));
       },
-      nb::arg("input"), nb::arg("data"), nb::arg("scale_inv"), nb::arg("block_rows"), nb::arg("pow2_scales"),
-      nb::arg("stream"));
+      nb::arg("input"), nb::arg("data"), nb::arg("scale_inv"), nb::arg("options"), nb::arg("stream"));
   // x: codes [T, K] + scale_inv [T, ceil(K / 128)]; w: codes [N, K] + scale_inv [ceil(N / 128), ceil(K / 128)]
   m.def(
       "fused_q_uproj_rope_quant_block",

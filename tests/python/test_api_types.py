@@ -66,12 +66,13 @@ def test_ops_take_enum_members_and_yarn_params():
 
 
 def test_op_modules_do_not_import_from_the_package_init():
-    for name in ("rope.py", "qproj.py", "mxfp8.py", "gemm.py", "_torch_ops.py", "_backend.py", "_checks.py"):
+    for name in ("rope.py", "qproj.py", "mxfp8.py", "gemm.py", "blockfp8.py", "_torch_ops.py", "_backend.py",
+                 "_checks.py"):
         tree = ast.parse(open(os.path.join(PKG, name)).read())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
                 names = [a.name for a in node.names]
-                assert names == ["_mxmla_core"] or all(n in ("mxfp8", "rope", "qproj", "_dispatch") for n in names), \
+                assert names == ["_mxmla_core"] or all(n in ("mxfp8", "rope", "qproj", "blockfp8", "_dispatch") for n in names), \
                     (name, names)
 
 
@@ -80,7 +81,9 @@ def test_no_long_positional_string_lists_in_the_bindings():
     for fn, opts in ((core.quantize, "QuantizeOptions"), (core.quantize_attention, "AttentionQuantizeOptions"),
                      (core.dequantize, "DequantizeOptions"), (core.apply_rope, "RopeOptions"),
                      (core.rope_backward, "RopeOptions"), (core.rope_backward_quantize, "RopeBackwardQuantizeOptions"),
-                     (core.fused_q_uproj_rope_quant, "QProjOptions"), (core.gemm, "GemmOptions")):
+                     (core.fused_q_uproj_rope_quant, "QProjOptions"), (core.gemm, "GemmOptions"),
+                     (core.quantize_blockwise, "BlockQuantizeOptions"),
+                     (core.fused_q_uproj_rope_quant_block, "QProjOptions")):
         desc = "tuple[int, str, collections.abc.Sequence[int], collections.abc.Sequence[int], int, int]"
         sig = fn.__doc__.split("->")[0].replace(desc, "Desc")
         assert f"options: mxmla._mxmla_core.{opts}" in sig, fn.__name__
@@ -92,7 +95,7 @@ def test_no_long_positional_string_lists_in_the_bindings():
 PUBLIC = ["quantize", "dequantize", "swizzle_scales", "unswizzle_scales", "quantize_attention",
           "attention_scales_to_bhsd", "to_bhsd", "apply_rope", "rope_backward", "rope_backward_quantize", "rope_tables",
           "rope_inv_freq", "yarn_softmax_scale", "positions_arange", "positions_from_cu_seqlens",
-          "positions_context_parallel", "fused_q_uproj_rope_quant", "gemm", "info"]
+          "positions_context_parallel", "fused_q_uproj_rope_quant", "gemm", "info", "quantize_blockwise"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)

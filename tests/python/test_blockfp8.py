@@ -161,6 +161,29 @@ def test_fused_block_weight_quantizes_bf16_x_inside():
     assert wb.data.dtype == torch.float8_e4m3fn
 
 
+@needs_torch
+def test_torch_compile_traces_the_block_ops():
+    """quantize_blockwise and the fused op with a block-FP8 weight through torch.compile(fullgraph)
+    (the custom ops' fake implementations), the same results as eager."""
+    T, heads, K = 24, 1, 256
+    torch.manual_seed(1)
+    x = torch.randn(T, K).bfloat16()
+    w = torch.randn(heads * 192, K)
+    c, s = mxmla.rope_tables(torch.arange(T), 64)
+
+    def f(x, w, c, s):
+        wb = mxmla.quantize_blockwise(w, block_rows=128)
+        q8, q = mxmla.fused_q_uproj_rope_quant(x, wb, c, s, return_q=True)
+        return q8.rowwise_data, q8.columnwise_scale_inv, q, wb.scale_inv
+
+    eager = f(x, w, c, s)
+    compiled = torch.compile(f, fullgraph=True, backend="eager")(x, w, c, s)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        mxmla.quantize_blockwise(w.clone().requires_grad_())
+
+
 def test_errors():
     xb, wb = _block_operands(8, 1, 128, seed=0, integer=True)
     c, s = _tables(8)

@@ -149,7 +149,7 @@ BAD = [  # (command line, the option the message must name, words of the rule)
     (["run", "--seed", "-1"], "--seed", "integer from 0 to 2^63 - 1"),
     (["run", "--style", "spin"], "--style", "rotate_half"),
     (["run", "--format", "e3m4"], "--format", "e4m3 or e5m2"),
-    (["run", "--weights", "fp4"], "--weights", "bf16 or mxfp8"),
+    (["run", "--weights", "fp4"], "--weights", "bf16, mxfp8 or block-fp8"),
     (["run", "--device", "cpu", "--weights", "mxfp8", "--k", "48"], "--k", "multiple of 32"),
     (["run", "--device", "tpu"], "--device", "auto, cpu or cuda"),
     (["run", "--tokens"], "--tokens", "needs a value"),
@@ -212,6 +212,14 @@ def test_cli_run_mxfp8_weights_cpu(fmt):
                   "--format", fmt)
     assert r.returncode == 0, r.stderr
     assert "--weights mxfp8: x and W quantized rowwise" in r.stdout and r.stdout.splitlines()[-1].endswith("OK")
+
+
+@needs_cli
+def test_cli_run_block_fp8_weights_cpu():
+    r = mxmla_cli("run", "--device", "cpu", "--tokens", "64", "--heads", "2", "--k", "200", "--weights", "block-fp8")
+    assert r.returncode == 0, r.stderr
+    assert "--weights block-fp8: x (1 x 128 blocks) and W (128 x 128 blocks)" in r.stdout
+    assert r.stdout.splitlines()[-1].endswith("OK")
 
 
 @needs_cli
@@ -331,6 +339,10 @@ def test_cli_run_on_the_gpu():
     r = mxmla_cli("run", "--tokens", "300", "--heads", "8", "--iters", "2", "--check-groups", "40", "--weights", "mxfp8")
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"^check: .*: OK$", r.stdout, re.M) and "(MXFP8 W; x's quantization" in r.stdout, r.stdout
+    r = mxmla_cli("run", "--tokens", "300", "--heads", "8", "--iters", "2", "--check-groups", "40", "--weights",
+                  "block-fp8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^check: .*: OK$", r.stdout, re.M) and "(block-FP8 W; x's 1 x 128" in r.stdout, r.stdout
     r = mxmla_cli("run-quantize", "--tokens", "100", "--heads", "4", "--iters", "2", "--swizzle")
     assert r.returncode == 0 and "bit-exact" in r.stdout, r.stdout + r.stderr
     r = mxmla_cli("run", "--k", "36", "--tokens", "64", "--heads", "1")  # the kernel needs K % 8 == 0
