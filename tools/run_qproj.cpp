@@ -166,6 +166,10 @@ void merge(CheckStats& into, const CheckStats& st) {
 
 [[maybe_unused]] CheckStats check_sample(const QProjRunArgs& a, int64_t T, const Inputs& in, const Compact& got, Progress& progress) {
   const int64_t N = a.heads * 192, groups = (T + 31) / 32;
+  // block-FP8: the FP8 tensor cores add a block's 128 products in their own reduced precision, an
+  // absolute error near 2^-10 of the sum's magnitude, which moves small values' codes by several
+  // subnormal steps: every code is held to the rope codes' bound (2^-7 of the block's range + a step)
+  const bool loose = a.block_weights;
   CheckStats total_st;
   std::mutex m;
   util::Rng pick(a.seed + 11);
@@ -190,10 +194,10 @@ void merge(CheckStats& into, const CheckStats& st) {
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t b = 0; b < 6; ++b)
         compare_block(&row[t * 192 + 32 * b], 1, &got.row[(t0 + t) * N + h * 192 + 32 * b], 1, rs[t * 6 + b],
-                      got.rs[((t0 + t) * a.heads + h) * 6 + b], 32, b >= 4, a.format, st);
+                      got.rs[((t0 + t) * a.heads + h) * 6 + b], 32, b >= 4 || loose, a.format, st);
     for (int64_t d = 0; d < 192; ++d)
-      compare_block(&col[d], 192, &got.col[t0 * N + h * 192 + d], N, cs[d], got.cs[g * N + h * 192 + d], nt, d >= 128,
-                    a.format, st);
+      compare_block(&col[d], 192, &got.col[t0 * N + h * 192 + d], N, cs[d], got.cs[g * N + h * 192 + d], nt,
+                    d >= 128 || loose, a.format, st);
     std::lock_guard<std::mutex> lk(m);
     merge(total_st, st);
     progress.advance();
@@ -202,13 +206,14 @@ void merge(CheckStats& into, const CheckStats& st) {
   return total_st;
 }
 
-[[maybe_unused]] bool report_check(const CheckStats& st, int64_t sampled, int64_t total) {
+[[maybe_unused]] bool report_check(const CheckStats& st, int64_t sampled, int64_t total, bool fp8_sums = false) {
   std::fflush(stderr);
   const bool ok = st.scale_far == 0 && st.code_far == 0 && st.scale_diff * 100 <= st.blocks;
   std::printf("check: %lld of %lld (32-token group, head) pairs against the CPU reference: %lld blocks, %lld scales "
-              "differ by one, %lld codes differ (fp32 summation order), %lld beyond the bound: %s\n",
+              "differ by one, %lld codes differ (%s), %lld beyond the bound: %s\n",
               (long long)sampled, (long long)total, (long long)st.blocks, (long long)st.scale_diff,
-              (long long)st.code_diff, (long long)(st.scale_far + st.code_far), ok ? "OK" : "FAILED");
+              (long long)st.code_diff, fp8_sums ? "FP8 tensor-core sums" : "fp32 summation order",
+              (long long)(st.scale_far + st.code_far), ok ? "OK" : "FAILED");
   return ok;
 }
 
@@ -503,7 +508,7 @@ int run_qproj_cuda(const QProjRunArgs& args, Progress& progress) {
     ref_in.x = exact_bf16(hx), ref_in.w = exact_bf16(hw);
   }
   const bool ok =
-      report_check(check_sample(a, T, mx || bk ? ref_in : in, got, progress), std::min(total, a.check_groups), total);
+      report_check(check_sample(a, T, mx || bk ? ref_in : in, got, progress), std::min(total, a.check_groups), total, bk);
   const double flop = 2.0 * T * N * K;
   std::printf("fused        : %.4f ms  %.0f TFLOP/s%s\n", t_f, flop / t_f / 1e9,
               mx ? " (MXFP8 W; x's quantization, both copies, included)"
