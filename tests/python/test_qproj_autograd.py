@@ -43,7 +43,7 @@ def test_forward_is_the_fused_op_and_backward_is_rope_backward_then_the_gemms(la
     assert dw.dtype == torch.float32 and torch.equal(dw, gq.t().float() @ x.detach().reshape(-1, 64).float())
 
 
-@pytest.mark.parametrize("weights", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("weights", ["bf16", "mxfp8", "block-fp8"])
 def test_the_query_path_with_attention_against_float64_autograd(weights):
     qp, x, k, v, g = _setup("sbhd", seed=1, weights=weights)
     q8, anchor = qp(x)
@@ -69,7 +69,7 @@ def test_the_query_path_with_attention_against_float64_autograd(weights):
 
 
 def test_what_is_not_there_says_so():
-    with pytest.raises(ValueError, match="weights must be 'bf16' or 'mxfp8'"):
+    with pytest.raises(ValueError, match="weights must be 'bf16', 'mxfp8' or 'block-fp8'"):
         mnn.MLAQUpProj(64, 2, 32, 32, weights="fp8")
     with pytest.raises(ValueError, match="layout must be 'sbhd', 'bshd' or 'thd', got 'bhsd'"):
         mnn.MLAQUpProj(64, 2, 32, 32, layout="bhsd")
@@ -78,7 +78,7 @@ def test_what_is_not_there_says_so():
         qp(torch.zeros(4, 2, 32, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("weights", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("weights", ["bf16", "mxfp8", "block-fp8"])
 def test_thd_packs_sequences_as_bshd_rows(weights):
     """layout "thd" (packed sequences; RoPE positions restart at 0 in each): with sequences of 32·n
     tokens no columnwise block straddles two sequences, so q's codes and values (both copies) and the
@@ -107,7 +107,7 @@ def test_thd_packs_sequences_as_bshd_rows(weights):
     assert torch.equal(t[1], b[1]) and torch.equal(t[2], b[2])
 
 
-@pytest.mark.parametrize("weights", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("weights", ["bf16", "mxfp8", "block-fp8"])
 def test_wgrad_goes_into_main_grad_when_the_weight_has_one(weights):
     qp, x, k, v, g = _setup("sbhd", seed=2, weights=weights)
     q8, anchor = qp(x)
@@ -189,3 +189,35 @@ def test_mxfp8_weight_errors_name_the_argument():
     w8e5 = mxmla.quantize(torch.randn(2 * 64, 64).to(torch.bfloat16), fp8_format="e5m2")
     with pytest.raises(ValueError, match="argument 'w': FP8 format e5m2 differs from x's e4m3"):
         mxmla.fused_q_uproj_rope_quant(mxmla.quantize(x), w8e5, cos, sin, 32, 32, style="interleaved")
+
+
+# ----------------------------------------------------------------------------- weights="block-fp8"
+@pytest.mark.parametrize("layout", ["sbhd", "bshd"])
+def test_block_fp8_weights_forward_is_the_fused_op_and_backward_the_gemms_on_the_quantized_operands(layout):
+    """Forward: the fused op on x and W quantized block-wise (1 x 128, 128 x 128, power-of-two scales);
+    backward: RoPE backward, then dgrad / wgrad in bf16 on those operands dequantized (exact)."""
+    qp, x, _, _, g = _setup(layout, seed=6, weights="block-fp8")
+    q8, anchor = qp(x)
+    xs = x.detach().reshape(-1, 64)
+    wb = mxmla.quantize_blockwise(qp.weight.detach(), block_rows=128)
+    want = mxmla.fused_q_uproj_rope_quant(xs, wb, qp.rope_cos, qp.rope_sin, 32, 32, style="interleaved",
+                                          layout=layout, batch=2, bhsd_scales=True)
+    for f in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        assert torch.equal(getattr(q8, f), getattr(want, f)), f
+    cached = qp.weight._mxmla_block_fp8  # W quantized once per version of the weight
+    qp(x)
+    assert qp.weight._mxmla_block_fp8 is cached
+    with torch.no_grad():
+        qp.weight.mul_(1.0)  # an optimizer's in-place update bumps the version: quantized again
+    qp(x)
+    assert qp.weight._mxmla_block_fp8 is not cached
+    dq = torch.randn(anchor.shape, generator=g).to(torch.bfloat16)
+    dx, dw = torch.autograd.grad(anchor, (x, qp.weight), dq)
+    gq = mxmla.rope_backward(dq, qp.rope_cos, qp.rope_sin, style="interleaved", layout=layout, rope_dim=32)
+    gq = gq.reshape(-1, qp.weight.shape[0])
+    wq = wb.dequantize().to(torch.bfloat16)
+    xq = mxmla.quantize_blockwise(xs).dequantize().to(torch.bfloat16)
+    assert torch.equal(wq.float(), wb.dequantize()) and torch.equal(xq.float(), mxmla.quantize_blockwise(xs).dequantize())
+    assert torch.equal(dx.reshape(-1, 64), gq @ wq)
+    assert dw.dtype == torch.float32 and torch.equal(dw, gq.t().float() @ xq.float())
+

@@ -18,6 +18,12 @@ quantized rowwise + columnwise in one pass, fprop X_row·W_rowᵀ on mxmla.gemm,
 quantization of q; saved: x's and W's columnwise copies only. Backward (``rope_linear_backward``):
 RoPE backward and the MXFP8 quantization of dQ' in one pass (``rope_backward_quantize``'s), dgrad
 dX = dQ'_row·W_col and wgrad dW = dQ'_colᵀ·X_col on mxmla.gemm's kernels (SPEC §6).
+``"block-fp8"``: the DeepSeek-V3 recipe (docs/spec.md §4.1): W quantized once per version of the
+weight in 128 x 128 blocks (power-of-two scales), x in 1 x 128 blocks, the forward on the FP8 tensor
+cores. Backward: RoPE backward of dQ in bf16, then dgrad dX = dQ'·W_q and wgrad dW = dQ'ᵀ·x_q in
+bf16 with fp32 accumulation on the forward's dequantized operands (exact in bf16: the straight-
+through gradient of the forward's math); FP8 GEMMs for the backward are not built yet. Saved: x_q
+and W_q in bf16.
 """
 from __future__ import annotations
 
@@ -133,6 +139,48 @@ class _QUpProjMXFP8Function(torch.autograd.Function):
         return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None
 
 
+def _block_weight(weight: torch.Tensor):
+    """W as a block-FP8 tensor (128 x 128 blocks, power-of-two scales) and its dequantized bf16 copy
+    (exact), made once per version of the weight, as _quantized_weight does for MXFP8."""
+    import mxmla
+
+    key = (weight._version, weight.device, weight.data_ptr())
+    cached = getattr(weight, "_mxmla_block_fp8", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    wb = mxmla.quantize_blockwise(weight.detach().float(), block_rows=128)
+    wd = wb.dequantize().to(torch.bfloat16)  # code · 2^k: a bf16 number
+    weight._mxmla_block_fp8 = (key, (wb, wd))
+    return wb, wd
+
+
+class _QUpProjBlockFP8Function(torch.autograd.Function):
+    """The query path with a block-FP8 weight (the module docstring's ``weights="block-fp8"``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: dict):
+        from ..qproj import fused_q_block_fp8_weight
+
+        K = x.shape[-1]
+        xs = x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
+        wb, wd = _block_weight(weight)
+        q8, _, xb = fused_q_block_fp8_weight(xs, wb, cos, sin, cfg["nope_dim"], cfg["rope_dim"], cfg["style"],
+                                             cfg["layout"], cfg["batch"], "nk", True, True, "e4m3",
+                                             cfg["bhsd_scales"], False)
+        # the backward's operands: x as the forward multiplied it and W's dequantized copy, in bf16 (exact)
+        ctx.save_for_backward(xb.dequantize().to(torch.bfloat16), wd, cos, sin)
+        ctx.cfg, ctx.x_shape, ctx.w_dtype, ctx.weight, ctx.x_dtype = cfg, x.shape, weight.dtype, weight, x.dtype
+        anchor = torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(q8.rowwise_data.shape)
+        bufs = (q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data, q8.columnwise_scale_inv)
+        ctx.mark_non_differentiable(*bufs)
+        return (anchor, *bufs)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, *_unused):
+        dx, dw = _QUpProjFunction.backward(ctx, dq)[:2]
+        return dx.to(ctx.x_dtype), dw, None, None, None
+
+
 def q_up(fn: Any, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope_dim: int,
          rope_dim: int, style: str, layout: str, cu: Optional[list] = None) -> Tuple[Any, torch.Tensor]:
     """(q8, anchor): the fused op with autograd (fn: _QUpProjFunction or _QUpProjMXFP8Function) on x in
@@ -163,7 +211,7 @@ class MLAQUpProj(nn.Module):
     style, default DeepSeek's "interleaved"), layout ("sbhd" [s, b, in_features], "bshd" or "thd"
     [t, in_features]: packed sequences, whose RoPE positions restart at 0 at each sequence of
     forward's cu_seqlens), tables for positions 0 .. max_seq_len - 1 (rope_base, yarn as for
-    mxmla.rope_tables), weights "bf16" or "mxfp8" (the module docstring), init_std, seed (the weight
+    mxmla.rope_tables), weights "bf16", "mxfp8" or "block-fp8" (the module docstring), init_std, seed (the weight
     is drawn from it on the CPU, as mxmla.nn's other modules).
 
     forward(x, cu_seqlens=None) -> (q8, anchor): q8 the MXFP8Tensor of q ([s, b, heads, D] or
@@ -179,8 +227,8 @@ class MLAQUpProj(nn.Module):
         super().__init__()
         import mxmla
 
-        if weights not in ("bf16", "mxfp8"):
-            raise ValueError(f"{_OP}: weights must be 'bf16' or 'mxfp8', got {weights!r}")
+        if weights not in ("bf16", "mxfp8", "block-fp8"):
+            raise ValueError(f"{_OP}: weights must be 'bf16', 'mxfp8' or 'block-fp8', got {weights!r}")
         if layout not in ("sbhd", "bshd", "thd"):
             raise ValueError(f"{_OP}: layout must be 'sbhd', 'bshd' or 'thd', got {layout!r}")
         self.in_features, self.heads, self.nope_dim, self.rope_dim = in_features, heads, nope_dim, rope_dim
@@ -200,7 +248,7 @@ class MLAQUpProj(nn.Module):
             dims = {"sbhd": "[s, b, in_features]", "bshd": "[b, s, in_features]", "thd": "[t, in_features]"}[self.layout]
             raise ValueError(f"{_OP}: x must be {dims} with in_features={self.in_features}, got {tuple(x.shape)}")
         cu, _ = sequences(_OP, x, self.layout, cu_seqlens, self.rope_cos.shape[0])
-        fn = _QUpProjMXFP8Function if self.weights == "mxfp8" else _QUpProjFunction
+        fn = {"mxfp8": _QUpProjMXFP8Function, "block-fp8": _QUpProjBlockFP8Function}.get(self.weights, _QUpProjFunction)
         return q_up(fn, x, self.weight, self.rope_cos, self.rope_sin, self.nope_dim, self.rope_dim, self.style,
                     self.layout, cu)
 
