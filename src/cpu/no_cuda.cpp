@@ -24,6 +24,13 @@ bool attention_cuda_supports(int64_t, int64_t) { return false; }
 void attention_bwd_cuda(const AttentionBwdProblem&, Stream) { no_cuda("mxmla.attention_backward", "q"); }
 size_t attention_bwd_cuda_smem(int64_t, int64_t) { return 0; }
 void mxfp8_gemm_cuda(const GemmProblem&, Stream, const GemmPrepared*) { no_cuda("mxmla.gemm", "a"); }
+void linear_forward_cuda(const QuantizeProblem&, GemmProblem, Stream) { no_cuda("mxmla.linear_forward", "x"); }
+void linear_backward_cuda(const QuantizeProblem&, const GemmProblem*, GemmProblem, Stream) {
+  no_cuda("mxmla.linear_backward", "dy");
+}
+void rope_linear_backward_cuda(const RopeQuantizeParams&, const GemmProblem*, GemmProblem, Stream) {
+  no_cuda("mxmla.rope_linear_backward", "dq");
+}
 
 }  // namespace detail
 
