@@ -39,7 +39,7 @@ __device__ __forceinline__ void store4(const Args& a, int64_t r, int64_t c, cons
   const uint16_t lo = ptx::cvt_fp8x2<true>(__fmul_rn(v[0], s), __fmul_rn(v[1], s));
   const uint16_t hi = ptx::cvt_fp8x2<true>(__fmul_rn(v[2], s), __fmul_rn(v[3], s));
   uint8_t* dst = a.codes + r * a.cols + c;
-  if (c + 3 < a.cols && a.cols % 4 == 0) {  // (codes are contiguous; the 4-byte store is aligned)
+  if (c + 3 < a.cols && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {  // one 4-byte store where aligned
     *reinterpret_cast<uint32_t*>(dst) = uint32_t{lo} | (uint32_t{hi} << 16);
   } else {
     const uint8_t b[4] = {uint8_t(lo), uint8_t(lo >> 8), uint8_t(hi), uint8_t(hi >> 8)};

@@ -26,7 +26,7 @@ namespace mxmla::sm90 {
 
 // kRegA (an experiment, off): each k-block's A rows are loaded into registers once (ldmatrix) and
 // every slice's wgmmas read them there, so that shared memory serves B alone (off: A is re-read
-// from shared memory by every slice). Measured in the fused Q up-projection: 1.078x the time, its 16
+// from shared memory by every slice). Measured in the fused Q up-projection: 1.075-1.084x the time, its 16
 // more registers spilled (docs/notes-qproj.md).
 template <int kBM_, int kBN_, int kStages_, int kMmaWGs_, int kSubN_, bool kRegA = false>
 struct MainloopTmaWgmmaBlockScaled {
