@@ -51,8 +51,8 @@ class BlockFP8Tensor:
         return tuple(self.data.shape)
 
     def dequantize(self) -> Any:
-        """float32 values [rows, cols] (exact: code · scale_inv is an fp32 product of two fp32 numbers
-        unless it leaves fp32's range), in the data's kind and device."""
+        """float32 values [rows, cols]: code · scale_inv rounded once to fp32 (exact with power-of-two
+        scales, which quantize_blockwise makes by default), in the data's kind and device."""
         rows, cols = self.shape
         br = self.block_rows
         if is_torch(self.data):

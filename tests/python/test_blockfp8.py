@@ -141,7 +141,12 @@ def test_fused_block_weight_cpu_fp32_scales_against_float64():
     assert not np.all(np.log2(wb.scale_inv) == np.round(np.log2(wb.scale_inv)))
     c, s = _tables(T)
     _, q = mxmla.fused_q_uproj_rope_quant(xb, wb, c, s, return_q=True)
-    acc = xb.dequantize().astype(np.float64) @ wb.dequantize().astype(np.float64).T
+    def exact(b):  # code · scale_inv in float64 (exact: 4 significant bits times 24)
+        from mxmla.blockfp8 import _E4M3
+        s = b.scale_inv.astype(np.float64).repeat(b.block_rows, 0).repeat(128, 1)[:b.shape[0], :b.shape[1]]
+        return _E4M3[b.data] * s
+
+    acc = exact(xb) @ exact(wb).T
     from test_qproj import bf16_bits
     want = bf16_bits(acc.astype(np.float32)).reshape(T, heads, 192)[..., :128]
     got = _bits(q).reshape(T, heads, 192)[..., :128]
