@@ -162,21 +162,23 @@ def bench_rope(iters, flush, dev, add, compile_peer: bool):
         f"({'met' if t_q <= need else 'NOT met'})")
 
 
+def qproj_cases(dev, K: int = 1536):
+    """The fused Q up-projection's shapes, T x NH = 16384 x 128, 4096 x 128, 16384 x 16 (K 1536), with
+    their inputs: (T, NH, x ~ N(0, 1) bf16 [T, K], W ~ N(0, 1/K) bf16 [NH * 192, K], YaRN cos, sin,
+    tf: a time in ms worded as TFLOP/s)."""
+    for T, NH in ((16384, 128), (4096, 128), (16384, 16)):
+        flop = 2.0 * T * NH * 192 * K
+        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(NH * 192, K, device=dev) / K ** 0.5).to(torch.bfloat16)
+        c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
+        yield T, NH, x, w, c, s, (lambda ms, flop=flop: f"{flop / ms / 1e9:.0f} TFLOP/s")
+
+
 def bench_qproj(iters, flush, dev, add, compile_peer: bool):
     """Fused Q up-projection vs cuBLAS (torch.matmul) alone and with separate RoPE + quantize."""
-    K = 1536
     peer = torch.compile(lambda q, c, s: torch_quant_both(torch_rope_iho(q, c, s).flatten(1))) if compile_peer else None
-    for T, NH in ((16384, 128), (4096, 128), (16384, 16)):
-        N = NH * 192
-        flop = 2.0 * T * N * K
-        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
-        w = (torch.randn(N, K, device=dev) / K ** 0.5).to(torch.bfloat16)
-        c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
+    for T, NH, x, w, c, s, tf in qproj_cases(dev):
         case = f"qproj {T}x{NH}"
-
-        def tf(ms):
-            return f"{flop / ms / 1e9:.0f} TFLOP/s"
-
         t_f = timer(lambda: mxmla.fused_q_uproj_rope_quant(x, w, c, s), iters, flush)
         t_g = timer(lambda: torch.matmul(x, w.t()), iters, flush)
 
@@ -223,20 +225,10 @@ def bench_qproj_block(iters, flush, dev, add):
     """The fused Q up-projection with a block-FP8 weight (DeepSeek-V3 recipe: 128 x 128 W blocks,
     1 x 128 x blocks; FP8 wgmma) against cuBLAS's bf16 GEMM alone, the bf16-weight fused op, cuBLAS's
     block-scaled FP8 GEMM alone and cuBLAS FP8 with per-tensor scales (the ceiling), same run."""
-    K = 1536
-    for T, NH in ((16384, 128), (4096, 128), (16384, 16)):
-        N = NH * 192
-        flop = 2.0 * T * N * K
-        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
-        w = (torch.randn(N, K, device=dev) / K ** 0.5).to(torch.bfloat16)
-        c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
+    for T, NH, x, w, c, s, tf in qproj_cases(dev):
         wb = mxmla.quantize_blockwise(w, block_rows=128)
         xb = mxmla.quantize_blockwise(x)
         case = f"qproj-block {T}x{NH}"
-
-        def tf(ms):
-            return f"{flop / ms / 1e9:.0f} TFLOP/s"
-
         # check: the GEMM part of q (nope dims) against float64 math on the dequantized operands
         _, q = mxmla.fused_q_uproj_rope_quant(xb, wb, c, s, return_q=True)
         rows = slice(0, 512)

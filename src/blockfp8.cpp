@@ -21,6 +21,19 @@ std::vector<int64_t> block_scale_shape(int64_t rows, int64_t cols, int64_t block
   return {(rows + block_rows - 1) / block_rows, (cols + 127) / 128};
 }
 
+namespace detail {
+int64_t block_scale_stride(const char* op, const std::string& arg, const TensorDesc& s, const std::vector<int64_t>& ss) {
+  auto bad = [&](const std::string& rule) { throw Error(op, arg, rule); };
+  if (s.shape != ss) bad("shape " + shape_str(s.shape) + " must be " + shape_str(ss));
+  if (s.dtype != DType::kFloat32) bad(std::string("dtype ") + dtype_name(s.dtype) + " must be float32");
+  if (!s.strides.empty() && s.strides.size() != 2) bad("has strides that do not match its shape");
+  if (ss[1] > 0 && s.stride(1) != 1) bad("last dimension must be contiguous (stride 1)");
+  if (ss[0] > 1 && s.stride(0) < ss[1]) bad("rows overlap (row stride below its width)");
+  if (s.numel() > 0 && s.data == nullptr) bad("data pointer is null");
+  return ss[0] > 1 ? s.stride(0) : ss[1];
+}
+}  // namespace detail
+
 void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, const BlockQuantizeOptions& o, Stream stream) {
   if (in.ndim() != 2) fail("input", "must be 2-D [rows, cols], got shape " + detail::shape_str(in.shape));
   if (!in.strides.empty() && in.strides.size() != 2) fail("input", "has strides that do not match its shape");
@@ -35,23 +48,15 @@ void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, const BlockQu
   if (out.data.dtype != DType::kFloat8E4M3 && out.data.dtype != DType::kUInt8)
     fail("data", std::string("dtype ") + dtype_name(out.data.dtype) + " must be float8_e4m3fn (or uint8)");
   if (!out.data.is_contiguous()) fail("data", "must be contiguous");
-  if (out.scale_inv.shape != ss)
-    fail("scale_inv", "shape " + detail::shape_str(out.scale_inv.shape) + " must be " + detail::shape_str(ss));
-  if (out.scale_inv.dtype != DType::kFloat32)
-    fail("scale_inv", std::string("dtype ") + dtype_name(out.scale_inv.dtype) + " must be float32");
-  if (!out.scale_inv.strides.empty() && out.scale_inv.strides.size() != 2) fail("scale_inv", "has strides that do not match its shape");
-  if (ss[1] > 0 && out.scale_inv.stride(1) != 1) fail("scale_inv", "last dimension must be contiguous (stride 1)");
-  if (ss[0] > 1 && out.scale_inv.stride(0) < ss[1]) fail("scale_inv", "rows overlap (row stride below its width)");
-  for (const TensorDesc* t : {&out.data, &out.scale_inv}) {
-    const char* n = t == &out.data ? "data" : "scale_inv";
-    if (t->numel() > 0 && t->data == nullptr) fail(n, "data pointer is null");
-    if (t->device != in.device) fail(n, "is on another device than input");
-  }
+  const int64_t s_st = detail::block_scale_stride(kOp, "scale_inv", out.scale_inv, ss);
+  if (out.data.numel() > 0 && out.data.data == nullptr) fail("data", "data pointer is null");
+  for (const TensorDesc* t : {&out.data, &out.scale_inv})
+    if (t->device != in.device) fail(t == &out.data ? "data" : "scale_inv", "is on another device than input");
   out.block_rows = o.block_rows;
   detail::BlockQuantizeProblem p;
   p.in = in.data, p.in_t = in.dtype, p.rows = rows, p.cols = cols, p.in_st = rows > 1 ? in.stride(0) : cols;
   p.codes = static_cast<uint8_t*>(out.data.data), p.scale_inv = static_cast<float*>(out.scale_inv.data);
-  p.s_st = ss[0] > 1 ? out.scale_inv.stride(0) : ss[1];
+  p.s_st = s_st;
   p.block_rows = o.block_rows, p.pow2 = o.pow2_scales;
   if (rows == 0 || cols == 0) return;
   if (in.device.type == DeviceType::kCPU) return detail::block_quantize_cpu(p);

@@ -228,15 +228,9 @@ int64_t check_block_operand(const char* arg, const BlockFP8Tensor& t, int64_t bl
   if (t.data.dtype != DType::kFloat8E4M3 && t.data.dtype != DType::kUInt8)
     fail(a + ".data", std::string("dtype ") + dtype_name(t.data.dtype) + " must be float8_e4m3fn (or uint8)");
   const std::vector<int64_t> ss = block_scale_shape(t.data.shape[0], t.data.shape[1], block_rows);
-  if (t.scale_inv.ndim() != 2 || t.scale_inv.shape != ss)
-    fail(a + ".scale_inv", "shape " + detail::shape_str(t.scale_inv.shape) + " must be " + detail::shape_str(ss));
-  if (t.scale_inv.dtype != DType::kFloat32)
-    fail(a + ".scale_inv", std::string("dtype ") + dtype_name(t.scale_inv.dtype) + " must be float32");
-  if (!t.scale_inv.strides.empty() && t.scale_inv.strides.size() != 2) fail(a + ".scale_inv", "has strides that do not match its shape");
-  if (ss[1] > 0 && t.scale_inv.stride(1) != 1) fail(a + ".scale_inv", "last dimension must be contiguous (stride 1)");
-  if (t.scale_inv.numel() > 0 && t.scale_inv.data == nullptr) fail(a + ".scale_inv", "data pointer is null");
+  const int64_t st = detail::block_scale_stride(kOp, a + ".scale_inv", t.scale_inv, ss);
   if (t.scale_inv.device != t.data.device) fail(a + ".scale_inv", "is on another device than " + a + ".data");
-  return ss[0] > 1 ? t.scale_inv.stride(0) : ss[1];
+  return st;
 }
 }  // namespace
 

@@ -34,6 +34,14 @@ def _e4m3_table() -> np.ndarray:
 
 
 _E4M3 = _e4m3_table()
+_E4M3_TORCH: dict = {}  # the table as a float32 tensor per device, made once (no host copy per call)
+
+
+def _e4m3_torch(device: Any) -> Any:
+    t = _E4M3_TORCH.get(device)
+    if t is None:
+        t = _E4M3_TORCH[device] = torch.from_numpy(_E4M3.astype(np.float32)).to(device)
+    return t
 
 
 @dataclass(frozen=True)
@@ -57,8 +65,7 @@ class BlockFP8Tensor:
         br = self.block_rows
         if is_torch(self.data):
             codes = self.data.view(torch.uint8) if self.data.dtype != torch.uint8 else self.data
-            lut = torch.from_numpy(_E4M3.astype(np.float32)).to(codes.device)
-            vals = lut[codes.long()]
+            vals = _e4m3_torch(codes.device)[codes.long()]
             s = self.scale_inv.float().repeat_interleave(br, 0).repeat_interleave(128, 1)[:rows, :cols]
             return vals * s
         codes = np.asarray(self.data).view(np.uint8)

@@ -192,6 +192,19 @@ def _linear_forward_impl(x: Any, w: Any, w_scale: Any, w_spec: str) -> Tuple[Any
     return y, xc, xs
 
 
+def _backward_buffers(be: Backend, op: str, T: int, need_dx: bool, dw: Any, w: Any, w_scale: Any, w_spec: str,
+                      xc: Any, xs: Any, x_spec: str) -> tuple:
+    """A Linear's backward over T tokens: (dx [T, K] bf16 or None, dw: the given one or a new fp32
+    [N, K], W's and x_saved's core operands)."""
+    N, K = (_shape_of(w, w_spec) + [0, 0])[:2] if w_spec else (0, 0)
+    dx = be.empty([T, K], "bfloat16") if need_dx else None
+    if dw is None:
+        dw = be.empty([N, K], "float32")
+    wo = _core_operand(be, op, "w", w, w_scale, w_spec, False)
+    xo = _core_operand(be, op, "x_saved", xc, xs, x_spec, False)
+    return dx, dw, wo, xo
+
+
 def _linear_backward_impl(dy: Any, w: Any, w_scale: Any, w_spec: str, xc: Any, xs: Any, x_spec: str, need_dx: bool,
                           dw: Any, accumulate: bool, dy2: Any = None) -> Tuple[Any, Any]:
     """(dx or None, dw); dw: None allocates an fp32 [N, K], else it is written (or added to). dy2: dy
@@ -201,12 +214,7 @@ def _linear_backward_impl(dy: Any, w: Any, w_scale: Any, w_spec: str, xc: Any, x
     dyd = be.desc("dy" if dy2 is None else "dy[0]", dy, bf16=True)
     dy2d = None if dy2 is None else be.desc("dy[1]", dy2, bf16=True)
     T = int(dy.shape[0]) if len(dy.shape) == (2 if dy2 is None else 3) else 0
-    N, K = (_shape_of(w, w_spec) + [0, 0])[:2] if w_spec else (0, 0)
-    dx = be.empty([T, K], "bfloat16") if need_dx else None
-    if dw is None:
-        dw = be.empty([N, K], "float32")
-    wo = _core_operand(be, op, "w", w, w_scale, w_spec, False)
-    xo = _core_operand(be, op, "x_saved", xc, xs, x_spec, False)
+    dx, dw, wo, xo = _backward_buffers(be, op, T, need_dx, dw, w, w_scale, w_spec, xc, xs, x_spec)
     _core.linear_backward(dyd, wo, xo, None if dx is None else be.desc("dx", dx, bf16=True),
                           be.desc("dw", dw, bf16=True), accumulate, be.stream(), dy2d)
     return dx, dw
@@ -299,12 +307,7 @@ def _rope_linear_backward_impl(dq: Any, cos: Any, sin: Any, style: str, layout: 
     dd = be.desc("dq", dq, bf16=True)
     shape = dd[2]
     T = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) >= 3 else 0
-    N, K = (_shape_of(w, w_spec) + [0, 0])[:2] if w_spec else (0, 0)
-    dx = be.empty([T, K], "bfloat16") if need_dx else None
-    if dw is None:
-        dw = be.empty([N, K], "float32")
-    wo = _core_operand(be, op, "w", w, w_scale, w_spec, False)
-    xo = _core_operand(be, op, "x_saved", xc, xs, x_spec, False)
+    dx, dw, wo, xo = _backward_buffers(be, op, T, need_dx, dw, w, w_scale, w_spec, xc, xs, x_spec)
     cu, _cu_owner = _cu_desc(be, cu_seqlens)
     _core.rope_linear_backward(dd, be.desc("cos", cos, bf16=True), be.desc("sin", sin, bf16=True),
                                _rope_options(op, style, layout, rope_dim, tables_per_token), cu, wo, xo,

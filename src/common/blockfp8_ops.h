@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "common/qproj_ops.h"
 #include "mxmla/tensor.h"
@@ -23,6 +25,10 @@ struct BlockQuantizeProblem {
   int64_t block_rows = 1;  // 1 or 128
   bool pow2 = true;
 };
+// The fp32 scale_inv `s` of blocks whose grid is `ss` (block_scale_shape): shape, dtype, strides,
+// rows that do not overlap, a pointer; throws Error(op, arg, ...) naming the rule. Returns its row stride.
+int64_t block_scale_stride(const char* op, const std::string& arg, const TensorDesc& s, const std::vector<int64_t>& ss);
+
 void block_quantize_cpu(const BlockQuantizeProblem& p);
 void block_quantize_cuda(const BlockQuantizeProblem& p, Stream stream);
 

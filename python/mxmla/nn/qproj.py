@@ -22,8 +22,8 @@ dX = dQ'_row·W_col and wgrad dW = dQ'_colᵀ·X_col on mxmla.gemm's kernels (SP
 weight in 128 x 128 blocks (power-of-two scales), x in 1 x 128 blocks, the forward on the FP8 tensor
 cores. Backward: RoPE backward of dQ in bf16, then dgrad dX = dQ'·W_q and wgrad dW = dQ'ᵀ·x_q in
 bf16 with fp32 accumulation on the forward's dequantized operands (exact in bf16: the straight-
-through gradient of the forward's math); FP8 GEMMs for the backward are not built yet. Saved: x_q
-and W_q in bf16.
+through gradient of the forward's math); FP8 GEMMs for the backward are not built yet. Saved: x_q's
+codes and scales, and W_q in bf16 (kept with the weight's block-FP8 copy).
 """
 from __future__ import annotations
 
@@ -62,6 +62,35 @@ def thd_tensor(fmt: str, rd: torch.Tensor, rs: torch.Tensor, cd: torch.Tensor, c
                              cs)
 
 
+def _anchored(ctx, x: torch.Tensor, q8: Any) -> tuple:
+    """(anchor, q8's four buffers) as a forward returns them: the anchor a zero expanded to q's shape
+    (the autograd edge, no memory of its own), the buffers marked non-differentiable."""
+    anchor = torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(q8.rowwise_data.shape)
+    bufs = (q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data, q8.columnwise_scale_inv)
+    ctx.mark_non_differentiable(*bufs)
+    return (anchor, *bufs)
+
+
+def _bf16_grads(ctx, dq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(dx in x's shape, dW in the weight's dtype or None) of q = RoPE(xs · wᵀ) from dq: RoPE backward,
+    then dgrad and wgrad in bf16 with fp32 accumulation; the wgrad added into the weight's
+    ``main_grad`` (Megatron's fp32 buffer; then no dW) when it has one."""
+    import mxmla
+
+    cfg = ctx.cfg
+    dqr = mxmla.rope_backward(dq.to(torch.bfloat16).contiguous(), cos, sin, style=cfg["style"],
+                              layout=cfg["layout"], rope_dim=cfg["rope_dim"])
+    g = dqr.reshape(-1, w.shape[0])                                            # dQ' [T, N] bf16
+    dx = torch.matmul(g, w)                                                    # [T, K] bf16, fp32 accumulation
+    dw = torch.matmul(g.t().to(torch.float32), xs.to(torch.float32))          # [N, K] fp32
+    main_grad = getattr(ctx.weight, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(dw)
+        return dx.reshape(ctx.x_shape), None
+    return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype)
+
+
 class _QUpProjFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: dict):
@@ -74,28 +103,11 @@ class _QUpProjFunction(torch.autograd.Function):
                                            layout=cfg["layout"], batch=cfg["batch"], bhsd_scales=cfg["bhsd_scales"])
         ctx.save_for_backward(xs, w, cos, sin)
         ctx.cfg, ctx.x_shape, ctx.w_dtype, ctx.weight = cfg, x.shape, weight.dtype, weight
-        anchor = torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(q8.rowwise_data.shape)
-        bufs = (q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data, q8.columnwise_scale_inv)
-        ctx.mark_non_differentiable(*bufs)
-        ctx.meta = (q8.shape, q8.fp8_format, q8.scale_layout, q8.layout)
-        return (anchor, *bufs)
+        return _anchored(ctx, x, q8)
 
     @staticmethod
     def backward(ctx, dq: torch.Tensor, *_unused):
-        import mxmla
-
-        xs, w, cos, sin = ctx.saved_tensors
-        cfg = ctx.cfg
-        dqr = mxmla.rope_backward(dq.to(torch.bfloat16).contiguous(), cos, sin, style=cfg["style"],
-                                  layout=cfg["layout"], rope_dim=cfg["rope_dim"])
-        g = dqr.reshape(-1, w.shape[0])                                            # dQ' [T, N] bf16
-        dx = torch.matmul(g, w)                                                    # [T, K] bf16, fp32 accumulation
-        dw = torch.matmul(g.t().to(torch.float32), xs.to(torch.float32))          # [N, K] fp32
-        main_grad = getattr(ctx.weight, "main_grad", None)
-        if main_grad is not None:  # wgrad accumulated into Megatron's fp32 buffer; no .grad
-            main_grad.add_(dw)
-            return dx.reshape(ctx.x_shape), None, None, None, None
-        return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype), None, None, None
+        return (*_bf16_grads(ctx, dq, *ctx.saved_tensors), None, None, None)
 
 
 class _QUpProjMXFP8Function(torch.autograd.Function):
@@ -115,10 +127,7 @@ class _QUpProjMXFP8Function(torch.autograd.Function):
         ctx.save_for_backward(*linear_saved(x8, w8), cos, sin)
         ctx.cfg, ctx.x_shape, ctx.w_dtype, ctx.weight = cfg, x.shape, weight.dtype, weight
         ctx.shapes, ctx.x_dtype = (x8.shape, w8.shape), x.dtype
-        anchor = torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(q8.rowwise_data.shape)
-        bufs = (q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data, q8.columnwise_scale_inv)
-        ctx.mark_non_differentiable(*bufs)
-        return (anchor, *bufs)
+        return _anchored(ctx, x, q8)
 
     @staticmethod
     def backward(ctx, dq: torch.Tensor, *_unused):
@@ -167,17 +176,19 @@ class _QUpProjBlockFP8Function(torch.autograd.Function):
         q8, _, xb = fused_q_block_fp8_weight(xs, wb, cos, sin, cfg["nope_dim"], cfg["rope_dim"], cfg["style"],
                                              cfg["layout"], cfg["batch"], "nk", True, True, "e4m3",
                                              cfg["bhsd_scales"], False)
-        # the backward's operands: x as the forward multiplied it and W's dequantized copy, in bf16 (exact)
-        ctx.save_for_backward(xb.dequantize().to(torch.bfloat16), wd, cos, sin)
+        # the backward's operands: x's codes and scales as the forward multiplied them (dequantized by the
+        # backward) and W's dequantized copy (kept with the weight's block-FP8 copy)
+        ctx.save_for_backward(xb.data, xb.scale_inv, wd, cos, sin)
         ctx.cfg, ctx.x_shape, ctx.w_dtype, ctx.weight, ctx.x_dtype = cfg, x.shape, weight.dtype, weight, x.dtype
-        anchor = torch.zeros((), dtype=torch.bfloat16, device=x.device).expand(q8.rowwise_data.shape)
-        bufs = (q8.rowwise_data, q8.rowwise_scale_inv, q8.columnwise_data, q8.columnwise_scale_inv)
-        ctx.mark_non_differentiable(*bufs)
-        return (anchor, *bufs)
+        return _anchored(ctx, x, q8)
 
     @staticmethod
     def backward(ctx, dq: torch.Tensor, *_unused):
-        dx, dw = _QUpProjFunction.backward(ctx, dq)[:2]
+        import mxmla
+
+        xc, xsc, wd, cos, sin = ctx.saved_tensors
+        xq = mxmla.BlockFP8Tensor(xc, xsc, 1).dequantize().to(torch.bfloat16)  # code · 2^k: exact in bf16
+        dx, dw = _bf16_grads(ctx, dq, xq, wd, cos, sin)
         return dx.to(ctx.x_dtype), dw, None, None, None
 
 
