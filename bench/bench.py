@@ -16,6 +16,9 @@ Cases (issue 2):
   qproj-block  the same with a block-FP8 weight (DeepSeek-V3 recipe: 128 x 128 W blocks, 1 x 128 x
                blocks, FP8 tensor cores); peers: cuBLAS bf16 GEMM, cuBLAS block-scaled FP8 GEMM
                (torch.nn.functional.scaled_mm), cuBLAS FP8 per-tensor GEMM (the ceiling)
+  block-gemm   the block-FP8 GEMM (mxmla.gemm on BlockFP8Tensors) for the Q up-projection's fprop,
+               dgrad and wgrad at T 16384 / 4096 (N 24576, K 1536) and 8192^3; peers: cuBLAS bf16
+               GEMM, cuBLAS block-scaled FP8 GEMM (scaled_mm), cuBLAS FP8 per-tensor (the ceiling)
   attn_fwd     attention forward on MXFP8 Q, K, V (DeepSeek-V3: b 1, h 128, d 192/128, causal,
                s 2048 / 4096 / 8192), TFLOP/s = 2*b*h*(s^2/2)*(d_qk + d_v) / time; bench/attn_fwd.py
 Peers: device-to-device copy (torch), torch.compile'd MXFP8 quantizers (rowwise, rowwise+columnwise),
@@ -201,18 +204,21 @@ def bench_qproj(iters, flush, dev, add, compile_peer: bool):
 
 
 def _scaled_mm_block(xb, wb):
-    """cuBLAS's block-scaled FP8 GEMM on Hopper (torch.nn.functional.scaled_mm, 1 x 128 x 128 x 128
-    block scales; the scales' layouts it asks for vary between torch versions: the first that runs)."""
+    """cuBLAS's block-scaled FP8 GEMM on Hopper (torch.nn.functional.scaled_mm, 1 x 128 x blocks and
+    128 x 128 or 1 x 128 W blocks; the scales' layouts it asks for vary between torch versions: the
+    first that runs)."""
     F = torch.nn.functional
     sx, sw = xb.scale_inv, wb.scale_inv
-    tries = (("sx outer-major, sw [N/128, K/128]^T", sx.t().contiguous().t(), sw.t()),
-             ("sx outer-major, sw [N/128, K/128]", sx.t().contiguous().t(), sw),
+    kind = F.ScalingType.BlockWise128x128 if wb.block_rows == 128 else F.ScalingType.BlockWise1x128
+    tries = (("sx outer-major, sw^T", sx.t().contiguous().t(), sw.t()),
+             ("sx outer-major, sw", sx.t().contiguous().t(), sw),
+             ("sx outer-major, sw outer-major", sx.t().contiguous().t(), sw.t().contiguous().t()),
              ("sx contiguous, sw^T", sx, sw.t()))
     errs = []
     for name, a, b in tries:
         def call(a=a, b=b):
-            return F.scaled_mm(xb.data, wb.data.t(), a, F.ScalingType.BlockWise1x128, b,
-                               F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+            return F.scaled_mm(xb.data, wb.data.t(), a, F.ScalingType.BlockWise1x128, b, kind,
+                               output_dtype=torch.bfloat16)
         try:
             call()
             return call, name
@@ -257,6 +263,45 @@ def bench_qproj_block(iters, flush, dev, add):
         del x, w, wb, xb, q
 
 
+def bench_block_gemm(iters, flush, dev, add):
+    """mxmla.gemm on block-FP8 operands (the DeepSeek-V3 recipe's Linear GEMMs, K-major operands as
+    quantize_blockwise makes them, transpose included) against cuBLAS's bf16 GEMM on bf16 operands of
+    the same shape, cuBLAS's block-scaled FP8 GEMM on the same codes and factors, and cuBLAS FP8 with
+    per-tensor scales (the ceiling), same run; each on pre-quantized operands (the GEMM alone)."""
+    cases = []
+    for T in (16384, 4096):
+        cases += [(f"fprop T{T}", T, 24576, 1536, 128), (f"dgrad T{T}", T, 1536, 24576, 128),
+                  (f"wgrad T{T}", 24576, 1536, T, 1)]
+    cases.append(("8192^3", 8192, 8192, 8192, 128))
+    for name, M, N, K, b_br in cases:
+        a16 = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        b16 = (torch.randn(N, K, device=dev) / K ** 0.5).to(torch.bfloat16)
+        ab, bb = mxmla.quantize_blockwise(a16), mxmla.quantize_blockwise(b16, b_br)
+        tf = lambda t: f"{2.0 * M * N * K / t / 1e9:.0f} TFLOP/s"  # noqa: E731
+        case = f"block-gemm {name} ({M}x{N}x{K}, B {'128x128' if b_br == 128 else '1x128'})"
+        got = mxmla.gemm(ab, bb, out_dtype="float32")
+        rows = slice(0, 256)
+        ref = ab.dequantize()[rows].double() @ bb.dequantize().double().t()
+        rel = ((got[rows].double() - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+        del got
+        t_m = timer(lambda: mxmla.gemm(ab, bb), iters, flush)
+        t_g = timer(lambda: torch.matmul(a16, b16.t()), iters, flush)
+        add(case, "mxmla block-FP8 GEMM", t_m, 0.0,
+            f"{tf(t_m)}; {t_g / t_m:.2f}x faster than cuBLAS bf16; fp32 out rel RMS err {rel:.1e} vs float64")
+        add(case, "cuBLAS bf16 GEMM", t_g, 0.0, tf(t_g))
+        peer, how = _scaled_mm_block(ab, bb)
+        if peer is not None:
+            t_p = timer(peer, iters, flush)
+            add(case, "cuBLAS block-scaled FP8 GEMM", t_p, 0.0, f"{tf(t_p)}; ours {t_p / t_m:.3f}x its speed ({how})")
+        else:
+            add(case, "cuBLAS block-scaled FP8 GEMM", float("nan"), 0.0, f"did not run: {how}")
+        one = torch.ones((), device=dev)
+        a8, b8 = ab.data, bb.data
+        t_t = timer(lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16), iters, flush)
+        add(case, "cuBLAS FP8 per-tensor (ceiling)", t_t, 0.0, f"{tf(t_t)}; ours {t_t / t_m:.3f}x its speed")
+        del a16, b16, ab, bb, a8, b8
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
@@ -269,6 +314,8 @@ def main() -> int:
     ap.add_argument("--qproj-only", action="store_true", help="only the fused Q up-projection cases")
     ap.add_argument("--qproj-block-only", action="store_true",
                     help="only the fused Q up-projection with a block-FP8 weight (and its peers)")
+    ap.add_argument("--block-gemm-only", action="store_true",
+                    help="only the block-FP8 GEMM (fprop, dgrad, wgrad of the Q up-projection; 8192^3) and its peers")
     ap.add_argument("--attn-only", action="store_true", help="only the copy ceiling and the attention hand-off cases")
     ap.add_argument("--attn-fwd-only", action="store_true",
                     help="only the copy ceiling and the attention forward (mxmla.attention vs cuDNN, FA4, dequantize + peer)")
@@ -326,6 +373,10 @@ def main() -> int:
     if a.qproj_block_only:
         del x, y
         bench_qproj_block(a.iters, flush, dev, add)
+        return report(a, res, rows, agree)
+    if a.block_gemm_only:
+        del x, y
+        bench_block_gemm(a.iters, flush, dev, add)
         return report(a, res, rows, agree)
     if a.attn_only:
         del x, y

@@ -1,10 +1,12 @@
 // mxmla — the block-FP8 quantization API (include/mxmla/blockfp8.h): validation and dispatch.
 // The fused Q up-projection's block-FP8 overload is in src/qproj.cpp beside the other two.
+#include <cmath>
 #include <string>
 #include <utility>
 
 #include "common/blockfp8_ops.h"
 #include "common/device.h"
+#include "common/gemm_ops.h"
 #include "common/text.h"
 #include "mxmla/blockfp8.h"
 
@@ -43,8 +45,12 @@ void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, const BlockQu
   if (rows < 0 || cols < 0) fail("input", "shape " + detail::shape_str(in.shape) + " has a negative size");
   if (cols > 0 && in.stride(1) != 1) fail("input", "last dimension must be contiguous (stride 1)");
   if (in.numel() > 0 && in.data == nullptr) fail("input", "data pointer is null");
-  const std::vector<int64_t> ss = block_scale_shape(rows, cols, o.block_rows);
-  if (out.data.shape != in.shape) fail("data", "shape " + detail::shape_str(out.data.shape) + " must be " + detail::shape_str(in.shape));
+  // the quantized matrix: in, or inᵀ with opts.transpose
+  const std::vector<int64_t> qshape = o.transpose ? std::vector<int64_t>{cols, rows} : in.shape;
+  const std::vector<int64_t> ss = block_scale_shape(qshape[0], qshape[1], o.block_rows);
+  if (out.data.shape != qshape)
+    fail("data", "shape " + detail::shape_str(out.data.shape) + " must be " + detail::shape_str(qshape) +
+                     (o.transpose ? " (the input's shape transposed: transpose = true)" : " (the input's shape)"));
   if (out.data.dtype != DType::kFloat8E4M3 && out.data.dtype != DType::kUInt8)
     fail("data", std::string("dtype ") + dtype_name(out.data.dtype) + " must be float8_e4m3fn (or uint8)");
   if (!out.data.is_contiguous()) fail("data", "must be contiguous");
@@ -57,7 +63,7 @@ void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, const BlockQu
   p.in = in.data, p.in_t = in.dtype, p.rows = rows, p.cols = cols, p.in_st = rows > 1 ? in.stride(0) : cols;
   p.codes = static_cast<uint8_t*>(out.data.data), p.scale_inv = static_cast<float*>(out.scale_inv.data);
   p.s_st = s_st;
-  p.block_rows = o.block_rows, p.pow2 = o.pow2_scales;
+  p.block_rows = o.block_rows, p.pow2 = o.pow2_scales, p.transpose = o.transpose;
   if (rows == 0 || cols == 0) return;
   if (in.device.type == DeviceType::kCPU) return detail::block_quantize_cpu(p);
 #if MXMLA_WITH_CUDA
@@ -69,6 +75,81 @@ void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, const BlockQu
 #else
   (void)stream;
   fail("input", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
+#endif
+}
+
+namespace {
+constexpr const char* kGemmOp = "mxmla.gemm";
+[[noreturn]] void gfail(const std::string& arg, const std::string& rule) { throw Error(kGemmOp, arg, rule); }
+
+struct BlockOperand {
+  const uint8_t* codes;
+  int64_t rows, cols, ld;
+  const float* s;
+  int64_t s_ld, br;
+};
+BlockOperand block_operand(const char* name, const BlockFP8Tensor& t) {
+  const std::string n(name), data = n + ".data", sc = n + ".scale_inv";
+  detail::check_matrix(kGemmOp, data, t.data, "[rows, K] (K-major codes)");
+  if (t.data.dtype != DType::kFloat8E4M3 && t.data.dtype != DType::kUInt8)
+    gfail(data, std::string("dtype ") + dtype_name(t.data.dtype) + " must be float8_e4m3fn (or uint8)");
+  if (t.block_rows != 1 && t.block_rows != 128)
+    gfail(n + ".block_rows", std::to_string(t.block_rows) + " must be 1 (1 x 128 blocks) or 128 (128 x 128 blocks)");
+  const int64_t rows = t.data.shape[0], cols = t.data.shape[1];
+  if (rows > 1 && cols > 0 && t.data.stride(0) < cols)
+    gfail(data, "row stride " + std::to_string(t.data.stride(0)) + " is smaller than its width " + std::to_string(cols));
+  const std::vector<int64_t> ss = block_scale_shape(rows, cols, t.block_rows);
+  const int64_t s_ld = detail::block_scale_stride(kGemmOp, sc, t.scale_inv, ss);
+  if (t.scale_inv.device != t.data.device) gfail(sc, "is on another device than " + data);
+  return {static_cast<const uint8_t*>(t.data.data), rows, cols, rows > 1 ? t.data.stride(0) : cols,
+          static_cast<const float*>(t.scale_inv.data), s_ld, t.block_rows};
+}
+}  // namespace
+
+void gemm(const BlockFP8Tensor& a, const BlockFP8Tensor& b, TensorDesc& out, const GemmOptions& opts, Stream stream) {
+  if (opts.trans_a || !opts.trans_b)
+    gfail(opts.trans_a ? "trans_a" : "trans_b",
+          "block-FP8 operands are K-major (A [M, K], B [N, K]: trans_a = false, trans_b = true); quantize the "
+          "transposed matrix instead (BlockQuantizeOptions::transpose)");
+  if (!std::isfinite(opts.alpha)) gfail("alpha", "must be finite, got " + std::to_string(opts.alpha));
+  const BlockOperand A = block_operand("a", a), B = block_operand("b", b);
+  const int64_t M = A.rows, N = B.rows, K = A.cols;
+  if (B.cols != K)
+    gfail("b.data", "K = " + std::to_string(B.cols) + " (its last dim) does not match a's K = " + std::to_string(K));
+  detail::check_matrix(kGemmOp, "out", out, "[M, N]");
+  if (out.shape != std::vector<int64_t>{M, N})
+    gfail("out", "shape " + detail::shape_str(out.shape) + " must be [M, N] = " + detail::shape_str({M, N}));
+  if (out.dtype != DType::kBFloat16 && out.dtype != DType::kFloat32)
+    gfail("out", std::string("dtype ") + dtype_name(out.dtype) + " must be bfloat16 or float32");
+  if (opts.accumulate && out.dtype != DType::kFloat32)
+    gfail("out", std::string("dtype ") + dtype_name(out.dtype) +
+                     " must be float32 with accumulate (D += alpha * A * Bᵀ reads and writes an fp32 D)");
+  if (M > 1 && N > 0 && out.stride(0) < N)
+    gfail("out", "row stride " + std::to_string(out.stride(0)) + " is smaller than N = " + std::to_string(N) +
+                     " (rows would overlap)");
+  const Device dev = a.data.device;
+  for (const auto& [n, t] : {std::pair<const char*, const TensorDesc*>{"b.data", &b.data}, {"out", &out}})
+    if (t->device != dev)
+      gfail(n, "is on " + detail::device_str(t->device) + " but a.data is on " + detail::device_str(dev) +
+                   ": both operands and out must be on one device");
+  detail::BlockGemmProblem p;
+  p.M = M, p.N = N, p.K = K;
+  p.a = A.codes, p.b = B.codes, p.a_ld = A.ld, p.b_ld = B.ld;
+  p.sa = A.s, p.sb = B.s, p.sa_ld = A.s_ld, p.sb_ld = B.s_ld, p.a_br = A.br, p.b_br = B.br;
+  p.out = out.data, p.out_t = out.dtype, p.ld_out = M > 1 ? out.stride(0) : N;
+  p.accumulate = opts.accumulate, p.alpha = opts.alpha;
+  if (M == 0 || N == 0) return;
+  if (dev.type == DeviceType::kCPU) return detail::block_gemm_cpu(p);
+#if MXMLA_WITH_CUDA
+  const int index = dev.index;
+  for (const auto& [n, ptr] : {std::pair<const char*, const void*>{"a.data", A.codes}, {"a.scale_inv", A.s},
+                               {"b.data", B.codes}, {"b.scale_inv", B.s}, {"out", out.data}})
+    detail::check_cuda_pointer(kGemmOp, n, ptr, index);
+  detail::CudaDeviceGuard guard(index);
+  detail::block_gemm_cuda(p, stream);
+#else
+  (void)stream;
+  gfail("a.data", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
 #endif
 }
 

@@ -18,7 +18,8 @@ T 4096, 128 heads, K 1536: RoPE backward, quantization and the two GEMMs); with 
 attnfwd the attention forward at the same dims, s 2048 / 4096 / 8192, on the MXFP8 tensors (the
 default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors; with --only
 gemm the MXFP8 GEMM's fprop, dgrad and wgrad of the Q up-projection at T 16384 and 4096 (N 24576, K 1536), and 8192³.
-With --only qblock the fused Q up-projection on block-FP8 x and W (DeepSeek-V3 recipe) at the qproj shapes.
+With --only qblock the fused Q up-projection on block-FP8 x and W (DeepSeek-V3 recipe) at the qproj shapes;
+with --only bgemm the block-FP8 GEMM at bench.py --block-gemm-only's shapes.
 Usage: PYTHONPATH=<build>/python python3 dev/bench/ab_kernels.py [--iters 30] [--only quant,rope,ropeq,qproj]"""
 from __future__ import annotations
 
@@ -102,6 +103,15 @@ def main() -> int:
             c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
             case(f"fused Q block-FP8 {T} x {NH}", lambda: mxmla.fused_q_uproj_rope_quant(xb, wb, c, s),
                  lambda: q_bufs(mxmla.fused_q_uproj_rope_quant(xb, wb, c, s)))
+    if "bgemm" in only and hasattr(mxmla._mxmla_core, "gemm_blockwise"):  # the block-FP8 GEMM (bench.py --block-gemm-only's cases)
+        q = mxmla.quantize_blockwise
+        for name, M, N, K, b_br in (("fprop 16384", 16384, 24576, 1536, 128), ("dgrad 16384", 16384, 1536, 24576, 128),
+                                    ("wgrad 16384", 24576, 1536, 16384, 1), ("fprop 4096", 4096, 24576, 1536, 128),
+                                    ("dgrad 4096", 4096, 1536, 24576, 128), ("wgrad 4096", 24576, 1536, 4096, 1),
+                                    ("8192^3", 8192, 8192, 8192, 128)):
+            ab, bb = q(torch.randn(M, K, device=dev)), q(torch.randn(N, K, device=dev) / K ** 0.5, b_br)
+            case(f"block gemm {name}", lambda: mxmla.gemm(ab, bb), lambda: [mxmla.gemm(ab, bb)])
+            del ab, bb
     if "gemm" in only:  # the Q up-projection's three GEMMs at T 16384 and 4096, and 8192³ (mxmla.gemm, as
         # dev/bench/gemm_time.py runs them)
         N, K = 24576, 1536

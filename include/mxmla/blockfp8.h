@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "mxmla/gemm.h"
 #include "mxmla/mxfp8.h"
 #include "mxmla/qproj.h"
 #include "mxmla/tensor.h"
@@ -31,14 +32,20 @@ struct BlockFP8Tensor {
 struct BlockQuantizeOptions {
   int64_t block_rows = 1;   // 1 or 128
   bool pow2_scales = true;  // TransformerEngine's default; false: plain fp32 scales
+  // Quantize inᵀ instead of in: out.data is [cols, rows] (the codes transposed in the same pass) and
+  // out.scale_inv block_scale_shape(cols, rows, block_rows); the same bits as quantizing a
+  // contiguous copy of inᵀ. What a Linear's backward needs: the GEMMs read K-major operands, so
+  // wgrad's dyᵀ and xᵀ (1 x 128 blocks along the tokens) and dgrad's Wᵀ (128 x 128 blocks: the same
+  // blocks and scales as W's, transposed) are quantized this way.
+  bool transpose = false;
 };
 
 // Shape of scale_inv for codes [rows, cols].
 std::vector<int64_t> block_scale_shape(int64_t rows, int64_t cols, int64_t block_rows);
 
 // in: bf16 or fp32 [rows, cols] (innermost stride 1) -> out.data (E4M3 or uint8, [rows, cols],
-// contiguous) and out.scale_inv (fp32, block_scale_shape), caller-allocated; out.block_rows is
-// set from the options.
+// contiguous; [cols, rows] with opts.transpose) and out.scale_inv (fp32, block_scale_shape of the
+// data's shape), caller-allocated; out.block_rows is set from the options.
 void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, const BlockQuantizeOptions& opts,
                         Stream stream = nullptr);
 
@@ -53,5 +60,24 @@ void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, const BlockQu
 void fused_q_uproj_rope_quant(const BlockFP8Tensor& x, const BlockFP8Tensor& w, const TensorDesc& cos,
                               const TensorDesc& sin, MXFP8Tensor& out, TensorDesc* q, const QProjOptions& opts,
                               Stream stream = nullptr);
+
+// The block-FP8 GEMM (the DeepSeek-V3 recipe's Linear GEMMs): D[M, N] = alpha · A · Bᵀ (+ D),
+// A [M, K] and B [N, K] block-FP8 (E4M3 codes, K contiguous; either block_rows), fp32 sums:
+//   D[m, n] = alpha · Σ_kb (Σ_{k in kb} a_code · b_code) · a_scale_inv[m / a.block_rows, kb]
+//                                                        · b_scale_inv[n / b.block_rows, kb]
+// kb the 128-wide blocks of K. The CPU reference computes it in float64 (each block's sum is exact)
+// and rounds once to the output; on CUDA the sums of a block come from the FP8 tensor cores (exact
+// products, their own reduced-precision additions) and are added across blocks in fp32 with the
+// two factors (the fused Q up-projection's mainloop). The three GEMMs of a Linear y = x·Wᵀ, every
+// operand K-major (BlockQuantizeOptions::transpose makes the transposed ones):
+//   fprop  y  = x · Wᵀ    gemm(x [T, K] 1 x 128, W [N, K] 128 x 128)
+//   dgrad  dx = dy · W    gemm(dy [T, N] 1 x 128, Wᵀ [K, N] 128 x 128)
+//   wgrad  dW = dyᵀ · x   gemm(dyᵀ [N, T] 1 x 128, xᵀ [K, T] 1 x 128)
+// opts: trans_a false and trans_b true (the K-major layout above); accumulate adds into an fp32 out.
+// out: caller-allocated [M, N] bf16 or fp32, any row stride, last dim contiguous. CUDA (SM90): any
+// M, N, K (code rows that are not 16-byte aligned, K % 16 != 0 for contiguous codes, are copied
+// into aligned rows first: one pass over that operand).
+void gemm(const BlockFP8Tensor& a, const BlockFP8Tensor& b, TensorDesc& out, const GemmOptions& opts,
+          Stream stream = nullptr);
 
 }  // namespace mxmla

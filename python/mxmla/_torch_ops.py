@@ -392,17 +392,19 @@ _no_gradient(fused_q_uproj_rope_quant_block, "mxmla.fused_q_uproj_rope_quant", _
 
 
 @_op("quantize_blockwise", mutates_args=())
-def quantize_blockwise(x: Tensor, block_rows: int, pow2_scales: bool) -> Tuple[Tensor, Tensor]:
-    """(E4M3 codes as uint8, fp32 scale_inv) of x's 1 x 128 (block_rows 1) or 128 x 128 blocks."""
-    return _bf._quantize_blockwise_impl(x, block_rows, pow2_scales)
+def quantize_blockwise(x: Tensor, block_rows: int, pow2_scales: bool, transpose: bool = False) -> Tuple[Tensor, Tensor]:
+    """(E4M3 codes as uint8, fp32 scale_inv) of x's 1 x 128 (block_rows 1) or 128 x 128 blocks (of
+    xᵀ's with transpose)."""
+    return _bf._quantize_blockwise_impl(x, block_rows, pow2_scales, transpose)
 
 
 @quantize_blockwise.register_fake
-def _(x, block_rows, pow2_scales):
+def _(x, block_rows, pow2_scales, transpose=False):
     if x.dim() != 2:
         raise ValueError(f"{_bf._OP}: argument 'input': must be 2-D [rows, cols], got shape {list(x.shape)}")
-    ss = _core.block_scale_shape(int(x.shape[0]), int(x.shape[1]), block_rows)
-    return x.new_empty(tuple(_ints(x.shape)), dtype=torch.uint8), x.new_empty(tuple(ss), dtype=torch.float32)
+    shape = _ints(x.shape)[::-1] if transpose else _ints(x.shape)
+    ss = _core.block_scale_shape(shape[0], shape[1], block_rows)
+    return x.new_empty(tuple(shape), dtype=torch.uint8), x.new_empty(tuple(ss), dtype=torch.float32)
 
 
 _no_gradient(quantize_blockwise, "mxmla.quantize_blockwise", _bf._NOT_DIFF, ["input"])
@@ -486,6 +488,38 @@ def gemm_out(a: Tensor, b: Tensor, a_scale: Optional[Tensor], b_scale: Optional[
 
 @gemm_out.register_fake
 def _(a, b, a_scale, b_scale, a_mx, b_mx, out, trans_a, trans_b, accumulate, alpha):
+    return None
+
+
+@_op("gemm_blockwise", mutates_args=())
+def gemm_blockwise(a: Tensor, a_scale_inv: Tensor, a_block_rows: int, b: Tensor, b_scale_inv: Tensor,
+                   b_block_rows: int, trans_a: bool, trans_b: bool, alpha: float, out_dtype: torch.dtype) -> Tensor:
+    """The block-FP8 GEMM D = alpha · A · Bᵀ as a new [M, N] tensor of out_dtype: a [M, K], b [N, K]
+    E4M3 codes (uint8) with their fp32 scale_inv and block rows (1 or 128)."""
+    name = str(out_dtype).replace("torch.", "")
+    return _bf._gemm_blockwise_impl(a, a_scale_inv, a_block_rows, b, b_scale_inv, b_block_rows, trans_a, trans_b,
+                                    alpha, False, None, name)
+
+
+@gemm_blockwise.register_fake
+def _(a, a_scale_inv, a_block_rows, b, b_scale_inv, b_block_rows, trans_a, trans_b, alpha, out_dtype):
+    return a.new_empty((int(a.shape[0]), int(b.shape[0])), dtype=out_dtype)
+
+
+_no_gradient(gemm_blockwise, "mxmla.gemm", _GEMM_NOT_DIFF, ["a", "a_scale_inv", "a_block_rows", "b", "b_scale_inv"])
+
+
+@_op("gemm_blockwise_out", mutates_args=("out",))
+def gemm_blockwise_out(a: Tensor, a_scale_inv: Tensor, a_block_rows: int, b: Tensor, b_scale_inv: Tensor,
+                       b_block_rows: int, out: Tensor, trans_a: bool, trans_b: bool, accumulate: bool,
+                       alpha: float) -> None:
+    """The block-FP8 GEMM written into out (bfloat16 or float32 [M, N]), or added to it with accumulate."""
+    _bf._gemm_blockwise_impl(a, a_scale_inv, a_block_rows, b, b_scale_inv, b_block_rows, trans_a, trans_b, alpha,
+                             accumulate, out, "float32")
+
+
+@gemm_blockwise_out.register_fake
+def _(a, a_scale_inv, a_block_rows, b, b_scale_inv, b_block_rows, out, trans_a, trans_b, accumulate, alpha):
     return None
 
 

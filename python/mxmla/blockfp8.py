@@ -76,25 +76,30 @@ class BlockFP8Tensor:
 _NOT_DIFF = "quantization has no gradient"
 
 
-def _quantize_blockwise_impl(x: Any, block_rows: int, pow2_scales: bool) -> tuple:
-    """The compiled op: (codes as uint8, scale_inv) of x's kind."""
+def _quantize_blockwise_impl(x: Any, block_rows: int, pow2_scales: bool, transpose: bool = False) -> tuple:
+    """The compiled op: (codes as uint8, scale_inv) of x's kind (of xᵀ with transpose)."""
     be = Backend(_OP, "input", x)
     xd = be.desc("input", x, bf16=True)
     if len(xd[2]) != 2:
         raise ValueError(f"{_OP}: argument 'input': must be 2-D [rows, cols], got shape {tuple(xd[2])}")
-    ss = _core.block_scale_shape(xd[2][0], xd[2][1], block_rows)
-    codes = be.empty(xd[2], "uint8")
+    shape = [xd[2][1], xd[2][0]] if transpose else list(xd[2])
+    ss = _core.block_scale_shape(shape[0], shape[1], block_rows)
+    codes = be.empty(shape, "uint8")
     scale_inv = be.empty(ss, "float32")
     o = _core.BlockQuantizeOptions()
-    o.block_rows, o.pow2_scales = block_rows, pow2_scales
+    o.block_rows, o.pow2_scales, o.transpose = block_rows, pow2_scales, transpose
     _core.quantize_blockwise(xd, be.desc("data", codes), be.desc("scale_inv", scale_inv), o, be.stream())
     return codes, scale_inv
 
 
-def quantize_blockwise(x: Any, block_rows: int = 1, pow2_scales: bool = True) -> BlockFP8Tensor:
+def quantize_blockwise(x: Any, block_rows: int = 1, pow2_scales: bool = True,
+                       transpose: bool = False) -> BlockFP8Tensor:
     """x [rows, cols] bf16 or float32 (torch, or numpy: float32, ml_dtypes.bfloat16 or uint16 bf16
     bits) -> BlockFP8Tensor with blocks of 1 x 128 (block_rows 1, activations) or 128 x 128
-    (block_rows 128, weights). Per block: amax = max |v| (NaN ignored); scale = 448 / amax in fp32
+    (block_rows 128, weights). With ``transpose`` the result is that of xᵀ ([cols, rows], the same
+    bits as quantizing ``x.t().contiguous()``), made in one pass: the K-major operands of a
+    Linear's backward GEMMs (wgrad's dyᵀ and xᵀ with 1 x 128 blocks along the tokens, dgrad's Wᵀ
+    with the weight's own 128 x 128 blocks). Per block: amax = max |v| (NaN ignored); scale = 448 / amax in fp32
     (1 when amax is 0 or Inf, the largest finite fp32 on overflow), with pow2_scales rounded down to
     a power of two; code = E4M3(fp32(v · scale)), nearest even, saturating, NaN → 0x7F;
     scale_inv = fp32(1 / scale). Partial blocks at the edges take the values they hold. torch: also
@@ -102,12 +107,34 @@ def quantize_blockwise(x: Any, block_rows: int = 1, pow2_scales: bool = True) ->
     op = _OP
     block_rows = integer(op, "block_rows", block_rows)
     pow2_scales = flag(op, "pow2_scales", pow2_scales)
+    transpose = flag(op, "transpose", transpose)
     if kind_of(op, "input", x) == "torch":  # (the argument is named as the C++ API names it)
         not_differentiable(op, _NOT_DIFF, input=x)
-        codes, scale_inv = _dispatch.call("quantize_blockwise", x, block_rows, pow2_scales)
+        codes, scale_inv = _dispatch.call("quantize_blockwise", x, block_rows, pow2_scales, transpose)
         return BlockFP8Tensor(codes.view(torch.float8_e4m3fn), scale_inv, block_rows)
-    codes, scale_inv = _quantize_blockwise_impl(x, block_rows, pow2_scales)
+    codes, scale_inv = _quantize_blockwise_impl(x, block_rows, pow2_scales, transpose)
     return BlockFP8Tensor(codes, scale_inv, block_rows)
+
+
+def _gemm_blockwise_impl(a: Any, a_scale: Any, a_br: int, b: Any, b_scale: Any, b_br: int, trans_a: bool,
+                         trans_b: bool, alpha: float, accumulate: bool, out: Any, out_dtype: str) -> Any:
+    """The compiled block-FP8 GEMM: allocates D [M, N] of out_dtype unless `out` is given."""
+    op = "mxmla.gemm"
+    be = Backend(op, "a.data", a)
+    if out is None:
+        m = int(a.shape[0]) if len(a.shape) == 2 else 0
+        n = int(b.shape[0]) if len(b.shape) == 2 else 0
+        out = be.empty([m, n], out_dtype)
+    o = _core.GemmOptions()
+    o.trans_a, o.trans_b, o.accumulate, o.alpha = trans_a, trans_b, accumulate, float(alpha)
+    _core.gemm_blockwise(be.desc("a.data", a), be.desc("a.scale_inv", a_scale), a_br, be.desc("b.data", b),
+                         be.desc("b.scale_inv", b_scale), b_br, be.desc("out", out, bf16=True), o, be.stream())
+    return out
+
+
+def _codes(t: Any) -> Any:
+    """A torch float8_e4m3fn code tensor as uint8 (the custom ops' type); anything else as it is."""
+    return t.view(torch.uint8) if is_torch(t) and t.dtype == torch.float8_e4m3fn else t
 
 
 def _check_block(op: str, arg: str, t: Any, block_rows: int) -> None:

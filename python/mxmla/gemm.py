@@ -19,6 +19,7 @@ from . import _mxmla_core as _core
 from ._backend import Backend, is_ml_bf16, is_torch, kind_of, torch, type_name
 from ._checks import FP8_FORMAT, QKV_LAYOUT, SCALE_LAYOUT, flag, grad_needed, not_differentiable, real, same_kind
 from .attention import _core_operand, _mx_spec, _parse_spec
+from .blockfp8 import BlockFP8Tensor, _codes, _gemm_blockwise_impl
 from .mxfp8 import MXFP8Tensor, _dtype_name, _options, _parts
 
 if TYPE_CHECKING:
@@ -119,16 +120,32 @@ def gemm(a: Operand, b: Operand, *, trans_a: bool = False, trans_b: bool = True,
     [M, N], any row stride, last dim contiguous) and it is returned. accumulate adds into ``out``,
     which must then be float32 (a main_grad). alpha: a finite number.
 
+    Block-FP8 operands (``BlockFP8Tensor``, the DeepSeek-V3 recipe): A [M, K] and B [N, K], both
+    K-major (trans_a False, trans_b True; ``quantize_blockwise(..., transpose=True)`` makes dgrad's
+    Wᵀ and wgrad's dyᵀ and xᵀ), 1 x 128 or 128 x 128 blocks each: D = alpha · Σ over 128-wide blocks
+    of K of the block's sum of code products times both blocks' scale_inv. CUDA: FP8 tensor cores
+    with fp32 sums across blocks; the CPU reference in float64.
+
     numpy runs the CPU reference (bf16 results as ml_dtypes.bfloat16 for ml_dtypes operands or
     out_dtype=ml_dtypes.bfloat16, else uint16 bits); torch CPU tensors the reference through
-    ``torch.ops.mxmla.gemm`` / ``gemm_out`` (traceable by torch.compile); torch CUDA tensors the
-    SM90 kernels through the same ops. Not differentiable: an input that requires grad (grad mode on) is an error."""
+    ``torch.ops.mxmla.gemm`` / ``gemm_out`` (traceable by torch.compile; block-FP8:
+    ``gemm_blockwise`` / ``gemm_blockwise_out``); torch CUDA tensors the SM90 kernels through the
+    same ops. Not differentiable: an input that requires grad (grad mode on) is an error."""
     op = _OP
     trans_a, trans_b = flag(op, "trans_a", trans_a), flag(op, "trans_b", trans_b)
     accumulate = flag(op, "accumulate", accumulate)
     alpha = real(op, "alpha", alpha)
-    ad, asc, aspec = _operand(op, "a", a, not trans_a)
-    bd, bsc, bspec = _operand(op, "b", b, trans_b)
+    block = isinstance(a, BlockFP8Tensor) or isinstance(b, BlockFP8Tensor)
+    if block:
+        for n, t in (("a", a), ("b", b)):
+            if not isinstance(t, BlockFP8Tensor):
+                raise TypeError(f"{op}: argument '{n}': expected a BlockFP8Tensor like the other operand (both "
+                                f"block-FP8), got {type_name(t)}")
+            kind_of(op, f"{n}.data", t.data)
+        ad, asc, aspec, bd, bsc, bspec = _codes(a.data), a.scale_inv, "", _codes(b.data), b.scale_inv, ""
+    else:
+        ad, asc, aspec = _operand(op, "a", a, not trans_a)
+        bd, bsc, bspec = _operand(op, "b", b, trans_b)
     ml_bf16 = is_ml_bf16(a) and not aspec
     if out_dtype is not None:
         name, ml_req = _dtype_name(op, out_dtype, "out_dtype")
@@ -150,6 +167,20 @@ def gemm(a: Operand, b: Operand, *, trans_a: bool = False, trans_b: bool = True,
         if is_torch(t) != is_torch(arrays[0][1]):
             raise TypeError(f"{op}: argument '{n}': expected a {'torch.Tensor' if is_torch(arrays[0][1]) else 'numpy.ndarray'}"
                             f" like argument '{arrays[0][0]}', got {type_name(t)}")
+    if block:
+        brs = (int(a.block_rows), int(b.block_rows))
+        if is_torch(ad):
+            not_differentiable(op, _NOT_DIFF, a=ad, b=bd)
+            if out is not None and grad_needed(out):
+                raise RuntimeError(f"{op}: argument 'out': requires grad, but gemm writes into it without a gradient; "
+                                   "pass a tensor that does not require grad")
+            if out is None:
+                return _dispatch.call("gemm_blockwise", ad, asc, brs[0], bd, bsc, brs[1], trans_a, trans_b, alpha,
+                                      getattr(torch, name))
+            _dispatch.call("gemm_blockwise_out", ad, asc, brs[0], bd, bsc, brs[1], out, trans_a, trans_b, accumulate,
+                           alpha)
+            return out
+        return _gemm_blockwise_impl(ad, asc, brs[0], bd, bsc, brs[1], trans_a, trans_b, alpha, accumulate, out, name)
     if arrays and is_torch(arrays[0][1]):
         not_differentiable(op, _NOT_DIFF, a=ad, b=bd)
         if out is not None and grad_needed(out):

@@ -559,8 +559,10 @@ NB_MODULE(_mxmla_core, m) {
       .def(nb::init<>())
       .def_rw("block_rows", &BlockQuantizeOptions::block_rows)
       .def_rw("pow2_scales", &BlockQuantizeOptions::pow2_scales)
+      .def_rw("transpose", &BlockQuantizeOptions::transpose)
       .def("__repr__", [](const BlockQuantizeOptions& o) {
-        return "BlockQuantizeOptions(block_rows=" + std::to_string(o.block_rows) + ", pow2_scales=" + b(o.pow2_scales) + ")";
+        return "BlockQuantizeOptions(block_rows=" + std::to_string(o.block_rows) + ", pow2_scales=" + b(o.pow2_scales) +
+               ", transpose=" + b(o.transpose) + ")";
       });
   m.def(
       "quantize_blockwise",
@@ -571,6 +573,18 @@ NB_MODULE(_mxmla_core, m) {
         quantize_blockwise(i, t, o, to_stream(stream));
       },
       nb::arg("input"), nb::arg("data"), nb::arg("scale_inv"), nb::arg("options"), nb::arg("stream"));
+  // The block-FP8 GEMM: a, b as (codes, scale_inv, block_rows); out [M, N] bfloat16 or float32.
+  m.def(
+      "gemm_blockwise",
+      [](const Desc& ac, const Desc& as, int64_t abr, const Desc& bc, const Desc& bs, int64_t bbr, const Desc& out,
+         const GemmOptions& opts, uintptr_t stream) {
+        const BlockFP8Tensor a{to_desc(ac), to_desc(as), abr}, bt{to_desc(bc), to_desc(bs), bbr};
+        TensorDesc od = to_desc(out);
+        nb::gil_scoped_release release;
+        gemm(a, bt, od, opts, to_stream(stream));
+      },
+      nb::arg("a_data"), nb::arg("a_scale_inv"), nb::arg("a_block_rows"), nb::arg("b_data"), nb::arg("b_scale_inv"),
+      nb::arg("b_block_rows"), nb::arg("out"), nb::arg("options"), nb::arg("stream"));
   // x: codes [T, K] + scale_inv [T, ceil(K / 128)]; w: codes [N, K] + scale_inv [ceil(N / 128), ceil(K / 128)]
   m.def(
       "fused_q_uproj_rope_quant_block",

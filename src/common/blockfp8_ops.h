@@ -24,6 +24,9 @@ struct BlockQuantizeProblem {
   int64_t s_st = 0;
   int64_t block_rows = 1;  // 1 or 128
   bool pow2 = true;
+  // codes [cols, rows] and scale_inv of the blocks of inᵀ (in stays [rows, cols]): the quantization
+  // of inᵀ, written transposed
+  bool transpose = false;
 };
 // The fp32 scale_inv `s` of blocks whose grid is `ss` (block_scale_shape): shape, dtype, strides,
 // rows that do not overlap, a pointer; throws Error(op, arg, ...) naming the rule. Returns its row stride.
@@ -43,5 +46,24 @@ struct BlockFp8Operands {
 };
 void qproj_block_fp8_cpu(const QProjProblem& p, const BlockFp8Operands& b);
 void qproj_block_fp8_cuda(const QProjProblem& p, const BlockFp8Operands& b, Stream stream);
+
+// The block-FP8 GEMM: D[M, N] = alpha · A · Bᵀ (+ D). a, b: E4M3 codes [M | N, K] (row stride
+// a_ld / b_ld bytes, K contiguous); factors sa[(m / a_br) * sa_ld + kb], sb[(n / b_br) * sb_ld + kb].
+struct BlockGemmProblem {
+  int64_t M = 0, N = 0, K = 0;
+  const uint8_t* a = nullptr;
+  const uint8_t* b = nullptr;
+  int64_t a_ld = 0, b_ld = 0;
+  const float* sa = nullptr;
+  const float* sb = nullptr;
+  int64_t sa_ld = 0, sb_ld = 0, a_br = 1, b_br = 1;
+  void* out = nullptr;  // [M, N], row stride ld_out elements
+  DType out_t = DType::kBFloat16;
+  int64_t ld_out = 0;
+  bool accumulate = false;
+  double alpha = 1.0;
+};
+void block_gemm_cpu(const BlockGemmProblem& p);
+void block_gemm_cuda(const BlockGemmProblem& p, Stream stream);
 
 }  // namespace mxmla::detail

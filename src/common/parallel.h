@@ -18,6 +18,13 @@ inline int cpu_threads(int64_t requested) {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+// Threads for `work` multiply-adds split in `tasks`: one below ~1M (thread start-up would dominate),
+// else every core.
+inline int threads_for(double work, int64_t tasks) {
+  if (work < double(1 << 20) || tasks <= 1) return 1;
+  return static_cast<int>(std::min<int64_t>(cpu_threads(0), tasks));
+}
+
 // fn(i) for i in [0, n) on up to `threads` threads (the calling one included); the first
 // exception is rethrown after every thread has stopped.
 template <typename Fn>

@@ -36,12 +36,6 @@ namespace {
 
 constexpr int64_t kRowBlock = 16;  // output rows per task: one row of B is reused across them
 
-// Threads for `work` multiply-adds: one below ~1M (thread start-up would dominate), else every core.
-int threads_for(double work, int64_t tasks) {
-  if (work < double(1 << 20) || tasks <= 1) return 1;
-  return static_cast<int>(std::min<int64_t>(cpu_threads(0), tasks));
-}
-
 }  // namespace
 
 // op(A) [M, K] (or op(B)ᵀ [N, K]) in float64, row i holding the contraction k = 0..K-1 contiguous.

@@ -1,12 +1,14 @@
 // Block FP8 (include/mxmla/blockfp8.h, docs/spec.md §4.1) on the CPU: the scale rule's edges, the
-// quantization of hand-checked values, the fused Q up-projection on block-FP8 operands against the
-// bf16 op on the dequantized operands (power-of-two scales: exact in bf16), and errors. The CUDA
-// kernels are checked against this reference in tests/python/test_blockfp8.py.
+// quantization of hand-checked values (and transposed), the fused Q up-projection on block-FP8
+// operands against the bf16 op on the dequantized operands (power-of-two scales: exact in bf16),
+// the block-FP8 GEMM by hand, and errors. The CUDA kernels are checked against this reference in
+// tests/python/test_blockfp8.py and test_blockfp8_gemm.py.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "common/blockfp8_common.h"
@@ -139,6 +141,91 @@ TEST(BlockFp8Errors, BadInputsNameTheArgument) {
   QProjOptions kn = o;
   kn.weight_layout = WeightLayout::kKN;
   test::expect_error("mxmla.fused_q_uproj_rope_quant", fused(xb, wb, kn), "weight_layout", "must be nk");
+}
+
+// Quantizing with transpose gives the bits of quantizing a contiguous copy of the transpose, for
+// both block shapes, on adversarial values (zero blocks, NaN, Inf, denormals) and tails.
+TEST(BlockFp8Cpu, TransposedQuantizationIsTheQuantizationOfTheTranspose) {
+  for (int64_t br : {1, 128})
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {130, 257}, {257, 129}}) {
+      std::vector<float> x = test::make_data(rows, cols, test::Data::kAdversarial, uint64_t(rows + cols + br));
+      std::vector<float> xt(x.size());
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) xt[c * rows + r] = x[r * cols + c];
+      const std::vector<int64_t> ss = block_scale_shape(cols, rows, br);
+      std::vector<uint8_t> c1(x.size()), c2(x.size());
+      std::vector<float> s1(ss[0] * ss[1]), s2(s1.size());
+      BlockQuantizeOptions o;
+      o.block_rows = br, o.transpose = true;
+      BlockFP8Tensor t1{TensorDesc(c1.data(), DType::kFloat8E4M3, {cols, rows}), TensorDesc(s1.data(), DType::kFloat32, ss), 0};
+      quantize_blockwise(TensorDesc(x.data(), DType::kFloat32, {rows, cols}), t1, o);
+      o.transpose = false;
+      BlockFP8Tensor t2{TensorDesc(c2.data(), DType::kFloat8E4M3, {cols, rows}), TensorDesc(s2.data(), DType::kFloat32, ss), 0};
+      quantize_blockwise(TensorDesc(xt.data(), DType::kFloat32, {cols, rows}), t2, o);
+      EXPECT_EQ(c1, c2) << br << " " << rows << "x" << cols;
+      EXPECT_EQ(0, std::memcmp(s1.data(), s2.data(), s1.size() * 4)) << br << " " << rows << "x" << cols;
+    }
+}
+
+// The block-FP8 GEMM by hand: A [2, 256] with 1 x 128 blocks, B [3, 256] with 1 x 128 blocks (then
+// as 128 x 128), codes 1.0 (0x38) and 2.0 (0x40), scale_inv powers of two: D is a sum of four
+// products per element, checked in closed form; alpha, accumulate and an fp32 out with a row stride.
+TEST(BlockFp8Cpu, GemmByHand) {
+  const int64_t M = 2, N = 3, K = 256;
+  std::vector<uint8_t> a(M * K, 0x38), b(N * K, 0x40);  // a = 1.0, b = 2.0
+  std::vector<float> sa = {0.5f, 2.f, 1.f, 4.f}, sb1 = {1.f, 0.25f, 2.f, 1.f, 8.f, 0.5f}, sb128 = {4.f, 1.f};
+  std::vector<float> out(M * 5, -7.f);
+  TensorDesc od(out.data(), DType::kFloat32, {M, N}, Device{}, {5, 1});
+  const BlockFP8Tensor A{TensorDesc(a.data(), DType::kFloat8E4M3, {M, K}), TensorDesc(sa.data(), DType::kFloat32, {M, 2}), 1};
+  BlockFP8Tensor B{TensorDesc(b.data(), DType::kFloat8E4M3, {N, K}), TensorDesc(sb1.data(), DType::kFloat32, {N, 2}), 1};
+  GemmOptions g;
+  g.alpha = 0.5;
+  gemm(A, B, od, g);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)  // each block: 128 products of 1 * 2
+      EXPECT_EQ(out[m * 5 + n], 0.5f * 256.f * (sa[m * 2] * sb1[n * 2] + sa[m * 2 + 1] * sb1[n * 2 + 1])) << m << n;
+  EXPECT_EQ(out[3], -7.f);  // past N: untouched
+  B.scale_inv = TensorDesc(sb128.data(), DType::kFloat32, {1, 2}), B.block_rows = 128;
+  g.alpha = 1.0, g.accumulate = true;
+  const std::vector<float> before = out;
+  gemm(A, B, od, g);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)
+      EXPECT_EQ(out[m * 5 + n], before[m * 5 + n] + 256.f * (sa[m * 2] * 4.f + sa[m * 2 + 1] * 1.f)) << m << n;
+}
+
+TEST(BlockFp8Errors, GemmNamesTheArgument) {
+  std::vector<uint8_t> a(4 * 256), b(8 * 256);
+  std::vector<float> sa(8), sb(16), out(32);
+  const BlockFP8Tensor A{TensorDesc(a.data(), DType::kFloat8E4M3, {4, 256}), TensorDesc(sa.data(), DType::kFloat32, {4, 2}), 1};
+  const BlockFP8Tensor B{TensorDesc(b.data(), DType::kFloat8E4M3, {8, 256}), TensorDesc(sb.data(), DType::kFloat32, {8, 2}), 1};
+  auto call = [&](BlockFP8Tensor x, BlockFP8Tensor y, TensorDesc o, GemmOptions g) {
+    return [=]() mutable { gemm(x, y, o, g); };
+  };
+  const TensorDesc o32(out.data(), DType::kFloat32, {4, 8}), o16(out.data(), DType::kBFloat16, {4, 8});
+  EXPECT_NO_THROW(call(A, B, o32, {})());
+  GemmOptions ta;
+  ta.trans_a = true;
+  test::expect_error("mxmla.gemm", call(A, B, o32, ta), "trans_a", "K-major");
+  GemmOptions tb;
+  tb.trans_b = false;
+  test::expect_error("mxmla.gemm", call(A, B, o32, tb), "trans_b", "K-major");
+  GemmOptions acc;
+  acc.accumulate = true;
+  test::expect_error("mxmla.gemm", call(A, B, o16, acc), "out", "must be float32 with accumulate");
+  test::expect_error("mxmla.gemm", call(A, B, TensorDesc(out.data(), DType::kFloat32, {4, 4}), {}), "out", "must be [M, N]");
+  BlockFP8Tensor b2 = B;
+  b2.data.shape = {8, 128}, b2.scale_inv.shape = {8, 1};
+  test::expect_error("mxmla.gemm", call(A, b2, o32, {}), "b.data", "does not match a's K");
+  BlockFP8Tensor b3 = B;
+  b3.block_rows = 128;
+  test::expect_error("mxmla.gemm", call(A, b3, o32, {}), "b.scale_inv", "must be [1, 2]");
+  BlockFP8Tensor a4 = A;
+  a4.block_rows = 32;
+  test::expect_error("mxmla.gemm", call(a4, B, o32, {}), "a.block_rows", "must be 1");
+  BlockFP8Tensor a5 = A;
+  a5.data.dtype = DType::kBFloat16;
+  test::expect_error("mxmla.gemm", call(a5, B, o32, {}), "a.data", "must be float8_e4m3fn");
 }
 
 }  // namespace

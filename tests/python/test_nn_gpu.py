@@ -53,7 +53,7 @@ def test_mxfp8_linear_cuda_equals_cpu_on_integer_data():
         assert torch.equal(c, g), name
 
 
-@pytest.mark.parametrize("weights", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("weights", ["bf16", "mxfp8", "block-fp8"])
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 def test_mlaqupproj_cuda_against_cpu(layout, weights):
     """The fused op (GEMM + RoPE + MXFP8) and its backward (RoPE backward, dgrad, wgrad) on the GPU

@@ -1,9 +1,12 @@
 // mxmla internal — SM90 part: the mainloop of a warp-specialized FP8 GEMM tile with block scales
-// along K (the DeepSeek-V3 recipe: 1 x 128 blocks of A, 128 x 128 blocks of B).
+// along K (the DeepSeek-V3 recipe: 1 x 128 blocks of A, 128 x 128 blocks of B — or, with
+// kColFactors, 1 x 128 blocks of B too, as wgrad's xᵀ has).
 //
 //   acc[kBM x kBN] = Σ_kb (A_kb · B_kbᵀ) ⊙ (sa_kb ⊗ sb_kb)     A [kBM x K], B [kBN x K] E4M3, K-major
 //
-// with kb the 128-wide blocks of K: sa_kb one fp32 factor per row of A, sb_kb one per 128 rows of B.
+// with kb the 128-wide blocks of K: sa_kb one fp32 factor per row of A, sb_kb one per 128 rows of B
+// (kColFactors: one per row of B, i.e. per column of the tile: the fold then takes an FMUL and an
+// FFMA per element).
 // The producer is MainloopTmaWgmma's (one stage = one 128-byte swizzle row = exactly one block of
 // K). Each consumer warpgroup multiplies its 64 rows in column slices of kSubN: the four FP8 wgmmas
 // (K = 32 each) of a slice go into a temporary accumulator, and once they have retired it is folded
@@ -28,7 +31,13 @@ namespace mxmla::sm90 {
 // every slice's wgmmas read them there, so that shared memory serves B alone (off: A is re-read
 // from shared memory by every slice). Measured in the fused Q up-projection: 1.075-1.084x the time, its 16
 // more registers spilled (docs/notes-qproj.md).
-template <int kBM_, int kBN_, int kStages_, int kMmaWGs_, int kSubN_, bool kRegA = false>
+// kPipelined (an experiment, off): two temporary accumulators, slice s + 1's wgmmas issued before
+// slice s is folded (off: each slice's wgmmas retire before its fold, the other warpgroup's keep
+// the tensor cores busy meanwhile). Measured in the block-FP8 GEMM (docs/notes-gemm.md): with
+// 64-column slices 0.93-0.96x the time, but 128-column slices without it are faster (0.85-0.90x),
+// and the two together do not fit the registers.
+template <int kBM_, int kBN_, int kStages_, int kMmaWGs_, int kSubN_, bool kColFactors = false, bool kRegA = false,
+          bool kPipelined = false>
 struct MainloopTmaWgmmaBlockScaled {
   // The ring, the barriers and the producer: the plain mainloop's with FP8 operands (kBK = 128 bytes).
   using Ring = MainloopTmaWgmma<kBM_, kBN_, 128, kStages_, kMmaWGs_, ptx::MmaDtype::kE4M3, ptx::MmaDtype::kE4M3>;
@@ -37,6 +46,7 @@ struct MainloopTmaWgmmaBlockScaled {
   static constexpr int kAcc = kBN / 2, kSubAcc = kSubN / 2;  // accumulators per thread: the tile's, a slice's
   using Op = ptx::WgmmaOp<kSubN, ptx::MmaDtype::kE4M3, ptx::MmaDtype::kE4M3, kRegA>;
   static_assert(kBN % kSubN == 0, "whole slices");
+  static_assert(!(kRegA && kPipelined), "one experiment at a time");
   static_assert((kSubN * kBK) % 1024 == 0, "a slice of B starts on a 1024-byte swizzle atom");
   static_assert(Op::kK == 32 && kBK / Op::kK == 4, "four wgmmas per stage (32 bytes = 2 descriptor units each)");
 
@@ -44,7 +54,9 @@ struct MainloopTmaWgmmaBlockScaled {
   using Barriers = typename Ring::Barriers;
   using SharedStorage = typename Ring::SharedStorage;
   static constexpr uint32_t kStageBytes = Ring::kStageBytes;
-  static constexpr int kConsumerArrivals = Ring::kConsumerArrivals;
+  // a stage's release: lane 0 of every consumer warp; kColFactors every consumer thread (each has
+  // read the stage's column factors, a table the caller writes beside the ring)
+  static constexpr int kConsumerArrivals = kColFactors ? 128 * kMmaWGs : Ring::kConsumerArrivals;
 
   template <class Probe, class Issue>
   __device__ __forceinline__ static void produce(SharedStorage& sm, Barriers& bars, State& st, int kblocks, uint32_t n,
@@ -76,14 +88,21 @@ struct MainloopTmaWgmmaBlockScaled {
         ptx::ldmatrix_x4(row + (((2 * k + l / 16) ^ (l % 8)) << 4), a[k][0], a[k][1], a[k][2], a[k][3]);
     }
 
+    struct NoColFactors {
+      __device__ __forceinline__ float2 operator()(uint32_t, int, int) const { return make_float2(0.f, 0.f); }
+    };
+
     // acc = the tile's block-scaled product over kblocks blocks of K (overwritten). factors(kb, fr,
     // fs) gives block kb's factors: fr[h] for the thread's rows r0 + 8 h (r0 = 16 · warp + lane / 4 of
     // the warpgroup's 64), fs[s] for slice s of the columns; it is called before the block's stage is
     // waited for (its loads hit L1 after a tile's first block: a row's factors are adjacent).
+    // kColFactors: fs is not used; col_factors(stage, s, j) gives the factors (float2) of the thread's
+    // columns 8 j + 2 (lane % 4) + {0, 1} of slice s (stage: the ring slot of the block, waited for
+    // already), called as the slice is folded (two registers live, not a slice's 16).
     // Returns with every wgmma retired and every stage released.
-    template <class Probe, class Factors>
+    template <class Probe, class Factors, class ColFactors = NoColFactors>
     __device__ __forceinline__ void mma(Barriers& bars, State& st, int kblocks, float (&acc)[kAcc], Factors&& factors,
-                                        bool stamps, uint32_t n) const {
+                                        bool stamps, uint32_t n, ColFactors&& col_factors = {}) const {
       const int lane = threadIdx.x % 32;
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
@@ -97,9 +116,34 @@ struct MainloopTmaWgmmaBlockScaled {
         const uint64_t da = da0 + st.index * kAStep, db = db0 + st.index * kBStep;
         uint32_t a[4][4];
         if constexpr (kRegA) load_a(st.index, a);
+        // hand the stage back (kConsumerArrivals)
+        auto release = [&](uint32_t index) {
+          if (kColFactors || lane == 0) bars.consumer_release(index);
+        };
+        // fold a slice's retired temporary accumulator into acc with its factors
+        auto fold = [&](int s, float (&tmp)[kSubAcc]) {
 #pragma unroll
-        for (int s = 0; s < kSlices; ++s) {
-          float tmp[kSubAcc];
+          for (int i = 0; i < kSubAcc; ++i) ptx::fence_reg(tmp[i]);
+          if constexpr (kColFactors) {
+#pragma unroll
+            for (int j = 0; j < kSubN / 8; ++j) {  // elements 4 j + 2 h + e: row r0 + 8 h, column 8 j + 2 (lane % 4) + e
+              const float2 fc = col_factors(st.index, s, j);
+#pragma unroll
+              for (int i = 4 * j; i < 4 * j + 4; ++i) {
+                const int a = s * kSubAcc + i;
+                acc[a] = fmaf(tmp[i], fr[(i / 2) % 2] * (i % 2 ? fc.y : fc.x), acc[a]);
+              }
+            }
+          } else {
+            const float f0 = fr[0] * fs[s], f1 = fr[1] * fs[s];
+#pragma unroll
+            for (int i = 0; i < kSubAcc; ++i) {  // element i: row r0 + 8 ((i / 2) % 2)
+              const int a = s * kSubAcc + i;
+              acc[a] = fmaf(tmp[i], (i & 2) ? f1 : f0, acc[a]);
+            }
+          }
+        };
+        auto issue = [&](int s, float (&tmp)[kSubAcc]) {
           ptx::wgmma_fence();
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
@@ -107,15 +151,30 @@ struct MainloopTmaWgmmaBlockScaled {
             else Op::mma(tmp, da + 2 * k, db + s * kSliceStep + 2 * k, k > 0);
           }
           ptx::wgmma_commit();
+        };
+        if constexpr (kPipelined) {  // slice s + 1's wgmmas run while slice s is folded
+          float tmp[2][kSubAcc];
+#pragma unroll
+          for (int s = 0; s < kSlices; ++s) {
+            issue(s, tmp[s % 2]);
+            if (s > 0) {
+              ptx::wgmma_wait<1>();
+              fold(s - 1, tmp[(s - 1) % 2]);
+            }
+          }
           ptx::wgmma_wait<0>();
+          if constexpr (!kColFactors) release(st.index);  // the stage is read (its factors are in registers)
+          fold(kSlices - 1, tmp[(kSlices - 1) % 2]);
+          if constexpr (kColFactors) release(st.index);  // ... and its column factors
+        } else {
 #pragma unroll
-          for (int i = 0; i < kSubAcc; ++i) ptx::fence_reg(tmp[i]);
-          if (s == kSlices - 1 && lane == 0) bars.consumer_release(st.index);  // the stage is read
-          const float f0 = fr[0] * fs[s], f1 = fr[1] * fs[s];
-#pragma unroll
-          for (int i = 0; i < kSubAcc; ++i) {  // element i: row r0 + 8 ((i / 2) % 2)
-            const int a = s * kSubAcc + i;
-            acc[a] = fmaf(tmp[i], (i & 2) ? f1 : f0, acc[a]);
+          for (int s = 0; s < kSlices; ++s) {
+            float tmp[kSubAcc];
+            issue(s, tmp);
+            ptx::wgmma_wait<0>();
+            if (!kColFactors && s == kSlices - 1) release(st.index);  // the stage is read
+            fold(s, tmp);
+            if (kColFactors && s == kSlices - 1) release(st.index);  // ... and its column factors
           }
         }
         st.advance();
