@@ -69,6 +69,46 @@ def torch_quant_both(x: torch.Tensor):
     return qr, er, qc.view(M, K), ec
 
 
+def torch_block_quant(x: torch.Tensor):
+    """1 x 128 block FP8 (DeepSeek-V3's activations; pow2 scales) in plain torch: (codes, scale_inv)."""
+    M, K = x.shape
+    xb = x.float().reshape(M, K // 128, 128)
+    amax = xb.abs().amax(-1, keepdim=True)
+    s = torch.where((amax == 0) | torch.isinf(amax), torch.ones_like(amax), 448.0 / amax)
+    s = (s.view(torch.int32) & -8388608).view(torch.float32)  # 0xFF800000: a power of two
+    return (xb * s).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(M, K), (1.0 / s).squeeze(-1)
+
+
+def torch_block_quant_both(x: torch.Tensor):
+    return torch_block_quant(x), torch_block_quant(x.t())
+
+
+def bench_block_quant(x, iters, flush, add, copy_bw, compile_peer: bool):
+    """quantize_blockwise on x [M, K] bf16 in 1 x 128 blocks: both directions in one pass (a block-FP8
+    Linear's x and dY), the transposed one alone and the rowwise one alone, as a share of the copy
+    bandwidth; the peer: the same formula in torch, torch.compile'd (bit-identical, checked)."""
+    M, K = x.shape
+    b_both, b_one = 2.0 * M * K + 2.0 * M * K + 8.0 * M * K / 128, 2.0 * M * K + M * K + 4.0 * M * K / 128
+    q, t = mxmla.quantize_blockwise_both(x)
+    (rc, rs), (tc, ts) = torch_block_quant_both(x)
+    same = all(torch.equal(a_.view(torch.uint8), b_.view(torch.uint8)) for a_, b_ in ((q.data, rc), (t.data, tc))) and \
+        torch.equal(q.scale_inv, rs) and torch.equal(t.scale_inv, ts)
+    del q, t, rc, rs, tc, ts
+    t_both = timer(lambda: mxmla.quantize_blockwise_both(x), iters, flush)
+    add("block_quant_both", "mxmla", t_both, b_both,
+        f"{100 * b_both / t_both / 1e6 / copy_bw:.0f}% of copy; torch formula bit-exact: {same}")
+    t_tr = timer(lambda: mxmla.quantize_blockwise(x, transpose=True), iters, flush)
+    add("block_quant_transposed", "mxmla", t_tr, b_one, f"{100 * b_one / t_tr / 1e6 / copy_bw:.0f}% of copy")
+    t_row = timer(lambda: mxmla.quantize_blockwise(x), iters, flush)
+    add("block_quant_row", "mxmla", t_row, b_one, f"{100 * b_one / t_row / 1e6 / copy_bw:.0f}% of copy")
+    if compile_peer:
+        c_both, c_row = torch.compile(torch_block_quant_both), torch.compile(torch_block_quant)
+        t = timer(lambda: c_both(x), iters, flush)
+        add("block_quant_both", "torch.compile", t, b_both, f"mxmla {t / t_both:.2f}x faster")
+        t = timer(lambda: c_row(x), iters, flush)
+        add("block_quant_row", "torch.compile", t, b_one, f"mxmla {t / t_row:.2f}x faster")
+
+
 def bench_attention(iters, flush, dev, add):
     """Q, K (d 192), V (d 128), b 2, h 16, s 4096, sbhd: phase 1 (compact), phase 2 (to BHSD), fused."""
     b, h, s = 2, 16, 4096
@@ -309,7 +349,7 @@ def main() -> int:
     ap.add_argument("--K", type=int, default=24576)
     ap.add_argument("--json", default="")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
-    ap.add_argument("--quant-only", action="store_true", help="only the quantize cases (no peers, no attention)")
+    ap.add_argument("--quant-only", action="store_true", help="only the quantize cases (MXFP8 without its torch.compile peers; block FP8 with)")
     ap.add_argument("--rope-only", action="store_true", help="only the copy ceiling and the RoPE cases")
     ap.add_argument("--qproj-only", action="store_true", help="only the fused Q up-projection cases")
     ap.add_argument("--qproj-block-only", action="store_true",
@@ -397,6 +437,7 @@ def main() -> int:
     add("quant_row", "mxmla", t_row, bytes_row, f"{100 * bytes_row / t_row / 1e6 / copy_bw:.0f}% of copy")
     t_row_swz = timer(lambda: mxmla.quantize(x, columnwise=False, swizzle=True), a.iters, flush)
     add("quant_row", "mxmla swizzled", t_row_swz, bytes_row, f"{100 * (t_row_swz / t_row - 1):+.1f}% vs compact")
+    bench_block_quant(x, a.iters, flush, add, copy_bw, not a.no_compile)
     if not a.no_compile and not a.quant_only:
         c_row = torch.compile(torch_quant_rowwise)
         c_both = torch.compile(torch_quant_both)

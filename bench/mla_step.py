@@ -1,6 +1,7 @@
-"""One MLA block's training step (forward + backward) at DeepSeek-V3 dims, both recipes of
-mxmla.nn.MLA, same weights, same run: "bf16" (torch's GEMMs = cuBLAS, torch SDPA, RoPE in torch) and
-"mxfp8" (mxmla's MXFP8 GEMMs, fused Q up-projection, MXFP8 attention forward and backward).
+"""One MLA block's training step (forward + backward) at DeepSeek-V3 dims, the recipes of
+mxmla.nn.MLA, same weights, same run: "bf16" (torch's GEMMs = cuBLAS, torch SDPA, RoPE in torch),
+"mxfp8" (mxmla's MXFP8 GEMMs, fused Q up-projection, MXFP8 attention forward and backward) and
+"block-fp8" (DeepSeek-V3's recipe: every Linear on mxmla's block-FP8 GEMM, attention as in "bf16").
 hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope / rope / v 128 / 64 / 128, b 1, causal, bshd.
 Times: medians of the calls, L2 flushed before each (bench/timing.py); a step is forward + backward
 with fresh gradients. Peak memory: the most allocated during one step above what was allocated
@@ -11,7 +12,8 @@ only" is torch.cuda.max_memory_allocated in the timing process, which leaves mxm
 --thd: T tokens packed as four sequences (thd, cu_seqlens [0, 1500, 2200, 3300, T] scaled to T):
 "mxfp8" as in bshd (the fused query path, K and V quantized in place), "bf16" torch SDPA on each
 sequence in turn.
-Usage: PYTHONPATH=<build>/python python3 bench/mla_step.py [--thd] [T ...]   (default 4096)"""
+Usage: PYTHONPATH=<build>/python python3 bench/mla_step.py [--thd] [--recipes bf16,mxfp8,block-fp8] [T ...]
+(default T 4096, all three recipes; bf16 always runs first, the baseline of the ratios)"""
 import json
 import os
 import subprocess
@@ -64,12 +66,15 @@ def setup(T, recipe, ref=None, thd=False):
     return m, x, dy
 
 
-def pool_peaks(T, thd=False):
+RECIPES = ("bf16", "mxfp8", "block-fp8")
+
+
+def pool_peaks(T, recipes, thd=False):
     """(In the child process, torch on the cudaMallocAsync backend.) Each recipe's step peak in the
     default pool above what is in use before it, in GiB."""
     out, ref = {}, None
     cu = packed(T) if thd else None
-    for recipe in ("bf16", "mxfp8"):
+    for recipe in recipes:
         m, x, dy = setup(T, recipe, ref, thd)
         ref = ref if ref is not None else m.state_dict()
         for _ in range(2):
@@ -89,36 +94,45 @@ def pool_peaks(T, thd=False):
 
 def main():
     if sys.argv[1:2] == ["--pool-peaks"]:
-        print(json.dumps(pool_peaks(int(sys.argv[2]), sys.argv[3:4] == ["--thd"])))
+        print(json.dumps(pool_peaks(int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4:5] == ["--thd"])))
         return
-    args = sys.argv[1:]
+    args, recipes = sys.argv[1:], list(RECIPES)
+    if "--recipes" in args:
+        i = args.index("--recipes")
+        recipes = ["bf16"] + [r for r in args[i + 1].split(",") if r and r != "bf16"]
+        bad = [r for r in recipes if r not in RECIPES]
+        if bad:
+            sys.exit(f"mla_step.py: --recipes: unknown {bad}; known: {', '.join(RECIPES)}")
+        del args[i:i + 2]
     thd = "--thd" in args
     seqs = [int(a) for a in args if a != "--thd"] or [4096]
     flush = flush_buffer(torch.device("cuda"))
     print("MLA block, DeepSeek-V3 dims (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, 128 / 64 / 128), causal, " +
           ("thd: T tokens in four packed sequences" if thd else "b 1"))
-    print(f"{'T':>6s} {'recipe':>7s} {'step ms':>9s} {'fwd ms':>8s} {'peak GiB':>9s} {'torch only':>10s}")
+    print(f"{'T':>6s} {'recipe':>9s} {'step ms':>9s} {'fwd ms':>8s} {'peak GiB':>9s} {'torch only':>10s}")
     for T in seqs:
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
-        child = subprocess.run([sys.executable, __file__, "--pool-peaks", str(T)] + (["--thd"] if thd else []), env=env,
-                               capture_output=True, text=True)
+        child = subprocess.run([sys.executable, __file__, "--pool-peaks", str(T), ",".join(recipes)] +
+                               (["--thd"] if thd else []), env=env, capture_output=True, text=True)
         if child.returncode != 0:
             print(f"the pool peak child failed: {child.stderr[-2000:]}")
-            peaks = {"bf16": float("nan"), "mxfp8": float("nan")}
+            peaks = {r: float("nan") for r in recipes}
         else:
             peaks = json.loads(child.stdout.strip().splitlines()[-1])
         res, ref = {}, None
-        for recipe in ("bf16", "mxfp8"):
+        for recipe in recipes:
             m, x, dy = setup(T, recipe, ref, thd)
             ref = ref if ref is not None else m.state_dict()
             res[recipe] = measure(m, x, dy, flush, packed(T) if thd else None)
             s, f, p = res[recipe]
-            print(f"{T:6d} {recipe:>7s} {s:9.3f} {f:8.3f} {peaks[recipe]:9.2f} {p:10.2f}")
+            print(f"{T:6d} {recipe:>9s} {s:9.3f} {f:8.3f} {peaks[recipe]:9.2f} {p:10.2f}")
             del m, x, dy
             torch.cuda.empty_cache()
-        (sb, fb, _), (sm, fm, _) = res["bf16"], res["mxfp8"]
-        print(f"{T:6d} ratios: step bf16/mxfp8 {sb / sm:.2f}x (target >= 1.1), forward {fb / fm:.2f}x, "
-              f"peak mxfp8/bf16 {peaks['mxfp8'] / peaks['bf16']:.2f} (target <= 0.75)")
+        sb, fb, _ = res["bf16"]
+        for recipe in recipes[1:]:
+            sm, fm, _ = res[recipe]
+            print(f"{T:6d} ratios, {recipe}: step bf16/{recipe} {sb / sm:.2f}x (target >= 1.1), forward {fb / fm:.2f}x, "
+                  f"peak {recipe}/bf16 {peaks[recipe] / peaks['bf16']:.2f} (target <= 0.75)")
 
 
 if __name__ == "__main__":

@@ -107,7 +107,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="bf16",
                    help="comma-separated recipes, each trained from the same weights and data order (bf16; mxfp8 "
-                        "needs the MXFP8 GEMM and attention backward). Default: bf16")
+                        "needs the MXFP8 GEMM and attention backward; block-fp8, DeepSeek-V3's recipe: the Linears "
+                        "on the block-FP8 GEMM). Default: bf16")
     p.add_argument("--steps", type=int, help=f"optimizer steps (GPU {GPU_CONFIG['steps']}, CPU {CPU_CONFIG['steps']})")
     p.add_argument("--layers", type=int, help=f"blocks (GPU {GPU_CONFIG['layers']}, CPU {CPU_CONFIG['layers']})")
     p.add_argument("--hidden", type=int, help=f"model width (GPU {GPU_CONFIG['hidden']}, CPU {CPU_CONFIG['hidden']})")

@@ -36,46 +36,87 @@ int64_t block_scale_stride(const char* op, const std::string& arg, const TensorD
 }
 }  // namespace detail
 
-void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, const BlockQuantizeOptions& o, Stream stream) {
+namespace {
+// in's checks (a 2-D bf16 / fp32 matrix, last dim contiguous); its row stride.
+int64_t check_block_input(const TensorDesc& in) {
   if (in.ndim() != 2) fail("input", "must be 2-D [rows, cols], got shape " + detail::shape_str(in.shape));
   if (!in.strides.empty() && in.strides.size() != 2) fail("input", "has strides that do not match its shape");
   if (in.dtype != DType::kBFloat16 && in.dtype != DType::kFloat32)
     fail("input", std::string("dtype ") + dtype_name(in.dtype) + " must be bfloat16 or float32");
-  const int64_t rows = in.shape[0], cols = in.shape[1];
-  if (rows < 0 || cols < 0) fail("input", "shape " + detail::shape_str(in.shape) + " has a negative size");
-  if (cols > 0 && in.stride(1) != 1) fail("input", "last dimension must be contiguous (stride 1)");
+  if (in.shape[0] < 0 || in.shape[1] < 0) fail("input", "shape " + detail::shape_str(in.shape) + " has a negative size");
+  if (in.shape[1] > 0 && in.stride(1) != 1) fail("input", "last dimension must be contiguous (stride 1)");
   if (in.numel() > 0 && in.data == nullptr) fail("input", "data pointer is null");
-  // the quantized matrix: in, or inᵀ with opts.transpose
-  const std::vector<int64_t> qshape = o.transpose ? std::vector<int64_t>{cols, rows} : in.shape;
+  return in.shape[0] > 1 ? in.stride(0) : in.shape[1];
+}
+
+// out's checks for the quantization of in (transposed: of inᵀ), arguments named `<pre>data` and
+// `<pre>scale_inv`; sets out.block_rows; the scales' row stride.
+int64_t check_block_output(const TensorDesc& in, BlockFP8Tensor& out, const BlockQuantizeOptions& o, bool transposed,
+                           const std::string& pre) {
+  const int64_t rows = in.shape[0], cols = in.shape[1];
+  const std::vector<int64_t> qshape = transposed ? std::vector<int64_t>{cols, rows} : in.shape;
   const std::vector<int64_t> ss = block_scale_shape(qshape[0], qshape[1], o.block_rows);
   if (out.data.shape != qshape)
-    fail("data", "shape " + detail::shape_str(out.data.shape) + " must be " + detail::shape_str(qshape) +
-                     (o.transpose ? " (the input's shape transposed: transpose = true)" : " (the input's shape)"));
+    fail(pre + "data", "shape " + detail::shape_str(out.data.shape) + " must be " + detail::shape_str(qshape) +
+                           (transposed ? " (the input's shape transposed)" : " (the input's shape)"));
   if (out.data.dtype != DType::kFloat8E4M3 && out.data.dtype != DType::kUInt8)
-    fail("data", std::string("dtype ") + dtype_name(out.data.dtype) + " must be float8_e4m3fn (or uint8)");
-  if (!out.data.is_contiguous()) fail("data", "must be contiguous");
-  const int64_t s_st = detail::block_scale_stride(kOp, "scale_inv", out.scale_inv, ss);
-  if (out.data.numel() > 0 && out.data.data == nullptr) fail("data", "data pointer is null");
+    fail(pre + "data", std::string("dtype ") + dtype_name(out.data.dtype) + " must be float8_e4m3fn (or uint8)");
+  if (!out.data.is_contiguous()) fail(pre + "data", "must be contiguous");
+  const int64_t s_st = detail::block_scale_stride(kOp, pre + "scale_inv", out.scale_inv, ss);
+  if (out.data.numel() > 0 && out.data.data == nullptr) fail(pre + "data", "data pointer is null");
   for (const TensorDesc* t : {&out.data, &out.scale_inv})
-    if (t->device != in.device) fail(t == &out.data ? "data" : "scale_inv", "is on another device than input");
+    if (t->device != in.device) fail(pre + (t == &out.data ? "data" : "scale_inv"), "is on another device than input");
   out.block_rows = o.block_rows;
-  detail::BlockQuantizeProblem p;
-  p.in = in.data, p.in_t = in.dtype, p.rows = rows, p.cols = cols, p.in_st = rows > 1 ? in.stride(0) : cols;
-  p.codes = static_cast<uint8_t*>(out.data.data), p.scale_inv = static_cast<float*>(out.scale_inv.data);
-  p.s_st = s_st;
-  p.block_rows = o.block_rows, p.pow2 = o.pow2_scales, p.transpose = o.transpose;
-  if (rows == 0 || cols == 0) return;
-  if (in.device.type == DeviceType::kCPU) return detail::block_quantize_cpu(p);
+  return s_st;
+}
+
+void run_block_quantize(const TensorDesc& in, const detail::BlockQuantizeProblem& p,
+                        std::initializer_list<std::pair<std::string, const TensorDesc*>> outs, Stream stream) {
+  if (p.rows == 0 || p.cols == 0) return;
+  if (in.device.type == DeviceType::kCPU) {
+    detail::block_quantize_cpu(p);
+    if (p.codes_t != nullptr) {  // the reference: inᵀ's quantization on its own
+      detail::BlockQuantizeProblem t = p;
+      t.transpose = true, t.codes = p.codes_t, t.scale_inv = p.scale_inv_t, t.s_st = p.s_st_t, t.codes_t = nullptr;
+      detail::block_quantize_cpu(t);
+    }
+    return;
+  }
 #if MXMLA_WITH_CUDA
-  for (const auto& [n, t] : {std::pair<const char*, const TensorDesc*>{"input", &in}, {"data", &out.data},
-                             {"scale_inv", &out.scale_inv}})
-    detail::check_cuda_pointer(kOp, n, t->data, in.device.index);
+  detail::check_cuda_pointer(kOp, "input", in.data, in.device.index);
+  for (const auto& [n, t] : outs) detail::check_cuda_pointer(kOp, n.c_str(), t->data, in.device.index);
   detail::CudaDeviceGuard guard(in.device.index);
   detail::block_quantize_cuda(p, stream);
 #else
-  (void)stream;
+  (void)outs, (void)stream;
   fail("input", "is on a CUDA device, but this build has no CUDA kernels: use CPU tensors");
 #endif
+}
+}  // namespace
+
+void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, const BlockQuantizeOptions& o, Stream stream) {
+  detail::BlockQuantizeProblem p;
+  p.in_st = check_block_input(in);
+  p.s_st = check_block_output(in, out, o, o.transpose, "");
+  p.in = in.data, p.in_t = in.dtype, p.rows = in.shape[0], p.cols = in.shape[1];
+  p.codes = static_cast<uint8_t*>(out.data.data), p.scale_inv = static_cast<float*>(out.scale_inv.data);
+  p.block_rows = o.block_rows, p.pow2 = o.pow2_scales, p.transpose = o.transpose;
+  run_block_quantize(in, p, {{"data", &out.data}, {"scale_inv", &out.scale_inv}}, stream);
+}
+
+void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, BlockFP8Tensor& out_t, const BlockQuantizeOptions& o,
+                        Stream stream) {
+  if (o.transpose) fail("transpose", "must be false: both directions are written (out: in's, out_t: inᵀ's)");
+  detail::BlockQuantizeProblem p;
+  p.in_st = check_block_input(in);
+  p.s_st = check_block_output(in, out, o, false, "");
+  p.s_st_t = check_block_output(in, out_t, o, true, "t.");
+  p.in = in.data, p.in_t = in.dtype, p.rows = in.shape[0], p.cols = in.shape[1];
+  p.codes = static_cast<uint8_t*>(out.data.data), p.scale_inv = static_cast<float*>(out.scale_inv.data);
+  p.codes_t = static_cast<uint8_t*>(out_t.data.data), p.scale_inv_t = static_cast<float*>(out_t.scale_inv.data);
+  p.block_rows = o.block_rows, p.pow2 = o.pow2_scales;
+  run_block_quantize(in, p, {{"data", &out.data}, {"scale_inv", &out.scale_inv}, {"t.data", &out_t.data},
+                             {"t.scale_inv", &out_t.scale_inv}}, stream);
 }
 
 namespace {

@@ -49,6 +49,12 @@ std::vector<int64_t> block_scale_shape(int64_t rows, int64_t cols, int64_t block
 void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, const BlockQuantizeOptions& opts,
                         Stream stream = nullptr);
 
+// Both directions in one pass over in (what a Linear's forward needs of x and its backward of dy):
+// out = the quantization of in ([rows, cols]) and out_t = that of inᵀ ([cols, rows]), each the same
+// bits as the one-direction call; opts.transpose must be false.
+void quantize_blockwise(const TensorDesc& in, BlockFP8Tensor& out, BlockFP8Tensor& out_t,
+                        const BlockQuantizeOptions& opts, Stream stream = nullptr);
+
 // The fused Q up-projection (include/mxmla/qproj.h) on block-FP8 operands: x [T, K] with 1 x 128
 // blocks, w [N, K] with 128 x 128 blocks (opts.weight_layout kNK). The GEMM's semantics:
 //   q_acc[t, n] = Σ_kb (Σ_{k in kb} x_code · w_code) · x_scale_inv[t, kb] · w_scale_inv[n / 128, kb]

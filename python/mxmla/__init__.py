@@ -19,7 +19,7 @@ from . import _mxmla_core as _core
 from ._backend import torch_available as _torch_available
 from .attention import attention, qkv_layout
 from .attention_backward import attention_backward
-from .blockfp8 import BlockFP8Tensor, quantize_blockwise
+from .blockfp8 import BlockFP8Tensor, quantize_blockwise, quantize_blockwise_both
 from .gemm import gemm, linear_backward, linear_forward, rope_linear_backward
 from .mxfp8 import (
     MXFP8Tensor,
@@ -64,6 +64,7 @@ __all__ = [
     "MXFP8Tensor",
     "BlockFP8Tensor",
     "quantize_blockwise",
+    "quantize_blockwise_both",
     "quantize",
     "dequantize",
     "swizzle_scales",

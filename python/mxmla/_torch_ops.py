@@ -410,6 +410,26 @@ def _(x, block_rows, pow2_scales, transpose=False):
 _no_gradient(quantize_blockwise, "mxmla.quantize_blockwise", _bf._NOT_DIFF, ["input"])
 
 
+@_op("quantize_blockwise_both", mutates_args=())
+def quantize_blockwise_both(x: Tensor, block_rows: int, pow2_scales: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(codes, scale_inv) of x's blocks and of xᵀ's, one pass over x."""
+    return _bf._quantize_blockwise_both_impl(x, block_rows, pow2_scales)
+
+
+@quantize_blockwise_both.register_fake
+def _(x, block_rows, pow2_scales):
+    if x.dim() != 2:
+        raise ValueError(f"{_bf._OP}: argument 'input': must be 2-D [rows, cols], got shape {list(x.shape)}")
+    rows, cols = _ints(x.shape)
+    return (x.new_empty((rows, cols), dtype=torch.uint8),
+            x.new_empty(tuple(_core.block_scale_shape(rows, cols, block_rows)), dtype=torch.float32),
+            x.new_empty((cols, rows), dtype=torch.uint8),
+            x.new_empty(tuple(_core.block_scale_shape(cols, rows, block_rows)), dtype=torch.float32))
+
+
+_no_gradient(quantize_blockwise_both, "mxmla.quantize_blockwise", _bf._NOT_DIFF, ["input"])
+
+
 # ----------------------------------------------------------------------------- attention
 @_op("attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, q_scale: Optional[Tensor], k_scale: Optional[Tensor],

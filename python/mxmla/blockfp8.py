@@ -92,6 +92,40 @@ def _quantize_blockwise_impl(x: Any, block_rows: int, pow2_scales: bool, transpo
     return codes, scale_inv
 
 
+def _quantize_blockwise_both_impl(x: Any, block_rows: int, pow2_scales: bool) -> tuple:
+    """The compiled op, both directions: (codes, scale_inv) of x and of xᵀ, one pass over x."""
+    be = Backend(_OP, "input", x)
+    xd = be.desc("input", x, bf16=True)
+    if len(xd[2]) != 2:
+        raise ValueError(f"{_OP}: argument 'input': must be 2-D [rows, cols], got shape {tuple(xd[2])}")
+    rows, cols = xd[2]
+    codes, codes_t = be.empty([rows, cols], "uint8"), be.empty([cols, rows], "uint8")
+    s = be.empty(_core.block_scale_shape(rows, cols, block_rows), "float32")
+    s_t = be.empty(_core.block_scale_shape(cols, rows, block_rows), "float32")
+    o = _core.BlockQuantizeOptions()
+    o.block_rows, o.pow2_scales = block_rows, pow2_scales
+    _core.quantize_blockwise_both(xd, be.desc("data", codes), be.desc("scale_inv", s), be.desc("data_t", codes_t),
+                                  be.desc("scale_inv_t", s_t), o, be.stream())
+    return codes, s, codes_t, s_t
+
+
+def quantize_blockwise_both(x: Any, block_rows: int = 1, pow2_scales: bool = True) -> tuple:
+    """(quantize_blockwise(x), quantize_blockwise(x, transpose=True)) in one pass over x, the same bits
+    as the two calls: what a block-FP8 Linear needs of its input in the forward (fprop reads x, wgrad
+    xᵀ) and of dY in the backward (dgrad dY, wgrad dYᵀ). torch: also the custom op
+    torch.ops.mxmla.quantize_blockwise_both."""
+    op = _OP
+    block_rows = integer(op, "block_rows", block_rows)
+    pow2_scales = flag(op, "pow2_scales", pow2_scales)
+    if kind_of(op, "input", x) == "torch":
+        not_differentiable(op, _NOT_DIFF, input=x)
+        c, s, ct, st = _dispatch.call("quantize_blockwise_both", x, block_rows, pow2_scales)
+        c, ct = c.view(torch.float8_e4m3fn), ct.view(torch.float8_e4m3fn)
+    else:
+        c, s, ct, st = _quantize_blockwise_both_impl(x, block_rows, pow2_scales)
+    return BlockFP8Tensor(c, s, block_rows), BlockFP8Tensor(ct, st, block_rows)
+
+
 def quantize_blockwise(x: Any, block_rows: int = 1, pow2_scales: bool = True,
                        transpose: bool = False) -> BlockFP8Tensor:
     """x [rows, cols] bf16 or float32 (torch, or numpy: float32, ml_dtypes.bfloat16 or uint16 bf16

@@ -573,6 +573,18 @@ NB_MODULE(_mxmla_core, m) {
         quantize_blockwise(i, t, o, to_stream(stream));
       },
       nb::arg("input"), nb::arg("data"), nb::arg("scale_inv"), nb::arg("options"), nb::arg("stream"));
+  m.def(
+      "quantize_blockwise_both",
+      [](const Desc& in, const Desc& data, const Desc& scale_inv, const Desc& data_t, const Desc& scale_inv_t,
+         const BlockQuantizeOptions& o, uintptr_t stream) {
+        BlockFP8Tensor t{to_desc(data), to_desc(scale_inv), o.block_rows};
+        BlockFP8Tensor tt{to_desc(data_t), to_desc(scale_inv_t), o.block_rows};
+        const TensorDesc i = to_desc(in);
+        nb::gil_scoped_release release;
+        quantize_blockwise(i, t, tt, o, to_stream(stream));
+      },
+      nb::arg("input"), nb::arg("data"), nb::arg("scale_inv"), nb::arg("data_t"), nb::arg("scale_inv_t"),
+      nb::arg("options"), nb::arg("stream"));
   // The block-FP8 GEMM: a, b as (codes, scale_inv, block_rows); out [M, N] bfloat16 or float32.
   m.def(
       "gemm_blockwise",

@@ -27,6 +27,11 @@ struct BlockQuantizeProblem {
   // codes [cols, rows] and scale_inv of the blocks of inᵀ (in stays [rows, cols]): the quantization
   // of inᵀ, written transposed
   bool transpose = false;
+  // both directions in one pass (transpose false): codes / scale_inv are in's quantization and
+  // codes_t [cols, rows] / scale_inv_t (row stride s_st_t) inᵀ's; null: in's only
+  uint8_t* codes_t = nullptr;
+  float* scale_inv_t = nullptr;
+  int64_t s_st_t = 0;
 };
 // The fp32 scale_inv `s` of blocks whose grid is `ss` (block_scale_shape): shape, dtype, strides,
 // rows that do not overlap, a pointer; throws Error(op, arg, ...) naming the rule. Returns its row stride.

@@ -167,6 +167,40 @@ TEST(BlockFp8Cpu, TransposedQuantizationIsTheQuantizationOfTheTranspose) {
     }
 }
 
+// The two-output call writes the bits of the two one-direction calls; its own rules name the argument.
+TEST(BlockFp8Cpu, BothDirectionsAreTheTwoQuantizations) {
+  const int64_t rows = 130, cols = 257;
+  std::vector<float> x = test::make_data(rows, cols, test::Data::kAdversarial, 99);
+  const TensorDesc in(x.data(), DType::kFloat32, {rows, cols});
+  for (int64_t br : {1, 128}) {
+    const std::vector<int64_t> ss = block_scale_shape(rows, cols, br), sst = block_scale_shape(cols, rows, br);
+    std::vector<uint8_t> c(x.size()), ct(x.size()), r(x.size()), rt(x.size());
+    std::vector<float> s(ss[0] * ss[1]), st(sst[0] * sst[1]), q(s.size()), qt(st.size());
+    BlockQuantizeOptions o;
+    o.block_rows = br;
+    BlockFP8Tensor a{TensorDesc(c.data(), DType::kUInt8, {rows, cols}), TensorDesc(s.data(), DType::kFloat32, ss), 0};
+    BlockFP8Tensor at{TensorDesc(ct.data(), DType::kUInt8, {cols, rows}), TensorDesc(st.data(), DType::kFloat32, sst), 0};
+    quantize_blockwise(in, a, at, o);
+    EXPECT_EQ(a.block_rows, br);
+    EXPECT_EQ(at.block_rows, br);
+    BlockFP8Tensor b{TensorDesc(r.data(), DType::kUInt8, {rows, cols}), TensorDesc(q.data(), DType::kFloat32, ss), 0};
+    quantize_blockwise(in, b, o);
+    o.transpose = true;
+    BlockFP8Tensor bt{TensorDesc(rt.data(), DType::kUInt8, {cols, rows}), TensorDesc(qt.data(), DType::kFloat32, sst), 0};
+    quantize_blockwise(in, bt, o);
+    EXPECT_EQ(c, r) << br;
+    EXPECT_EQ(ct, rt) << br;
+    EXPECT_EQ(0, std::memcmp(s.data(), q.data(), s.size() * 4)) << br;
+    EXPECT_EQ(0, std::memcmp(st.data(), qt.data(), st.size() * 4)) << br;
+    test::expect_error("mxmla.quantize_blockwise", [&] { quantize_blockwise(in, a, at, o); }, "transpose",
+                       "must be false");
+    o.transpose = false;
+    BlockFP8Tensor wrong{TensorDesc(ct.data(), DType::kUInt8, {rows, cols}), at.scale_inv, 0};
+    test::expect_error("mxmla.quantize_blockwise", [&] { quantize_blockwise(in, a, wrong, o); }, "t.data",
+                       "the input's shape transposed");
+  }
+}
+
 // The block-FP8 GEMM by hand: A [2, 256] with 1 x 128 blocks, B [3, 256] with 1 x 128 blocks (then
 // as 128 x 128), codes 1.0 (0x38) and 2.0 (0x40), scale_inv powers of two: D is a sum of four
 // products per element, checked in closed form; alpha, accumulate and an fp32 out with a row stride.

@@ -1,5 +1,6 @@
 """The block-FP8 GEMM (the DeepSeek-V3 recipe's Linear GEMMs: ``mxmla.gemm`` on BlockFP8Tensors) and
-the transposed block quantization its backward operands come from: the CPU reference against
+the transposed block quantization its backward operands come from (alone, and with the plain one in
+one pass: ``quantize_blockwise_both``): the CPU reference against
 float64 numpy math on the dequantized operands, the three GEMMs of a Linear, the CUDA kernels bit for
 bit against the CPU reference where every block's sum is exact (integer-valued codes), random data
 within the stated bound, NaN / Inf scales, tails, strided and unaligned outputs, accumulation, and
@@ -58,6 +59,36 @@ def test_transposed_quantization_is_that_of_the_transpose(block_rows, shape):
     assert t.shape == (shape[1], shape[0])
     np.testing.assert_array_equal(t.data, r.data)
     np.testing.assert_array_equal(t.scale_inv.view(np.uint32), r.scale_inv.view(np.uint32))
+
+
+def _bits(t, dtype):
+    """A numpy or torch array's bytes as a numpy array of `dtype` (np.uint8 codes, np.uint32 scales)."""
+    if torch is not None and isinstance(t, torch.Tensor):
+        t = t.detach().cpu()
+        t = (t.view(torch.uint8) if dtype == np.uint8 else t.view(torch.int32)).numpy()
+    return np.asarray(t).view(dtype)
+
+
+def _same(a, b):
+    """Two BlockFP8Tensors hold the same bits (numpy or torch, any device)."""
+    assert a.shape == b.shape and a.block_rows == b.block_rows
+    np.testing.assert_array_equal(_bits(a.data, np.uint8), _bits(b.data, np.uint8))
+    np.testing.assert_array_equal(_bits(a.scale_inv, np.uint32), _bits(b.scale_inv, np.uint32))
+
+
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 300), (257, 129), (130, 257)])
+def test_both_directions_are_the_two_quantizations(block_rows, shape):
+    """quantize_blockwise_both(x) = (quantize_blockwise(x), quantize_blockwise(x, transpose=True))."""
+    x = edge_matrix(*shape, seed=sum(shape) + 1)
+    q, t = mxmla.quantize_blockwise_both(x, block_rows)
+    _same(q, mxmla.quantize_blockwise(x, block_rows))
+    _same(t, mxmla.quantize_blockwise(x, block_rows, transpose=True))
+    assert q.shape == shape and t.shape == shape[::-1]
+    with pytest.raises(ValueError, match="block_rows"):
+        mxmla.quantize_blockwise_both(x, 64)
+    with pytest.raises(ValueError, match="'input'.*2-D"):
+        mxmla.quantize_blockwise_both(x[0])
 
 
 @pytest.mark.parametrize("a_br,b_br", [(1, 128), (1, 1), (128, 128), (128, 1)])
@@ -178,6 +209,18 @@ def test_torch_compile_traces_the_block_gemm():
             mxmla.quantize_blockwise(w, 128).data.float().requires_grad_(), torch.ones(1, 2), 128))
 
 
+@needs_torch
+def test_torch_compile_traces_both_directions():
+    x = torch.randn(200, 136)
+
+    def f(x):
+        q, t = mxmla.quantize_blockwise_both(x)
+        return q.data.view(torch.uint8), q.scale_inv, t.data.view(torch.uint8), t.scale_inv
+
+    for e, c in zip(f(x), torch.compile(f, backend="aot_eager", fullgraph=True)(x)):
+        assert e.shape == c.shape and torch.equal(e, c)
+
+
 # ------------------------------------------------------------------ CUDA
 def _cuda(b):
     return mxmla.BlockFP8Tensor(torch.from_numpy(np.asarray(b.data)).cuda().view(torch.float8_e4m3fn),
@@ -200,6 +243,33 @@ def test_cuda_transposed_quantization_matches_cpu(block_rows, dtype, shape):
         h = mxmla.quantize_blockwise(x, block_rows, pow2, transpose=True)
         assert torch.equal(g.data.view(torch.uint8).cpu(), h.data.view(torch.uint8))
         assert torch.equal(g.scale_inv.cpu().view(torch.int32), h.scale_inv.view(torch.int32))
+
+
+@needs_gpu
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 300), (130, 257), (257, 129), (4097, 1536), (384, 7168)])
+def test_cuda_both_directions_match_cpu(block_rows, dtype, shape):
+    """One pass writing x's and xᵀ's quantization: the CPU reference's bits (its two calls), with a
+    zero block, NaN, Inf and subnormals, and tails in both directions."""
+    x = torch.from_numpy(edge_matrix(*shape, seed=shape[0] + 2)).to(getattr(torch, dtype))
+    for pow2 in (True, False):
+        g = mxmla.quantize_blockwise_both(x.cuda(), block_rows, pow2)
+        h = mxmla.quantize_blockwise_both(x, block_rows, pow2)
+        for a, b in zip(g, h):
+            _same(a, b)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lo,hi", [(64, 448), (3, 300), (1, 9)])
+def test_cuda_both_directions_strided_input(dtype, lo, hi):
+    """Column slices of a wider matrix: 16-byte aligned rows (64:448) and rows that are not (the
+    kernel's element loads), 300 rows (a tail of the transposed blocks)."""
+    x = torch.randn(300, 512, device="cuda").to(getattr(torch, dtype))[:, lo:hi]
+    for block_rows in (1, 128):
+        for a, b in zip(mxmla.quantize_blockwise_both(x, block_rows), mxmla.quantize_blockwise_both(x.cpu(), block_rows)):
+            _same(a, b)
 
 
 @needs_gpu

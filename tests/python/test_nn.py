@@ -318,16 +318,22 @@ def _deq(t, columnwise):
     return mxmla.dequantize(t, "float32", columnwise=columnwise).to(torch.float64)
 
 
+def _linear_step(recipe, K, N):
+    """A Linear of the recipe, x [5, 37, K] (185 tokens), its forward y and backward from dy: (lin, x, y, dy)."""
+    g = torch.Generator().manual_seed(0)
+    lin = mnn.Linear(K, N, recipe=recipe, seed=3)
+    x = torch.randn(5, 37, K, generator=g).to(torch.bfloat16).requires_grad_()
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (5, 37, N)
+    dy = torch.randn(y.shape, generator=g).to(torch.bfloat16)
+    y.backward(dy)
+    return lin, x, y, dy
+
+
 def test_mxfp8_linear_runs_the_three_defined_gemms():
     """fprop X_row·W_rowᵀ (bf16), dgrad dY_row·W_col (bf16), wgrad dY_colᵀ·X_col (fp32), each on the
     exactly dequantized copies (SPEC §6); T = 185 tokens (a columnwise tail block)."""
-    g = torch.Generator().manual_seed(0)
-    lin = mnn.Linear(64, 96, recipe="mxfp8", seed=3)
-    x = torch.randn(5, 37, 64, generator=g).to(torch.bfloat16).requires_grad_()
-    y = lin(x)
-    assert y.dtype == torch.bfloat16 and y.shape == (5, 37, 96)
-    dy = torch.randn(y.shape, generator=g).to(torch.bfloat16)
-    y.backward(dy)
+    lin, x, y, dy = _linear_step("mxfp8", 64, 96)
     x8 = mxmla.quantize(x.detach().reshape(-1, 64))
     w8 = mxmla.quantize(lin.weight.detach().to(torch.bfloat16))
     dy8 = mxmla.quantize(dy.reshape(-1, 96))
@@ -340,9 +346,10 @@ def test_mxfp8_linear_runs_the_three_defined_gemms():
     torch.testing.assert_close(lin.weight.grad, want_dw, rtol=2.0 ** -22, atol=1e-30)
 
 
-def test_mxfp8_linear_accumulates_wgrad_into_main_grad():
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+def test_linear_accumulates_wgrad_into_main_grad(recipe):
     g = torch.Generator().manual_seed(2)
-    lin = mnn.Linear(64, 32, recipe="mxfp8", seed=1)
+    lin = mnn.Linear(64, 32, recipe=recipe, seed=1)
     x = torch.randn(50, 64, generator=g).to(torch.bfloat16)
     dys = [torch.randn(50, 32, generator=g).to(torch.bfloat16) for _ in range(2)]
     want = torch.zeros(32, 64)
@@ -392,7 +399,97 @@ def test_mxfp8_recipe_checks_its_dims_and_dtype():
         mnn.Linear(64, 64, recipe="mxfp8", dtype=torch.float32)
     with pytest.raises(ValueError, match="recipe must be one of"):
         mnn.MLA(64, 4, 32, 16, recipe="fp8")
-    assert mnn.RECIPES == ("bf16", "mxfp8")
+    assert mnn.RECIPES == ("bf16", "mxfp8", "block-fp8")
+
+
+def _bdeq(t):
+    return t.dequantize().to(torch.float64)
+
+
+def test_block_fp8_linear_runs_the_three_defined_gemms():
+    """DeepSeek-V3's recipe (SPEC §4.1): fprop X·Wᵀ with x in 1 x 128 blocks and W in 128 x 128 blocks
+    (bf16 out), dgrad dY·W with dY in 1 x 128 blocks along N (bf16), wgrad dYᵀ·X with dY and x in
+    1 x 128 blocks along the tokens (fp32): each the float64 product of the exactly dequantized
+    operands rounded once (the CPU GEMM). T = 185, K = 200, N = 150: partial blocks everywhere."""
+    lin, x, y, dy = _linear_step("block-fp8", 200, 150)
+    x2, dy2, w = x.detach().reshape(-1, 200), dy.reshape(-1, 150), lin.weight.detach()
+    wq = mxmla.quantize_blockwise(w, block_rows=128)
+    want_y = _bdeq(mxmla.quantize_blockwise(x2)) @ _bdeq(wq).T
+    want_dx = _bdeq(mxmla.quantize_blockwise(dy2)) @ _bdeq(wq)
+    want_dw = _bdeq(mxmla.quantize_blockwise(dy2, transpose=True)) @ _bdeq(mxmla.quantize_blockwise(x2, transpose=True)).T
+    assert torch.equal(y.reshape(-1, 150), want_y.to(torch.bfloat16))
+    assert torch.equal(x.grad.reshape(-1, 200), want_dx.to(torch.bfloat16))
+    assert lin.weight.grad.dtype == torch.float32 and torch.equal(lin.weight.grad, want_dw.to(torch.float32))
+    # an input without a gradient: no dgrad, the same wgrad
+    lin.weight.grad = None
+    lin(x.detach()).backward(dy)
+    assert torch.equal(lin.weight.grad, want_dw.to(torch.float32))
+
+
+def test_block_fp8_linear_quantizes_the_weight_once_per_version():
+    lin = mnn.Linear(64, 32, recipe="block-fp8", seed=1)
+    x = torch.randn(50, 64).to(torch.bfloat16)
+    y0 = lin(x)
+    cached = lin.weight._mxmla_block_fp8  # W's two block-FP8 copies, made once per version of the weight
+    lin(x).float().sum().backward()
+    assert lin.weight._mxmla_block_fp8 is cached
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # an optimizer's in-place update: a new version, quantized again
+    assert not torch.equal(lin(x), y0) and lin.weight._mxmla_block_fp8 is not cached
+
+
+def test_block_fp8_recipe_checks_its_dtype():
+    with pytest.raises(ValueError, match="recipe 'block-fp8' computes in bf16"):
+        mnn.Linear(64, 64, recipe="block-fp8", dtype=torch.float32)
+    with pytest.raises(ValueError, match="recipe 'block-fp8' computes in bf16"):
+        mnn.MLA(64, 4, 32, 16, recipe="block-fp8", dtype=torch.float32)
+    assert mnn.Linear(40, 24, recipe="block-fp8").weight.shape == (24, 40)  # any dims
+
+
+def test_kv_from_projection_is_the_split_and_concatenation():
+    """The block-fp8 recipe's K / V assembly (no torch.cat): K = [k_nope | k_pe broadcast], V the view,
+    and their gradients (dkv = [dK_nope | dV], dk_pe summed over the heads) equal the torch graph's,
+    also when only K reaches the loss (dV None)."""
+    from mxmla.nn.mla import _KVFromProjection
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 5, 3, 14, generator=g, dtype=torch.float64, requires_grad=True)
+    k_pe = torch.randn(2, 5, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    dk, dv = torch.randn(2, 5, 3, 12, generator=g, dtype=torch.float64), torch.randn(2, 5, 3, 6, generator=g, dtype=torch.float64)
+    k, v = _KVFromProjection.apply(kv, k_pe, 8)
+    k_nope, v_ref = kv.split([8, 6], dim=-1)
+    k_ref = torch.cat([k_nope, k_pe.expand(2, 5, 3, 4)], dim=-1)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    for outs, grads in (((k, v), (dk, dv)), ((k,), (dk,))):
+        refs = (k_ref, v_ref)[:len(outs)]
+        got = torch.autograd.grad(outs, (kv, k_pe), grads, retain_graph=True)
+        want = torch.autograd.grad(refs, (kv, k_pe), grads, retain_graph=True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_mla_block_fp8_recipe_tracks_the_bf16_block(layout):
+    """Same weights, same input: the block-FP8 block (every Linear on the block-FP8 GEMM, attention in
+    bf16) against the bf16 block: relative RMS of the output and dx < 10 %, of every parameter
+    gradient < 25 % (the mxfp8 recipe's bounds; the measured values are printed)."""
+    kw = dict(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
+              max_seq_len=64, layout=layout, seed=7)
+    ref, bf = mnn.MLA(**kw), mnn.MLA(**kw, recipe="block-fp8")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((2, 40, 64) if layout == "bshd" else (80, 64), generator=g).to(torch.bfloat16)
+    cu = [0, 40, 80] if layout == "thd" else None
+    outs = []
+    for m in (ref, bf):
+        xi = x.clone().requires_grad_()
+        o = m(xi, cu_seqlens=cu)
+        o.float().square().mean().backward()
+        outs.append((o.detach().double(), xi.grad.double(), {n: p.grad.double() for n, p in m.named_parameters()}))
+    errs = {"out": rel(outs[1][0], outs[0][0]), "dx": rel(outs[1][1], outs[0][1])}
+    errs.update({n: rel(outs[1][2][n], gr) for n, gr in outs[0][2].items()})
+    print(f"relative RMS, block-fp8 vs bf16 ({layout}):", {k: round(v, 4) for k, v in errs.items()})
+    assert errs.pop("out") < 0.1 and errs.pop("dx") < 0.1, errs
+    for n, e in errs.items():
+        assert 0 < e < 0.25, (n, e)
 
 
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
@@ -601,13 +698,14 @@ def test_train_script_end_to_end(tmp_path):
         assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_train_script_runs_the_mxfp8_recipe_beside_bf16(tmp_path):
-    r = subprocess.run([sys.executable, str(SCRIPT), "--text-file", str(TEXT), "--recipe", "bf16,mxfp8",
+def test_train_script_runs_the_fp8_recipes_beside_bf16(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--text-file", str(TEXT), "--recipe", "bf16,mxfp8,block-fp8",
                         "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                        env=_script_env())
     assert r.returncode == 0, r.stderr
-    assert "final loss gap mxfp8 - bf16" in r.stdout
-    assert (tmp_path / "loss_bf16.csv").exists() and (tmp_path / "loss_mxfp8.csv").exists()
+    assert "final loss gap mxfp8 - bf16" in r.stdout and "final loss gap block-fp8 - bf16" in r.stdout
+    for recipe in ("bf16", "mxfp8", "block-fp8"):
+        assert (tmp_path / f"loss_{recipe}.csv").exists(), recipe
 
 
 def test_train_script_two_recipes_same_weights_and_data(tmp_path, monkeypatch, capsys):

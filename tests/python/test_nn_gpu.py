@@ -53,6 +53,33 @@ def test_mxfp8_linear_cuda_equals_cpu_on_integer_data():
         assert torch.equal(c, g), name
 
 
+def test_block_fp8_linear_cuda_equals_cpu_on_integer_data():
+    """The block-FP8 Linear (DeepSeek-V3's recipe) on integers in [-4, 4]: codes exact, power-of-two
+    scales, every fp32 partial sum exact, so the CUDA forward, dgrad and wgrad (Hopper's FP8 tensor
+    cores) equal the CPU reference bit for bit; T = 135, K = 200, N = 160 (partial blocks), and the
+    wgrad added into a main_grad."""
+    cpu = mnn.Linear(200, 160, recipe="block-fp8", seed=3)
+    with torch.no_grad():
+        cpu.weight.copy_(ints(160, 200, seed=1).float())
+    gpu = mnn.Linear(200, 160, recipe="block-fp8", seed=3).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    x, dy = ints(3, 45, 200, seed=2), ints(3, 45, 160, seed=3)
+    outs = []
+    for m, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        xi = x.to(dev).clone().requires_grad_()
+        y = m(xi)
+        y.backward(dy.to(dev))
+        dw = m.weight.grad.cpu()
+        m.weight.main_grad = torch.full((160, 200), 0.5, device=dev)
+        m.weight.grad = None
+        m(x.to(dev)).backward(dy.to(dev))
+        assert m.weight.grad is None
+        outs.append((y.detach().cpu(), xi.grad.cpu(), dw, m.weight.main_grad.cpu()))
+    for name, c, g in zip(("y", "dx", "dw", "main_grad"), *outs):
+        assert torch.equal(c, g), name
+    assert torch.equal(outs[0][3], outs[0][2] + 0.5)
+
+
 @pytest.mark.parametrize("weights", ["bf16", "mxfp8", "block-fp8"])
 @pytest.mark.parametrize("layout", ["sbhd", "thd"])
 def test_mlaqupproj_cuda_against_cpu(layout, weights):
@@ -155,15 +182,17 @@ def _grads(m, x):
     return o.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}
 
 
-def test_mla_mxfp8_block_tracks_bf16_at_deepseek_v3_dims():
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+def test_mla_block_tracks_bf16_at_deepseek_v3_dims(recipe):
     """DeepSeek-V3's MLA (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope 128, rope 64, v 128),
     T 512, causal, the same weights: the "mxfp8" block (MXFP8 GEMMs, MXFP8 attention forward and
-    backward) against the "bf16" block. Bounds: relative RMS of the output and dx < 10 %, of every
-    parameter gradient < 25 % (the CPU test's bounds at small dims; the measured values are printed)."""
+    backward) and the "block-fp8" block (block-FP8 GEMMs, attention in bf16) against the "bf16" block.
+    Bounds: relative RMS of the output and dx < 10 %, of every parameter gradient < 25 % (the CPU
+    test's bounds at small dims; the measured values are printed)."""
     kw = dict(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128,
               max_seq_len=512, layout="bshd", seed=11)
     ref = mnn.MLA(**kw).cuda()
-    mx = mnn.MLA(**kw, recipe="mxfp8").cuda()
+    mx = mnn.MLA(**kw, recipe=recipe).cuda()
     mx.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 512, 7168, generator=g).to(torch.bfloat16).cuda()
@@ -171,7 +200,7 @@ def test_mla_mxfp8_block_tracks_bf16_at_deepseek_v3_dims():
     o1, dx1, p1 = _grads(mx, x)
     errs = {"out": rel(o1, o0), "dx": rel(dx1, dx0)}
     errs.update({n: rel(p1[n], gr) for n, gr in p0.items()})
-    print("relative RMS, mxfp8 vs bf16:", {k: round(v, 4) for k, v in errs.items()})
+    print(f"relative RMS, {recipe} vs bf16:", {k: round(v, 4) for k, v in errs.items()})
     assert all(math.isfinite(v) for v in errs.values()), errs
     assert errs["out"] < 0.1 and errs["dx"] < 0.1, errs
     for n in p0:

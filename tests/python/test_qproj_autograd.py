@@ -195,7 +195,9 @@ def test_mxfp8_weight_errors_name_the_argument():
 @pytest.mark.parametrize("layout", ["sbhd", "bshd"])
 def test_block_fp8_weights_forward_is_the_fused_op_and_backward_the_gemms_on_the_quantized_operands(layout):
     """Forward: the fused op on x and W quantized block-wise (1 x 128, 128 x 128, power-of-two scales);
-    backward: RoPE backward, then dgrad / wgrad in bf16 on those operands dequantized (exact)."""
+    backward: RoPE backward, dQ' quantized in 1 x 128 blocks along N (dgrad) and along T (wgrad),
+    dgrad dQ'·W and wgrad dQ'ᵀ·x on the block-quantized operands (float64 math on their exact values:
+    the CPU GEMM's, rounded once to bf16 / fp32)."""
     qp, x, _, _, g = _setup(layout, seed=6, weights="block-fp8")
     q8, anchor = qp(x)
     xs = x.detach().reshape(-1, 64)
@@ -214,10 +216,15 @@ def test_block_fp8_weights_forward_is_the_fused_op_and_backward_the_gemms_on_the
     dq = torch.randn(anchor.shape, generator=g).to(torch.bfloat16)
     dx, dw = torch.autograd.grad(anchor, (x, qp.weight), dq)
     gq = mxmla.rope_backward(dq, qp.rope_cos, qp.rope_sin, style="interleaved", layout=layout, rope_dim=32)
-    gq = gq.reshape(-1, qp.weight.shape[0])
-    wq = wb.dequantize().to(torch.bfloat16)
-    xq = mxmla.quantize_blockwise(xs).dequantize().to(torch.bfloat16)
-    assert torch.equal(wq.float(), wb.dequantize()) and torch.equal(xq.float(), mxmla.quantize_blockwise(xs).dequantize())
-    assert torch.equal(dx.reshape(-1, 64), gq @ wq)
-    assert dw.dtype == torch.float32 and torch.equal(dw, gq.t().float() @ xq.float())
+    gq = gq.reshape(-1, qp.weight.shape[0])                               # dQ' [T, N] bf16
+    d64 = lambda t: t.dequantize().to(F64)  # noqa: E731
+    want_dx = d64(mxmla.quantize_blockwise(gq)) @ d64(wb)                  # [T, K]
+    want_dw = d64(mxmla.quantize_blockwise(gq, transpose=True)) @ d64(mxmla.quantize_blockwise(xs, transpose=True)).T
+    assert torch.equal(dx.reshape(-1, 64), want_dx.to(torch.bfloat16))
+    assert dw.dtype == torch.float32 and torch.equal(dw, want_dw.to(torch.float32))
+    qp.weight.main_grad = torch.ones(qp.weight.shape, dtype=torch.float32)  # Megatron's buffer: dW added into it
+    q8, anchor = qp(x)
+    dx2, = torch.autograd.grad(anchor, (x,), dq)
+    assert torch.equal(dx2, dx) and qp.weight.grad is None
+    assert torch.equal(qp.weight.main_grad, (want_dw + 1).to(torch.float32))
 

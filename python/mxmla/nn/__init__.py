@@ -18,8 +18,9 @@ Recipes: ``"bf16"`` (the baseline: every Linear and the attention in bf16 with f
 parameters in fp32) and ``"mxfp8"`` (every Linear on mxmla's MXFP8 GEMM with its three directions,
 ``MXFP8LinearFunction``; attention on MXFP8 Q, K, V with mxmla's forward and backward,
 ``MXFP8Attention``; ``MLA`` with a q_lora rank on sbhd / bshd: the fused Q up-projection and
-``attention_from_latent``). On a GPU the MXFP8 recipe runs mxmla's CUDA kernels; the README says
-how fast against the bf16 recipe.
+``attention_from_latent``) and ``"block-fp8"`` (DeepSeek-V3's recipe: every Linear on mxmla's
+block-FP8 GEMM, ``BlockFP8LinearFunction``; the attention in bf16 as in "bf16"). On a GPU the FP8
+recipes run mxmla's CUDA kernels; the README says how fast against the bf16 recipe.
 
 Needs torch (``import mxmla`` does not import this subpackage, and works without torch).
 """
@@ -32,8 +33,8 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 
 from ..attention_autograd import DotProductAttention
 from .decoder import Block, Decoder, byte_tokens
-from .layers import RECIPES, Linear, MXFP8LinearFunction, RMSNorm, SwiGLU, check_recipe
+from .layers import RECIPES, BlockFP8LinearFunction, Linear, MXFP8LinearFunction, RMSNorm, SwiGLU, check_recipe
 from .mla import MLA
 from .qproj import MLAQUpProj, attention_from_latent, attention_from_mxfp8_q
 
-__all__ = ["MLA", "MLAQUpProj", "attention_from_mxfp8_q", "attention_from_latent", "DotProductAttention", "MXFP8LinearFunction", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens"]
+__all__ = ["MLA", "MLAQUpProj", "attention_from_mxfp8_q", "attention_from_latent", "DotProductAttention", "MXFP8LinearFunction", "BlockFP8LinearFunction", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens"]

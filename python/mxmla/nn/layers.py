@@ -1,6 +1,8 @@
 """Recipes, Linear, RMSNorm and SwiGLU (DeepSeek-V3's dense MLP) for mxmla.nn.
 
-Precision (recipe "bf16"; recipe "mxfp8": every Linear on mxmla's MXFP8 GEMM, MXFP8LinearFunction): parameters are kept in fp32 (the optimizer's master copy); every Linear
+Precision (recipe "bf16"; recipe "mxfp8": every Linear on mxmla's MXFP8 GEMM, MXFP8LinearFunction;
+recipe "block-fp8": every Linear on the block-FP8 GEMM, BlockFP8LinearFunction, DeepSeek-V3's own
+recipe): parameters are kept in fp32 (the optimizer's master copy); every Linear
 casts its input and weight to the compute dtype (bf16) and runs one GEMM with fp32 accumulation;
 RMSNorm computes in fp32 and returns its input's dtype. ``dtype=torch.float32`` / ``torch.float64``
 run the same graph at that precision (reference checks; float64 also keeps its parameters in
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-RECIPES = ("bf16", "mxfp8")
+RECIPES = ("bf16", "mxfp8", "block-fp8")
 
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -101,6 +103,75 @@ class MXFP8LinearFunction(torch.autograd.Function):
         return dx.reshape(*ctx.lead, dx.shape[-1]), dw
 
 
+def block_weights(weight: torch.Tensor):
+    """W's block-FP8 copies (128 x 128 blocks, power-of-two scales, quantized from the fp32 master
+    weight): (W [N, K], Wᵀ [K, N]), the fprop and dgrad operands (the same blocks, so the same scales;
+    the codes transposed), made once per version of the weight as _quantized_weight's MXFP8 copies."""
+    import mxmla
+
+    key = (weight._version, weight.device, weight.data_ptr())
+    cached = getattr(weight, "_mxmla_block_fp8", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    w = weight.detach().float()
+    pair = (mxmla.quantize_blockwise(w, block_rows=128), mxmla.quantize_blockwise(w, block_rows=128, transpose=True))
+    weight._mxmla_block_fp8 = (key, pair)
+    return pair
+
+
+def block_linear_grads(dy: torch.Tensor, wt, xt, weight: torch.Tensor, need_dx: bool = True):
+    """(dx bf16 [T, K] or None, dW fp32 [N, K] or None) of a block-FP8 Linear (SPEC §4.1): dy [T, N]
+    quantized in 1 x 128 blocks along N (dgrad's A) and along T (wgrad's A, dyᵀ); dgrad dX = dY·W on
+    Wᵀ's copy ``wt`` [K, N], wgrad dW = dYᵀ·X on xᵀ's copy ``xt`` [K, T], added into the weight's
+    ``main_grad`` (Megatron's fp32 buffer; then no dW) when it has one."""
+    import mxmla
+
+    if need_dx:  # dY along N and along T in one pass
+        dyq, dyt = mxmla.quantize_blockwise_both(dy)
+        dx = mxmla.gemm(dyq, wt)
+    else:
+        dx, dyt = None, mxmla.quantize_blockwise(dy, transpose=True)
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        mxmla.gemm(dyt, xt, out=main_grad, accumulate=True)
+        return dx, None
+    return dx, mxmla.gemm(dyt, xt, out_dtype=torch.float32).to(weight.dtype)
+
+
+class BlockFP8LinearFunction(torch.autograd.Function):
+    """y = x · Wᵀ as DeepSeek-V3 trains its Linears (TransformerEngine's Float8BlockScaling; SPEC
+    §4.1), on mxmla.gemm's block-FP8 kernel (Hopper's FP8 tensor cores).
+
+    forward: x [T, K] cast to bf16 and quantized in 1 x 128 blocks (E4M3, power-of-two scales) along K
+    (fprop's operand) and along T (xᵀ, wgrad's), W [N, K] in 128 x 128 blocks (once per version of the
+    weight, with its transpose for dgrad); fprop Y = X · Wᵀ (bf16 out, fp32 accumulation). Saved: xᵀ's
+    codes and scales only. backward: dY quantized the same two ways; dgrad dX = dY · W (bf16), wgrad
+    dW = dYᵀ · X (fp32, or added into the weight's ``main_grad``). Any T, K, N."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        import mxmla
+
+        lead, K = x.shape[:-1], x.shape[-1]
+        x2 = x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
+        wq, _ = block_weights(weight)
+        xq, xt = mxmla.quantize_blockwise_both(x2)  # fprop's x and wgrad's xᵀ, one pass over x
+        y = mxmla.gemm(xq, wq)
+        ctx.save_for_backward(xt.data, xt.scale_inv)
+        ctx.lead, ctx.weight = lead, weight
+        return y.reshape(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        import mxmla
+
+        xc, xs = ctx.saved_tensors
+        _, wt = block_weights(ctx.weight)
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous()
+        dx, dw = block_linear_grads(dy2, wt, mxmla.BlockFP8Tensor(xc, xs, 1), ctx.weight, ctx.needs_input_grad[0])
+        return (None if dx is None else dx.reshape(*ctx.lead, dx.shape[-1])), dw
+
+
 def resolve_dtypes(what: str, dtype: torch.dtype, params_dtype: Optional[torch.dtype]) -> Tuple[torch.dtype, torch.dtype]:
     """(compute dtype, parameter dtype): parameters in fp32 unless the compute dtype is float64."""
     if dtype not in _COMPUTE_DTYPES:
@@ -138,7 +209,9 @@ class Linear(nn.Module):
     recipe "bf16": input and weight cast to `dtype`, one GEMM with fp32 accumulation, output in
     `dtype`. recipe "mxfp8": MXFP8LinearFunction (x and W quantized to MXFP8 with both copies, the
     three GEMMs on mxmla.gemm, bf16 output and input gradient, fp32 weight gradient); in_features
-    and out_features must be multiples of 32, and the compute dtype is bf16."""
+    and out_features must be multiples of 32, and the compute dtype is bf16. recipe "block-fp8":
+    BlockFP8LinearFunction (DeepSeek-V3's recipe: x and dY in 1 x 128 blocks, W in 128 x 128 blocks,
+    the three GEMMs on the FP8 tensor cores); any in_features and out_features, compute dtype bf16."""
 
     def __init__(self, in_features: int, out_features: int, recipe: str = "bf16", dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02, seed: int = 0):
@@ -146,14 +219,14 @@ class Linear(nn.Module):
         self.recipe = check_recipe(recipe, "mxmla.nn.Linear")
         self.dtype, params_dtype = resolve_dtypes("mxmla.nn.Linear", dtype, params_dtype)
         self.in_features, self.out_features, self.init_std = int(in_features), int(out_features), float(init_std)
+        if recipe in ("mxfp8", "block-fp8") and self.dtype != torch.bfloat16:
+            raise ValueError(f"mxmla.nn.Linear: recipe {recipe!r} computes in bf16 (dtype=torch.bfloat16), got "
+                             f"{self.dtype}")
         if recipe == "mxfp8":
             for name, n in (("in_features", self.in_features), ("out_features", self.out_features)):
                 if n % 32:
                     raise ValueError(f"mxmla.nn.Linear: recipe 'mxfp8' needs {name} to be a multiple of 32 (the MXFP8 "
                                      f"blocks of the GEMMs' rowwise copies), got {n}")
-            if self.dtype != torch.bfloat16:
-                raise ValueError(f"mxmla.nn.Linear: recipe 'mxfp8' computes in bf16 (dtype=torch.bfloat16), got "
-                                 f"{self.dtype}")
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=params_dtype))
         self.reset_parameters(generator(seed))
 
@@ -163,6 +236,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recipe == "mxfp8":
             return MXFP8LinearFunction.apply(x, self.weight)
+        if self.recipe == "block-fp8":
+            return BlockFP8LinearFunction.apply(x, self.weight)
         return F.linear(x.to(self.dtype), self.weight.to(self.dtype))
 
     def extra_repr(self) -> str:

@@ -93,6 +93,33 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
     return torch.cat([x[..., :x.shape[-1] - rope_dim], rot], dim=-1)
 
 
+class _KVFromProjection(torch.autograd.Function):
+    """(K, V) for a bf16 attention from the kv_b projection's output kv [.., heads, nope + v_dim] and
+    the shared rope key k_pe [.., 1, rope]: K = [k_nope | k_pe broadcast] written by two strided copies
+    (torch.cat along the last dim of short rows is several times slower), V a view of kv. Backward:
+    dkv = [dK_nope | dV] written the same way (autograd's split backward would concatenate too) and
+    dk_pe = Σ over the heads of dK_pe. The "block-fp8" recipe's; "bf16" keeps the plain torch graph
+    of what users run."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, k_pe: torch.Tensor, nope: int):
+        k = kv.new_empty(*kv.shape[:-1], nope + k_pe.shape[-1])
+        k[..., :nope].copy_(kv[..., :nope])
+        k[..., nope:].copy_(k_pe.expand(*kv.shape[:-1], k_pe.shape[-1]))
+        ctx.nope, ctx.v_dim = nope, kv.shape[-1] - nope
+        return k, kv[..., nope:]
+
+    @staticmethod
+    def backward(ctx, dk: Optional[torch.Tensor], dv: Optional[torch.Tensor]):
+        nope = ctx.nope
+        ref = dk if dk is not None else dv
+        dkv = ref.new_empty(*ref.shape[:-1], nope + ctx.v_dim)
+        for part, g in ((dkv[..., :nope], None if dk is None else dk[..., :nope]), (dkv[..., nope:], dv)):
+            part.copy_(g) if g is not None else part.zero_()
+        dk_pe = None if dk is None else dk[..., nope:].sum(-2, keepdim=True)
+        return dkv, dk_pe, None
+
+
 class MLA(nn.Module):
     """DeepSeek-V3 Multi-head Latent Attention (see the module docstring for the computation).
 
@@ -111,7 +138,12 @@ class MLA(nn.Module):
             output, its backward reading dK and dV in place: no concatenation pass), in every
             layout (thd: q, K and V quantized as [t, h·d], columnwise blocks along the packed
             tokens, as TransformerEngine's thd). "mxfp8" needs dtype bf16, every Linear's
-            dimensions and nope_dim + rope_dim multiples of 32.
+            dimensions and nope_dim + rope_dim multiples of 32. "block-fp8": DeepSeek-V3's own
+            recipe (TransformerEngine's Float8BlockScaling; docs/spec.md §4.1): every Linear on the
+            block-FP8 GEMM (BlockFP8LinearFunction: activations and gradients in 1 x 128 blocks,
+            weights in 128 x 128 blocks, Hopper's FP8 tensor cores), the attention, RoPE and
+            RMSNorm as in "bf16" (DeepSeek-V3 keeps its attention in bf16), K and V assembled
+            from wkv_b's output without concatenation passes; dtype bf16, any dims.
         yarn: None (plain RoPE), "deepseek_v3" or a dict of YaRN parameters (mxmla.rope_tables);
             it also sets the softmax scale's mscale² (DeepSeek-V3 trains with YaRN only past 4K).
         rope_base: RoPE's base (10000). max_seq_len: the longest sequence (the tables' length).
@@ -313,8 +345,11 @@ class MLA(nn.Module):
                                       cu_seqlens=cu if thd else None, max_seqlen=(longest or None) if thd else None)
         else:
             kv = self.wkv_b(lat).unflatten(-1, (self.local_heads, self.nope_dim + self.v_dim))
-            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-            k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
+            if self.recipe == "block-fp8":  # K and V without torch.cat in either direction
+                k, v = _KVFromProjection.apply(kv, k_pe, self.nope_dim)
+            else:
+                k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+                k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
             o = self._attention(q, k, v, layout, cu)
         return reduce_from_tp(self.wo(o.flatten(-2)), g)
 

@@ -20,10 +20,10 @@ RoPE backward and the MXFP8 quantization of dQ' in one pass (``rope_backward_qua
 dX = dQ'_row·W_col and wgrad dW = dQ'_colᵀ·X_col on mxmla.gemm's kernels (SPEC §6).
 ``"block-fp8"``: the DeepSeek-V3 recipe (docs/spec.md §4.1): W quantized once per version of the
 weight in 128 x 128 blocks (power-of-two scales), x in 1 x 128 blocks, the forward on the FP8 tensor
-cores. Backward: RoPE backward of dQ in bf16, then dgrad dX = dQ'·W_q and wgrad dW = dQ'ᵀ·x_q in
-bf16 with fp32 accumulation on the forward's dequantized operands (exact in bf16: the straight-
-through gradient of the forward's math); FP8 GEMMs for the backward are not built yet. Saved: x_q's
-codes and scales, and W_q in bf16 (kept with the weight's block-FP8 copy).
+cores. Backward (as ``mxmla.nn.BlockFP8LinearFunction``'s): RoPE backward of dQ in bf16, dQ'
+quantized in 1 x 128 blocks along N and along T, then dgrad dX = dQ'·W (on Wᵀ's 128 x 128 copy) and
+wgrad dW = dQ'ᵀ·x (on xᵀ's 1 x 128 copy) on the block-FP8 GEMM. Saved: xᵀ's codes and scales (W's
+two block-FP8 copies are kept with the weight, once per version).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from .layers import _quantized_weight, check_bool, generator, init_normal_, linear_grads, linear_saved
+from .layers import _quantized_weight, block_linear_grads, block_weights, check_bool, generator, init_normal_, linear_grads, linear_saved
 
 _OP = "mxmla.nn.MLAQUpProj"
 
@@ -148,48 +148,37 @@ class _QUpProjMXFP8Function(torch.autograd.Function):
         return dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None
 
 
-def _block_weight(weight: torch.Tensor):
-    """W as a block-FP8 tensor (128 x 128 blocks, power-of-two scales) and its dequantized bf16 copy
-    (exact), made once per version of the weight, as _quantized_weight does for MXFP8."""
-    import mxmla
-
-    key = (weight._version, weight.device, weight.data_ptr())
-    cached = getattr(weight, "_mxmla_block_fp8", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    wb = mxmla.quantize_blockwise(weight.detach().float(), block_rows=128)
-    wd = wb.dequantize().to(torch.bfloat16)  # code · 2^k: a bf16 number
-    weight._mxmla_block_fp8 = (key, (wb, wd))
-    return wb, wd
-
-
 class _QUpProjBlockFP8Function(torch.autograd.Function):
     """The query path with a block-FP8 weight (the module docstring's ``weights="block-fp8"``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: dict):
+        import mxmla
         from ..qproj import fused_q_block_fp8_weight
 
         K = x.shape[-1]
         xs = x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
-        wb, wd = _block_weight(weight)
-        q8, _, xb = fused_q_block_fp8_weight(xs, wb, cos, sin, cfg["nope_dim"], cfg["rope_dim"], cfg["style"],
-                                             cfg["layout"], cfg["batch"], "nk", True, True, "e4m3",
-                                             cfg["bhsd_scales"], False)
-        # the backward's operands: x's codes and scales as the forward multiplied them (dequantized by the
-        # backward) and W's dequantized copy (kept with the weight's block-FP8 copy)
-        ctx.save_for_backward(xb.data, xb.scale_inv, wd, cos, sin)
-        ctx.cfg, ctx.x_shape, ctx.w_dtype, ctx.weight, ctx.x_dtype = cfg, x.shape, weight.dtype, weight, x.dtype
+        wq, _ = block_weights(weight)
+        q8, _, _ = fused_q_block_fp8_weight(xs, wq, cos, sin, cfg["nope_dim"], cfg["rope_dim"], cfg["style"],
+                                            cfg["layout"], cfg["batch"], "nk", True, True, "e4m3",
+                                            cfg["bhsd_scales"], False)
+        xt = mxmla.quantize_blockwise(xs, transpose=True)  # wgrad's xᵀ [K, T], 1 x 128 blocks along the tokens
+        ctx.save_for_backward(xt.data, xt.scale_inv, cos, sin)
+        ctx.cfg, ctx.x_shape, ctx.weight, ctx.x_dtype = cfg, x.shape, weight, x.dtype
         return _anchored(ctx, x, q8)
 
     @staticmethod
     def backward(ctx, dq: torch.Tensor, *_unused):
         import mxmla
 
-        xc, xsc, wd, cos, sin = ctx.saved_tensors
-        xq = mxmla.BlockFP8Tensor(xc, xsc, 1).dequantize().to(torch.bfloat16)  # code · 2^k: exact in bf16
-        dx, dw = _bf16_grads(ctx, dq, xq, wd, cos, sin)
-        return dx.to(ctx.x_dtype), dw, None, None, None
+        xc, xsc, cos, sin = ctx.saved_tensors
+        cfg = ctx.cfg
+        _, wt = block_weights(ctx.weight)
+        dqr = mxmla.rope_backward(dq.to(torch.bfloat16).contiguous(), cos, sin, style=cfg["style"],
+                                  layout=cfg["layout"], rope_dim=cfg["rope_dim"])
+        dx, dw = block_linear_grads(dqr.reshape(-1, wt.shape[1]), wt, mxmla.BlockFP8Tensor(xc, xsc, 1), ctx.weight,
+                                    ctx.needs_input_grad[0])
+        return (None if dx is None else dx.reshape(ctx.x_shape).to(ctx.x_dtype)), dw, None, None, None
 
 
 def q_up(fn: Any, x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope_dim: int,
