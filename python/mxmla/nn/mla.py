@@ -93,10 +93,22 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
     return torch.cat([x[..., :x.shape[-1] - rope_dim], rot], dim=-1)
 
 
+def _copy_wide(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) (same dtype, src broadcastable), moved as 8-byte words where both views allow:
+    torch's strided copy of 2-byte elements runs well below the memory's bandwidth."""
+    try:
+        d, s = dst.view(torch.int64), src.view(torch.int64)
+    except RuntimeError:  # a last dim or an offset that 8-byte words do not tile
+        dst.copy_(src)
+        return
+    d.copy_(s)
+
+
 class _KVFromProjection(torch.autograd.Function):
     """(K, V) for a bf16 attention from the kv_b projection's output kv [.., heads, nope + v_dim] and
     the shared rope key k_pe [.., 1, rope]: K = [k_nope | k_pe broadcast] written by two strided copies
-    (torch.cat along the last dim of short rows is several times slower), V a view of kv. Backward:
+    (8-byte words where the views allow: torch.cat along the last dim of short rows is several times
+    slower), V a view of kv. Backward:
     dkv = [dK_nope | dV] written the same way (autograd's split backward would concatenate too) and
     dk_pe = Σ over the heads of dK_pe. The "block-fp8" recipe's; "bf16" keeps the plain torch graph
     of what users run."""
@@ -104,8 +116,8 @@ class _KVFromProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv: torch.Tensor, k_pe: torch.Tensor, nope: int):
         k = kv.new_empty(*kv.shape[:-1], nope + k_pe.shape[-1])
-        k[..., :nope].copy_(kv[..., :nope])
-        k[..., nope:].copy_(k_pe.expand(*kv.shape[:-1], k_pe.shape[-1]))
+        _copy_wide(k[..., :nope], kv[..., :nope])
+        _copy_wide(k[..., nope:], k_pe.expand(*kv.shape[:-1], k_pe.shape[-1]))
         ctx.nope, ctx.v_dim = nope, kv.shape[-1] - nope
         return k, kv[..., nope:]
 
@@ -115,7 +127,7 @@ class _KVFromProjection(torch.autograd.Function):
         ref = dk if dk is not None else dv
         dkv = ref.new_empty(*ref.shape[:-1], nope + ctx.v_dim)
         for part, g in ((dkv[..., :nope], None if dk is None else dk[..., :nope]), (dkv[..., nope:], dv)):
-            part.copy_(g) if g is not None else part.zero_()
+            _copy_wide(part, g) if g is not None else part.zero_()
         dk_pe = None if dk is None else dk[..., nope:].sum(-2, keepdim=True)
         return dkv, dk_pe, None
 
