@@ -157,17 +157,7 @@ void gemm(const BlockFP8Tensor& a, const BlockFP8Tensor& b, TensorDesc& out, con
   const int64_t M = A.rows, N = B.rows, K = A.cols;
   if (B.cols != K)
     gfail("b.data", "K = " + std::to_string(B.cols) + " (its last dim) does not match a's K = " + std::to_string(K));
-  detail::check_matrix(kGemmOp, "out", out, "[M, N]");
-  if (out.shape != std::vector<int64_t>{M, N})
-    gfail("out", "shape " + detail::shape_str(out.shape) + " must be [M, N] = " + detail::shape_str({M, N}));
-  if (out.dtype != DType::kBFloat16 && out.dtype != DType::kFloat32)
-    gfail("out", std::string("dtype ") + dtype_name(out.dtype) + " must be bfloat16 or float32");
-  if (opts.accumulate && out.dtype != DType::kFloat32)
-    gfail("out", std::string("dtype ") + dtype_name(out.dtype) +
-                     " must be float32 with accumulate (D += alpha * A * Bᵀ reads and writes an fp32 D)");
-  if (M > 1 && N > 0 && out.stride(0) < N)
-    gfail("out", "row stride " + std::to_string(out.stride(0)) + " is smaller than N = " + std::to_string(N) +
-                     " (rows would overlap)");
+  detail::check_gemm_out(kGemmOp, out, M, N, opts.accumulate, "D += alpha * A * Bᵀ");
   const Device dev = a.data.device;
   for (const auto& [n, t] : {std::pair<const char*, const TensorDesc*>{"b.data", &b.data}, {"out", &out}})
     if (t->device != dev)

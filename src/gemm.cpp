@@ -94,6 +94,21 @@ void detail::check_matrix(const char* op, const std::string& arg, const TensorDe
   if (t.numel() > 0 && t.data == nullptr) fail(arg, "data pointer is null");
 }
 
+void detail::check_gemm_out(const char* op, const TensorDesc& out, int64_t M, int64_t N, bool accumulate,
+                            const std::string& formula) {
+  auto fail = [op](const std::string& rule) { throw Error(op, "out", rule); };
+  check_matrix(op, "out", out, "[M, N]");
+  if (out.shape != std::vector<int64_t>{M, N}) fail("shape " + shape_str(out.shape) + " must be [M, N] = " + shape_str({M, N}));
+  if (out.dtype != DType::kBFloat16 && out.dtype != DType::kFloat32)
+    fail(std::string("dtype ") + dtype_name(out.dtype) + " must be bfloat16 or float32");
+  if (accumulate && out.dtype != DType::kFloat32)
+    fail(std::string("dtype ") + dtype_name(out.dtype) + " must be float32 with accumulate (" + formula +
+         " reads and writes an fp32 D)");
+  if (M > 1 && N > 0 && out.stride(0) < N)
+    fail("row stride " + std::to_string(out.stride(0)) + " is smaller than N = " + std::to_string(N) +
+         " (rows would overlap)");
+}
+
 namespace {
 
 Operand read_operand(const char* name, const GemmInput& in, bool contract_cols) {
@@ -224,18 +239,7 @@ void gemm(const GemmInput& a, const GemmInput& b, TensorDesc& out, const GemmOpt
                   ") does not match a's K = " + std::to_string(K) + " (a's " +
                   (A.contract_cols ? "last dim, trans_a = false" : "leading dim, trans_a = true") + ")");
 
-  // out
-  check_matrix("out", out, "[M, N]");
-  if (out.shape != std::vector<int64_t>{M, N})
-    fail("out", "shape " + shape_str(out.shape) + " must be [M, N] = " + shape_str({M, N}));
-  if (out.dtype != DType::kBFloat16 && out.dtype != DType::kFloat32)
-    fail("out", std::string("dtype ") + dtype_name(out.dtype) + " must be bfloat16 or float32");
-  if (opts.accumulate && out.dtype != DType::kFloat32)
-    fail("out", std::string("dtype ") + dtype_name(out.dtype) +
-                    " must be float32 with accumulate (D += alpha * op(A) * op(B) reads and writes an fp32 D)");
-  if (M > 1 && N > 0 && out.stride(0) < N)
-    fail("out", "row stride " + std::to_string(out.stride(0)) + " is smaller than N = " + std::to_string(N) +
-                    " (rows would overlap)");
+  detail::check_gemm_out(t_op, out, M, N, opts.accumulate, "D += alpha * op(A) * op(B)");
 
   // one device
   const Device dev = A.data->device;

@@ -47,6 +47,10 @@ GemmOperandView gemm_rowwise_operand(const char* op, const char* name, const MXF
 // A 2-D matrix descriptor [rows, cols] (`what` words it): rank, strides, sizes, last dim contiguous,
 // data pointer; errors name `op` and `arg`.
 void check_matrix(const char* op, const std::string& arg, const TensorDesc& t, const std::string& what);
+// A GEMM's out [M, N] (check_matrix, then shape, dtype bf16 / fp32, fp32 with accumulate, rows that
+// do not overlap); `formula` words what accumulate computes; errors name `op` and "out".
+void check_gemm_out(const char* op, const TensorDesc& out, int64_t M, int64_t N, bool accumulate,
+                    const std::string& formula);
 // The same for either copy: contract_cols = false reads the columnwise copy of [rows, cols] (the
 // contraction along its rows).
 GemmOperandView gemm_operand(const char* op, const char* name, const MXFP8Tensor& t, bool contract_cols);
