@@ -1,9 +1,11 @@
-"""Numerics of the whole MLA block: the output and every gradient of mxmla.nn.MLA under the "mxfp8"
-and "bf16" recipes against the same block in float64 (same weights from one seed, same input), as
-relative RMS errors per tensor; and mxfp8 against bf16. CPU (the references) or CUDA (the kernels).
+"""Numerics of the whole MLA block: the output and every gradient of mxmla.nn.MLA under the "bf16",
+"mxfp8" and "block-fp8" recipes against the same block in float64 (same weights from one seed, same
+input), as relative RMS errors per tensor; and each FP8 recipe against bf16. CPU (the references)
+or CUDA (the kernels).
 DeepSeek-V3's head dims (nope 128, rope 64, v 128) with a few heads; loss = Σ out·G with a fixed
 random G, so every gradient is the vector-Jacobian product of one direction.
-Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_numerics.py [--device cpu|cuda] [--seq 128]"""
+Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_numerics.py [--device cpu|cuda] [--seq 128]
+[--recipes mxfp8,block-fp8]"""
 import argparse
 
 import torch
@@ -19,14 +21,16 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--recipes", default="mxfp8,block-fp8", help="the FP8 recipes to compare (comma-separated)")
     a = ap.parse_args()
+    fp8 = [r for r in a.recipes.split(",") if r]
     kw = dict(hidden=a.hidden, heads=a.heads, q_lora_rank=a.hidden // 2, kv_lora_rank=a.hidden // 4, nope_dim=128,
               rope_dim=64, v_dim=128, max_seq_len=a.seq, seed=a.seed, layout="bshd", init_std=0.05)
     g = torch.Generator().manual_seed(a.seed + 1)
     x = torch.randn(a.batch, a.seq, a.hidden, generator=g).to(torch.bfloat16)  # bf16 values, exact in every dtype
     G = torch.randn(a.batch, a.seq, a.hidden, generator=g, dtype=torch.float64)
     runs = {}
-    for name, extra in (("float64", dict(dtype=torch.float64)), ("bf16", {}), ("mxfp8", dict(recipe="mxfp8"))):
+    for name, extra in [("float64", dict(dtype=torch.float64)), ("bf16", {})] + [(r, dict(recipe=r)) for r in fp8]:
         m = mnn.MLA(**kw, **extra, device=a.device)
         xi = x.to(a.device, m.dtype).clone().requires_grad_()
         out = m(xi)
@@ -36,11 +40,12 @@ def main():
     rel = lambda u, v: float((u - v).norm() / (v.norm() + 1e-300))  # noqa: E731
     print(f"MLA block, hidden {a.hidden}, {a.heads} heads (192 / 128), q_lora {a.hidden // 2}, kv_lora "
           f"{a.hidden // 4}, b {a.batch}, s {a.seq}, causal; device {a.device}; relative RMS error")
-    print(f"| tensor | bf16 vs float64 | mxfp8 vs float64 | mxfp8 vs bf16 |")
-    print(f"|---|---|---|---|")
+    print("| tensor | bf16 vs float64 | " + " | ".join(f"{r} vs float64 | {r} vs bf16" for r in fp8) + " |")
+    print("|---|---|" + "---|---|" * len(fp8))
     for k in runs["float64"]:
-        f, b, m = runs["float64"][k], runs["bf16"][k], runs["mxfp8"][k]
-        print(f"| {k} | {rel(b, f):.4f} | {rel(m, f):.4f} | {rel(m, b):.4f} |")
+        f, b = runs["float64"][k], runs["bf16"][k]
+        cells = [f"{rel(b, f):.4f}"] + [f"{rel(runs[r][k], f):.4f} | {rel(runs[r][k], b):.4f}" for r in fp8]
+        print(f"| {k} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
