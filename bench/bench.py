@@ -267,6 +267,25 @@ def _scaled_mm_block(xb, wb):
     return None, "; ".join(errs)
 
 
+def _add_fp8_peers(add, case, ab, bb, t_ours, tf, iters, flush, dev, label, speed):
+    """cuBLAS's block-scaled FP8 GEMM on ab's and bb's codes and factors and its per-tensor FP8 GEMM on
+    the codes (the ceiling), timed and added beside ours (t_ours ms): ours as a share of their speed
+    (speed) or a multiple of their time."""
+    def vs(t):
+        return f"ours {t / t_ours:.3f}x its speed" if speed else f"ours {t_ours / t:.3f}x its time"
+
+    peer, how = _scaled_mm_block(ab, bb)
+    if peer is not None:
+        t_p = timer(peer, iters, flush)
+        add(case, f"cuBLAS block-scaled FP8{label}", t_p, 0.0, f"{tf(t_p)}; {vs(t_p)} ({how})")
+    else:
+        add(case, f"cuBLAS block-scaled FP8{label}", float("nan"), 0.0, f"did not run: {how}")
+    one = torch.ones((), device=dev)
+    a8, b8 = ab.data, bb.data
+    t_t = timer(lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16), iters, flush)
+    add(case, f"cuBLAS FP8 per-tensor{label} (ceiling)", t_t, 0.0, f"{tf(t_t)}; {vs(t_t)}")
+
+
 def bench_qproj_block(iters, flush, dev, add):
     """The fused Q up-projection with a block-FP8 weight (DeepSeek-V3 recipe: 128 x 128 W blocks,
     1 x 128 x blocks; FP8 wgmma) against cuBLAS's bf16 GEMM alone, the bf16-weight fused op, cuBLAS's
@@ -290,16 +309,7 @@ def bench_qproj_block(iters, flush, dev, add):
         add(case, "mxmla, block-FP8 W, bf16 x (quantized inside)", t_x, 0.0, f"{tf(t_x)}; {t_x / t_g:.3f}x cuBLAS bf16")
         add(case, "mxmla, bf16 W (fused op)", t_f, 0.0, f"{tf(t_f)}; {t_f / t_g:.3f}x cuBLAS bf16")
         add(case, "cuBLAS bf16 GEMM alone", t_g, 0.0, tf(t_g))
-        peer, how = _scaled_mm_block(xb, wb)
-        if peer is not None:
-            t_p = timer(peer, iters, flush)
-            add(case, "cuBLAS block-scaled FP8 GEMM alone", t_p, 0.0, f"{tf(t_p)}; ours {t_k / t_p:.3f}x its time ({how})")
-        else:
-            add(case, "cuBLAS block-scaled FP8 GEMM alone", float("nan"), 0.0, f"did not run: {how}")
-        one = torch.ones((), device=dev)
-        x8, w8 = xb.data, wb.data
-        t_t = timer(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16), iters, flush)
-        add(case, "cuBLAS FP8 per-tensor GEMM alone (ceiling)", t_t, 0.0, f"{tf(t_t)}; ours {t_k / t_t:.3f}x its time")
+        _add_fp8_peers(add, case, xb, wb, t_k, tf, iters, flush, dev, " GEMM alone", speed=False)
         del x, w, wb, xb, q
 
 
@@ -329,17 +339,8 @@ def bench_block_gemm(iters, flush, dev, add):
         add(case, "mxmla block-FP8 GEMM", t_m, 0.0,
             f"{tf(t_m)}; {t_g / t_m:.2f}x faster than cuBLAS bf16; fp32 out rel RMS err {rel:.1e} vs float64")
         add(case, "cuBLAS bf16 GEMM", t_g, 0.0, tf(t_g))
-        peer, how = _scaled_mm_block(ab, bb)
-        if peer is not None:
-            t_p = timer(peer, iters, flush)
-            add(case, "cuBLAS block-scaled FP8 GEMM", t_p, 0.0, f"{tf(t_p)}; ours {t_p / t_m:.3f}x its speed ({how})")
-        else:
-            add(case, "cuBLAS block-scaled FP8 GEMM", float("nan"), 0.0, f"did not run: {how}")
-        one = torch.ones((), device=dev)
-        a8, b8 = ab.data, bb.data
-        t_t = timer(lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16), iters, flush)
-        add(case, "cuBLAS FP8 per-tensor (ceiling)", t_t, 0.0, f"{tf(t_t)}; ours {t_t / t_m:.3f}x its speed")
-        del a16, b16, ab, bb, a8, b8
+        _add_fp8_peers(add, case, ab, bb, t_m, tf, iters, flush, dev, " GEMM", speed=True)
+        del a16, b16, ab, bb
 
 
 def main() -> int:

@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(512, 1)
   using C = typename K::C;
   constexpr int kDqk = C::kDqk, kDv = C::kDv;
   extern __shared__ uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
+  auto& sm = sm90::aligned_shared<typename K::Smem>(smem_raw);
   const int wg = ptx::warpgroup_index();
   // the modes, read from the parameters at each use (the bf16-only instantiation: false at compile time)
   const auto fp8 = [&] { return K::kAny && p.fp8; };
@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(512, 1)
   const uint32_t kv_mask = fp8() ? 0u : 1u, kv_shift = fp8() ? 0u : 1u;  // K / V slots: 1 (FP8) or 2
   constexpr int kQCodes = C::kQkBlocks * 128 * 64;  // q_fp8: where Q's codes land in the Q tile
 
-  if (threadIdx.x == 0) {
+  sm90::init_barriers_once([&] {
     const uint32_t filled_by = fp8() ? 4 : 1;  // dequantizer warps, or the producer's expect_tx
     const bool dequant_q = fp8() || q_fp8();
     for (int i = 0; i < 2; ++i) {
@@ -390,9 +390,7 @@ __global__ void __launch_bounds__(512, 1)
     sm.q_tile.init(fp8() ? 4 : (q_fp8() ? 128 : 1), 8);
     sm.q_codes.init(1, 1);
     for (int i = 0; i < 2; ++i) sm.feed[i].init(1, dequant_q ? 384 : 256);  // consumer (+ dequantizer) threads
-    ptx::fence_barrier_init();
-  }
-  __syncthreads();
+  });
 
   if (wg == 0) {  // ---------------------------------------------------------------- producer
     ptx::setmaxnreg_dec<C::kRegsProducer>();

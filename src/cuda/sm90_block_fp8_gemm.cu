@@ -97,13 +97,11 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   using ML = typename K::Mainloop;
   const mxgemm::Params& o = p.o;
   extern __shared__ uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
+  auto& sm = sm90::aligned_shared<typename K::Smem>(smem_raw);
   const int wg = ptx::warpgroup_index(), r = threadIdx.x % 128;
-  if (threadIdx.x == 0) {
+  sm90::init_barriers_once([&] {
     sm.bars.init(ML::kConsumerArrivals, K::kFullArrivals);
-    ptx::fence_barrier_init();
-  }
-  __syncthreads();
+  });
   const StaticPersistent sched{o.num_tiles};
 
   if (wg == 0) {  // ---------------------------------------------------------------- TMA producer

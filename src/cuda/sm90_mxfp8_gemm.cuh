@@ -152,16 +152,14 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   using C = typename K::C;
   if (other_design(p)) return;
   extern __shared__ uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
+  auto& sm = sm90::aligned_shared<typename K::Smem>(smem_raw);
   const int wg = ptx::warpgroup_index();
-  if (threadIdx.x == 0) {
+  sm90::init_barriers_once([&] {
     // every thread that read (wrote) a stage's tables arrives itself, so that each access is ordered
     // by the barrier it passes (compute-sanitizer's racecheck sees the same)
     sm.bars.init(256);  // every consumer thread releases a stage
     for (int i = 0; i < C::kStages; ++i) ptx::mbar_init(&sm.ready[i], 32);  // every converter lane
-    ptx::fence_barrier_init();
-  }
-  __syncthreads();
+  });
   const StaticPersistent sched{p.num_tiles};
 
   if (wg == 0) {  // ------------------------------------------------------- producer, scale converter

@@ -181,14 +181,12 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   using ML = typename K::Mainloop;
   if (mxgemm::other_design(p)) return;
   extern __shared__ uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
+  auto& sm = sm90::aligned_shared<typename K::Smem>(smem_raw);
   const int wg = ptx::warpgroup_index(), r = threadIdx.x % 128;
-  if (threadIdx.x == 0) {
+  sm90::init_barriers_once([&] {
     sm.bars8.init(C::kThreads / 32);                 // FP8 stage released by lane 0 of every warp
     sm.bars16.init(ML::kConsumerArrivals, C::kThreads);  // bf16 stage: full after every thread's row
-    ptx::fence_barrier_init();
-  }
-  __syncthreads();
+  });
   const StaticPersistent sched{p.num_tiles};
   const RowOffsets ro(r);
   sm90::PipelineState<C::kStages8> s8;   // this thread's conversions: the FP8 stage it reads

@@ -202,19 +202,17 @@ __global__ void __launch_bounds__(K::kThreads, 1)
   // 1024-align by an offset from smem_raw (not through an integer), so that the compiler keeps the
   // shared address space: LDS/STS with 32-bit addresses instead of generic loads (measured: the
   // generic ones cost the epilogue long-scoreboard stalls and registers)
-  auto& sm = *reinterpret_cast<typename K::Smem*>(smem_raw + ((1024u - (ptx::smem_u32(smem_raw) & 1023u)) & 1023u));
+  auto& sm = sm90::aligned_shared<typename K::Smem>(smem_raw);
   const int wg = ptx::warpgroup_index();
   const StaticPersistent sched{p.sched.num_tiles};
   // MXFP8 inputs: the scale check's flag (written by an earlier kernel of the stream) picks this
   // instantiation or the other (uniform: the whole CTA returns)
   if (p.ex.flag != nullptr && (*p.ex.flag != 0u) != K::kExact) return;
 
-  if (threadIdx.x == 0) {
+  sm90::init_barriers_once([&] {
     sm.stages.init(Mainloop::kConsumerArrivals);
     sm.handoff.init(128 * Cfg::kMmaWGs, Epilogue::kThreads);  // every MMA thread; every epilogue thread
-    ptx::fence_barrier_init();
-  }
-  __syncthreads();
+  });
   // ---------------- producer: one thread issues the TMA loads
   auto producer = [&] {
     if (threadIdx.x == 0 && !K::kExact) {

@@ -5,16 +5,36 @@
 //                           the copies; consumers: wait for `full`, compute, release `empty`);
 //   Handoff                 a one-slot hand-off between two roles (e.g. an accumulator tile staged
 //                           in shared memory for the epilogue warps), used once per tile n;
-//   NamedBarrier<id, n>     bar.sync / bar.arrive over a subset of the CTA's warps.
+//   NamedBarrier<id, n>     bar.sync / bar.arrive over a subset of the CTA's warps;
+//   aligned_shared, init_barriers_once: a kernel's shared storage and its barriers' set-up.
 // Everything is inline and holds no more state than the hand-written loops it replaces.
 #pragma once
 
 #include <cstdint>
 
+#include "cuda/ptx/common.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 
 namespace mxmla::sm90 {
+
+// The kernel's shared storage T at the first 1024-byte boundary of its dynamic shared memory (the
+// 128-byte TMA swizzle's atoms; launches ask for 1023 bytes more than sizeof(T)).
+template <class T>
+__device__ __forceinline__ T& aligned_shared(uint8_t* raw) {
+  return *reinterpret_cast<T*>(raw + ((1024u - (ptx::smem_u32(raw) & 1023u)) & 1023u));
+}
+
+// Thread 0 runs init() (the CTA's mbarrier initialisations) and the fence that shows them to the
+// async proxy; then the whole CTA waits for it.
+template <class Init>
+__device__ __forceinline__ void init_barriers_once(Init&& init) {
+  if (threadIdx.x == 0) {
+    init();
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+}
 
 template <int kStages>
 struct PipelineState {
