@@ -102,7 +102,8 @@ def _spawn(recipe, layout, q_lora, device):
         return eval(open(out).read())  # noqa: S307 - our own repr of floats and bools
 
 
-@pytest.mark.parametrize("recipe,layout,q_lora", [("bf16", "bshd", 32), ("bf16", "thd", 0), ("mxfp8", "bshd", 32)])
+@pytest.mark.parametrize("recipe,layout,q_lora", [("bf16", "bshd", 32), ("bf16", "thd", 0), ("mxfp8", "bshd", 32),
+                                                ("block-fp8", "bshd", 32)])
 def test_tp2_equals_tp1_on_gloo(recipe, layout, q_lora):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch")
