@@ -154,11 +154,11 @@ class BlockFP8LinearFunction(torch.autograd.Function):
 
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
-        wq, _ = block_weights(weight)
+        wq, wt = block_weights(weight)
         xq, xt = mxmla.quantize_blockwise_both(x2)  # fprop's x and wgrad's xᵀ, one pass over x
         y = mxmla.gemm(xq, wq)
         ctx.save_for_backward(xt.data, xt.scale_inv)
-        ctx.lead, ctx.weight = lead, weight
+        ctx.lead, ctx.weight, ctx.wt = lead, weight, wt  # (Wᵀ's copy: held by the weight's cache anyway)
         return y.reshape(*lead, y.shape[-1])
 
     @staticmethod
@@ -166,9 +166,8 @@ class BlockFP8LinearFunction(torch.autograd.Function):
         import mxmla
 
         xc, xs = ctx.saved_tensors
-        _, wt = block_weights(ctx.weight)
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous()
-        dx, dw = block_linear_grads(dy2, wt, mxmla.BlockFP8Tensor(xc, xs, 1), ctx.weight, ctx.needs_input_grad[0])
+        dx, dw = block_linear_grads(dy2, ctx.wt, mxmla.BlockFP8Tensor(xc, xs, 1), ctx.weight, ctx.needs_input_grad[0])
         return (None if dx is None else dx.reshape(*ctx.lead, dx.shape[-1])), dw
 
 

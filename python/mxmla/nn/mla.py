@@ -93,15 +93,21 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
     return torch.cat([x[..., :x.shape[-1] - rope_dim], rot], dim=-1)
 
 
+def _words8(t: torch.Tensor) -> bool:
+    """Whether t can be viewed as 8-byte words: its last dim contiguous and a whole number of words,
+    its offset and every other stride whole words (torch's rule for Tensor.view(dtype))."""
+    n = 8 // t.element_size() if t.element_size() <= 8 else 0
+    return (n > 0 and t.dim() > 0 and t.stride(-1) == 1 and t.shape[-1] % n == 0 and t.storage_offset() % n == 0
+            and all(st % n == 0 for st in t.stride()[:-1]))
+
+
 def _copy_wide(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src) (same dtype, src broadcastable), moved as 8-byte words where both views allow:
     torch's strided copy of 2-byte elements runs well below the memory's bandwidth."""
-    try:
-        d, s = dst.view(torch.int64), src.view(torch.int64)
-    except RuntimeError:  # a last dim or an offset that 8-byte words do not tile
+    if _words8(dst) and _words8(src):
+        dst.view(torch.int64).copy_(src.view(torch.int64))
+    else:  # a layout that 8-byte words do not tile (e.g. a transposed gradient)
         dst.copy_(src)
-        return
-    d.copy_(s)
 
 
 class _KVFromProjection(torch.autograd.Function):

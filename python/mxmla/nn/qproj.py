@@ -158,13 +158,13 @@ class _QUpProjBlockFP8Function(torch.autograd.Function):
 
         K = x.shape[-1]
         xs = x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
-        wq, _ = block_weights(weight)
+        wq, wt = block_weights(weight)
         q8, _, _ = fused_q_block_fp8_weight(xs, wq, cos, sin, cfg["nope_dim"], cfg["rope_dim"], cfg["style"],
                                             cfg["layout"], cfg["batch"], "nk", True, True, "e4m3",
                                             cfg["bhsd_scales"], False)
         xt = mxmla.quantize_blockwise(xs, transpose=True)  # wgrad's xᵀ [K, T], 1 x 128 blocks along the tokens
         ctx.save_for_backward(xt.data, xt.scale_inv, cos, sin)
-        ctx.cfg, ctx.x_shape, ctx.weight, ctx.x_dtype = cfg, x.shape, weight, x.dtype
+        ctx.cfg, ctx.x_shape, ctx.weight, ctx.x_dtype, ctx.wt = cfg, x.shape, weight, x.dtype, wt
         return _anchored(ctx, x, q8)
 
     @staticmethod
@@ -172,8 +172,7 @@ class _QUpProjBlockFP8Function(torch.autograd.Function):
         import mxmla
 
         xc, xsc, cos, sin = ctx.saved_tensors
-        cfg = ctx.cfg
-        _, wt = block_weights(ctx.weight)
+        cfg, wt = ctx.cfg, ctx.wt
         dqr = mxmla.rope_backward(dq.to(torch.bfloat16).contiguous(), cos, sin, style=cfg["style"],
                                   layout=cfg["layout"], rope_dim=cfg["rope_dim"])
         dx, dw = block_linear_grads(dqr.reshape(-1, wt.shape[1]), wt, mxmla.BlockFP8Tensor(xc, xsc, 1), ctx.weight,
