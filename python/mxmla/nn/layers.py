@@ -113,8 +113,7 @@ def block_weights(weight: torch.Tensor):
     cached = getattr(weight, "_mxmla_block_fp8", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    w = weight.detach().float()
-    pair = (mxmla.quantize_blockwise(w, block_rows=128), mxmla.quantize_blockwise(w, block_rows=128, transpose=True))
+    pair = mxmla.quantize_blockwise_both(weight.detach().float(), block_rows=128)  # one pass: W and Wᵀ
     weight._mxmla_block_fp8 = (key, pair)
     return pair
 
