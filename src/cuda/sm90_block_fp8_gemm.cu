@@ -66,16 +66,11 @@ struct Params {
   int a_br, b_br;
 };
 
-// The mainloop's kPingpong experiment for wgrad's tiles (off; see the mainloop): consumer warpgroups
-// taking turns to issue, so that one's fold overlaps the other's wgmmas.
-constexpr bool kPingpongColB = false;
-
 template <bool kColB>
 struct Kernel {
   using C = Cfg;
   static constexpr int kSubN = C::kSubN;
-  using Mainloop = sm90::MainloopTmaWgmmaBlockScaled<C::kBM, C::kBN, C::kStages, 2, kSubN, kColB, false, false,
-                                                     kColB && kPingpongColB>;
+  using Mainloop = sm90::MainloopTmaWgmmaBlockScaled<C::kBM, C::kBN, C::kStages, 2, kSubN, kColB>;
   static constexpr int kSlices = Mainloop::kSlices;
   struct alignas(1024) SmemSlices {
     typename Mainloop::SharedStorage ring;  // a [128][128], b [256][128] E4M3 per stage, 128-byte swizzle
@@ -152,7 +147,6 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   const int cw = wg - 1, warp = r / 32, lane = r % 32;
   const int r0 = 64 * cw + 16 * warp + lane / 4;  // tile row of accumulator half 0 (half 1: + 8)
   const typename ML::Consumer cons(sm.ring, cw);
-  ML::pingpong_start(cw);
   typename ML::State st;
   for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
     int mt, nt;

@@ -516,6 +516,97 @@ def test_mla_fp8_recipe_tracks_the_bf16_block(recipe, layout):
         assert 0 < e < 0.25, (n, e)
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_mla_delayed_wgrad_runs_last_with_the_same_bits(recipe, layout):
+    """delay_wgrad (the default under the FP8 recipes): wo's weight gradient is made after every other
+    gradient of the block (its fp32 buffer then misses the attention backward's peak); without it,
+    first (wo is the last Linear of the forward). Outputs and every gradient bit-identical, through
+    .grad and through main_grad, and twice over one graph (retain_graph)."""
+    kw = dict(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
+              max_seq_len=64, layout=layout, seed=7, recipe=recipe)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((2, 40, 64) if layout == "bshd" else (80, 64), generator=g).to(torch.bfloat16)
+    cu = [0, 40, 80] if layout == "thd" else None
+    runs = {}
+    for delay in (False, True):
+        m = mnn.MLA(**kw, delay_wgrad=delay)
+        order = []
+        for n, p in m.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
+        bits = mla_step_bits(m, x, cu)
+        assert order[0 if not delay else -1] == "wo.weight", order
+        assert sorted(order) == sorted(n for n, _ in m.named_parameters())
+        m.zero_grad(set_to_none=True)
+        o = m(x, cu_seqlens=cu).float().square().mean()
+        o.backward(retain_graph=True)
+        if recipe == "mxfp8":  # its attention frees the saved MXFP8 Q, K, V in the first backward
+            with pytest.raises(RuntimeError, match="attention_from_latent: trying to backward through the graph a second"):
+                o.backward()
+            twice = []
+        else:
+            o.backward()
+            twice = [p.grad.clone() for _, p in sorted(m.named_parameters())]
+        m.zero_grad(set_to_none=True)
+        for p in m.parameters():
+            p.main_grad = torch.full_like(p, 0.25, dtype=torch.float32) if p.dim() == 2 else None
+        m(x, cu_seqlens=cu).float().square().mean().backward()
+        mains = [p.main_grad.clone() for _, p in sorted(m.named_parameters()) if p.dim() == 2]
+        runs[delay] = (bits, twice, mains)
+    for a, b in zip(*(sum(([*r[0]], r[1], r[2]), []) for r in (runs[False], runs[True]))):
+        assert torch.equal(a, b)
+
+
+def test_linear_deferred_wgrad_and_shared_input_checks():
+    lin = mnn.Linear(64, 32, recipe="block-fp8", seed=1)
+    with pytest.raises(TypeError, match="wgrad must be a DeferredWgrad from deferred_wgrad"):
+        lin(torch.zeros(4, 64), wgrad=object())
+    with pytest.raises(ValueError, match="x_quantized is for recipe 'block-fp8', not 'bf16'"):
+        mnn.Linear(64, 32)(torch.zeros(4, 64), x_quantized=())
+    with pytest.raises(ValueError, match="quantize_input: for recipe 'block-fp8', not 'mxfp8'"):
+        mnn.Linear(64, 32, recipe="mxfp8").quantize_input(torch.zeros(4, 64))
+    assert mnn.Linear(64, 32).deferred_wgrad() is None  # bf16: plain torch
+    with torch.no_grad():
+        assert lin.deferred_wgrad() is None
+    # x quantized once for two Linears: the same bits as each quantizing it
+    other = mnn.Linear(64, 48, recipe="block-fp8", seed=2)
+    x = torch.randn(50, 64).to(torch.bfloat16).requires_grad_()
+    xq = lin.quantize_input(x)
+    y = lin(x, x_quantized=xq).float().sum() + other(x, x_quantized=xq).float().square().sum()
+    y.backward()
+    got = [x.grad, lin.weight.grad, other.weight.grad]
+    x.grad = lin.weight.grad = other.weight.grad = None
+    (lin(x).float().sum() + other(x).float().square().sum()).backward()
+    for a, b in zip(got, [x.grad, lin.weight.grad, other.weight.grad]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="save_original_input is for recipe 'block-fp8', not 'mxfp8'"):
+        mnn.Linear(64, 32, recipe="mxfp8")(torch.zeros(4, 64), save_original_input=True)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("delay", [False, True])
+def test_block_fp8_linear_saving_the_original_input(contiguous, delay):
+    """save_original_input: the Linear keeps x (bf16, its own memory) instead of xᵀ's FP8 copy and
+    quantizes xᵀ when the wgrad runs: the same bits. An x whose rows are not its memory (here a
+    transposed view, which the Linear would copy) falls back to the FP8 copy."""
+    g = torch.Generator().manual_seed(4)
+    lin = mnn.Linear(200, 150, recipe="block-fp8", seed=1)
+    base = torch.randn(185, 200, generator=g).to(torch.bfloat16)
+    dy = torch.randn(185, 150, generator=g).to(torch.bfloat16)
+    runs = []
+    for original in (False, True):
+        x = (base.clone() if contiguous else base.T.contiguous().T).requires_grad_()
+        lin.weight.grad = None
+        defer = lin.deferred_wgrad() if delay else None
+        y = lin(x, wgrad=defer, save_original_input=original)
+        saved = [t.data_ptr() for t in y.grad_fn.saved_tensors]
+        assert (x.data_ptr() in saved) == (original and contiguous)
+        y.backward(dy)
+        runs.append((y.detach(), x.grad, lin.weight.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def mla_step_bits(m, x, cu=None, layout=None):
     """(output, dx, every parameter's gradient) of one forward + backward of m."""
     m.zero_grad(set_to_none=True)

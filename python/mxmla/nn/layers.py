@@ -10,6 +10,7 @@ float64).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -56,18 +57,70 @@ def linear_saved(x8, w8) -> tuple:
     return x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data, w8.columnwise_scale_inv
 
 
-def linear_grads(saved, shapes, weight: torch.Tensor, dy):
+def linear_grads(saved, shapes, weight: torch.Tensor, dy, deferred: bool = False):
     """(dx bf16 [T, K], dW in the weight's dtype or None) of an MXFP8 Linear from linear_saved's tensors
     and the (x, W) shapes: ``mxmla.linear_backward`` (dy: a [T, N] tensor or its pair form), the wgrad
-    added into the weight's ``main_grad`` (Megatron's fp32 buffer; then no dW) when it has one."""
+    added into the weight's ``main_grad`` (Megatron's fp32 buffer; then no dW) when it has one.
+    deferred: (dx, a function computing that dW later), dy a [T, N] tensor; the same bits (dy
+    quantized once, then ``mxmla.gemm``'s dgrad now and its wgrad on dY's columnwise copy later)."""
     import mxmla
 
     xc, xs, wc, ws = saved
     x8 = mxmla.MXFP8Tensor(shapes[0], "e4m3", "compact", None, None, xc, xs)
     w8 = mxmla.MXFP8Tensor(shapes[1], "e4m3", "compact", None, None, wc, ws)
-    main_grad = getattr(weight, "main_grad", None)
-    dx, dw = mxmla.linear_backward(dy, w8, x8, main_grad=main_grad)
-    return dx, (None if main_grad is not None else dw.to(weight.dtype))
+    if not deferred:
+        main_grad = getattr(weight, "main_grad", None)
+        dx, dw = mxmla.linear_backward(dy, w8, x8, main_grad=main_grad)
+        return dx, (None if main_grad is not None else dw.to(weight.dtype))
+    dy8 = mxmla.quantize(dy)  # dgrad's rowwise copy, wgrad's columnwise copy
+    dx = mxmla.gemm(dy8, w8, trans_b=False)
+    dyc = mxmla.MXFP8Tensor(dy8.shape, "e4m3", "compact", None, None, dy8.columnwise_data, dy8.columnwise_scale_inv)
+    del dy8
+
+    def wgrad():
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is not None:
+            mxmla.gemm(dyc, x8, trans_a=True, trans_b=False, out=main_grad, accumulate=True)
+            return None
+        return mxmla.gemm(dyc, x8, trans_a=True, trans_b=False, out_dtype=torch.float32).to(weight.dtype)
+
+    return dx, wgrad
+
+
+class _WgradAnchor(torch.autograd.Function):
+    """The node that runs a DeferredWgrad's GEMM: forward returns an empty token that the Linear
+    takes as an input; backward, reached after the Linear's backward has put its wgrad in the box
+    (and passed the token an empty gradient), runs it and returns the weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, box: list) -> torch.Tensor:
+        ctx.box = box
+        return weight.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad: torch.Tensor):
+        dws = [d for d in (f() for f in ctx.box) if d is not None]  # one per backward of the Linear's node
+        ctx.box.clear()
+        return (sum(dws[1:], dws[0]) if dws else None), None
+
+
+class DeferredWgrad:
+    """A Linear's weight gradient moved after the rest of its block's backward (what Megatron and
+    TransformerEngine call delayed wgrad, here without an explicit call). Made by
+    ``Linear.deferred_wgrad()`` before the block's other operations are recorded, and passed to the
+    Linear's call (``linear(x, wgrad=handle)``): the Linear's backward computes dX at once and leaves
+    the dW GEMM, with the quantized dYᵀ and xᵀ it reads, in the handle's box; the GEMM runs in the
+    backward of an anchor node recorded when the handle was made. Autograd's engine runs, of the
+    nodes ready to run, the one recorded last first, so the anchor runs after every node recorded
+    after it that the gradient reaches — the rest of the block's backward: the weight's gradient
+    (fp32, 4·N·K bytes) is allocated after the block's memory peak instead of before it. The same
+    bits as without it; the gradient lands in .grad, or in main_grad, as usual."""
+
+    __slots__ = ("box", "token")
+
+    def __init__(self, weight: torch.Tensor):
+        self.box: list = []
+        self.token = _WgradAnchor.apply(weight, self.box)
 
 
 class MXFP8LinearFunction(torch.autograd.Function):
@@ -85,10 +138,12 @@ class MXFP8LinearFunction(torch.autograd.Function):
     one pass over x or dY writing the bf16 values the GEMMs read)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, token: Optional[torch.Tensor] = None,
+                box: Optional[list] = None) -> torch.Tensor:
         import mxmla
 
         lead, K = x.shape[:-1], x.shape[-1]
+        ctx.box = box  # a DeferredWgrad's (with its token): the wgrad runs later, in its anchor's backward
         w8 = _quantized_weight(weight)
         y, x8 = mxmla.linear_forward(x.detach().reshape(-1, K).to(torch.bfloat16), w8)
         ctx.save_for_backward(*linear_saved(x8, w8))  # only the copies the backward reads
@@ -99,8 +154,18 @@ class MXFP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous()
-        dx, dw = linear_grads(ctx.saved_tensors, ctx.shapes, ctx.weight, dy2)  # dx [T, K] bf16
-        return dx.reshape(*ctx.lead, dx.shape[-1]), dw
+        deferred = ctx.box is not None and ctx.needs_input_grad[2]
+        dx, dw = linear_grads(ctx.saved_tensors, ctx.shapes, ctx.weight, dy2, deferred)  # dx [T, K] bf16
+        return (dx.reshape(*ctx.lead, dx.shape[-1]),) + _wgrad_outputs(ctx, dw, deferred)
+
+
+def _wgrad_outputs(ctx, dw, deferred: bool) -> tuple:
+    """The gradients of (weight, token, box) of a Linear function: dW, or with a DeferredWgrad, the
+    wgrad put in its box and an empty gradient for its token (which lets the anchor run)."""
+    if not deferred:
+        return dw, None, None
+    ctx.box.append(dw)
+    return None, ctx.weight.new_empty(0), None
 
 
 def block_weights(weight: torch.Tensor):
@@ -118,23 +183,31 @@ def block_weights(weight: torch.Tensor):
     return pair
 
 
-def block_linear_grads(dy: torch.Tensor, wt, xt, weight: torch.Tensor, need_dx: bool = True):
+def block_linear_grads(dy: torch.Tensor, wt, xt, weight: torch.Tensor, need_dx: bool = True,
+                       deferred: bool = False):
     """(dx bf16 [T, K] or None, dW fp32 [N, K] or None) of a block-FP8 Linear (SPEC §4.1): dy [T, N]
     quantized in 1 x 128 blocks along N (dgrad's A) and along T (wgrad's A, dyᵀ); dgrad dX = dY·W on
-    Wᵀ's copy ``wt`` [K, N], wgrad dW = dYᵀ·X on xᵀ's copy ``xt`` [K, T], added into the weight's
-    ``main_grad`` (Megatron's fp32 buffer; then no dW) when it has one."""
+    Wᵀ's copy ``wt`` [K, N], wgrad dW = dYᵀ·X on xᵀ's copy ``xt`` [K, T] (or a function making it,
+    called when the wgrad runs), added into the weight's ``main_grad`` (Megatron's fp32 buffer; then
+    no dW) when it has one. deferred: (dx, a function computing that dW later, from dyᵀ's codes)."""
     import mxmla
 
     if need_dx:  # dY along N and along T in one pass
         dyq, dyt = mxmla.quantize_blockwise_both(dy)
         dx = mxmla.gemm(dyq, wt)
+        del dyq
     else:
         dx, dyt = None, mxmla.quantize_blockwise(dy, transpose=True)
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None:
-        mxmla.gemm(dyt, xt, out=main_grad, accumulate=True)
-        return dx, None
-    return dx, mxmla.gemm(dyt, xt, out_dtype=torch.float32).to(weight.dtype)
+
+    def wgrad():
+        main_grad = getattr(weight, "main_grad", None)
+        xt_ = xt() if callable(xt) else xt
+        if main_grad is not None:
+            mxmla.gemm(dyt, xt_, out=main_grad, accumulate=True)
+            return None
+        return mxmla.gemm(dyt, xt_, out_dtype=torch.float32).to(weight.dtype)
+
+    return dx, (wgrad if deferred else wgrad())
 
 
 class BlockFP8LinearFunction(torch.autograd.Function):
@@ -144,19 +217,34 @@ class BlockFP8LinearFunction(torch.autograd.Function):
     forward: x [T, K] cast to bf16 and quantized in 1 x 128 blocks (E4M3, power-of-two scales) along K
     (fprop's operand) and along T (xᵀ, wgrad's), W [N, K] in 128 x 128 blocks (once per version of the
     weight, with its transpose for dgrad); fprop Y = X · Wᵀ (bf16 out, fp32 accumulation). Saved: xᵀ's
-    codes and scales only. backward: dY quantized the same two ways; dgrad dX = dY · W (bf16), wgrad
-    dW = dYᵀ · X (fp32, or added into the weight's ``main_grad``). Any T, K, N."""
+    codes and scales only, or with save_original_input (TransformerEngine's option of that name) x
+    itself when x is a bf16 tensor whose [T, K] rows are its own memory (another node saves it
+    anyway, as attention saves its output O for the output projection): x is then quantized along
+    K only in the forward, and along T when the wgrad runs. backward: dY quantized the same two
+    ways; dgrad dX = dY · W (bf16), wgrad dW = dYᵀ · X (fp32, or added into the weight's
+    ``main_grad``). Any T, K, N."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, token: Optional[torch.Tensor] = None,
+                box: Optional[list] = None, x_quantized: Optional[tuple] = None,
+                save_original_input: bool = False) -> torch.Tensor:
         import mxmla
 
         lead, K = x.shape[:-1], x.shape[-1]
-        x2 = x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
+        ctx.box = box  # a DeferredWgrad's (with its token): the wgrad runs later, in its anchor's backward
         wq, wt = block_weights(weight)
-        xq, xt = mxmla.quantize_blockwise_both(x2)  # fprop's x and wgrad's xᵀ, one pass over x
+        x2 = None if x_quantized is not None else x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
+        ctx.original = save_original_input and x2 is not None and x2.data_ptr() == x.data_ptr()  # no copy made
+        if ctx.original:  # fprop's x now; wgrad's xᵀ from x, later
+            xq = mxmla.quantize_blockwise(x2)
+            ctx.save_for_backward(x2)
+        else:
+            if x2 is not None:  # fprop's x and wgrad's xᵀ, one pass over x
+                xq, xt = mxmla.quantize_blockwise_both(x2)
+            else:  # made once for the Linears that read the same x (Linear.quantize_input)
+                xq, xt = x_quantized
+            ctx.save_for_backward(xt.data, xt.scale_inv)
         y = mxmla.gemm(xq, wq)
-        ctx.save_for_backward(xt.data, xt.scale_inv)
         ctx.lead, ctx.weight, ctx.wt = lead, weight, wt  # (Wᵀ's copy: held by the weight's cache anyway)
         return y.reshape(*lead, y.shape[-1])
 
@@ -164,10 +252,16 @@ class BlockFP8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         import mxmla
 
-        xc, xs = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        if ctx.original:
+            xt = functools.partial(mxmla.quantize_blockwise, saved[0], transpose=True)
+        else:
+            xt = mxmla.BlockFP8Tensor(saved[0], saved[1], 1)
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous()
-        dx, dw = block_linear_grads(dy2, ctx.wt, mxmla.BlockFP8Tensor(xc, xs, 1), ctx.weight, ctx.needs_input_grad[0])
-        return (None if dx is None else dx.reshape(*ctx.lead, dx.shape[-1])), dw
+        deferred = ctx.box is not None and ctx.needs_input_grad[2]
+        dx, dw = block_linear_grads(dy2, ctx.wt, xt, ctx.weight, ctx.needs_input_grad[0], deferred)
+        dx = None if dx is None else dx.reshape(*ctx.lead, dx.shape[-1])
+        return (dx,) + _wgrad_outputs(ctx, dw, deferred) + (None, None)
 
 
 def resolve_dtypes(what: str, dtype: torch.dtype, params_dtype: Optional[torch.dtype]) -> Tuple[torch.dtype, torch.dtype]:
@@ -231,12 +325,43 @@ class Linear(nn.Module):
     def reset_parameters(self, g: torch.Generator) -> None:
         init_normal_(self.weight, self.init_std, g)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, wgrad: Optional[DeferredWgrad] = None,
+                x_quantized: Optional[tuple] = None, save_original_input: bool = False) -> torch.Tensor:
+        """y = x · Wᵀ. wgrad: this Linear's ``deferred_wgrad()`` handle, made earlier in the block's
+        forward (the weight gradient then runs after the block's backward; FP8 recipes). x_quantized:
+        under "block-fp8", ``quantize_input(x)`` of this very x, shared by the Linears that read it.
+        save_original_input: under "block-fp8", keep a reference to x for the wgrad instead of its
+        quantized xᵀ (for an x that another node saves anyway; see BlockFP8LinearFunction)."""
+        if wgrad is not None and not isinstance(wgrad, DeferredWgrad):
+            raise TypeError(f"mxmla.nn.Linear: wgrad must be a DeferredWgrad from deferred_wgrad(), got "
+                            f"{type(wgrad).__name__}")
+        for name, v in (("x_quantized", x_quantized is not None), ("save_original_input", save_original_input)):
+            if v and self.recipe != "block-fp8":
+                raise ValueError(f"mxmla.nn.Linear: {name} is for recipe 'block-fp8', not {self.recipe!r}")
+        token, box = (None, None) if wgrad is None else (wgrad.token, wgrad.box)
         if self.recipe == "mxfp8":
-            return MXFP8LinearFunction.apply(x, self.weight)
+            return MXFP8LinearFunction.apply(x, self.weight, token, box)
         if self.recipe == "block-fp8":
-            return BlockFP8LinearFunction.apply(x, self.weight)
+            return BlockFP8LinearFunction.apply(x, self.weight, token, box, x_quantized, save_original_input)
         return F.linear(x.to(self.dtype), self.weight.to(self.dtype))
+
+    def deferred_wgrad(self) -> Optional[DeferredWgrad]:
+        """A DeferredWgrad for this Linear's next call (see there), or None where the weight gradient
+        runs as usual: recipe "bf16" (plain torch), no gradient recorded, or while torch.compile
+        traces (its graph orders the backward itself)."""
+        if (self.recipe == "bf16" or not torch.is_grad_enabled() or not self.weight.requires_grad
+                or torch.compiler.is_compiling()):
+            return None
+        return DeferredWgrad(self.weight)
+
+    def quantize_input(self, x: torch.Tensor) -> tuple:
+        """Under "block-fp8": x's (X, Xᵀ) block-FP8 copies (1 x 128 blocks along K and along T), to pass
+        as ``x_quantized`` to each Linear that reads this x (one pass over x, one saved copy)."""
+        import mxmla
+
+        if self.recipe != "block-fp8":
+            raise ValueError(f"mxmla.nn.Linear.quantize_input: for recipe 'block-fp8', not {self.recipe!r}")
+        return tuple(mxmla.quantize_blockwise_both(x.detach().reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe!r}, dtype={self.dtype}"

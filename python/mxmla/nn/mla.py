@@ -114,7 +114,8 @@ class _KVFromProjection(torch.autograd.Function):
     """(K, V) for a bf16 attention from the kv_b projection's output kv [.., heads, nope + v_dim] and
     the shared rope key k_pe [.., 1, rope]: K = [k_nope | k_pe broadcast] written by two strided copies
     (8-byte words where the views allow: torch.cat along the last dim of short rows is several times
-    slower), V a view of kv. Backward:
+    slower), V copied out the same way (so that attention's saved V does not hold kv's k_nope half
+    until the backward). Backward:
     dkv = [dK_nope | dV] written the same way (autograd's split backward would concatenate too) and
     dk_pe = Σ over the heads of dK_pe. The "block-fp8" recipe's; "bf16" keeps the plain torch graph
     of what users run."""
@@ -124,8 +125,10 @@ class _KVFromProjection(torch.autograd.Function):
         k = kv.new_empty(*kv.shape[:-1], nope + k_pe.shape[-1])
         _copy_wide(k[..., :nope], kv[..., :nope])
         _copy_wide(k[..., nope:], k_pe.expand(*kv.shape[:-1], k_pe.shape[-1]))
-        ctx.nope, ctx.v_dim = nope, kv.shape[-1] - nope
-        return k, kv[..., nope:]
+        v = kv.new_empty(*kv.shape[:-1], kv.shape[-1] - nope)
+        _copy_wide(v, kv[..., nope:])
+        ctx.nope, ctx.v_dim = nope, v.shape[-1]
+        return k, v
 
     @staticmethod
     def backward(ctx, dk: Optional[torch.Tensor], dv: Optional[torch.Tensor]):
@@ -179,6 +182,11 @@ class MLA(nn.Module):
         deterministic: under "mxfp8", the attention backward adds dQ's parts in a fixed order
             (attention_backward's deterministic=True: bitwise reproducible gradients, at about 1.1x the
             backward's time); under "bf16" torch's SDPA follows torch.use_deterministic_algorithms.
+        delay_wgrad: under the FP8 recipes, the output projection's weight gradient runs after the
+            rest of the block's backward instead of first (mxmla.nn.layers.DeferredWgrad): its fp32
+            gradient (4·hidden·heads·v_dim bytes, 448 MiB at DeepSeek-V3's dims) is then allocated
+            after the attention backward's memory peak. The same gradient bits; default True.
+            "bf16" (the plain torch baseline) ignores it.
         tp_group: a torch.distributed process group for tensor parallelism (None: no parallelism).
             Heads are split evenly over its ranks: wq / wq_b and wkv_b keep this rank's heads (column
             parallel), wo their columns (row parallel, its output all-reduced); wq_a, q_norm, wkv_a,
@@ -197,10 +205,11 @@ class MLA(nn.Module):
                  layout: str = "bshd", norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
                  out_init_std: Optional[float] = None, seed: int = 0, device: Any = None, tp_group: Any = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, delay_wgrad: bool = True):
         super().__init__()
         what = "mxmla.nn.MLA"
         self.deterministic = check_bool(what, "deterministic", deterministic)
+        self.delay_wgrad = check_bool(what, "delay_wgrad", delay_wgrad)
         self.recipe = check_recipe(recipe, what)
         self.dtype, params_dtype = resolve_dtypes(what, dtype, params_dtype)
         dims = dict(hidden=hidden, heads=heads, kv_lora_rank=kv_lora_rank, nope_dim=nope_dim, rope_dim=rope_dim,
@@ -341,7 +350,12 @@ class MLA(nn.Module):
         # (tensor parallel: the latents are replicated, copy_to_tp sums their gradients over the ranks'
         # heads; wq / wq_b and wkv_b hold this rank's heads, wo's partial sums are all-reduced)
         g = self.tp_group
+        # wo's weight gradient after the rest of the block's backward: its anchor is recorded first
+        defer = self.wo.deferred_wgrad() if self.delay_wgrad else None
         fused_q = self.recipe == "mxfp8"
+        # block-fp8: x quantized once for wq_a and wkv_a (one pass, one saved xᵀ)
+        xq = self.wkv_a.quantize_input(x) if (self.recipe == "block-fp8" and self.q_lora_rank
+                                              and not torch.compiler.is_compiling()) else None
         if fused_q:  # the fused Q up-projection with an MXFP8 weight: MXFP8 q and its autograd anchor
             q_in = x if self.q_lora_rank == 0 else self.q_norm(self.wq_a(x))
             q8, anchor = self._fused_q(copy_to_tp(q_in, g), layout, cu)
@@ -349,10 +363,10 @@ class MLA(nn.Module):
             if self.q_lora_rank == 0:
                 q = self.wq(copy_to_tp(x, g))
             else:
-                q = self.wq_b(copy_to_tp(self.q_norm(self.wq_a(x)), g))
+                q = self.wq_b(copy_to_tp(self.q_norm(self.wq_a(x, x_quantized=xq)), g))
             q = self._rope(q.unflatten(-1, (self.local_heads, self.qk_dim)), layout, cu)
         # key / value: the compressed latent (kv) and the shared rope key (one head)
-        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv, k_pe = self.wkv_a(x, x_quantized=xq).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_pe = copy_to_tp(self._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu), g)
         lat = copy_to_tp(self.kv_norm(kv), g)
         if fused_q:  # kv_b, K = [k_nope | k_pe] and V in MXFP8 without concatenation passes, then attention
@@ -369,11 +383,17 @@ class MLA(nn.Module):
                 k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
                 k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
             o = self._attention(q, k, v, layout, cu)
-        return reduce_from_tp(self.wo(o.flatten(-2)), g)
+        # block-fp8: torch's SDPA saves O (one call: not thd's per-sequence calls and their concatenation);
+        # wo's wgrad quantizes Oᵀ from it instead of saving an FP8 copy
+        o2 = o.flatten(-2)
+        if self.recipe == "block-fp8" and layout != "thd":
+            return reduce_from_tp(self.wo(o2, wgrad=defer, save_original_input=True), g)
+        return reduce_from_tp(self.wo(o2, wgrad=defer), g)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, heads={self.heads}, q_lora_rank={self.q_lora_rank}, "
                 f"kv_lora_rank={self.kv_lora_rank}, nope_dim={self.nope_dim}, rope_dim={self.rope_dim}, "
                 f"v_dim={self.v_dim}, recipe={self.recipe!r}, dtype={self.dtype}, layout={self.layout!r}, "
                 f"softmax_scale={self.softmax_scale:.6g}, yarn={self.yarn!r}" +
-                (", deterministic=True" if self.deterministic else ""))
+                (", deterministic=True" if self.deterministic else "") +
+                ("" if self.delay_wgrad else ", delay_wgrad=False"))

@@ -371,6 +371,10 @@ class _AttentionFromLatent(torch.autograd.Function):
         import mxmla
 
         o, lse, *saved = ctx.saved_tensors
+        if ctx.qkv8 is None:  # as torch says of its own freed saved tensors
+            raise RuntimeError("mxmla.nn.attention_from_latent: trying to backward through the graph a second time "
+                               "(retain_graph=True is not supported: the saved MXFP8 Q, K, V are freed by the first "
+                               "backward)")
         q8, k8, v8 = ctx.qkv8
         ctx.qkv8 = None  # (the MXFP8 Q, K, V leave memory before the kv_b GEMMs' scratch arrives)
         dq, dk, dv = mxmla.attention_backward(do.to(torch.bfloat16).contiguous(), q8, k8, v8, o, lse, **ctx.kw)

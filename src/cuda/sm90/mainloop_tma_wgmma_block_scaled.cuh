@@ -24,7 +24,6 @@
 #include "cuda/ptx/mma_sync.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/sm90/mainloop_tma_wgmma.cuh"
-#include "cuda/sm90/pipeline.cuh"
 
 namespace mxmla::sm90 {
 
@@ -37,13 +36,8 @@ namespace mxmla::sm90 {
 // the tensor cores busy meanwhile). Measured in the block-FP8 GEMM (docs/notes-gemm.md): with
 // 64-column slices 0.93-0.96x the time, but 128-column slices without it are faster (0.85-0.90x),
 // and the two together do not fit the registers.
-// kPingpong (an experiment, off; compiled, not yet run on a GPU): the two consumer warpgroups take
-// turns to issue a slice's wgmmas (named barriers kTurnBar and kTurnBar + 1), so that one folds while
-// the other's wgmmas run (off: both issue as soon as their stage is full, and tend to fold at the
-// same time, leaving the tensor cores idle meanwhile). Aimed at wgrad's heavier fold (kColFactors).
-// The kernel calls pingpong_start(cw) once before its first tile.
 template <int kBM_, int kBN_, int kStages_, int kMmaWGs_, int kSubN_, bool kColFactors = false, bool kRegA = false,
-          bool kPipelined = false, bool kPingpong = false>
+          bool kPipelined = false>
 struct MainloopTmaWgmmaBlockScaled {
   // The ring, the barriers and the producer: the plain mainloop's with FP8 operands (kBK = 128 bytes).
   using Ring = MainloopTmaWgmma<kBM_, kBN_, 128, kStages_, kMmaWGs_, ptx::MmaDtype::kE4M3, ptx::MmaDtype::kE4M3>;
@@ -52,17 +46,7 @@ struct MainloopTmaWgmmaBlockScaled {
   static constexpr int kAcc = kBN / 2, kSubAcc = kSubN / 2;  // accumulators per thread: the tile's, a slice's
   using Op = ptx::WgmmaOp<kSubN, ptx::MmaDtype::kE4M3, ptx::MmaDtype::kE4M3, kRegA>;
   static_assert(kBN % kSubN == 0, "whole slices");
-  static_assert(int(kRegA) + int(kPipelined) + int(kPingpong) <= 1, "one experiment at a time");
-  static_assert(!kPingpong || kMmaWGs == 2, "turns between two consumer warpgroups");
-  static constexpr int kTurnBar = 6;  // named barriers 6 and 7 (the epilogues use 1..3)
-  using Turn0 = NamedBarrier<kTurnBar, 256>;
-  using Turn1 = NamedBarrier<kTurnBar + 1, 256>;
-  // kPingpong: warpgroup 1 hands warpgroup 0 the first turn (once per kernel, before the first tile)
-  __device__ __forceinline__ static void pingpong_start(int cw) {
-    if constexpr (kPingpong) {
-      if (cw == 1) Turn0::arrive();
-    }
-  }
+  static_assert(!(kRegA && kPipelined), "one experiment at a time");
   static_assert((kSubN * kBK) % 1024 == 0, "a slice of B starts on a 1024-byte swizzle atom");
   static_assert(Op::kK == 32 && kBK / Op::kK == 4, "four wgmmas per stage (32 bytes = 2 descriptor units each)");
 
@@ -82,7 +66,6 @@ struct MainloopTmaWgmmaBlockScaled {
 
   struct Consumer {
     uint64_t da0, db0;
-    int cw;          // the consumer warpgroup (0 or 1)
     uint32_t a_row;  // kRegA: this lane's ldmatrix row of the warpgroup's A tile in stage 0 (shared address)
     static constexpr uint32_t kAStep = sizeof(SharedStorage::a[0]) / 16, kBStep = sizeof(SharedStorage::b[0]) / 16;
     static constexpr uint32_t kSliceStep = kSubN * kBK / 16;  // descriptor units between slices of B
@@ -90,7 +73,6 @@ struct MainloopTmaWgmmaBlockScaled {
     __device__ __forceinline__ Consumer(const SharedStorage& sm, int cw)
         : da0(ptx::wgmma_desc_k_sw128(sm.a[0] + 64 * cw * kBK)),
           db0(ptx::wgmma_desc_k_sw128(sm.b[0])),
-          cw(cw),
           // matrix l / 8 of an ldmatrix.x4: rows 8 ((l / 8) % 2) .. + 7 of the warp's 16
           a_row(ptx::smem_u32(sm.a[0] + (64 * cw + 16 * ((threadIdx.x / 32) % 4) + 8 * ((threadIdx.x / 8) % 2) +
                                          threadIdx.x % 8) * kBK)) {}
@@ -188,15 +170,7 @@ struct MainloopTmaWgmmaBlockScaled {
 #pragma unroll
           for (int s = 0; s < kSlices; ++s) {
             float tmp[kSubAcc];
-            if constexpr (kPingpong) {  // this warpgroup's turn: the other one has issued its slice
-              if (cw == 0) Turn0::sync();
-              else Turn1::sync();
-            }
             issue(s, tmp);
-            if constexpr (kPingpong) {  // the other's turn while this one's wgmmas run and it folds
-              if (cw == 0) Turn1::arrive();
-              else Turn0::arrive();
-            }
             ptx::wgmma_wait<0>();
             if (!kColFactors && s == kSlices - 1) release(st.index);  // the stage is read
             fold(s, tmp);
