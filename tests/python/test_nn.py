@@ -557,6 +557,28 @@ def test_mla_delayed_wgrad_runs_last_with_the_same_bits(recipe, layout):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_mla_fp8_recipes_under_activation_checkpointing(recipe, use_reentrant):
+    """torch.utils.checkpoint around the block (its forward recomputed in the backward; the deferred
+    wgrad's anchor and the saved inputs come back with it): the same bits as without."""
+    from torch.utils.checkpoint import checkpoint
+
+    kw = dict(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
+              max_seq_len=64, seed=7, recipe=recipe)
+    m = mnn.MLA(**kw)
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    runs = []
+    for ckpt in (False, True):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        o = checkpoint(m, xi, use_reentrant=use_reentrant) if ckpt else m(xi)
+        o.float().square().mean().backward()
+        runs.append([o.detach(), xi.grad] + [p.grad for _, p in sorted(m.named_parameters())])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_linear_deferred_wgrad_and_shared_input_checks():
     lin = mnn.Linear(64, 32, recipe="block-fp8", seed=1)
     with pytest.raises(TypeError, match="wgrad must be a DeferredWgrad from deferred_wgrad"):
