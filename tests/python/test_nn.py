@@ -594,6 +594,11 @@ def test_linear_deferred_wgrad_and_shared_input_checks():
     other = mnn.Linear(64, 48, recipe="block-fp8", seed=2)
     x = torch.randn(50, 64).to(torch.bfloat16).requires_grad_()
     xq = lin.quantize_input(x)
+    with pytest.raises(ValueError, match=r"x_quantized must be quantize_input\(x\) of this x: the block-FP8 pair "
+                                         r"\(X \[49, 64\], Xᵀ \[64, 49\]\)"):
+        lin(x[:49], x_quantized=xq)
+    with pytest.raises(ValueError, match="x_quantized must be quantize_input"):
+        lin(x, x_quantized=xq[0])
     y = lin(x, x_quantized=xq).float().sum() + other(x, x_quantized=xq).float().square().sum()
     y.backward()
     got = [x.grad, lin.weight.grad, other.weight.grad]

@@ -338,6 +338,13 @@ class Linear(nn.Module):
         for name, v in (("x_quantized", x_quantized is not None), ("save_original_input", save_original_input)):
             if v and self.recipe != "block-fp8":
                 raise ValueError(f"mxmla.nn.Linear: {name} is for recipe 'block-fp8', not {self.recipe!r}")
+        if x_quantized is not None:
+            T, K = math.prod(x.shape[:-1]), x.shape[-1]
+            if (not isinstance(x_quantized, tuple) or len(x_quantized) != 2
+                    or tuple(getattr(x_quantized[0], "shape", ())) != (T, K)
+                    or tuple(getattr(x_quantized[1], "shape", ())) != (K, T)):
+                raise ValueError(f"mxmla.nn.Linear: x_quantized must be quantize_input(x) of this x: the block-FP8 "
+                                 f"pair (X [{T}, {K}], Xᵀ [{K}, {T}])")
         token, box = (None, None) if wgrad is None else (wgrad.token, wgrad.box)
         if self.recipe == "mxfp8":
             return MXFP8LinearFunction.apply(x, self.weight, token, box)
