@@ -326,11 +326,13 @@ class MLA(nn.Module):
         if layout == "sbhd":  # [s, b, h, d] -> [b, h, s, d]
             p = (1, 2, 0, 3)
             return self._sdpa(q.permute(p), k.permute(p), v.permute(p)).permute(2, 0, 1, 3)
-        outs = []  # thd: each sequence on its own (its own causal mask, no attention across sequences)
+        outs = []  # thd: each sequence on its own (its own causal mask, no attention across sequences),
+        # as [1, h, s, d]: torch's fused SDPA backends (cuDNN, flash) take 4-D inputs only; 3-D ones
+        # fall back to the math backend, which materializes the s x s scores
         for a, b in zip(cu, cu[1:]):
             if b > a:
-                o = self._sdpa(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1))
-                outs.append(o.transpose(0, 1))
+                qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                outs.append(self._sdpa(qs, ks, vs)[0].transpose(0, 1))
         return torch.cat(outs, dim=0) if outs else q.new_zeros(0, self.local_heads, self.v_dim)
 
     # ------------------------------------------------------------------ forward
