@@ -124,6 +124,25 @@ def test_mla_thd_sequences_do_not_see_each_other():
     assert (y2[8:] - y[8:]).abs().amax(dim=-1).min() > 1e-4
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "block-fp8"])
+def test_mla_thd_attention_calls_sdpa_with_4d_inputs(recipe, monkeypatch):
+    """Packed sequences under the torch-SDPA recipes: one SDPA call per non-empty sequence, on
+    [1, h, s, d] inputs (torch's cuDNN and flash backends take 4-D inputs only; 3-D ones fall back to
+    the math backend and its s x s scores: 4x the bf16 block's step time at DeepSeek-V3's dims)."""
+    import torch.nn.functional as F
+
+    shapes, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        shapes.append(tuple(q.shape))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    kw = dict(DIMS, max_seq_len=64, seed=0, recipe=recipe)
+    mnn.MLA(**kw)(randn(16, 64, seed=3).to(torch.bfloat16), cu_seqlens=[0, 6, 6, 16], layout="thd")
+    assert shapes == [(1, 4, 6, 24), (1, 4, 10, 24)]
+
+
 def test_mla_input_errors():
     m = mla()
     with pytest.raises(ValueError, match="hidden=64"):
