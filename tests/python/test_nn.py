@@ -598,6 +598,31 @@ def test_mla_fp8_recipes_under_activation_checkpointing(recipe, use_reentrant):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+def test_swiglu_fp8_shares_x_and_delays_w2_wgrad_with_the_same_bits(recipe):
+    """The FP8 SwiGLU (x quantized once for w1 and w3 under block-fp8; w2's wgrad after w1's and
+    w3's) against its three Linears called one by one: the same output and gradients, bit for bit;
+    w2's gradient arrives last with delay_wgrad, first without."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 50, 64, generator=g).to(torch.bfloat16)
+    dy = torch.randn(3, 50, 64, generator=g).to(torch.bfloat16)
+    runs = []
+    for delay in (True, False, None):  # None: the Linears one by one
+        f = mnn.SwiGLU(64, 96, recipe=recipe, seed=3, delay_wgrad=bool(delay))
+        order = []
+        for n, p in f.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, n=n: order.append(n))
+        xi = x.clone().requires_grad_()
+        y = f(xi) if delay is not None else f.w2(torch.nn.functional.silu(f.w1(xi)) * f.w3(xi))
+        y.backward(dy)
+        if delay is not None:
+            assert order.index("w2.weight") == (2 if delay else 0), order
+        runs.append([y.detach(), xi.grad] + [p.grad for _, p in sorted(f.named_parameters())])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
 def test_linear_deferred_wgrad_and_shared_input_checks():
     lin = mnn.Linear(64, 32, recipe="block-fp8", seed=1)
     with pytest.raises(TypeError, match="wgrad must be a DeferredWgrad from deferred_wgrad"):

@@ -397,13 +397,20 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """DeepSeek-V3's dense MLP: w2(silu(w1·x) ⊙ w3·x), each projection a Linear of the recipe."""
+    """DeepSeek-V3's dense MLP: w2(silu(w1·x) ⊙ w3·x), each projection a Linear of the recipe.
+
+    Under "block-fp8" x is quantized once for w1 and w3 (``Linear.quantize_input``: one pass, one
+    saved xᵀ). delay_wgrad (default True; the FP8 recipes): w2's weight gradient runs after w1's
+    and w3's backward (``DeferredWgrad``), so that its fp32 buffer is not allocated while the MLP's
+    activations are still held. The same bits either way."""
 
     def __init__(self, dim: int, inter_dim: int, recipe: str = "bf16", dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
-                 out_init_std: Optional[float] = None, seed: int = 0):
+                 out_init_std: Optional[float] = None, seed: int = 0, delay_wgrad: bool = True):
         super().__init__()
         check_recipe(recipe, "mxmla.nn.SwiGLU")
+        self.recipe = recipe
+        self.delay_wgrad = check_bool("mxmla.nn.SwiGLU", "delay_wgrad", delay_wgrad)
         g = generator(seed)
         kw = dict(recipe=recipe, dtype=dtype, params_dtype=params_dtype)
         self.w1 = Linear(dim, inter_dim, init_std=init_std, seed=child_seed(g), **kw)
@@ -412,7 +419,10 @@ class SwiGLU(nn.Module):
         self.w3 = Linear(dim, inter_dim, init_std=init_std, seed=child_seed(g), **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        defer = self.w2.deferred_wgrad() if self.delay_wgrad else None  # its anchor recorded first
+        xq = (self.w1.quantize_input(x) if self.recipe == "block-fp8" and not torch.compiler.is_compiling()
+              else None)
+        return self.w2(F.silu(self.w1(x, x_quantized=xq)) * self.w3(x, x_quantized=xq), wgrad=defer)
 
 
 def default_inter_dim(hidden: int) -> int:
