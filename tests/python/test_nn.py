@@ -623,6 +623,25 @@ def test_swiglu_fp8_shares_x_and_delays_w2_wgrad_with_the_same_bits(recipe):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+def test_mla_delayed_wgrad_under_autograd_grad(recipe):
+    """torch.autograd.grad with the deferral: the gradients asked for (wo's among them) equal the
+    immediate wgrad's bit for bit, and nothing lands in .grad; asking for x alone works too."""
+    kw = dict(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
+              max_seq_len=64, seed=7, recipe=recipe)
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = {}
+    for delay in (False, True):
+        m = mnn.MLA(**kw, delay_wgrad=delay)
+        xi = x.clone().requires_grad_()
+        got[delay] = torch.autograd.grad(m(xi).float().square().mean(), [m.wo.weight, m.wq_b.weight, xi])
+        assert all(p.grad is None for p in m.parameters())
+        (gx,) = torch.autograd.grad(m(xi).float().square().mean(), [xi])
+        assert torch.equal(gx, got[delay][2])
+    for a, b in zip(got[False], got[True]):
+        assert torch.equal(a, b)
+
+
 def test_linear_deferred_wgrad_and_shared_input_checks():
     lin = mnn.Linear(64, 32, recipe="block-fp8", seed=1)
     with pytest.raises(TypeError, match="wgrad must be a DeferredWgrad from deferred_wgrad"):
