@@ -37,18 +37,28 @@ def check_bool(what: str, name: str, value) -> bool:
     return value
 
 
-def _quantized_weight(weight: torch.Tensor):
-    """W's MXFP8 copies (both directions), quantized once per version of the weight: micro-batches
-    between two optimizer steps reuse them (an optimizer's in-place update bumps the version)."""
-    import mxmla
-
+def _per_version(weight: torch.Tensor, attr: str, make):
+    """make(weight), cached on the weight under attr once per version of it: micro-batches between two
+    optimizer steps reuse it (an optimizer's in-place update bumps the version)."""
     key = (weight._version, weight.device, weight.data_ptr())
-    cached = getattr(weight, "_mxmla_mxfp8", None)
+    cached = getattr(weight, attr, None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    w8 = mxmla.quantize(weight.detach().to(torch.bfloat16))
-    weight._mxmla_mxfp8 = (key, w8)
-    return w8
+    value = make(weight.detach())
+    setattr(weight, attr, (key, value))
+    return value
+
+
+def _quantized_weight(weight: torch.Tensor):
+    """W's MXFP8 copies (both directions), quantized once per version of the weight."""
+    import mxmla
+
+    return _per_version(weight, "_mxmla_mxfp8", lambda w: mxmla.quantize(w.to(torch.bfloat16)))
+
+
+def _rows_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x [.., K] as the bf16 [T, K] matrix a block-FP8 Linear quantizes (a view where x already is one)."""
+    return x.detach().reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
 
 
 def linear_saved(x8, w8) -> tuple:
@@ -171,16 +181,10 @@ def _wgrad_outputs(ctx, dw, deferred: bool) -> tuple:
 def block_weights(weight: torch.Tensor):
     """W's block-FP8 copies (128 x 128 blocks, power-of-two scales, quantized from the fp32 master
     weight): (W [N, K], Wᵀ [K, N]), the fprop and dgrad operands (the same blocks, so the same scales;
-    the codes transposed), made once per version of the weight as _quantized_weight's MXFP8 copies."""
+    the codes transposed), made in one pass once per version of the weight."""
     import mxmla
 
-    key = (weight._version, weight.device, weight.data_ptr())
-    cached = getattr(weight, "_mxmla_block_fp8", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    pair = mxmla.quantize_blockwise_both(weight.detach().float(), block_rows=128)  # one pass: W and Wᵀ
-    weight._mxmla_block_fp8 = (key, pair)
-    return pair
+    return _per_version(weight, "_mxmla_block_fp8", lambda w: mxmla.quantize_blockwise_both(w.float(), block_rows=128))
 
 
 def block_linear_grads(dy: torch.Tensor, wt, xt, weight: torch.Tensor, need_dx: bool = True,
@@ -230,10 +234,10 @@ class BlockFP8LinearFunction(torch.autograd.Function):
                 save_original_input: bool = False) -> torch.Tensor:
         import mxmla
 
-        lead, K = x.shape[:-1], x.shape[-1]
+        lead = x.shape[:-1]
         ctx.box = box  # a DeferredWgrad's (with its token): the wgrad runs later, in its anchor's backward
         wq, wt = block_weights(weight)
-        x2 = None if x_quantized is not None else x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
+        x2 = None if x_quantized is not None else _rows_bf16(x)
         ctx.original = save_original_input and x2 is not None and x2.data_ptr() == x.data_ptr()  # no copy made
         if ctx.original:  # fprop's x now; wgrad's xᵀ from x, later
             xq = mxmla.quantize_blockwise(x2)
@@ -368,7 +372,7 @@ class Linear(nn.Module):
 
         if self.recipe != "block-fp8":
             raise ValueError(f"mxmla.nn.Linear.quantize_input: for recipe 'block-fp8', not {self.recipe!r}")
-        return tuple(mxmla.quantize_blockwise_both(x.detach().reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()))
+        return tuple(mxmla.quantize_blockwise_both(_rows_bf16(x)))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe!r}, dtype={self.dtype}"

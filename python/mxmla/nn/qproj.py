@@ -159,10 +159,11 @@ class _QUpProjBlockFP8Function(torch.autograd.Function):
         K = x.shape[-1]
         xs = x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
         wq, wt = block_weights(weight)
-        q8, _, _ = fused_q_block_fp8_weight(xs, wq, cos, sin, cfg["nope_dim"], cfg["rope_dim"], cfg["style"],
+        # one pass over x: the fused op's x (1 x 128 blocks along K) and wgrad's xᵀ [K, T] (along the tokens)
+        xq, xt = mxmla.quantize_blockwise_both(xs)
+        q8, _, _ = fused_q_block_fp8_weight(xq, wq, cos, sin, cfg["nope_dim"], cfg["rope_dim"], cfg["style"],
                                             cfg["layout"], cfg["batch"], "nk", True, True, "e4m3",
                                             cfg["bhsd_scales"], False)
-        xt = mxmla.quantize_blockwise(xs, transpose=True)  # wgrad's xᵀ [K, T], 1 x 128 blocks along the tokens
         ctx.save_for_backward(xt.data, xt.scale_inv, cos, sin)
         ctx.cfg, ctx.x_shape, ctx.weight, ctx.x_dtype, ctx.wt = cfg, x.shape, weight, x.dtype, wt
         return _anchored(ctx, x, q8)
