@@ -6,7 +6,12 @@ at that moment grouped by the Python line that allocated them (innermost frame i
 bench/; "autograd engine" for a block allocated by C++ code with no Python frame, e.g. an autograd
 node of a torch op in backward). torch's allocator only: mxmla's own scratch (the mxfp8 attention
 backward's) does not appear here; bench/mla_step.py's pool peak counts both.
-Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_step_memory.py [T] [--recipes bf16,block-fp8] [--top N]"""
+--pool nodes: instead, both counted (torch on the device's default pool, as bench/mla_step.py's peak):
+the pool's peak above the state before the step during the forward and during each backward node of
+the step (a hook before and after every node synchronizes and reads the pool's high-water mark), and
+separately inside each mxmla.attention_backward call. --pool step: the same pool, the step's peak as it
+runs (no synchronization inside it), as bench/mla_step.py measures it.
+Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_step_memory.py [T] [--recipes bf16,block-fp8] [--top N] [--pool nodes|step]"""
 import argparse
 import os
 import sys
@@ -50,12 +55,85 @@ def peak_of(trace):
     return best, best_i, best_live
 
 
+def graph_nodes(root):
+    """Every autograd node reachable from root (once each)."""
+    seen, todo = set(), [root]
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        todo.extend(f for f, _ in n.next_functions)
+    return seen
+
+
+def pool_phases(a):
+    """The --pool mode: the pool's peak per phase of one step (forward, each backward node, each
+    attention_backward call), in MiB above the state before the step."""
+    import mxmla
+
+    ref, attn_bwd = None, mxmla.attention_backward
+    for recipe in a.recipes.split(","):
+        m, x, dy = setup(a.T, recipe, ref)
+        ref = ref or {k: v.detach().clone() for k, v in m.state_dict().items()}
+        for _ in range(2):
+            x.grad = None
+            m.zero_grad(set_to_none=True)
+            m(x).backward(dy)
+        x.grad = None
+        m.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = mxmla.scratch_memory(reset_peak=True)["in_use"]
+        rows = []
+
+        def mark(what):
+            torch.cuda.synchronize()
+            st = mxmla.scratch_memory()  # (the peak since the last mark, then a new one from now)
+            mxmla.scratch_memory(reset_peak=True)
+            rows.append((what, (st["peak"] - base) / MiB, (st["in_use"] - base) / MiB))
+
+        def attention_backward(*args, **kw):
+            mark("(backward before attention_backward)")
+            out = attn_bwd(*args, **kw)
+            mark("  mxmla.attention_backward")
+            return out
+
+        if a.pool == "nodes":
+            mxmla.attention_backward = attention_backward
+        try:
+            out = m(x)
+            if a.pool == "nodes":
+                mark("forward")
+                for n in graph_nodes(out.grad_fn):
+                    n.register_prehook(lambda g, n=n: mark(f"(before {n.name()})") or None)
+                    n.register_hook(lambda gi, go, n=n: mark(n.name()) or None)
+            out.backward(dy)
+            mark("(after the backward)" if a.pool == "nodes" else "the whole step, no synchronization inside it")
+        finally:
+            mxmla.attention_backward = attn_bwd
+        print(f"\n{recipe}: T {a.T}, the pool's peak in each phase and what is in use at its end (MiB above the "
+              f"state before the step; phases with a peak below the step's peak - 512 MiB left out; '(before X)': "
+              f"between the previous node and X)")
+        top = max(r[1] for r in rows)
+        for what, peak, use in rows:
+            if peak >= top - 512:
+                print(f"  {peak:8.0f} {use:8.0f}  {what}{'   <- the step peak' if peak == top else ''}")
+        del m, x, dy, out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("T", type=int, nargs="?", default=4096)
     ap.add_argument("--recipes", default="bf16,block-fp8,mxfp8")
     ap.add_argument("--top", type=int, default=16)
+    ap.add_argument("--pool", choices=("nodes", "step"), default=None,
+                    help="the pool's peak per backward node (synchronizing at each), or over the step as it runs")
     a = ap.parse_args()
+    if a.pool:
+        if "cudaMallocAsync" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
+            os.execv(sys.executable, [sys.executable] + sys.argv)
+        return pool_phases(a)
     ref = None
     for recipe in a.recipes.split(","):
         m, x, dy = setup(a.T, recipe, ref)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -68,12 +69,15 @@ void rope_linear_backward_cuda(const RopeQuantizeParams& r, const GemmProblem* d
 // Operand A's bf16 copy made by the caller (the MXFP8 Linear: quantize_cuda's row_copy / col_copy):
 // op(A) [M, K] K-major bf16, row stride a_ld elements (a multiple of 8), exact unless the caller's
 // check set *flag. The GEMM's design C reads it instead of dequantizing A; `flag` is its design
-// flag, already holding the copy's check (the call ORs B's in; design B, behind it, reads A's codes,
-// which the caller must have written by then when the flag is set).
+// flag, already holding the copy's check (the call ORs B's in). Design B, behind the flag, reads A's
+// codes (the view p.a): a_codes launches the caller's pass that writes them behind the flag (or
+// always, where a design that reads them is forced); the call launches it once B's check has run
+// too and after design C's kernel, so that the codes may overwrite a16's buffer.
 struct GemmPrepared {
   const uint16_t* a16 = nullptr;
   int64_t a_ld = 0;
   uint32_t* flag = nullptr;
+  std::function<void()> a_codes;
 };
 // The SM90 kernel (MXFP8 operands; src/cuda/sm90_mxfp8_gemm.cu); prep: null, or A's prepared copy.
 void mxfp8_gemm_cuda(const GemmProblem& p, Stream stream, const GemmPrepared* prep = nullptr);

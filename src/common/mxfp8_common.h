@@ -113,8 +113,17 @@ MXMLA_HD int64_t cursor_offset(const ScaleCursor& c, int64_t i) {
   return c.base + (c.compact ? i * c.stride : swizzle_offset(c.i0 + i, c.j, c.tiles_x));
 }
 
+// The cursors' divisions by run-time values (kBHSD: cols / D, the block column's matrix and place)
+// in the integer type I: int64_t, or in a kernel whose register allocation a 64-bit division
+// subroutine's call disturbs, uint32_t where its caller has checked that cols fits 31 bits.
+template <class I>
+MXMLA_HD int64_t map_div(int64_t a, int64_t b) { return static_cast<int64_t>(static_cast<I>(a) / static_cast<I>(b)); }
+template <class I>
+MXMLA_HD int64_t map_mod(int64_t a, int64_t b) { return static_cast<int64_t>(static_cast<I>(a) % static_cast<I>(b)); }
+
 // Rowwise: block (bi, r, kb) covers columns [32 kb, 32 kb + 32) of row r of batch bi; the cursor
 // is indexed by r.
+template <class I = int64_t>
 MXMLA_HD ScaleCursor row_cursor(const ScaleMap& m, int64_t bi, int64_t kb) {
   const int64_t nkb = m.cols / 32;
   switch (m.mode) {
@@ -122,21 +131,22 @@ MXMLA_HD ScaleCursor row_cursor(const ScaleMap& m, int64_t bi, int64_t kb) {
     case MapMode::kSwizzled: return {0, 0, bi * m.rows, kb, m.tiles_x, false};
     default: {
       const int64_t nd = m.D / 32;
-      const int64_t bh = bi * (m.cols / m.D) + kb / nd;  // b*H + h
-      return {bh * m.mat_size, 0, 0, kb % nd, m.tiles_x, false};
+      const int64_t bh = bi * map_div<I>(m.cols, m.D) + map_div<I>(kb, nd);  // b*H + h
+      return {bh * m.mat_size, 0, 0, map_mod<I>(kb, nd), m.tiles_x, false};
     }
   }
 }
 // Columnwise: block (bi, rb, c) covers rows [32 rb, 32 rb + 32) of column c of batch bi; the
 // cursor is indexed by the column offset dc from c (c + dc must stay in c's head for kBHSD).
+template <class I = int64_t>
 MXMLA_HD ScaleCursor col_cursor(const ScaleMap& m, int64_t bi, int64_t rb, int64_t c) {
   const int64_t nrb = ceil_div(m.rows, 32);
   switch (m.mode) {
     case MapMode::kCompact: return {(bi * nrb + rb) * m.cols + c, 1, 0, 0, 0, true};
     case MapMode::kSwizzled: return {0, 0, c, bi * nrb + rb, m.tiles_x, false};
     default: {
-      const int64_t bh = bi * (m.cols / m.D) + c / m.D;
-      return {bh * m.mat_size, 0, c % m.D, rb, m.tiles_x, false};
+      const int64_t bh = bi * map_div<I>(m.cols, m.D) + map_div<I>(c, m.D);
+      return {bh * m.mat_size, 0, map_mod<I>(c, m.D), rb, m.tiles_x, false};
     }
   }
 }

@@ -18,6 +18,9 @@
 //          scale geometry as elem() reads it: one scale per chunk for a rowwise copy, one per
 //          column for a columnwise one; cuda/sm90/dequant_mxfp8_bf16.cuh). Reads with the same
 //          values (q_once, k_once, do_once) share one copy; aligned bf16 reads are used in place.
+//          The SM90 kernel converts the key-side FP8 reads (k_s, k_g, v_s) itself, once per CTA
+//          with the same device code (cuda/attention_stage.cuh), where their codes allow 16-byte
+//          loads: only the query-side reads are copied for it.
 //   dK/dV, dQ  the main kernels read only those bf16 views: 16-byte cp.async copies into shared
 //          memory (rows past a sequence's end zero-filled), software-pipelined so that each tile's
 //          loads overlap the previous GEMM phase (below). The GEMMs are mma.sync m16n8k16 bf16 ->
@@ -510,9 +513,11 @@ bool shape_instantiated(int64_t Dqk, int64_t Dv) {
 // values (q_once, k_once, do_once: set before) takes the score read's view. Aligned bf16 reads are read in place.
 // Only the KV heads hk0 .. hk0 + n_kv − 1 (and their query heads) are converted (the views address
 // every head; only those may be read); returns the bytes converted (with convert = false: only counts
-// them, changing nothing).
+// them, changing nothing). kv_fp8_in_kernel: the SM90 kernel converts the key-side FP8 reads (K_s,
+// K_g, V) itself where their codes allow 16-byte loads; those stay FP8 reads.
 int64_t stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
-                    std::unique_ptr<StreamScratch> (&keep)[7], int64_t hk0, int64_t n_kv, bool convert = true) {
+                    std::unique_ptr<StreamScratch> (&keep)[7], int64_t hk0, int64_t n_kv, bool convert = true,
+                    bool kv_fp8_in_kernel = false) {
   const AttnRead* const in[] = {&p.q_s, &p.q_g, &p.k_s, &p.k_g, &p.v_s, &p.do_s, &p.do_g};
   AttnRead* const out[] = {&prm.p.q_s, &prm.p.q_g, &prm.p.k_s, &prm.p.k_g, &prm.p.v_s, &prm.p.do_s, &prm.p.do_g};
   static_assert(kQg == kQs + 1 && kKg == kKs + 1 && kDOg == kDOs + 1, "a gradient read follows its score read");
@@ -533,6 +538,9 @@ int64_t stage_reads(Params& prm, const AttentionBwdProblem& p, cudaStream_t s,
     if (once(r)) continue;
     if (!in[r]->fp8 && attn_read_vec_ok(*in[r])) continue;
     const bool kv = r == kKs || r == kKg || r == kVs;
+    // (the kernel's scale cursors divide in 32 bits: the map's columns below 2^31)
+    if (kv && kv_fp8_in_kernel && in[r]->fp8 && attn_read_vec_ok(*in[r]) && in[r]->sc.map.cols < (int64_t{1} << 31))
+      continue;
     const int64_t h0 = kv ? hk0 : hk0 * group, heads = kv ? n_kv : n_kv * group;
     const int64_t d = (r == kVs || r == kDOs || r == kDOg) ? p.Dv : p.Dqk;
     bytes += stage_attn_bytes(seqs, kv, heads, d);
@@ -579,15 +587,20 @@ void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
   prm.do_once = same_values(p.do_s, p.do_g);
   if (!force_mma && sm90_attention_bwd_supported(p, prm.do_once)) {
     std::unique_ptr<StreamScratch> none[7];
+    // MXMLA_ATTN_BWD_STAGE_KV=1: the preprocess converts K and V too (tests compare the bits)
+    const bool kv_in_kernel = heuristics::env_forced("MXMLA_ATTN_BWD_STAGE_KV", 1) == 0;
     const int64_t forced = heuristics::env_forced("MXMLA_ATTN_BWD_GROUPS", int64_t{1} << 30);
-    const int64_t groups = forced != 0 ? std::min(forced, std::max<int64_t>(p.Hkv, 1))
-                                       : heuristics::attn_bwd_head_groups(stage_reads(prm, p, s, none, 0, 1, false),
-                                                                          std::max<int64_t>(p.Hkv, 1));
-    const int64_t per = (p.Hkv + groups - 1) / groups;  // (no group without KV heads)
+    const int64_t group = p.H / std::max<int64_t>(p.Hkv, 1);
     // one accumulator, or with b = 1 or thd (a group's query rows contiguous) one per group: made
     // before the group's kernel, rounded into dq and freed on the stream after it
-    const bool acc_per_group = per < p.Hkv && (p.thd || p.B == 1);
-    const int64_t group = p.H / std::max<int64_t>(p.Hkv, 1);
+    const bool acc_splits = p.thd || p.B == 1;
+    const int64_t acc_bytes_per_kv_head = acc_splits ? group * (p.thd ? p.total_q : p.Sq) * p.Dqk * 4 : 0;
+    const int64_t groups =
+        forced != 0 ? std::min(forced, std::max<int64_t>(p.Hkv, 1))
+                    : heuristics::attn_bwd_head_groups(stage_reads(prm, p, s, none, 0, 1, false, kv_in_kernel),
+                                                       acc_bytes_per_kv_head, std::max<int64_t>(p.Hkv, 1));
+    const int64_t per = (p.Hkv + groups - 1) / groups;  // (no group without KV heads)
+    const bool acc_per_group = per < p.Hkv && acc_splits;
     Sm90DqAcc acc;
     if (!acc_per_group) acc = sm90_attention_bwd_acc(p, s, 0, p.H);
     for (int64_t hk0 = 0; hk0 < p.Hkv; hk0 += per) {
@@ -595,7 +608,7 @@ void attention_bwd_cuda(const AttentionBwdProblem& p, Stream stream) {
       if (acc_per_group) acc = sm90_attention_bwd_acc(p, s, hk0 * group, n * group);
       std::unique_ptr<StreamScratch> staged[7];  // this group's copies: freed on the stream after its kernel
       Params g = prm;
-      stage_reads(g, p, s, staged, hk0, n);
+      stage_reads(g, p, s, staged, hk0, n, true, kv_in_kernel);
       Sm90BwdArgs a;
       a.p = g.p;
       a.D = prm.D;

@@ -89,14 +89,17 @@ inline int64_t elementwise_grid(int64_t units, int threads_per_block) {
 }
 
 // The attention backward's SM90 path: into how many groups of KV heads to split the work, so that
-// the bf16 copies its preprocess makes of the FP8 reads (copy_bytes_per_kv_head for one KV head and
-// its query heads) stay within kCopyBudget at a time: each group's copies are made, read by that
-// group's kernel and freed (stream-ordered) before the next group's are made. One group when they
-// fit (each split adds a kernel drain). hkv >= 1; returns 1 .. hkv.
-inline int64_t attn_bwd_head_groups(int64_t copy_bytes_per_kv_head, int64_t hkv) {
-  constexpr int64_t kCopyBudget = int64_t{512} << 20;
-  const int64_t total = copy_bytes_per_kv_head * hkv;
-  const int64_t groups = (total + kCopyBudget - 1) / kCopyBudget;
+// its scratch — the bf16 copies its preprocess makes of the FP8 query-side reads, and where the dQ
+// accumulator splits with the heads (b = 1 or thd) that too (copy_bytes / acc_bytes for one KV head
+// and its query heads) — stays within kBudget at a time: each group's scratch is made, used by that
+// group's kernels and freed (stream-ordered) before the next group's is made. One group when it
+// fits, and without copies (bf16 reads: the accumulator alone, as cuDNN's backward holds it too);
+// each split adds a kernel drain. hkv >= 1; returns 1 .. hkv.
+inline int64_t attn_bwd_head_groups(int64_t copy_bytes_per_kv_head, int64_t acc_bytes_per_kv_head, int64_t hkv) {
+  constexpr int64_t kBudget = int64_t{512} << 20;
+  if (copy_bytes_per_kv_head == 0) return 1;
+  const int64_t total = (copy_bytes_per_kv_head + acc_bytes_per_kv_head) * hkv;
+  const int64_t groups = (total + kBudget - 1) / kBudget;
   return std::min<int64_t>(std::max<int64_t>(groups, 1), hkv);
 }
 

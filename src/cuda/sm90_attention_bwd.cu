@@ -1,8 +1,9 @@
 // mxmla — the attention backward's main kernel on SM90 (sm_90a): warp-specialized, bf16 wgmma with
 // fp32 accumulation, dK and dV in registers, dQ summed across key blocks by bulk fp32 reductions
 // from shared memory (FlashAttention-3's structure). It reads the bf16 views that the launcher's
-// preprocess (attention_bwd_mma.cu) made of every read; the math is the one attention_bwd_mma.cu
-// states:
+// preprocess (attention_bwd_mma.cu) made of the query-side reads, and K, V (K_s, K_g, V) as bf16
+// views or as FP8 reads that the CTA converts itself (below); the math is the one
+// attention_bwd_mma.cu states:
 //
 //   P_ij = exp(s_ij − LSE_i),  dS_ij = P_ij · (dP_ij − D_i) · scale;  P̂, dŜ = bf16(P), bf16(dS)
 //   dV = P̂ᵀ·dO_g,  dK = dŜᵀ·Q_g,  dQ = dŜ·K_g
@@ -10,10 +11,12 @@
 // CTA = (96 keys j0.., kv head hk, sequence b); grid (key blocks, Hkv, B): the CTAs in flight share
 // a head's query-side tiles in L2, the key blocks with the most query rows (causal: the first) start
 // first. 384 threads:
+//   all          FP8 K_s, K_g, V: converted once by every thread before the roles split (the
+//                conversion pass's bits; rows past a sequence's end zero), into the layouts below
 //   WG0          producer: cp.async copies into shared memory (rows past a sequence's end
 //                zero-filled); once a set has landed, each thread fences (generic -> async proxy)
 //                and arrives on the set's mbarrier:
-//                K_s, K_g, V once; per query tile t (64 rows of head h, for every head of the GQA
+//                bf16 K_s, K_g, V once; per query tile t (64 rows of head h, for every head of the GQA
 //                group and every tile from the first that sees key j0): Q_s, dO, LSE, D into stage
 //                t % 2, Q_g into its single buffer (once the consumers are done with tile t − 1's).
 //   WG1, WG2     consumers c = 0, 1, keys 48c .. 48c + 47 of the block each; per tile:
@@ -59,6 +62,7 @@
 #include <cstdint>
 
 #include "cuda/attention_bwd_common.cuh"
+#include "cuda/attention_stage.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/numerics.cuh"
 #include "cuda/ptx/common.cuh"
@@ -171,6 +175,107 @@ __device__ __forceinline__ void load_tile_sw64(uint8_t* dst, const AttnTensorVie
   }
 }
 
+// A key-side FP8 read (K_s, K_g or V: the key block's kRows tokens from tok0, sequence b, KV head h)
+// converted to bf16 by the whole CTA before the roles split, into the layout the producer's copies
+// give a bf16 read (kSw64: load_tile_sw64's, else load_tile's; rows n and later zero), with the
+// conversion pass's bits (cuda/attention_stage.cuh), in two steps so that every read's loads are in
+// flight together: load() issues this thread's code and scale loads, store() converts and stores.
+// Thread tid takes chunk tid % kChunks (16 values) of kPer consecutive keys, so that a columnwise
+// read's 16 scale bytes are fetched once per 32-row block they share. The exact path (NaN / Inf
+// codes, extreme scales) inline, the scale cursor with 32-bit divisions (the launcher checked the
+// map's columns): a call (the out-of-line exact path, a 64-bit division's subroutine) makes ptxas
+// spill in the roles' loops. The caller fences and synchronizes.
+template <int kD, int kRows, int kThreads, bool kSw64>
+struct KeyReadChunks {
+  static constexpr int kChunks = kD / 16, kPer = kRows * kChunks / kThreads;
+  static_assert(kRows * kChunks % kThreads == 0 && kThreads % kChunks == 0, "whole chunks a thread");
+  uint4 codes[kPer];
+  uint32_t sb[kPer];  // rowwise: each chunk's scale byte
+  int64_t rb[kPer];   // columnwise: each chunk's 32-row block (-1: past the end)
+  uint4 ec;           // columnwise: the scale bytes of block rb[0]
+  ScaleCursor cur;
+  int c, key0;
+
+  __device__ __forceinline__ void load(const AttnRead& r, int64_t b, int64_t h, int64_t tok0, int n, int tid) {
+    c = tid % kChunks, key0 = (tid / kChunks) * kPer;
+    cur = attn_fp8::chunk_cursor<uint32_t>(r, b, h, c);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      codes[i] = make_uint4(0, 0, 0, 0), sb[i] = 0, rb[i] = -1;
+      if (key0 + i >= n) continue;
+      const int64_t tok = tok0 + key0 + i;
+      codes[i] = attn_fp8::fp8_codes(r, true, attn_fp8::value_offset(r, b, h, tok, 16 * c));
+      const int64_t row = attn_fp8::scale_row(r.sc, b, h, tok);
+      if (r.rowwise)
+        sb[i] = ptx::ld_global_nc_u8(r.sc.ptr + cursor_offset(cur, row));
+      else
+        rb[i] = row / 32;
+    }
+    ec = make_uint4(0, 0, 0, 0);
+    if (!r.rowwise && rb[0] >= 0) ec = attn_fp8::col_scales(r.sc.ptr, cur, r.sc.map.cols, rb[0]);
+  }
+
+  __device__ __forceinline__ void store(uint8_t* dst, const AttnRead& r, int n) {
+    uint4 unused[2];  // (the out-of-line exact path's slot)
+    int64_t cached = rb[0];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int key = key0 + i;
+      uint32_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (key < n) {
+        if (r.rowwise) {
+          attn_fp8::fp8_words<true, true>(r, codes[i], make_uint4(sb[i], 0, 0, 0), unused, w);
+        } else {
+          if (rb[i] != cached) ec = attn_fp8::col_scales(r.sc.ptr, cur, r.sc.map.cols, rb[i]), cached = rb[i];
+          attn_fp8::fp8_words<false, true>(r, codes[i], ec, unused, w);
+        }
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {  // the chunk's two 16-byte pieces (8 values each)
+        const int pc = 2 * c + hf;      // piece index along d
+        uint8_t* to = kSw64 ? dst + (pc / 4) * (kRows * 64) + key * 64 + (((pc % 4) ^ ((key >> 1) & 3)) * 16)
+                            : dst + (pc / 8) * (kRows * 128) + key * 128 + (((pc % 8) ^ (key % 8)) * 16);
+        *reinterpret_cast<uint4*>(to) = make_uint4(w[4 * hf], w[4 * hf + 1], w[4 * hf + 2], w[4 * hf + 3]);
+      }
+    }
+  }
+};
+
+// Every FP8 key-side read of the key block (tokens tok0.., n of them) converted by the whole CTA
+// (the caller synchronizes).
+template <class C>
+__device__ __forceinline__ void convert_key_reads(Smem<C>& sm, const AttentionBwdProblem& p, int64_t b, int64_t hk,
+                                               int64_t tok0, int n) {
+  const int tid = static_cast<int>(threadIdx.x);
+  KeyReadChunks<C::kDqk, C::kBN, C::kThreads, false> ks;
+  KeyReadChunks<C::kDqk, C::kBN, C::kThreads, true> kg;
+  KeyReadChunks<C::kDv, C::kBN, C::kThreads, false> vs;
+  if (p.k_s.fp8) ks.load(p.k_s, b, hk, tok0, n, tid);
+  if (p.k_g.fp8) kg.load(p.k_g, b, hk, tok0, n, tid);
+  if (p.v_s.fp8) vs.load(p.v_s, b, hk, tok0, n, tid);
+  if (p.k_s.fp8) ks.store(sm.ks[0], p.k_s, n);
+  if (p.k_g.fp8) kg.store(sm.kg[0], p.k_g, n);
+  if (p.v_s.fp8) vs.store(sm.vs[0], p.v_s, n);
+  ptx::fence_proxy_async();  // generic stores, read by wgmma (async proxy) after the caller's barrier
+}
+
+// Query tile i0 (ni rows) of head h into stage st: Q_s, dO, LSE (threads 0-63) and D (64-127) of its
+// rows, zero past the sequence's end (the producer's 128 threads, cp.async; the caller commits).
+template <class C>
+__device__ __forceinline__ void load_query_tile(Smem<C>& sm, const Params& prm, const Seq& s, int64_t b, int64_t h,
+                                                int64_t i0, int ni, int st, int tid) {
+  const AttentionBwdProblem& p = prm.p;
+  load_tile<C::kDqk, C::kBM>(sm.qs[st][0], p.q_s.view, b, h, s.q0 + i0, ni, tid);
+  load_tile<C::kDv, C::kBM>(sm.dos[st][0], p.do_s.view, b, h, s.q0 + i0, ni, tid);
+  const int r = tid % 64;
+  const bool in = r < ni;
+  const int64_t ri = in ? row_index(p, s, b, h, i0 + r) : 0;
+  if (tid < 64)
+    ptx::cp_async<4>(&sm.lse[st][r], p.lse + ri, in ? 4u : 0u);
+  else
+    ptx::cp_async<4>(&sm.dd[st][r], prm.D + ri, in ? 4u : 0u);
+}
+
 // The iteration order both roles follow: for every head of the GQA group, the query tiles from the
 // first one that sees key j0 (causal) to the sequence's end, starting at tile `rot` (the key block's
 // index modulo their count) and wrapping around, so that the CTAs of one head in flight add into
@@ -248,8 +353,10 @@ __device__ __forceinline__ void dq_stage(const float (&acc)[kN / 2], uint8_t* bu
 }
 
 // ---------------------------------------------------------------- the kernel
-// kDet: dQ's additions in the fixed order (its own instantiation: the default one keeps its registers)
-template <int kDqk, int kDv, bool kDet>
+// kDet: dQ's additions in the fixed order (its own instantiation: the default one keeps its registers).
+// kFp8Kv: K_s, K_g or V FP8 reads, converted before the roles split (its own instantiation: the
+// roles' code of the other, whose schedule ptxas changes around any prologue, stays as it was)
+template <int kDqk, int kDv, bool kDet, bool kFp8Kv>
 __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Params prm) {
   using C = Cfg<kDqk, kDv>;
   extern __shared__ uint8_t smem_raw[];
@@ -280,6 +387,21 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
       sm.det_cap = static_cast<int>((s.skv + C::kBN - 1) / C::kBN - 1 - kb);
     }
   }
+  // FP8 key-side reads (the launcher leaves them unconverted where their codes allow 16-byte
+  // loads): converted once per CTA by every thread, with the launch's registers, before the roles
+  // split; the producer copies the bf16 ones.
+  if constexpr (kFp8Kv) {
+    if (tiles > 0) {
+      if (wg == 0) {  // the producer's first query tile, in flight during the conversion
+        const TileWalk w0{hk * group, i_begin, per_head, rot};
+        const int64_t i0 = w0.i0();
+        load_query_tile<C>(sm, prm, s, b, w0.h, i0, static_cast<int>(imin(C::kBM, s.sq - i0)), 0,
+                           static_cast<int>(threadIdx.x));
+        ptx::cp_async_commit();
+      }
+      convert_key_reads<C>(sm, p, b, hk, s.kv0 + j0, nj);
+    }
+  }
   __syncthreads();
 
   if (wg == 0) {  // ---------------------------------------------------------------- producer
@@ -294,9 +416,10 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
       ptx::fence_proxy_async();
       ptx::mbar_arrive(bar);
     };
-    load_tile<kDqk, C::kBN>(sm.ks[0], p.k_s.view, b, hk, s.kv0 + j0, nj, tid);
-    load_tile_sw64<kDqk, C::kBN>(sm.kg[0], p.k_g.view, b, hk, s.kv0 + j0, nj, tid);  // (one K copy: read twice)
-    load_tile<kDv, C::kBN>(sm.vs[0], p.v_s.view, b, hk, s.kv0 + j0, nj, tid);
+    if (!kFp8Kv || !p.k_s.fp8) load_tile<kDqk, C::kBN>(sm.ks[0], p.k_s.view, b, hk, s.kv0 + j0, nj, tid);
+    if (!kFp8Kv || !p.k_g.fp8)  // (one K copy: read twice)
+      load_tile_sw64<kDqk, C::kBN>(sm.kg[0], p.k_g.view, b, hk, s.kv0 + j0, nj, tid);
+    if (!kFp8Kv || !p.v_s.fp8) load_tile<kDv, C::kBN>(sm.vs[0], p.v_s.view, b, hk, s.kv0 + j0, nj, tid);
     landed(&sm.kv_full);
     TileWalk w{hk * group, i_begin, per_head, rot};
     // kDet: two more turns, which publish the last two tiles' flags
@@ -316,17 +439,7 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
       if (kDet && t >= tiles) continue;
       const int64_t i0 = w.i0();
       const int ni = static_cast<int>(imin(C::kBM, s.sq - i0));
-      load_tile<kDqk, C::kBM>(sm.qs[st][0], p.q_s.view, b, w.h, s.q0 + i0, ni, tid);
-      load_tile<kDv, C::kBM>(sm.dos[st][0], p.do_s.view, b, w.h, s.q0 + i0, ni, tid);
-      {  // LSE (threads 0-63) and D (64-127) of the tile's rows; zero past the sequence's end
-        const int r = tid % 64;
-        const bool in = r < ni;
-        const int64_t ri = in ? row_index(p, s, b, w.h, i0 + r) : 0;
-        if (tid < 64)
-          ptx::cp_async<4>(&sm.lse[st][r], p.lse + ri, in ? 4u : 0u);
-        else
-          ptx::cp_async<4>(&sm.dd[st][r], prm.D + ri, in ? 4u : 0u);
-      }
+      if (!kFp8Kv || t > 0) load_query_tile<C>(sm, prm, s, b, w.h, i0, ni, st, tid);  // (kFp8Kv: tile 0 in flight)
       landed(&sm.full[st]);
       if (!prm.q_once) {
         if (t >= 1) ptx::mbar_wait(&sm.g_empty, static_cast<uint32_t>((t - 1) & 1));
@@ -597,19 +710,19 @@ __global__ void __launch_bounds__(192) bwd_dq_round(const __grid_constant__ Atte
   }
 }
 
-template <int kDqk, int kDv, bool kDet>
+template <int kDqk, int kDv, bool kDet, bool kFp8Kv>
 void launch(const Params& prm, int64_t n_kv, cudaStream_t s) {
   using C = Cfg<kDqk, kDv>;
   constexpr size_t kSmem = sizeof(Smem<C>) + 1024;  // + the 1024-byte alignment of the swizzled tiles
   static_assert(kSmem <= 232448, "227 KB of shared memory per block on SM90");
   const AttentionBwdProblem& p = prm.p;
-  MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_sm90<kDqk, kDv, kDet>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_sm90<kDqk, kDv, kDet, kFp8Kv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(kSmem)));
   // key blocks fastest: the CTAs in flight share a head's Q, dO (and LSE, D) in L2; within a head the
   // first key blocks (causal: the most query tiles) start first (kDet: the last, see the kernel)
   const dim3 grid(grid_dim(kOp, (p.Skv + C::kBN - 1) / C::kBN, true, "keys"), grid_dim(kOp, n_kv, false, "heads"),
                   grid_dim(kOp, p.B, false, "sequences"));
-  bwd_sm90<kDqk, kDv, kDet><<<grid, C::kThreads, kSmem, s>>>(prm);
+  bwd_sm90<kDqk, kDv, kDet, kFp8Kv><<<grid, C::kThreads, kSmem, s>>>(prm);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -653,10 +766,14 @@ void sm90_attention_bwd_heads(const Sm90BwdArgs& a, const Sm90DqAcc& acc, int64_
   prm.q_once = a.q_once;
   prm.dq_flag = acc.flag;
   if (p.Skv > 0 && p.B > 0 && n_kv > 0) {
-    if (p.Dqk == 192)
-      (p.deterministic ? launch<192, 128, true> : launch<192, 128, false>)(prm, n_kv, s);
-    else
-      (p.deterministic ? launch<128, 128, true> : launch<128, 128, false>)(prm, n_kv, s);
+    using Launch = void (*)(const Params&, int64_t, cudaStream_t);
+    static constexpr Launch kLaunch[2][2][2] = {  // [d_qk 192][deterministic][FP8 key-side reads]
+        {{launch<128, 128, false, false>, launch<128, 128, false, true>},
+         {launch<128, 128, true, false>, launch<128, 128, true, true>}},
+        {{launch<192, 128, false, false>, launch<192, 128, false, true>},
+         {launch<192, 128, true, false>, launch<192, 128, true, true>}}};
+    const bool fp8_kv = p.k_s.fp8 || p.k_g.fp8 || p.v_s.fp8;
+    kLaunch[p.Dqk == 192][p.deterministic][fp8_kv](prm, n_kv, s);
   }
 }
 

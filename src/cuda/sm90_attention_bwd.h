@@ -1,6 +1,7 @@
 // mxmla internal — the SM90 attention backward main kernel (sm90_attention_bwd.cu, sm_90a), called by
 // the backward's launcher (attention_bwd_mma.cu) after its preprocess has turned every read into a
-// bf16 view with 16-byte aligned data and strides.
+// bf16 view with 16-byte aligned data and strides, but for the key-side reads (K_s, K_g, V), which
+// may stay FP8 with 16-byte aligned codes (the kernel converts them).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,7 +15,7 @@
 namespace mxmla::detail {
 
 struct Sm90BwdArgs {
-  AttentionBwdProblem p;  // its reads: bf16 views (data and strides 16-byte aligned)
+  AttentionBwdProblem p;  // its reads: bf16 views (data and strides 16-byte aligned); K_s, K_g, V also FP8
   const float* D;         // [rows] (attn_bwd::row_index order)
   bool q_once;            // the dK GEMM's Q read is the score GEMM's (one copy in shared memory)
 };

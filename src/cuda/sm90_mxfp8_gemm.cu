@@ -515,6 +515,7 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
     launch_c(ta, tb, pc, s);
   }
   if (forced == 'C') return;
+  if (prep != nullptr && prep->a_codes) prep->a_codes();  // A's codes (every check has run: A's and B's)
   // designs A and B: gathered scales and K-major codes; per call (design B behind the flag, set by
   // the check above) these passes return at once unless the flag is set
   const uint32_t* run_if = forced == 0 ? small : nullptr;
@@ -595,24 +596,26 @@ bool codes_always() {
 void linear_forward_cuda(const QuantizeProblem& q, GemmProblem g, Stream stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int64_t T = q.rows, K = q.cols;
-  StreamScratch flags(8, s), codes(fallback_bytes(T, K, true), s), copy(T * K * 2, s);  // freed after the GEMM
+  // x's rowwise bf16 copy [T, K]; where the design flag is set (x's check or W's), x's fallback codes
+  // and compact scales overwrite it once design C's kernel has returned (design B reads them)
+  StreamScratch flags(8, s), copy(std::max(T * K * 2, fallback_bytes(T, K, true)), s);  // freed after the GEMM
   uint32_t* inexact = reinterpret_cast<uint32_t*>(flags.ptr);  // [0]: the rowwise copy's check
   MXMLA_CUDA_CHECK(cudaMemsetAsync(inexact, 0, 8, s));
-  g.a = fallback_view(codes.ptr, T, K, true);
+  g.a = fallback_view(copy.ptr, T, K, true);
+  QuantizeProblem qr = q;  // the rowwise codes, for design B
+  qr.col_codes = nullptr, qr.col_scales = nullptr;
+  qr.row_codes = copy.ptr, qr.row_scales = copy.ptr + T * K;
+  qr.row_map = g.a.map;
+  qr.run_if = codes_always() ? nullptr : inexact;
+  GemmPrepared prep;
+  prep.a16 = reinterpret_cast<const uint16_t*>(copy.ptr), prep.a_ld = K, prep.flag = inexact;
   if (T > 0) {
     QuantizeProblem qc = q;  // x's columnwise codes (x_saved) and its rowwise bf16 copy
     qc.row_codes = nullptr, qc.row_scales = nullptr;
     qc.row_copy = reinterpret_cast<uint16_t*>(copy.ptr), qc.row_copy_ld = K, qc.inexact = inexact;
     quantize_cuda(qc, stream);
-    QuantizeProblem qr = q;  // the rowwise codes, for design B
-    qr.col_codes = nullptr, qr.col_scales = nullptr;
-    qr.row_codes = codes.ptr, qr.row_scales = codes.ptr + T * K;
-    qr.row_map = g.a.map;
-    qr.run_if = codes_always() ? nullptr : inexact;
-    quantize_cuda(qr, stream);
+    prep.a_codes = [&qr, stream] { quantize_cuda(qr, stream); };
   }
-  GemmPrepared prep;
-  prep.a16 = reinterpret_cast<const uint16_t*>(copy.ptr), prep.a_ld = K, prep.flag = inexact;
   mxfp8_gemm_cuda(g, stream, &prep);
 }
 
@@ -621,41 +624,43 @@ void linear_backward_cuda(const QuantizeProblem& q, const GemmProblem* dgrad, Ge
   const int64_t T = q.rows, N = q.cols, Tp = round_up(T, 32);
   const bool dg = dgrad != nullptr;
   StreamScratch flags(8, s);
-  StreamScratch row_codes(dg ? fallback_bytes(T, N, true) : 0, s), col_codes(fallback_bytes(T, N, false), s);
-  StreamScratch row_copy(dg ? T * N * 2 : 0, s), col_copy(N * Tp * 2, s);
+  // dy's copies: rowwise [T, N] (dgrad), columnwise transposed [N, Tp] (wgrad); where a GEMM's design
+  // flag is set (its copy's check or its B operand's), that direction's fallback codes and compact
+  // scales overwrite its copy once design C's kernel has returned (design B reads them). The rowwise
+  // copy is freed after dgrad, before wgrad's GEMM takes its own scratch.
+  auto row_copy = std::make_unique<StreamScratch>(dg ? std::max(T * N * 2, fallback_bytes(T, N, true)) : 0, s);
+  StreamScratch col_copy(std::max(N * Tp * 2, fallback_bytes(T, N, false)), s);
   // [0]: the rowwise copy's check, dgrad's design flag; [1]: the columnwise copy's, wgrad's
   uint32_t* inexact = reinterpret_cast<uint32_t*>(flags.ptr);
   MXMLA_CUDA_CHECK(cudaMemsetAsync(inexact, 0, 8, s));
-  const GemmOperandView rv = fallback_view(row_codes.ptr, T, N, true), cv = fallback_view(col_codes.ptr, T, N, false);
+  const GemmOperandView rv = fallback_view(row_copy->ptr, T, N, true), cv = fallback_view(col_copy.ptr, T, N, false);
   if (T > 0) {
-    QuantizeProblem qc = q;  // dy's copies: rowwise [T, N] (dgrad), columnwise transposed [N, Tp] (wgrad)
-    qc.row_copy = dg ? reinterpret_cast<uint16_t*>(row_copy.ptr) : nullptr, qc.row_copy_ld = N;
+    QuantizeProblem qc = q;
+    qc.row_copy = dg ? reinterpret_cast<uint16_t*>(row_copy->ptr) : nullptr, qc.row_copy_ld = N;
     qc.col_copy = reinterpret_cast<uint16_t*>(col_copy.ptr), qc.col_copy_ld = Tp;
     qc.inexact = inexact;
     quantize_cuda(qc, stream);
-    // the codes, for design B: each direction behind its own check
-    const bool always = codes_always();
-    if (dg) {
-      QuantizeProblem qr = q;
-      qr.row_codes = row_codes.ptr, qr.row_scales = const_cast<uint8_t*>(rv.scales), qr.row_map = rv.map;
-      qr.run_if = always ? nullptr : inexact;
-      quantize_cuda(qr, stream);
-    }
-    QuantizeProblem qr = q;
-    qr.col_codes = col_codes.ptr, qr.col_scales = const_cast<uint8_t*>(cv.scales), qr.col_map = cv.map;
-    qr.run_if = always ? nullptr : inexact + 1;
-    quantize_cuda(qr, stream);
   }
+  const bool always = codes_always();
   if (dg) {
     GemmProblem g = *dgrad;
     g.a = rv;
+    QuantizeProblem qr = q;  // the rowwise codes, for design B
+    qr.row_codes = row_copy->ptr, qr.row_scales = const_cast<uint8_t*>(rv.scales), qr.row_map = rv.map;
+    qr.run_if = always ? nullptr : inexact;
     GemmPrepared prep;
-    prep.a16 = reinterpret_cast<const uint16_t*>(row_copy.ptr), prep.a_ld = N, prep.flag = inexact;
+    prep.a16 = reinterpret_cast<const uint16_t*>(row_copy->ptr), prep.a_ld = N, prep.flag = inexact;
+    if (T > 0) prep.a_codes = [&qr, stream] { quantize_cuda(qr, stream); };
     mxfp8_gemm_cuda(g, stream, &prep);
+    row_copy.reset();  // (stream-ordered: after the dgrad kernels)
   }
   wgrad.a = cv;
+  QuantizeProblem qr = q;  // the columnwise codes, for design B
+  qr.col_codes = col_copy.ptr, qr.col_scales = const_cast<uint8_t*>(cv.scales), qr.col_map = cv.map;
+  qr.run_if = always ? nullptr : inexact + 1;
   GemmPrepared prep;
   prep.a16 = reinterpret_cast<const uint16_t*>(col_copy.ptr), prep.a_ld = Tp, prep.flag = inexact + 1;
+  if (T > 0) prep.a_codes = [&qr, stream] { quantize_cuda(qr, stream); };
   mxfp8_gemm_cuda(wgrad, stream, &prep);
 }
 
@@ -694,29 +699,27 @@ void rope_linear_backward_cuda(const RopeQuantizeParams& r, const GemmProblem* d
     mxfp8_gemm_cuda(wgrad, stream);
     return;
   }
-  if (forced_design() != 'C') {  // design C alone never reads codes
-    const bool always = codes_always();
-    if (dg) {
-      RopeQuantizeParams kr = k;
-      kr.row_codes = row_copy.ptr, kr.row_scales = const_cast<uint8_t*>(rv.scales);
-      kr.run_if = always ? nullptr : inexact;
-      rope_quantize_cuda(kr, stream);
-    }
-    RopeQuantizeParams kk = k;
-    kk.col_codes = col_copy.ptr, kk.col_scales = const_cast<uint8_t*>(cv.scales);
-    kk.run_if = always ? nullptr : inexact + 1;
-    rope_quantize_cuda(kk, stream);
-  }
+  // each direction's codes for design B, launched by its GEMM once every check has run (its copy's and
+  // its B operand's) and after design C's kernel (the codes overwrite the copy)
+  const bool always = codes_always();
   if (dg) {
     GemmProblem g = *dgrad;
     g.a = rv;
+    RopeQuantizeParams kr = k;
+    kr.row_codes = row_copy.ptr, kr.row_scales = const_cast<uint8_t*>(rv.scales);
+    kr.run_if = always ? nullptr : inexact;
     GemmPrepared prep;
     prep.a16 = reinterpret_cast<const uint16_t*>(row_copy.ptr), prep.a_ld = N, prep.flag = inexact;
+    prep.a_codes = [&kr, stream] { rope_quantize_cuda(kr, stream); };
     mxfp8_gemm_cuda(g, stream, &prep);
   }
   wgrad.a = cv;
+  RopeQuantizeParams kk = k;
+  kk.col_codes = col_copy.ptr, kk.col_scales = const_cast<uint8_t*>(cv.scales);
+  kk.run_if = always ? nullptr : inexact + 1;
   GemmPrepared prep;
   prep.a16 = reinterpret_cast<const uint16_t*>(col_copy.ptr), prep.a_ld = Tp, prep.flag = inexact + 1;
+  prep.a_codes = [&kk, stream] { rope_quantize_cuda(kk, stream); };
   mxfp8_gemm_cuda(wgrad, stream, &prep);
 }
 

@@ -136,17 +136,20 @@ TEST(Heuristics, AttnFwdDynamicOrder) {
   unsetenv(name);
 }
 
-// The attention backward's groups of KV heads: the bf16 copies of one group within 512 MiB.
+// The attention backward's groups of KV heads: one group's scratch (the bf16 copies of the
+// query-side FP8 reads, and the dQ accumulator where it splits) within 512 MiB.
 TEST(Heuristics, AttnBwdHeadGroups) {
   using namespace detail::heuristics;
-  // DeepSeek-V3, s 4096, b 1, MXFP8 with both copies of Q and K: (2·192 + 2·192 + 128) values a token
-  // and head, 2 bytes each -> 7.3 MB a head, 0.94 GB for 128 heads: two groups of 64
-  const int64_t per_head = int64_t{4096} * (4 * 192 + 128) * 2;
-  EXPECT_EQ(attn_bwd_head_groups(per_head, 128), 2);
-  EXPECT_EQ(attn_bwd_head_groups(per_head * 2, 128), 4);  // s 8192
-  EXPECT_EQ(attn_bwd_head_groups(per_head / 2, 128), 1);  // s 2048: 0.47 GB fits
-  EXPECT_EQ(attn_bwd_head_groups(0, 128), 1);             // nothing converted (aligned bf16 inputs)
-  EXPECT_EQ(attn_bwd_head_groups(int64_t{1} << 40, 3), 3);  // never more groups than heads
+  // DeepSeek-V3, s 4096, b 1, MXFP8 with both copies of Q (K and V are converted in the kernel):
+  // 2·192 values a token and head, 2 bytes each -> 3 MiB a head; the accumulator 192 fp32 values ->
+  // 3 MiB a head; 768 MiB for 128 heads: two groups of 64
+  const int64_t copies = int64_t{4096} * (2 * 192) * 2, acc = int64_t{4096} * 192 * 4;
+  EXPECT_EQ(attn_bwd_head_groups(copies, acc, 128), 2);
+  EXPECT_EQ(attn_bwd_head_groups(copies * 2, acc * 2, 128), 3);  // s 8192: 1.5 GiB
+  EXPECT_EQ(attn_bwd_head_groups(copies / 2, acc / 2, 128), 1);  // s 2048: 384 MiB fits
+  EXPECT_EQ(attn_bwd_head_groups(copies, 0, 128), 1);            // the accumulator does not split (b > 1)
+  EXPECT_EQ(attn_bwd_head_groups(0, acc * 4, 128), 1);           // nothing converted (bf16 inputs)
+  EXPECT_EQ(attn_bwd_head_groups(int64_t{1} << 40, 0, 3), 3);    // never more groups than heads
 }
 
 }  // namespace

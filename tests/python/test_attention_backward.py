@@ -603,11 +603,11 @@ def test_cuda_scratch_is_kept_across_synchronizations_until_released():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
 def test_cuda_backward_scratch_follows_the_head_groups():
-    """DeepSeek-V3 head dims, s 4096, 128 heads, MXFP8 Q, K (both copies) and V: the bf16 copies take
-    896 MiB, so the SM90 path converts and runs two groups of 64 KV heads; with b = 1 each group has
-    its own fp32 dQ accumulator, rounded into dq after the group's kernel, so the scratch peak is one
-    group's copies (448 MiB) + one group's accumulator (192 MiB) + D (2 MiB), not all the copies and
-    the whole accumulator (384 MiB)."""
+    """DeepSeek-V3 head dims, s 4096, 128 heads, MXFP8 Q, K (both copies) and V: the SM90 kernel
+    converts K and V itself, the preprocess makes bf16 copies of Q's two FP8 copies (384 MiB), and
+    with b = 1 each group of KV heads has its own fp32 dQ accumulator (384 MiB for all heads),
+    rounded into dq after the group's kernel; together 768 MiB, so two groups of 64 KV heads, and the
+    scratch peak is one group's copies (192 MiB) + one group's accumulator (192 MiB) + D (2 MiB)."""
     s, h = 4096, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(1, s, h, 192, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
@@ -621,6 +621,85 @@ def test_cuda_backward_scratch_follows_the_head_groups():
     torch.cuda.synchronize()
     peak = mxmla.scratch_memory()["peak"] - base
     MiB = 1 << 20
-    want = 448 * MiB + 192 * MiB + 2 * MiB
+    want = 192 * MiB + 192 * MiB + 2 * MiB
     assert want - 8 * MiB <= peak <= want + 32 * MiB, peak / MiB
     assert bool(torch.isfinite(dq.float()).all()) and bool(torch.isfinite(dk.float()).all())
+
+
+def _same_bits(x, y):
+    return torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+KV_CONVERT_CASES = [
+    # layout, b, s_q, s_kv, h, h_kv, d_qk, K / V copies, fp8 format, what it exercises
+    ("bshd", 2, 200, 250, 4, 2, 192, "both", "e4m3"),  # BHSD scales, GQA, a tail key block (250 = 2·96 + 58)
+    ("bhsd", 1, 129, 300, 2, 2, 128, "both", "e4m3"),  # compact scales (mxmla.quantize), d_qk 128
+    ("bshd", 1, 150, 150, 2, 1, 192, "row", "e4m3"),   # rowwise-only K (the dQ GEMM's read too), columnwise-only V
+    ("bshd", 1, 100, 200, 2, 2, 192, "special", "e4m3"),  # NaN codes and scales past the fast range: the exact path
+    ("bshd", 1, 100, 200, 2, 2, 192, "special", "e5m2"),  # the same in E5M2 (Inf codes too)
+    ("thd", 1, 0, 0, 4, 2, 192, "both", "e4m3"),       # packed sequences: key blocks and scale blocks not aligned
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+@pytest.mark.parametrize("case", KV_CONVERT_CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_cuda_kernel_converts_k_and_v_with_the_conversion_pass_bits(case, monkeypatch):
+    """The SM90 kernel converts FP8 K and V itself (once per key block) instead of reading bf16 copies
+    from the preprocess: the same dQ, dK, dV bits as with the preprocess's copies
+    (MXMLA_ATTN_BWD_STAGE_KV=1), deterministic order, with less scratch; within the backward's bound
+    of the float64 reference where the values are finite."""
+    from mxmla.attention_autograd import quantize_for_attention
+    fmt, b, sq, skv, h, hkv, dqk, kv_dirs, f8 = case
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kw = dict(causal=True)
+    if fmt == "thd":
+        cu = THD_CU
+        kw.update(layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        shape = lambda hh, d, s_: (cu[-1] + 3, hh, d)  # noqa: E731
+    else:
+        kw.update(layout=fmt)
+        shape = lambda hh, d, s_: {"bshd": (b, s_, hh, d), "bhsd": (b, hh, s_, d)}[fmt]  # noqa: E731
+    rnd = lambda *sh: torch.randn(sh, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    q, k, v, do = rnd(*shape(h, dqk, sq)), rnd(*shape(hkv, dqk, skv)), rnd(*shape(hkv, 128, skv)), rnd(*shape(h, 128, sq))
+    if kv_dirs == "special":  # E4M3: key 3's first block past the fast range (its scale byte above 134), keys
+        # 64-95's second near bf16's smallest normals (subnormal values); NaN and Inf in V (NaN codes, E5M2 Inf)
+        k[:, 3, :, :32] *= 2.0 ** 16
+        k[:, 64:96, :, 32:48] *= 2.0 ** -125
+        v[:, 10, 0, 5] = float("nan")
+        v[:, 150, 1, 100] = float("inf")
+    if fmt == "thd":
+        q8, k8, v8 = (quantize_for_attention(x, "thd") for x in (q, k, v))
+    elif fmt == "bhsd":
+        q8, k8, v8 = (mxmla.quantize(x) for x in (q, k, v))
+    else:
+        q8, k8, v8 = (mxmla.quantize_attention(x, fmt, fp8_format=f8) for x in (q, k, v))
+    o, lse = mxmla.attention(q8, k8, v8, return_lse=True, **kw)
+    if kv_dirs == "row":  # K rowwise only; V columnwise only
+        k8 = mxmla.MXFP8Tensor(k8.shape, k8.fp8_format, k8.scale_layout, k8.rowwise_data, k8.rowwise_scale_inv,
+                               None, None, layout=k8.layout, attention=k8.attention)
+        v8 = mxmla.MXFP8Tensor(v8.shape, v8.fp8_format, v8.scale_layout, None, None, v8.columnwise_data,
+                               v8.columnwise_scale_inv, layout=v8.layout, attention=v8.attention)
+    runs, peaks = [], []
+    for stage_kv in ("1", None):
+        if stage_kv is None:
+            monkeypatch.delenv("MXMLA_ATTN_BWD_STAGE_KV", raising=False)
+        else:
+            monkeypatch.setenv("MXMLA_ATTN_BWD_STAGE_KV", stage_kv)
+        torch.cuda.synchronize()
+        base = mxmla.scratch_memory(reset_peak=True)["in_use"]
+        runs.append(mxmla.attention_backward(do, q8, k8, v8, o, lse, deterministic=True, **kw))
+        torch.cuda.synchronize()
+        peaks.append(mxmla.scratch_memory()["peak"] - base)
+    for name, x, y in zip(("dq", "dk", "dv"), *runs):
+        assert _same_bits(x, y), (name, case)
+    assert peaks[1] < peaks[0], ("K and V converted in the kernel need no copies", peaks)
+    if kv_dirs != "special":
+        cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else mxmla.MXFP8Tensor(  # noqa: E731
+            t.shape, t.fp8_format, t.scale_layout, *[None if x is None else x.cpu() for x in (
+                t.rowwise_data, t.rowwise_scale_inv, t.columnwise_data, t.columnwise_scale_inv)],
+            layout=t.layout, attention=t.attention)
+        ref = mxmla.attention_backward(*(cpu(t) for t in (do, q8, k8, v8, o, lse)), **kw)
+        for name, x, r in zip(("dq", "dk", "dv"), runs[1], ref):
+            _near(x, r, f"{name} {case}")
+    else:  # V's NaN / Inf reach dQ and dK through dP and D, never dV (= Pᵀ·dO)
+        assert bool(torch.isfinite(runs[1][2].float()).all()) and not bool(torch.isfinite(runs[1][0].float()).all())

@@ -138,6 +138,38 @@ def test_cuda_blocks_bf16_cannot_hold_take_the_fp8_path():
 
 
 @needs_gpu
+def test_cuda_other_operands_blocks_bf16_cannot_hold_take_the_fp8_path():
+    """x and dy exact in the directions the fused passes copy, and only each GEMM's other operand not:
+    W's rows 0-2 (fprop's rowwise W) and column 7 through all rows (dgrad's columnwise W), x's column 9
+    through all tokens (wgrad's x_saved), with a largest magnitude of 2^-117. Each GEMM's own check of
+    that operand picks design B, which reads the fused pass's operand as codes too: the bits of the
+    unfused calls, and the CPU reference's values on the rows those blocks reach. x and dy at 1024 (the
+    pairs' scale bytes sum to 128 or more: design B's fp32 factors stay normal)."""
+    T, K, N = 96, 64, 64
+    x, dy, w = (_amax_rows(data(shape, seed, "cuda"), 1024.0) for shape, seed in (((T, K), 1), ((T, N), 3),
+                                                                                  ((N, K), 2)))
+    w[:3] = _amax_rows(w[:3], 2.0 ** -117)
+    w[:, 7] = _amax_rows(w[:, 7][None], 2.0 ** -117)[0]
+    x[:, 9] = _amax_rows(x[:, 9][None], 2.0 ** -117)[0]
+    x8, dy8, w8 = mxmla.quantize(x), mxmla.quantize(dy), mxmla.quantize(w)
+    for t in (x8.rowwise_scale_inv, dy8.rowwise_scale_inv, dy8.columnwise_scale_inv):  # the fused copies: exact
+        assert (t.int() >= 10).all()
+    assert (w8.rowwise_scale_inv[:3].int() < 3).all() and (w8.columnwise_scale_inv[:, 7].int() < 3).all()
+    assert (x8.columnwise_scale_inv[:, 9].int() < 3).all()
+    assert (x8.rowwise_scale_inv.int().min() + w8.rowwise_scale_inv[:3].int() >= 128).all()
+    assert (dy8.rowwise_scale_inv.int().min() + w8.columnwise_scale_inv[:, 7].int() >= 128).all()
+    assert (dy8.columnwise_scale_inv.int().min() + x8.columnwise_scale_inv[:, 9].int() >= 128).all()
+    y0, _, dx0, dw0 = composed(x, w8, dy)
+    y, xs = mxmla.linear_forward(x, w8)
+    dx, dw = mxmla.linear_backward(dy, w8, xs)
+    assert same(y, y0) and same(dx, dx0) and same(dw, dw0)
+    ry, _, rdx, rdw = _reference(x, w, dy)
+    _rows_close(y.T, ry.T, [0, 1, 2])
+    _rows_close(dx.T, rdx.T, [7])
+    _rows_close(dw.T, rdw.T, [9])
+
+
+@needs_gpu
 @pytest.mark.parametrize("design", ["A", "B", "C"])
 def test_cuda_forced_designs(design, monkeypatch):
     """With MXMLA_GEMM_DESIGN forcing a design (A and B read the codes, which the fused path then always

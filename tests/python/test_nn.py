@@ -669,30 +669,42 @@ def test_linear_deferred_wgrad_and_shared_input_checks():
     (lin(x).float().sum() + other(x).float().square().sum()).backward()
     for a, b in zip(got, [x.grad, lin.weight.grad, other.weight.grad]):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="save_original_input is for recipe 'block-fp8', not 'mxfp8'"):
-        mnn.Linear(64, 32, recipe="mxfp8")(torch.zeros(4, 64), save_original_input=True)
+    with pytest.raises(ValueError, match="x_quantized is for recipe 'block-fp8', not 'mxfp8'"):
+        mnn.Linear(64, 32, recipe="mxfp8")(torch.zeros(4, 64), x_quantized=xq)
+    with pytest.raises(ValueError, match=r"save_original_input is for the FP8 recipes \('mxfp8', 'block-fp8'\), "
+                                         "not 'bf16'"):
+        mnn.Linear(64, 32)(torch.zeros(4, 64), save_original_input=True)
+    with pytest.raises(TypeError, match="save_original_input must be a bool, got int"):
+        lin(x, save_original_input=1)
 
 
+@pytest.mark.parametrize("recipe", ["block-fp8", "mxfp8"])
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("delay", [False, True])
-def test_block_fp8_linear_saving_the_original_input(contiguous, delay):
-    """save_original_input: the Linear keeps x (bf16, its own memory) instead of xᵀ's FP8 copy and
-    quantizes xᵀ when the wgrad runs: the same bits. An x whose rows are not its memory (here a
-    transposed view, which the Linear would copy) falls back to the FP8 copy."""
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_fp8_linear_saving_the_original_input(recipe, contiguous, delay, main_grad):
+    """save_original_input: the Linear keeps x (bf16, its own memory) instead of its FP8 copy for the
+    wgrad (block-fp8: xᵀ; mxfp8: x's columnwise copy) and quantizes that when the wgrad runs: the same
+    bits, into .grad or main_grad. An x whose rows are not its memory (here a transposed view, which
+    the Linear would copy) falls back to the FP8 copy."""
     g = torch.Generator().manual_seed(4)
-    lin = mnn.Linear(200, 150, recipe="block-fp8", seed=1)
-    base = torch.randn(185, 200, generator=g).to(torch.bfloat16)
-    dy = torch.randn(185, 150, generator=g).to(torch.bfloat16)
+    n_in, n_out = (200, 150) if recipe == "block-fp8" else (192, 160)  # (mxfp8: multiples of 32)
+    lin = mnn.Linear(n_in, n_out, recipe=recipe, seed=1)
+    base = torch.randn(185, n_in, generator=g).to(torch.bfloat16)
+    dy = torch.randn(185, n_out, generator=g).to(torch.bfloat16)
     runs = []
     for original in (False, True):
         x = (base.clone() if contiguous else base.T.contiguous().T).requires_grad_()
         lin.weight.grad = None
+        if main_grad:
+            lin.weight.main_grad = torch.full(lin.weight.shape, 0.5)
         defer = lin.deferred_wgrad() if delay else None
         y = lin(x, wgrad=defer, save_original_input=original)
-        saved = [t.data_ptr() for t in y.grad_fn.saved_tensors]
+        saved = [t.data_ptr() for t in y.grad_fn.saved_tensors if t is not None]
         assert (x.data_ptr() in saved) == (original and contiguous)
         y.backward(dy)
-        runs.append((y.detach(), x.grad, lin.weight.grad))
+        runs.append((y.detach(), x.grad, lin.weight.main_grad if main_grad else lin.weight.grad))
+        assert runs[-1][2] is not None
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -704,6 +716,28 @@ def mla_step_bits(m, x, cu=None, layout=None):
     o = m(xi, cu_seqlens=cu, layout=layout)
     o.float().square().mean().backward()
     return [o.detach(), xi.grad] + [p.grad for _, p in sorted(m.named_parameters())]
+
+
+def mla_output_projection_keeps_the_attention_output(recipe, device="cpu"):
+    # (DeepSeek-V3's head dims: the ones torch's SDPA takes to cuDNN on the GPU)
+    m = mnn.MLA(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=128, rope_dim=64, v_dim=128,
+                max_seq_len=64, seed=9, recipe=recipe, device=device)
+    x = randn(2, 64, 64, seed=4).to(device=device, dtype=torch.bfloat16).requires_grad_()
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.data_ptr()) or t, lambda t: t):
+        out = m(x)
+    wo_saved = out.grad_fn.saved_tensors  # wo's node (tp 1: its output is the block's)
+    assert wo_saved[0].dtype == torch.bfloat16 and tuple(wo_saved[0].shape) == (128, 256)
+    assert packed.count(wo_saved[0].data_ptr()) >= 2, "O saved by the attention and by wo, one storage"
+    out.float().square().mean().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_mla_output_projection_keeps_the_attention_output_it_reads():
+    """Under "mxfp8" wo saves no FP8 copy of its input O: it keeps O itself, which the attention saves
+    anyway (one storage saved twice), and quantizes it when its wgrad runs. (block-fp8 does the same
+    where torch's SDPA returns O with rows of its own memory, as cuDNN's does: the GPU test.)"""
+    mla_output_projection_keeps_the_attention_output("mxfp8")
 
 
 @pytest.mark.parametrize("q_lora_rank", [32, 0])

@@ -295,11 +295,14 @@ def test_mla_mxfp8_deterministic_gradients_are_bitwise_reproducible(layout):
         assert rel(a, b) < 1e-2
 
 
-def test_decoder_mxfp8_trains_on_the_gpu():
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+def test_decoder_trains_on_the_gpu(recipe):
+    """(block-fp8: its SwiGLU quantizes x once for w1 / w3 and defers w2's wgrad, its MLA likewise for
+    wq_a / wkv_a and wo)"""
     torch.manual_seed(0)
     data = mnn.byte_tokens(TEXT.read_text())
     d = mnn.Decoder(hidden=64, layers=2, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=128, rope_dim=64,
-                    v_dim=128, max_seq_len=64, seed=0, recipe="mxfp8").cuda()
+                    v_dim=128, max_seq_len=64, seed=0, recipe=recipe).cuda()
     opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     seq, losses = 64, []
@@ -314,3 +317,12 @@ def test_decoder_mxfp8_trains_on_the_gpu():
     assert all(math.isfinite(v) for v in losses), losses
     assert losses[0] == pytest.approx(math.log(256), abs=0.2)
     assert sum(losses[-5:]) / 5 < 0.65 * losses[0], losses
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+def test_mla_output_projection_keeps_the_attention_output_it_reads(recipe):
+    """wo keeps the attention's saved O for its wgrad instead of an FP8 copy of its own, under both FP8
+    recipes (block-fp8: cuDNN's SDPA returns O in the query's bshd layout, rows of its own memory)."""
+    from test_nn import mla_output_projection_keeps_the_attention_output
+
+    mla_output_projection_keeps_the_attention_output(recipe, "cuda")

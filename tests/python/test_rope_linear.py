@@ -124,16 +124,28 @@ def _amax(v, amax, dim):
 
 
 @needs_gpu
-@pytest.mark.parametrize("which", ["rows", "column", "rope_column"])
+@pytest.mark.parametrize("which", ["rows", "column", "rope_column", "w_column", "x_column"])
 def test_cuda_blocks_bf16_cannot_hold_take_the_fp8_path(which):
     """dq's tokens 0-2 of head 1 with a largest magnitude of 2^-117 (rowwise scale bytes 1-2: the smallest
     codes times their factors lie below bf16's subnormals, so a bf16 copy cannot hold them), or one nope
     or rope column of a head through all tokens likewise (columnwise blocks only): the bits of the
-    unfused calls, which take the FP8 path by their own check."""
+    unfused calls, which take the FP8 path by their own check. w_column / x_column: dq exact, and only
+    the other operand of one GEMM is not (W's column 7 through all rows: dgrad's columnwise W; x's
+    column 9 through all tokens: wgrad's x): the GEMM's own check picks the FP8 path, which reads dQ''s
+    codes too."""
     dq, cos, sin, w8, x8, kw = case("sbhd", 64, 1, 2, 192, 64, 64, "cuda", seed=13)
-    w8 = mxmla.quantize(_amax(bf16((384, 64), 14, "cuda"), 1024.0, -1))
-    x8 = mxmla.quantize((bf16((64, 64), 15, "cuda").float() * 512).bfloat16(), rowwise=False)
-    if which == "rows":
+    w = _amax(bf16((384, 64), 14, "cuda"), 1024.0, -1)
+    x = (bf16((64, 64), 15, "cuda").float() * 512).bfloat16()
+    if which == "w_column":
+        w[:, 7] = _amax(w[:, 7][None], 2.0 ** -117, -1)[0]
+    if which == "x_column":
+        x[:, 9] = _amax(x[:, 9][None], 2.0 ** -117, -1)[0]
+    w8, x8 = mxmla.quantize(w), mxmla.quantize(x, rowwise=False)
+    if which in ("w_column", "x_column"):
+        small = (w8.columnwise_scale_inv.int() < 10).any(), (x8.columnwise_scale_inv.int() < 10).any()
+        assert small == ((True, False) if which == "w_column" else (False, True))
+        assert not (w8.rowwise_scale_inv.int() < 10).any()
+    elif which == "rows":
         dq[:3, :, 1] = _amax(dq[:3, :, 1], 2.0 ** -117, -1)
     else:  # a nope column, or a rope pair (the interleaved style rotates columns 150 and 151 together)
         c = slice(5, 6) if which == "column" else slice(150, 152)
@@ -141,7 +153,8 @@ def test_cuda_blocks_bf16_cannot_hold_take_the_fp8_path(which):
         dq[:, :, 0, c] = _amax(part.reshape(1, -1), 2.0 ** -117, -1).reshape(part.shape)
     d8 = mxmla.rope_backward_quantize(dq, cos, sin, **kw)
     row_small, col_small = (d8.rowwise_scale_inv.int() < 10).any(), (d8.columnwise_scale_inv.int() < 10).any()
-    assert (row_small, col_small) == ((True, False) if which == "rows" else (False, True))
+    want = {"rows": (True, False), "w_column": (False, False), "x_column": (False, False)}.get(which, (False, True))
+    assert (row_small, col_small) == want
     check(dq, cos, sin, w8, x8, kw)
 
 

@@ -67,20 +67,32 @@ def linear_saved(x8, w8) -> tuple:
     return x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data, w8.columnwise_scale_inv
 
 
+def linear_saved_original(x2: torch.Tensor, w8) -> tuple:
+    """linear_saved's form for a Linear that keeps its bf16 input x2 [T, K] itself (save_original_input):
+    x's columnwise copy is quantized from it when the wgrad runs (the same bits)."""
+    return x2, None, w8.columnwise_data, w8.columnwise_scale_inv
+
+
 def linear_grads(saved, shapes, weight: torch.Tensor, dy, deferred: bool = False):
-    """(dx bf16 [T, K], dW in the weight's dtype or None) of an MXFP8 Linear from linear_saved's tensors
-    and the (x, W) shapes: ``mxmla.linear_backward`` (dy: a [T, N] tensor or its pair form), the wgrad
-    added into the weight's ``main_grad`` (Megatron's fp32 buffer; then no dW) when it has one.
-    deferred: (dx, a function computing that dW later), dy a [T, N] tensor; the same bits (dy
-    quantized once, then ``mxmla.gemm``'s dgrad now and its wgrad on dY's columnwise copy later)."""
+    """(dx bf16 [T, K], dW in the weight's dtype or None) of an MXFP8 Linear from linear_saved's (or
+    linear_saved_original's) tensors and the (x, W) shapes: ``mxmla.linear_backward`` (dy: a [T, N]
+    tensor or its pair form), the wgrad added into the weight's ``main_grad`` (Megatron's fp32 buffer;
+    then no dW) when it has one. deferred: (dx, a function computing that dW later), dy a [T, N]
+    tensor; the same bits (dy quantized once, then ``mxmla.gemm``'s dgrad now and its wgrad on dY's
+    columnwise copy later)."""
     import mxmla
 
     xc, xs, wc, ws = saved
-    x8 = mxmla.MXFP8Tensor(shapes[0], "e4m3", "compact", None, None, xc, xs)
     w8 = mxmla.MXFP8Tensor(shapes[1], "e4m3", "compact", None, None, wc, ws)
+
+    def x_columnwise():
+        if xs is None:  # the bf16 x itself: its columnwise copy, made now
+            return mxmla.quantize(xc, rowwise=False)
+        return mxmla.MXFP8Tensor(shapes[0], "e4m3", "compact", None, None, xc, xs)
+
     if not deferred:
         main_grad = getattr(weight, "main_grad", None)
-        dx, dw = mxmla.linear_backward(dy, w8, x8, main_grad=main_grad)
+        dx, dw = mxmla.linear_backward(dy, w8, x_columnwise(), main_grad=main_grad)
         return dx, (None if main_grad is not None else dw.to(weight.dtype))
     dy8 = mxmla.quantize(dy)  # dgrad's rowwise copy, wgrad's columnwise copy
     dx = mxmla.gemm(dy8, w8, trans_b=False)
@@ -89,6 +101,7 @@ def linear_grads(saved, shapes, weight: torch.Tensor, dy, deferred: bool = False
 
     def wgrad():
         main_grad = getattr(weight, "main_grad", None)
+        x8 = x_columnwise()
         if main_grad is not None:
             mxmla.gemm(dyc, x8, trans_a=True, trans_b=False, out=main_grad, accumulate=True)
             return None
@@ -145,19 +158,30 @@ class MXFP8LinearFunction(torch.autograd.Function):
     accumulate mode) and no ``.grad``. W's MXFP8 copies are made once per version of the weight
     (every micro-batch between two optimizer steps reuses them). x's and dY's quantization run fused
     into the GEMMs (``mxmla.linear_forward`` / ``linear_backward``: the bits of quantize + gemm, with
-    one pass over x or dY writing the bf16 values the GEMMs read)."""
+    one pass over x or dY writing the bf16 values the GEMMs read). save_original_input
+    (TransformerEngine's option of that name): x itself is saved instead of its columnwise copy when x
+    is a bf16 tensor whose [T, K] rows are its own memory (another node saves it anyway, as attention
+    saves its output O for the output projection), and the copy is quantized from it when the wgrad
+    runs; otherwise the columnwise copy is saved as usual."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, token: Optional[torch.Tensor] = None,
-                box: Optional[list] = None) -> torch.Tensor:
+                box: Optional[list] = None, save_original_input: bool = False) -> torch.Tensor:
         import mxmla
 
         lead, K = x.shape[:-1], x.shape[-1]
         ctx.box = box  # a DeferredWgrad's (with its token): the wgrad runs later, in its anchor's backward
         w8 = _quantized_weight(weight)
-        y, x8 = mxmla.linear_forward(x.detach().reshape(-1, K).to(torch.bfloat16), w8)
-        ctx.save_for_backward(*linear_saved(x8, w8))  # only the copies the backward reads
-        ctx.shapes, ctx.lead = (x8.shape, w8.shape), lead
+        x2 = x.detach().reshape(-1, K).to(torch.bfloat16)
+        if x2.stride(-1) != 1:  # (linear_forward reads rows of any stride, each row contiguous)
+            x2 = x2.contiguous()
+        y, x8 = mxmla.linear_forward(x2, w8)
+        if save_original_input and x2.data_ptr() == x.data_ptr() and x2.is_contiguous():
+            del x8  # x itself is kept (another node saves it anyway): x's columnwise copy is made at wgrad time
+            ctx.save_for_backward(*linear_saved_original(x2, w8))
+        else:
+            ctx.save_for_backward(*linear_saved(x8, w8))  # only the copies the backward reads
+        ctx.shapes, ctx.lead = ((x2.shape[0], K), w8.shape), lead
         ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
         return y.reshape(*lead, y.shape[-1])
 
@@ -166,7 +190,7 @@ class MXFP8LinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous()
         deferred = ctx.box is not None and ctx.needs_input_grad[2]
         dx, dw = linear_grads(ctx.saved_tensors, ctx.shapes, ctx.weight, dy2, deferred)  # dx [T, K] bf16
-        return (dx.reshape(*ctx.lead, dx.shape[-1]),) + _wgrad_outputs(ctx, dw, deferred)
+        return (dx.reshape(*ctx.lead, dx.shape[-1]),) + _wgrad_outputs(ctx, dw, deferred) + (None,)
 
 
 def _wgrad_outputs(ctx, dw, deferred: bool) -> tuple:
@@ -334,14 +358,17 @@ class Linear(nn.Module):
         """y = x · Wᵀ. wgrad: this Linear's ``deferred_wgrad()`` handle, made earlier in the block's
         forward (the weight gradient then runs after the block's backward; FP8 recipes). x_quantized:
         under "block-fp8", ``quantize_input(x)`` of this very x, shared by the Linears that read it.
-        save_original_input: under "block-fp8", keep a reference to x for the wgrad instead of its
-        quantized xᵀ (for an x that another node saves anyway; see BlockFP8LinearFunction)."""
+        save_original_input: under the FP8 recipes, keep a reference to x for the wgrad instead of its
+        quantized copy (for an x that another node saves anyway; see MXFP8LinearFunction and
+        BlockFP8LinearFunction)."""
         if wgrad is not None and not isinstance(wgrad, DeferredWgrad):
             raise TypeError(f"mxmla.nn.Linear: wgrad must be a DeferredWgrad from deferred_wgrad(), got "
                             f"{type(wgrad).__name__}")
-        for name, v in (("x_quantized", x_quantized is not None), ("save_original_input", save_original_input)):
-            if v and self.recipe != "block-fp8":
-                raise ValueError(f"mxmla.nn.Linear: {name} is for recipe 'block-fp8', not {self.recipe!r}")
+        if x_quantized is not None and self.recipe != "block-fp8":
+            raise ValueError(f"mxmla.nn.Linear: x_quantized is for recipe 'block-fp8', not {self.recipe!r}")
+        if check_bool("mxmla.nn.Linear", "save_original_input", save_original_input) and self.recipe == "bf16":
+            raise ValueError("mxmla.nn.Linear: save_original_input is for the FP8 recipes ('mxfp8', 'block-fp8'), "
+                             "not 'bf16'")
         if x_quantized is not None:
             T, K = math.prod(x.shape[:-1]), x.shape[-1]
             if (not isinstance(x_quantized, tuple) or len(x_quantized) != 2
@@ -351,7 +378,7 @@ class Linear(nn.Module):
                                  f"pair (X [{T}, {K}], Xᵀ [{K}, {T}])")
         token, box = (None, None) if wgrad is None else (wgrad.token, wgrad.box)
         if self.recipe == "mxfp8":
-            return MXFP8LinearFunction.apply(x, self.weight, token, box)
+            return MXFP8LinearFunction.apply(x, self.weight, token, box, save_original_input)
         if self.recipe == "block-fp8":
             return BlockFP8LinearFunction.apply(x, self.weight, token, box, x_quantized, save_original_input)
         return F.linear(x.to(self.dtype), self.weight.to(self.dtype))

@@ -385,10 +385,11 @@ class MLA(nn.Module):
                 k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
                 k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
             o = self._attention(q, k, v, layout, cu)
-        # block-fp8: torch's SDPA saves O (one call: not thd's per-sequence calls and their concatenation);
-        # wo's wgrad quantizes Oᵀ from it instead of saving an FP8 copy
+        # the attention saves O (mxfp8: attention_from_latent; block-fp8: torch's SDPA in one call, not
+        # thd's per-sequence calls and their concatenation): wo's wgrad quantizes O from it instead of
+        # wo saving an FP8 copy of its own
         o2 = o.flatten(-2)
-        if self.recipe == "block-fp8" and layout != "thd":
+        if self.recipe == "mxfp8" or (self.recipe == "block-fp8" and layout != "thd"):
             return reduce_from_tp(self.wo(o2, wgrad=defer, save_original_input=True), g)
         return reduce_from_tp(self.wo(o2, wgrad=defer), g)
 

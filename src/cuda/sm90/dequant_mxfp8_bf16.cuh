@@ -77,13 +77,10 @@ __device__ __forceinline__ uint32_t dequant16_fast(const uint4& c, const uint32_
 
 // The exact path: code -> fp32 (exact) * 2^(e-127) (fp32, exact or correctly rounded) -> bf16
 // round-to-nearest-even; e = 255 -> NaN. e: the scale bytes of the 16 elements (byte i of the
-// 16 = element i). Stores the 32 result bytes as two 16-byte halves at the shared-memory
-// addresses dst_lo (elements 0..7) and dst_hi (8..15). Out of line and without arrays in memory: one
-// copy of the rare path, so that the unrolled fast path stays compact in the instruction cache.
+// 16 = element i); out[i] = bf16x2 of elements 2i, 2i+1.
 template <bool kE4M3>
-__device__ __noinline__ void dequant16_exact_store(uint4 c, uint4 e, uint32_t dst_lo, uint32_t dst_hi) {
+__device__ __forceinline__ void dequant16_exact(const uint4& c, const uint4& e, uint32_t (&out)[8]) {
   const uint32_t w[4] = {c.x, c.y, c.z, c.w}, ew[4] = {e.x, e.y, e.z, e.w};
-  uint32_t out[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
@@ -98,6 +95,16 @@ __device__ __noinline__ void dequant16_exact_store(uint4 c, uint4 e, uint32_t ds
     const __nv_bfloat162 b = __floats2bfloat162_rn(v[0], v[1]);
     out[i] = *reinterpret_cast<const uint32_t*>(&b);
   }
+}
+
+// The same, storing the 32 result bytes as two 16-byte halves at the shared-memory addresses dst_lo
+// (elements 0..7) and dst_hi (8..15). Out of line and without arrays in memory: one copy of the rare
+// path, so that the unrolled fast path stays compact in the instruction cache (a kernel whose
+// register allocation must not see a call inlines dequant16_exact instead).
+template <bool kE4M3>
+__device__ __noinline__ void dequant16_exact_store(uint4 c, uint4 e, uint32_t dst_lo, uint32_t dst_hi) {
+  uint32_t out[8];
+  dequant16_exact<kE4M3>(c, e, out);
   ptx::st_shared_v4(dst_lo, out[0], out[1], out[2], out[3]);
   ptx::st_shared_v4(dst_hi, out[4], out[5], out[6], out[7]);
 }
