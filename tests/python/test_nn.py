@@ -642,26 +642,29 @@ def test_mla_delayed_wgrad_under_autograd_grad(recipe):
         assert torch.equal(a, b)
 
 
-def test_linear_deferred_wgrad_and_shared_input_checks():
-    lin = mnn.Linear(64, 32, recipe="block-fp8", seed=1)
+@pytest.mark.parametrize("recipe", ["block-fp8", "mxfp8"])
+def test_linear_deferred_wgrad_and_shared_input_checks(recipe):
+    lin = mnn.Linear(64, 32, recipe=recipe, seed=1)
     with pytest.raises(TypeError, match="wgrad must be a DeferredWgrad from deferred_wgrad"):
         lin(torch.zeros(4, 64), wgrad=object())
-    with pytest.raises(ValueError, match="x_quantized is for recipe 'block-fp8', not 'bf16'"):
+    with pytest.raises(ValueError, match=r"x_quantized is for the FP8 recipes \('mxfp8', 'block-fp8'\), not 'bf16'"):
         mnn.Linear(64, 32)(torch.zeros(4, 64), x_quantized=())
-    with pytest.raises(ValueError, match="quantize_input: for recipe 'block-fp8', not 'mxfp8'"):
-        mnn.Linear(64, 32, recipe="mxfp8").quantize_input(torch.zeros(4, 64))
+    with pytest.raises(ValueError, match=r"quantize_input: for the FP8 recipes \('mxfp8', 'block-fp8'\), not 'bf16'"):
+        mnn.Linear(64, 32).quantize_input(torch.zeros(4, 64))
     assert mnn.Linear(64, 32).deferred_wgrad() is None  # bf16: plain torch
     with torch.no_grad():
         assert lin.deferred_wgrad() is None
     # x quantized once for two Linears: the same bits as each quantizing it
-    other = mnn.Linear(64, 48, recipe="block-fp8", seed=2)
+    other = mnn.Linear(64, 96, recipe=recipe, seed=2)
     x = torch.randn(50, 64).to(torch.bfloat16).requires_grad_()
     xq = lin.quantize_input(x)
-    with pytest.raises(ValueError, match=r"x_quantized must be quantize_input\(x\) of this x: the block-FP8 pair "
-                                         r"\(X \[49, 64\], Xᵀ \[64, 49\]\)"):
+    want = (r"the block-FP8 pair \(X \[49, 64\], Xᵀ \[64, 49\]\)" if recipe == "block-fp8" else
+            r"an MXFP8Tensor \[49, 64\] with both copies")
+    with pytest.raises(ValueError, match=r"x_quantized must be quantize_input\(x\) of this x: " + want):
         lin(x[:49], x_quantized=xq)
+    wrong = xq[0] if recipe == "block-fp8" else mxmla.quantize(x.detach(), columnwise=False)
     with pytest.raises(ValueError, match="x_quantized must be quantize_input"):
-        lin(x, x_quantized=xq[0])
+        lin(x, x_quantized=wrong)
     y = lin(x, x_quantized=xq).float().sum() + other(x, x_quantized=xq).float().square().sum()
     y.backward()
     got = [x.grad, lin.weight.grad, other.weight.grad]
@@ -669,8 +672,6 @@ def test_linear_deferred_wgrad_and_shared_input_checks():
     (lin(x).float().sum() + other(x).float().square().sum()).backward()
     for a, b in zip(got, [x.grad, lin.weight.grad, other.weight.grad]):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="x_quantized is for recipe 'block-fp8', not 'mxfp8'"):
-        mnn.Linear(64, 32, recipe="mxfp8")(torch.zeros(4, 64), x_quantized=xq)
     with pytest.raises(ValueError, match=r"save_original_input is for the FP8 recipes \('mxfp8', 'block-fp8'\), "
                                          "not 'bf16'"):
         mnn.Linear(64, 32)(torch.zeros(4, 64), save_original_input=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -162,16 +162,26 @@ class MXFP8LinearFunction(torch.autograd.Function):
     (TransformerEngine's option of that name): x itself is saved instead of its columnwise copy when x
     is a bf16 tensor whose [T, K] rows are its own memory (another node saves it anyway, as attention
     saves its output O for the output projection), and the copy is quantized from it when the wgrad
-    runs; otherwise the columnwise copy is saved as usual."""
+    runs; otherwise the columnwise copy is saved as usual. x_quantized: x's MXFP8 copies (both
+    directions) made once for the Linears that read the same x (``Linear.quantize_input``): fprop
+    reads the rowwise copy (``mxmla.gemm``), and the columnwise copy they save is one tensor."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, token: Optional[torch.Tensor] = None,
-                box: Optional[list] = None, save_original_input: bool = False) -> torch.Tensor:
+                box: Optional[list] = None, save_original_input: bool = False,
+                x_quantized: Optional[Any] = None) -> torch.Tensor:
         import mxmla
 
         lead, K = x.shape[:-1], x.shape[-1]
         ctx.box = box  # a DeferredWgrad's (with its token): the wgrad runs later, in its anchor's backward
         w8 = _quantized_weight(weight)
+        ctx.lead = lead
+        ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
+        if x_quantized is not None:  # made once for the Linears that read the same x
+            y = mxmla.gemm(x_quantized, w8)
+            ctx.save_for_backward(*linear_saved(x_quantized, w8))
+            ctx.shapes = (tuple(x_quantized.shape), w8.shape)
+            return y.reshape(*lead, y.shape[-1])
         x2 = x.detach().reshape(-1, K).to(torch.bfloat16)
         if x2.stride(-1) != 1:  # (linear_forward reads rows of any stride, each row contiguous)
             x2 = x2.contiguous()
@@ -181,8 +191,7 @@ class MXFP8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(*linear_saved_original(x2, w8))
         else:
             ctx.save_for_backward(*linear_saved(x8, w8))  # only the copies the backward reads
-        ctx.shapes, ctx.lead = ((x2.shape[0], K), w8.shape), lead
-        ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
+        ctx.shapes = ((x2.shape[0], K), w8.shape)
         return y.reshape(*lead, y.shape[-1])
 
     @staticmethod
@@ -190,7 +199,7 @@ class MXFP8LinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous()
         deferred = ctx.box is not None and ctx.needs_input_grad[2]
         dx, dw = linear_grads(ctx.saved_tensors, ctx.shapes, ctx.weight, dy2, deferred)  # dx [T, K] bf16
-        return (dx.reshape(*ctx.lead, dx.shape[-1]),) + _wgrad_outputs(ctx, dw, deferred) + (None,)
+        return (dx.reshape(*ctx.lead, dx.shape[-1]),) + _wgrad_outputs(ctx, dw, deferred) + (None, None)
 
 
 def _wgrad_outputs(ctx, dw, deferred: bool) -> tuple:
@@ -354,31 +363,26 @@ class Linear(nn.Module):
         init_normal_(self.weight, self.init_std, g)
 
     def forward(self, x: torch.Tensor, wgrad: Optional[DeferredWgrad] = None,
-                x_quantized: Optional[tuple] = None, save_original_input: bool = False) -> torch.Tensor:
+                x_quantized: Optional[Any] = None, save_original_input: bool = False) -> torch.Tensor:
         """y = x · Wᵀ. wgrad: this Linear's ``deferred_wgrad()`` handle, made earlier in the block's
         forward (the weight gradient then runs after the block's backward; FP8 recipes). x_quantized:
-        under "block-fp8", ``quantize_input(x)`` of this very x, shared by the Linears that read it.
+        under the FP8 recipes, ``quantize_input(x)`` of this very x, shared by the Linears that read it.
         save_original_input: under the FP8 recipes, keep a reference to x for the wgrad instead of its
         quantized copy (for an x that another node saves anyway; see MXFP8LinearFunction and
         BlockFP8LinearFunction)."""
         if wgrad is not None and not isinstance(wgrad, DeferredWgrad):
             raise TypeError(f"mxmla.nn.Linear: wgrad must be a DeferredWgrad from deferred_wgrad(), got "
                             f"{type(wgrad).__name__}")
-        if x_quantized is not None and self.recipe != "block-fp8":
-            raise ValueError(f"mxmla.nn.Linear: x_quantized is for recipe 'block-fp8', not {self.recipe!r}")
-        if check_bool("mxmla.nn.Linear", "save_original_input", save_original_input) and self.recipe == "bf16":
-            raise ValueError("mxmla.nn.Linear: save_original_input is for the FP8 recipes ('mxfp8', 'block-fp8'), "
-                             "not 'bf16'")
+        for name, v in (("x_quantized", x_quantized is not None),
+                        ("save_original_input", check_bool("mxmla.nn.Linear", "save_original_input",
+                                                           save_original_input))):
+            if v and self.recipe == "bf16":
+                raise ValueError(f"mxmla.nn.Linear: {name} is for the FP8 recipes ('mxfp8', 'block-fp8'), not 'bf16'")
         if x_quantized is not None:
-            T, K = math.prod(x.shape[:-1]), x.shape[-1]
-            if (not isinstance(x_quantized, tuple) or len(x_quantized) != 2
-                    or tuple(getattr(x_quantized[0], "shape", ())) != (T, K)
-                    or tuple(getattr(x_quantized[1], "shape", ())) != (K, T)):
-                raise ValueError(f"mxmla.nn.Linear: x_quantized must be quantize_input(x) of this x: the block-FP8 "
-                                 f"pair (X [{T}, {K}], Xᵀ [{K}, {T}])")
+            self._check_x_quantized(x, x_quantized)
         token, box = (None, None) if wgrad is None else (wgrad.token, wgrad.box)
         if self.recipe == "mxfp8":
-            return MXFP8LinearFunction.apply(x, self.weight, token, box, save_original_input)
+            return MXFP8LinearFunction.apply(x, self.weight, token, box, save_original_input, x_quantized)
         if self.recipe == "block-fp8":
             return BlockFP8LinearFunction.apply(x, self.weight, token, box, x_quantized, save_original_input)
         return F.linear(x.to(self.dtype), self.weight.to(self.dtype))
@@ -392,14 +396,33 @@ class Linear(nn.Module):
             return None
         return DeferredWgrad(self.weight)
 
-    def quantize_input(self, x: torch.Tensor) -> tuple:
-        """Under "block-fp8": x's (X, Xᵀ) block-FP8 copies (1 x 128 blocks along K and along T), to pass
-        as ``x_quantized`` to each Linear that reads this x (one pass over x, one saved copy)."""
+    def quantize_input(self, x: torch.Tensor) -> Any:
+        """x quantized once for the Linears that read it, to pass to each as ``x_quantized`` (one pass
+        over x, one saved copy): under "block-fp8" its (X, Xᵀ) block-FP8 copies (1 x 128 blocks along K
+        and along T), under "mxfp8" its MXFP8Tensor with both copies (E4M3, compact scales)."""
         import mxmla
 
-        if self.recipe != "block-fp8":
-            raise ValueError(f"mxmla.nn.Linear.quantize_input: for recipe 'block-fp8', not {self.recipe!r}")
+        if self.recipe == "bf16":
+            raise ValueError("mxmla.nn.Linear.quantize_input: for the FP8 recipes ('mxfp8', 'block-fp8'), not 'bf16'")
+        if self.recipe == "mxfp8":
+            return mxmla.quantize(_rows_bf16(x))
         return tuple(mxmla.quantize_blockwise_both(_rows_bf16(x)))
+
+    def _check_x_quantized(self, x: torch.Tensor, xq: Any) -> None:
+        import mxmla
+
+        T, K = math.prod(x.shape[:-1]), x.shape[-1]
+        if self.recipe == "mxfp8":
+            ok = (isinstance(xq, mxmla.MXFP8Tensor) and tuple(xq.shape) == (T, K) and xq.fp8_format == "e4m3"
+                  and xq.scale_layout == "compact" and xq.rowwise_data is not None
+                  and xq.columnwise_data is not None)
+            want = f"an MXFP8Tensor [{T}, {K}] with both copies"
+        else:
+            ok = (isinstance(xq, tuple) and len(xq) == 2 and tuple(getattr(xq[0], "shape", ())) == (T, K)
+                  and tuple(getattr(xq[1], "shape", ())) == (K, T))
+            want = f"the block-FP8 pair (X [{T}, {K}], Xᵀ [{K}, {T}])"
+        if not ok:
+            raise ValueError(f"mxmla.nn.Linear: x_quantized must be quantize_input(x) of this x: {want}")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, recipe={self.recipe!r}, dtype={self.dtype}"
@@ -430,8 +453,8 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """DeepSeek-V3's dense MLP: w2(silu(w1·x) ⊙ w3·x), each projection a Linear of the recipe.
 
-    Under "block-fp8" x is quantized once for w1 and w3 (``Linear.quantize_input``: one pass, one
-    saved xᵀ). delay_wgrad (default True; the FP8 recipes): w2's weight gradient runs after w1's
+    Under the FP8 recipes x is quantized once for w1 and w3 (``Linear.quantize_input``: one pass,
+    one saved copy for their wgrads). delay_wgrad (default True; the FP8 recipes): w2's weight gradient runs after w1's
     and w3's backward (``DeferredWgrad``), so that its fp32 buffer is not allocated while the MLP's
     activations are still held. The same bits either way."""
 
@@ -451,8 +474,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         defer = self.w2.deferred_wgrad() if self.delay_wgrad else None  # its anchor recorded first
-        xq = (self.w1.quantize_input(x) if self.recipe == "block-fp8" and not torch.compiler.is_compiling()
-              else None)
+        xq = self.w1.quantize_input(x) if self.recipe != "bf16" and not torch.compiler.is_compiling() else None
         return self.w2(F.silu(self.w1(x, x_quantized=xq)) * self.w3(x, x_quantized=xq), wgrad=defer)
 
 

@@ -355,11 +355,11 @@ class MLA(nn.Module):
         # wo's weight gradient after the rest of the block's backward: its anchor is recorded first
         defer = self.wo.deferred_wgrad() if self.delay_wgrad else None
         fused_q = self.recipe == "mxfp8"
-        # block-fp8: x quantized once for wq_a and wkv_a (one pass, one saved xᵀ)
-        xq = self.wkv_a.quantize_input(x) if (self.recipe == "block-fp8" and self.q_lora_rank
+        # the FP8 recipes: x quantized once for wq_a and wkv_a (one pass, one saved copy for their wgrads)
+        xq = self.wkv_a.quantize_input(x) if (self.recipe != "bf16" and self.q_lora_rank
                                               and not torch.compiler.is_compiling()) else None
         if fused_q:  # the fused Q up-projection with an MXFP8 weight: MXFP8 q and its autograd anchor
-            q_in = x if self.q_lora_rank == 0 else self.q_norm(self.wq_a(x))
+            q_in = x if self.q_lora_rank == 0 else self.q_norm(self.wq_a(x, x_quantized=xq))
             q8, anchor = self._fused_q(copy_to_tp(q_in, g), layout, cu)
         else:
             if self.q_lora_rank == 0:
