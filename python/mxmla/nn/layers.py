@@ -177,7 +177,7 @@ class MXFP8LinearFunction(torch.autograd.Function):
         w8 = _quantized_weight(weight)
         ctx.lead = lead
         ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
-        if x_quantized is not None:  # made once for the Linears that read the same x
+        if x_quantized is not None:  # made once for the Linears that read the same x (save_original_input moot)
             y = mxmla.gemm(x_quantized, w8)
             ctx.save_for_backward(*linear_saved(x_quantized, w8))
             ctx.shapes = (tuple(x_quantized.shape), w8.shape)
@@ -454,9 +454,9 @@ class SwiGLU(nn.Module):
     """DeepSeek-V3's dense MLP: w2(silu(w1·x) ⊙ w3·x), each projection a Linear of the recipe.
 
     Under the FP8 recipes x is quantized once for w1 and w3 (``Linear.quantize_input``: one pass,
-    one saved copy for their wgrads). delay_wgrad (default True; the FP8 recipes): w2's weight gradient runs after w1's
-    and w3's backward (``DeferredWgrad``), so that its fp32 buffer is not allocated while the MLP's
-    activations are still held. The same bits either way."""
+    one saved copy for their wgrads). delay_wgrad (default True; the FP8 recipes): w2's weight
+    gradient runs after w1's and w3's backward (``DeferredWgrad``), so that its fp32 buffer is not
+    allocated while the MLP's activations are still held. The same bits either way."""
 
     def __init__(self, dim: int, inter_dim: int, recipe: str = "bf16", dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
