@@ -31,7 +31,7 @@ def _rel(a, b):
     return float((a - b).norm() / (b.norm() + 1e-30))
 
 
-def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device="cpu"):
+def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device="cpu", sp=False):
     try:
         import mxmla.nn as mnn
 
@@ -43,7 +43,7 @@ def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device=
         base = KW_GPU if device != "cpu" else KW
         kw = dict(base, recipe=recipe, layout=layout, q_lora_rank=q_lora or 0, device=device)
         full = mnn.MLA(**kw)
-        tp = mnn.MLA(**kw, tp_group=dist.group.WORLD)
+        tp = mnn.MLA(**kw, tp_group=dist.group.WORLD, sequence_parallel=sp)
         assert tp.local_heads == base["heads"] // world
         g = torch.Generator().manual_seed(3)
         hid = base["hidden"]
@@ -51,11 +51,15 @@ def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device=
         x = torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
         cu = [0, 40, 80] if layout == "thd" else None
         res = []
+        # sequence parallelism: each rank's slice of the sequence dim in and out; the loss is the sum of
+        # the ranks' parts (each rank's output grad is its slice of the whole output's)
+        seq = 1 if layout == "bshd" else 0
+        mine = (lambda t: t.chunk(world, dim=seq)[rank]) if sp else (lambda t: t)  # noqa: E731
         for m in (full, tp):
-            xi = x.clone().requires_grad_()
+            xi = (mine(x) if m is tp else x).clone().requires_grad_()
             o = m(xi, cu_seqlens=cu)
-            (o.float().square().mean() * 1e3).backward()
-            res.append((o.detach(), xi.grad))
+            (o.float().square().sum() * (1e3 / x.numel())).backward()  # (tp 1: the mean, times 1e3)
+            res.append((o.detach() if m is tp else mine(o.detach()), xi.grad if m is tp else mine(xi.grad)))
         bound = 2.0 ** -7 if recipe == "bf16" else 2.0 ** -4
         errs = {"out": _rel(res[1][0], res[0][0]), "dx": _rel(res[1][1], res[0][1])}
         lh = tp.local_heads
@@ -76,9 +80,8 @@ def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device=
             other = mnn.MLA(**dict(kw, seed=99), tp_group=dist.group.WORLD)
             other.load_unsharded_state_dict(full.state_dict())
             reload_ok = all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), tp.state_dict().values()))
-        if rank == 0:
-            with open(result_file, "w") as f:
-                f.write(repr(dict(bad=bad, errs=errs, sd_same=same, reload=reload_ok)))
+        with open(f"{result_file}.rank{rank}", "w") as f:  # every rank's own errors (its shards, its slice)
+            f.write(repr(dict(bad=bad, errs=errs, sd_same=same, reload=reload_ok)))
         dist.barrier()  # no rank tears gloo down while the other still reads its last message
         dist.destroy_process_group()
         # leave without running C++ static destructors: gloo's transport threads raced them once on a
@@ -92,14 +95,18 @@ def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device=
         raise
 
 
-def _spawn(recipe, layout, q_lora, device):
-    """_worker on two processes; rank 0's result dict (a worker's traceback fails the test)."""
+def _spawn(recipe, layout, q_lora, device, sp=False):
+    """_worker on two processes; both ranks' results merged (bad / errs keyed by rank; the state dict
+    checks true on both); a worker's traceback fails the test."""
     with tempfile.TemporaryDirectory() as d:
         init, out = os.path.join(d, "init"), os.path.join(d, "result")
-        mp.spawn(_worker, args=(2, init, out, recipe, layout, q_lora, device), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, init, out, recipe, layout, q_lora, device, sp), nprocs=2, join=True)
         errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if ".err" in f]
         assert not errs, errs[0]
-        return eval(open(out).read())  # noqa: S307 - our own repr of floats and bools
+        ranks = [eval(open(f"{out}.rank{r}").read()) for r in range(2)]  # noqa: S307 - our own repr
+        return dict(bad={f"rank{r} {k}": v for r, x in enumerate(ranks) for k, v in x["bad"].items()},
+                    errs={f"rank{r} {k}": v for r, x in enumerate(ranks) for k, v in x["errs"].items()},
+                    sd_same=all(x["sd_same"] for x in ranks), reload=all(x["reload"] for x in ranks))
 
 
 @pytest.mark.parametrize("recipe,layout,q_lora", [("bf16", "bshd", 32), ("bf16", "thd", 0), ("mxfp8", "bshd", 32),
@@ -112,25 +119,42 @@ def test_tp2_equals_tp1_on_gloo(recipe, layout, q_lora):
     assert r["sd_same"] and r["reload"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
-@pytest.mark.parametrize("recipe,layout,q_lora", [("mxfp8", "bshd", 64), ("mxfp8", "thd", 0), ("bf16", "bshd", 64)])
-def test_tp2_equals_tp1_on_one_gpu(recipe, layout, q_lora):
-    """Both ranks on the one GPU (gloo all-reduces CUDA tensors): tp 2 against tp 1 within the same
-    bounds, with the CUDA kernels at DeepSeek-V3's head dims and two local heads per rank."""
+@pytest.mark.parametrize("recipe,layout,q_lora", [("bf16", "bshd", 32), ("bf16", "thd", 0), ("mxfp8", "bshd", 32)])
+def test_tp2_sequence_parallel_equals_tp1_on_gloo(recipe, layout, q_lora):
+    """sequence_parallel=True: each rank gives its slice of the sequence (bshd: s; thd: the packed
+    tokens, cu_seqlens of the whole) and gets its slice of the output; against tp 1's slices, with the
+    same bounds (wo's partial sums reduce-scattered instead of all-reduced: the same fp32 sums)."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch")
-    r = _spawn(recipe, layout, q_lora, "cuda")
+    r = _spawn(recipe, layout, q_lora, "cpu", sp=True)
+    assert not r["bad"], r["errs"]
+    assert r["sd_same"] and r["reload"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+@pytest.mark.parametrize("recipe,layout,q_lora,sp", [("mxfp8", "bshd", 64, False), ("mxfp8", "thd", 0, False),
+                                                   ("bf16", "bshd", 64, False), ("mxfp8", "bshd", 64, True)])
+def test_tp2_equals_tp1_on_one_gpu(recipe, layout, q_lora, sp):
+    """Both ranks on the one GPU (gloo all-reduces CUDA tensors): tp 2 against tp 1 within the same
+    bounds, with the CUDA kernels at DeepSeek-V3's head dims and two local heads per rank (sp: with
+    sequence parallelism)."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch")
+    r = _spawn(recipe, layout, q_lora, "cuda", sp=sp)
     assert not r["bad"], r["errs"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fewer than two CUDA devices visible (the two-GPU run)")
-@pytest.mark.parametrize("recipe,layout,q_lora", [("mxfp8", "bshd", 64), ("mxfp8", "thd", 0), ("bf16", "bshd", 64)])
-def test_tp2_equals_tp1_on_two_gpus(recipe, layout, q_lora):
+@pytest.mark.parametrize("recipe,layout,q_lora,sp", [("mxfp8", "bshd", 64, False), ("mxfp8", "thd", 0, False),
+                                                   ("bf16", "bshd", 64, False), ("mxfp8", "bshd", 64, True),
+                                                   ("bf16", "thd", 0, True)])
+def test_tp2_equals_tp1_on_two_gpus(recipe, layout, q_lora, sp):
     """One GPU a rank, NCCL: tp 2 against tp 1 (each rank's full block on its own GPU) within the same
-    bounds, and the unsharded state dict round trip."""
+    bounds, and the unsharded state dict round trip (sp: with sequence parallelism, NCCL's
+    reduce-scatter)."""
     if not dist.is_available() or not dist.is_nccl_available():
         pytest.skip("torch.distributed with NCCL is not available in this torch")
-    r = _spawn(recipe, layout, q_lora, "cuda2")
+    r = _spawn(recipe, layout, q_lora, "cuda2", sp=sp)
     assert not r["bad"], r["errs"]
     assert r["sd_same"] and r["reload"]
 

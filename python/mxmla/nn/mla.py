@@ -29,7 +29,7 @@ from torch import nn
 
 from .. import rope as _rope
 from .layers import Linear, RMSNorm, check_bool, check_recipe, child_seed, generator, resolve_dtypes
-from .tp import all_gather_cat, copy_to_tp, reduce_from_tp, tp_size_rank
+from .tp import all_gather_cat, copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp, tp_size_rank
 
 LAYOUTS = ("bshd", "sbhd", "thd")
 ROPE_STYLE = "interleaved"  # DeepSeek-V3's apply_rotary_emb (complex pairs, output interleaved)
@@ -193,6 +193,12 @@ class MLA(nn.Module):
             kv_norm and the rope key are replicated (their gradients summed over the ranks). Every
             rank draws the full weights from `seed` and keeps its shards, so a seed gives the same
             model at any tp size; unsharded_state_dict() / load_unsharded_state_dict() convert.
+        sequence_parallel: with tp_group, Megatron's sequence parallelism: forward's x and its
+            output are this rank's slice of the sequence dim (s of bshd / sbhd, t of thd; rank r
+            holds the r-th of tp equal slices), all-gathered at the block's start, and wo's partial
+            sums are reduce-scattered into the output's slice instead of all-reduced. cu_seqlens then
+            describe the whole (gathered) packed sequence. Without tp_group (or at tp 1) it changes
+            nothing.
 
     forward(x, cu_seqlens=None, layout=None) -> [.., hidden] in the compute dtype, same layout as x.
     Attention is causal (top-left) within each sequence; with thd, each sequence of cu_seqlens
@@ -205,10 +211,11 @@ class MLA(nn.Module):
                  layout: str = "bshd", norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
                  out_init_std: Optional[float] = None, seed: int = 0, device: Any = None, tp_group: Any = None,
-                 deterministic: bool = False, delay_wgrad: bool = True):
+                 deterministic: bool = False, delay_wgrad: bool = True, sequence_parallel: bool = False):
         super().__init__()
         what = "mxmla.nn.MLA"
         self.deterministic = check_bool(what, "deterministic", deterministic)
+        self.sequence_parallel = check_bool(what, "sequence_parallel", sequence_parallel)
         self.delay_wgrad = check_bool(what, "delay_wgrad", delay_wgrad)
         self.recipe = check_recipe(recipe, what)
         self.dtype, params_dtype = resolve_dtypes(what, dtype, params_dtype)
@@ -346,12 +353,17 @@ class MLA(nn.Module):
             shape = {"bshd": "[b, s, hidden]", "sbhd": "[s, b, hidden]", "thd": "[t, hidden]"}[layout]
             raise ValueError(f"{what}: x must be {shape} with hidden={self.hidden} for layout '{layout}', "
                              f"got {tuple(x.shape)}")
+        g = self.tp_group
+        sp = self.sequence_parallel and self.tp_size > 1
+        seq_dim = 1 if layout == "bshd" else 0
+        if sp:  # this rank's slice of the sequence -> the whole sequence (Megatron's sequence parallelism)
+            x = gather_from_sp(x, seq_dim, g)
         cu, longest = sequences(what, x, layout, cu_seqlens, self.max_seq_len)
 
         # query: low-rank projection, RMSNorm, up-projection; RoPE on the trailing rope_dim of each head
         # (tensor parallel: the latents are replicated, copy_to_tp sums their gradients over the ranks'
-        # heads; wq / wq_b and wkv_b hold this rank's heads, wo's partial sums are all-reduced)
-        g = self.tp_group
+        # heads; wq / wq_b and wkv_b hold this rank's heads, wo's partial sums are all-reduced, or with
+        # sequence parallelism reduce-scattered into this rank's slice of the sequence)
         # wo's weight gradient after the rest of the block's backward: its anchor is recorded first
         defer = self.wo.deferred_wgrad() if self.delay_wgrad else None
         fused_q = self.recipe == "mxfp8"
@@ -389,9 +401,9 @@ class MLA(nn.Module):
         # thd's per-sequence calls and their concatenation): wo's wgrad quantizes O from it instead of
         # wo saving an FP8 copy of its own
         o2 = o.flatten(-2)
-        if self.recipe == "mxfp8" or (self.recipe == "block-fp8" and layout != "thd"):
-            return reduce_from_tp(self.wo(o2, wgrad=defer, save_original_input=True), g)
-        return reduce_from_tp(self.wo(o2, wgrad=defer), g)
+        keep_o = self.recipe == "mxfp8" or (self.recipe == "block-fp8" and layout != "thd")
+        y = self.wo(o2, wgrad=defer, save_original_input=True) if keep_o else self.wo(o2, wgrad=defer)
+        return reduce_scatter_to_sp(y, seq_dim, g) if sp else reduce_from_tp(y, g)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, heads={self.heads}, q_lora_rank={self.q_lora_rank}, "
@@ -399,4 +411,5 @@ class MLA(nn.Module):
                 f"v_dim={self.v_dim}, recipe={self.recipe!r}, dtype={self.dtype}, layout={self.layout!r}, "
                 f"softmax_scale={self.softmax_scale:.6g}, yarn={self.yarn!r}" +
                 (", deterministic=True" if self.deterministic else "") +
-                ("" if self.delay_wgrad else ", delay_wgrad=False"))
+                ("" if self.delay_wgrad else ", delay_wgrad=False") +
+                (", sequence_parallel=True" if self.sequence_parallel else ""))

@@ -4,6 +4,12 @@
   replicated activation that feeds column-parallel weights (each rank's gradient covers its heads only).
 - ``reduce_from_tp``: all-reduce forward (the partial sums of a row-parallel Linear), identity backward
   (Megatron's "g").
+- Sequence parallelism (Megatron's): ``gather_from_sp`` all-gathers this rank's slice of the sequence
+  dim forward and keeps this rank's slice of the gradient backward (the gradient reaching it is the
+  same on every rank: the block sums its heads' contributions through ``copy_to_tp`` on the replicated
+  latents); ``reduce_scatter_to_sp`` sums a row-parallel Linear's partial outputs and keeps this
+  rank's slice of the sequence dim forward (a reduce-scatter instead of ``reduce_from_tp``'s
+  all-reduce), and all-gathers the gradient backward.
 
 Sums run in fp32 (a bf16 tensor is summed as fp32 and rounded back once). ``group=None`` (or a group
 of one rank) makes both the identity.
@@ -51,6 +57,60 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         return g, None
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    n, _ = tp_size_rank(group)
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """The sum over the ranks of x, this rank's slice along dim (fp32 sums as _all_reduce; NCCL's
+    reduce-scatter, or gloo, which has none, an all-reduce and the slice)."""
+    n, r = tp_size_rank(group)
+    y = x.to(torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype)
+    if dist.get_backend(group) == "nccl":
+        parts = [t.contiguous() for t in y.chunk(n, dim=dim)]
+        out = torch.empty_like(parts[r])
+        dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
+    else:
+        out = y.contiguous()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        out = out.chunk(n, dim=dim)[r].contiguous()
+    return out.to(x.dtype)
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        n, r = tp_size_rank(ctx.group)
+        return g.chunk(n, dim=ctx.dim)[r].contiguous(), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _all_gather(g, ctx.dim, ctx.group), None, None
+
+
+def gather_from_sp(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    return x if tp_size_rank(group)[0] == 1 else _GatherFromSP.apply(x, dim, group)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    return x if tp_size_rank(group)[0] == 1 else _ReduceScatterToSP.apply(x, dim, group)
 
 
 def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
