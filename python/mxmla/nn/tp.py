@@ -82,35 +82,29 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-class _GatherFromSP(torch.autograd.Function):
+class _SequenceParallel(torch.autograd.Function):
+    """gather: all-gather forward, this rank's slice of the gradient backward (gather_from_sp); else
+    reduce-scatter forward, all-gather of the gradient backward (reduce_scatter_to_sp)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any, gather: bool) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.gather = dim, group, gather
+        return _all_gather(x, dim, group) if gather else _reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        n, r = tp_size_rank(ctx.group)
-        return g.chunk(n, dim=ctx.dim)[r].contiguous(), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return _all_gather(g, ctx.dim, ctx.group), None, None
+        if ctx.gather:
+            n, r = tp_size_rank(ctx.group)
+            return g.chunk(n, dim=ctx.dim)[r].contiguous(), None, None, None
+        return _all_gather(g, ctx.dim, ctx.group), None, None, None
 
 
 def gather_from_sp(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    return x if tp_size_rank(group)[0] == 1 else _GatherFromSP.apply(x, dim, group)
+    return x if tp_size_rank(group)[0] == 1 else _SequenceParallel.apply(x, dim, group, True)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    return x if tp_size_rank(group)[0] == 1 else _ReduceScatterToSP.apply(x, dim, group)
+    return x if tp_size_rank(group)[0] == 1 else _SequenceParallel.apply(x, dim, group, False)
 
 
 def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
