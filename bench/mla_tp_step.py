@@ -7,12 +7,14 @@ and the ranks lined up by a barrier before each step, the slowest rank's median 
 Without a GPU (or with --small): small dims on the CPU with gloo (the CPU reference kernels), timed
 by the wall clock; says so.
 The communication: the collectives one tensor-parallel step issues (recorded by wrapping
-torch.distributed's all_reduce during a step), timed alone with the same sizes and dtypes
-("alone"), and, on GPUs, the NCCL kernels' time inside a profiled step ("in step": includes
-waiting for the other rank); each with its share of the tp step's time.
-Also printed: the tp step's forward output against tp 1's (relative RMS).
+torch.distributed's all_reduce, all_gather and reduce_scatter during a step), timed alone with the
+same sizes and dtypes ("alone"), and, on GPUs, the NCCL kernels' time inside a profiled step ("in
+step": includes waiting for the other rank); each with its share of the tp step's time.
+--sp: the tp block with sequence parallelism (MLA(sequence_parallel=True)): each rank steps its
+slice of the sequence (x and dy), the block all-gathers x and reduce-scatters wo's output.
+Also printed: the tp step's forward output against tp 1's (relative RMS; with --sp rank 0's slice).
 Usage: python -m torch.distributed.run --nproc-per-node 2 bench/mla_tp_step.py [T ...]
-       [--recipe bf16,mxfp8] [--small]   (default T 4096; --small: T 64)"""
+       [--recipe bf16,mxfp8] [--small] [--sp]   (default T 4096; --small: T 64)"""
 import argparse
 import os
 import statistics
@@ -72,20 +74,45 @@ def step_fn(m, x, dy):
     return step
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
 def record_collectives(step):
-    """[(numel, dtype)] of the all_reduce calls one step makes (their tensors as passed)."""
-    calls, orig = [], dist.all_reduce
+    """[(name, numel, dtype)] of the collectives one step makes (all_reduce: its tensor; all_gather:
+    its input; reduce_scatter: its output)."""
+    calls, origs = [], {n: getattr(dist, n) for n in COLLECTIVES}
 
-    def wrapped(tensor, *a, **k):
-        calls.append((tensor.numel(), tensor.dtype))
-        return orig(tensor, *a, **k)
+    def wrap(name):
+        def wrapped(*a, **k):
+            t = a[1] if name == "all_gather" else a[0]
+            calls.append((name, t.numel(), t.dtype))
+            return origs[name](*a, **k)
+        return wrapped
 
-    dist.all_reduce = wrapped
+    for n in COLLECTIVES:
+        setattr(dist, n, wrap(n))
     try:
         step()
     finally:
-        dist.all_reduce = orig
+        for n, f in origs.items():
+            setattr(dist, n, f)
     return calls
+
+
+def replay(calls, group, world, device):
+    """A function issuing the recorded collectives again on buffers of the same sizes and dtypes."""
+    fns = []
+    for name, n, dt in calls:
+        t = torch.zeros(n, dtype=dt, device=device)
+        if name == "all_reduce":
+            fns.append(lambda t=t: dist.all_reduce(t, group=group))
+        elif name == "all_gather":
+            outs = [torch.empty_like(t) for _ in range(world)]
+            fns.append(lambda t=t, o=outs: dist.all_gather(o, t, group=group))
+        else:
+            ins = [torch.zeros_like(t) for _ in range(world)]
+            fns.append(lambda t=t, i=ins: dist.reduce_scatter(t, i, group=group))
+    return lambda: [f() for f in fns]
 
 
 def nccl_ms_in_step(step, device):
@@ -108,6 +135,7 @@ def main():
     ap.add_argument("seqs", nargs="*", type=int)
     ap.add_argument("--recipe", default="bf16,mxfp8")
     ap.add_argument("--small", action="store_true", help="small dims on the CPU with gloo")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism: each rank steps its slice of the sequence")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.small
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -127,7 +155,7 @@ def main():
     clock = Clock(device)
     say = print if rank == 0 else (lambda *a, **k: None)
     where = "GPUs, NCCL" if cuda else "CPU processes, gloo: the CPU reference at small dims, not a performance figure"
-    say(f"MLA block, tensor parallel over {world} ranks ({where}); "
+    say(f"MLA block, tensor parallel over {world} ranks{' with sequence parallelism' if args.sp else ''} ({where}); "
         + ", ".join(f"{k} {v}" for k, v in dims.items()) + ", b 1, causal, bshd")
     say(f"{'T':>6s} {'recipe':>7s} {'tp1 ms':>9s} {f'tp{world} ms':>9s} {'ratio':>6s} {'comm alone':>10s} "
         f"{'share':>6s} {'in step':>8s} {'share':>6s} {'out rel':>8s}")
@@ -147,15 +175,21 @@ def main():
                 del full
             dist.barrier()
             # tp over all ranks
-            tp = mnn.MLA(**kw, tp_group=group)
-            step = step_fn(tp, x, dy)
+            tp = mnn.MLA(**kw, tp_group=group, sequence_parallel=args.sp)
+            if args.sp:  # this rank's slice of the sequence, in and out
+                if T % world:
+                    raise SystemExit(f"mla_tp_step.py: --sp needs T ({T}) divisible by the ranks ({world})")
+                lo, hi = rank * T // world, (rank + 1) * T // world
+                xs, dys = x.detach()[:, lo:hi].clone().requires_grad_(), dy[:, lo:hi].contiguous()
+            else:
+                xs, dys = x, dy
+            step = step_fn(tp, xs, dys)
             tn = clock(step, group)
             calls = record_collectives(step)
-            bufs = [torch.zeros(n, dtype=dt, device=device) for n, dt in calls]
-            comm = clock(lambda: [dist.all_reduce(b, group=group) for b in bufs], group)
+            comm = clock(replay(calls, group, world, device), group)
             in_step = nccl_ms_in_step(step, device) if cuda else 0.0
             with torch.no_grad():
-                outn = tp(x).float()
+                outn = tp(xs).float()
             # the slowest rank's figures
             figs = torch.tensor([tn, comm, in_step], dtype=torch.float64, device=device)
             dist.all_reduce(figs, op=dist.ReduceOp.MAX, group=group)
@@ -163,13 +197,14 @@ def main():
             if not cuda:  # (no kernels to profile)
                 in_step = float("nan")
             if rank == 0:
-                rel = float((outn - out1).norm() / (out1.norm() + 1e-30))
+                ref = out1[:, :T // world] if args.sp else out1
+                rel = float((outn - ref).norm() / (ref.norm() + 1e-30))
                 print(f"{T:6d} {recipe:>7s} {t1:9.3f} {tn:9.3f} {tn / t1:6.3f} {comm:10.3f} {comm / tn:6.3f} "
                       f"{in_step:8.3f} {in_step / tn:6.3f} {rel:8.1e}"
                       + ("  (target tp step <= 0.55 x tp 1)" if cuda and world == 2 else ""))
                 print(f"{'':6s} {'':7s} collectives in a tp step: " + ", ".join(
-                    f"{n} {str(dt).replace('torch.', '')}" for n, dt in calls))
-            del tp, x, dy, bufs
+                    f"{name} {n} {str(dt).replace('torch.', '')}" for name, n, dt in calls))
+            del tp, x, dy, xs, dys
             if cuda:
                 torch.cuda.empty_cache()
             dist.barrier()

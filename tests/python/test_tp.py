@@ -197,22 +197,25 @@ def test_train_script_tp2_on_gloo_matches_tp1(tmp_path):
         assert abs(a - b) <= 1e-3 * abs(a), (runs[1], runs[2])
 
 
-def test_tp_step_bench_runs_on_gloo():
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_step_bench_runs_on_gloo(sp):
     """bench/mla_tp_step.py --small under torch.distributed.run (two CPU processes, gloo): both recipes'
-    rows, the tp step's output against tp 1's within the bounds above, the collectives it recorded."""
+    rows, the tp step's output against tp 1's within the bounds above, the collectives it recorded
+    (--sp: with sequence parallelism, the input's all-gather among them)."""
     import re
     import subprocess
 
     root, env = _cpu_launch_env()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(root / "bench" / "mla_tp_step.py"), "--small"], capture_output=True, text=True,
-                       timeout=600, env=env)
+                        str(root / "bench" / "mla_tp_step.py"), "--small"] + (["--sp"] if sp else []),
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "not a performance figure" in r.stdout
     rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s*64\s+(bf16|mxfp8)\s.*\s(\S+)$", r.stdout, re.M)}
     assert set(rows) == {"bf16", "mxfp8"}, r.stdout
     assert rows["bf16"] <= 2.0 ** -7 and rows["mxfp8"] <= 2.0 ** -4, r.stdout
     assert r.stdout.count("collectives in a tp step: ") == 2 and "float32" in r.stdout, r.stdout
+    assert ("all_gather" in r.stdout) == sp and ("sequence parallelism" in r.stdout) == sp, r.stdout
 
 
 def test_tp_group_needs_an_initialized_process_group():
