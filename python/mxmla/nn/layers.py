@@ -57,8 +57,14 @@ def _quantized_weight(weight: torch.Tensor):
 
 
 def _rows_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x [.., K] as the bf16 [T, K] matrix a block-FP8 Linear quantizes (a view where x already is one)."""
+    """x [.., K] as the contiguous bf16 [T, K] matrix a Linear quantizes (a view where x already is one)."""
     return x.detach().reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+
+
+def _is_own_rows(x: torch.Tensor, x2: torch.Tensor) -> bool:
+    """Whether x2, x's [T, K] bf16 rows as a Linear reads them, is x's own memory (no copy was made):
+    then a Linear with save_original_input can keep x2 instead of a quantized copy."""
+    return x2.is_contiguous() and x2.data_ptr() == x.data_ptr()
 
 
 def linear_saved(x8, w8) -> tuple:
@@ -186,7 +192,7 @@ class MXFP8LinearFunction(torch.autograd.Function):
         if x2.stride(-1) != 1:  # (linear_forward reads rows of any stride, each row contiguous)
             x2 = x2.contiguous()
         y, x8 = mxmla.linear_forward(x2, w8)
-        if save_original_input and x2.data_ptr() == x.data_ptr() and x2.is_contiguous():
+        if save_original_input and _is_own_rows(x, x2):
             del x8  # x itself is kept (another node saves it anyway): x's columnwise copy is made at wgrad time
             ctx.save_for_backward(*linear_saved_original(x2, w8))
         else:
@@ -271,7 +277,7 @@ class BlockFP8LinearFunction(torch.autograd.Function):
         ctx.box = box  # a DeferredWgrad's (with its token): the wgrad runs later, in its anchor's backward
         wq, wt = block_weights(weight)
         x2 = None if x_quantized is not None else _rows_bf16(x)
-        ctx.original = save_original_input and x2 is not None and x2.data_ptr() == x.data_ptr()  # no copy made
+        ctx.original = save_original_input and x2 is not None and _is_own_rows(x, x2)
         if ctx.original:  # fprop's x now; wgrad's xᵀ from x, later
             xq = mxmla.quantize_blockwise(x2)
             ctx.save_for_backward(x2)

@@ -59,13 +59,6 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    n, _ = tp_size_rank(group)
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """The sum over the ranks of x, this rank's slice along dim (fp32 sums as _all_reduce; NCCL's
     reduce-scatter, or gloo, which has none, an all-reduce and the slice)."""
@@ -89,14 +82,14 @@ class _SequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, group: Any, gather: bool) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.gather = dim, group, gather
-        return _all_gather(x, dim, group) if gather else _reduce_scatter(x, dim, group)
+        return all_gather_cat(x, dim, group) if gather else _reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         if ctx.gather:
             n, r = tp_size_rank(ctx.group)
             return g.chunk(n, dim=ctx.dim)[r].contiguous(), None, None, None
-        return _all_gather(g, ctx.dim, ctx.group), None, None, None
+        return all_gather_cat(g, ctx.dim, ctx.group), None, None, None
 
 
 def gather_from_sp(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -120,7 +113,7 @@ def all_gather_cat(x: torch.Tensor, dim: int, group: Optional[Any]) -> torch.Ten
     n, _ = tp_size_rank(group)
     if n == 1:
         return x.detach().clone()
-    parts = [torch.empty_like(x) for _ in range(n)]
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
     dist.all_gather(parts, x.detach().contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
