@@ -124,8 +124,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--text-file", default=None, help=f"train on this file instead of {CORPUS_PACKAGE}'s documentation")
     p.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default steps/15)")
     p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks (MLA heads split over them); launch with "
+                   help="tensor-parallel ranks (MLA's heads and the MLP's width split over them); launch with "
                         "python -m torch.distributed.run --nproc-per-node N examples/train_mla.py --tp N")
+    p.add_argument("--sp", action="store_true",
+                   help="with --tp N: sequence parallelism too (each rank holds 1/N of the sequence between the "
+                        "blocks; --seq a multiple of N)")
     args = p.parse_args(argv)
     args.recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
     if not args.recipes or len(set(args.recipes)) != len(args.recipes):
@@ -134,6 +137,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         v = getattr(args, k)
         if v is not None and v < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
+    if args.sp and args.tp == 1:
+        p.error("--sp (sequence parallelism) needs --tp N with N > 1")
+    if args.sp and args.seq is not None and args.seq % args.tp:
+        p.error(f"--sp: --seq ({args.seq}) must be a multiple of --tp ({args.tp}): each rank holds an equal slice")
     return args
 
 
@@ -184,11 +191,12 @@ def mla_dims(cfg: Dict, recipes, device: str) -> Dict:
 
 
 def build_model(recipe: str, cfg: Dict, seed: int, device: str, dims: Dict = None, tp_group=None,
-                deterministic: bool = False):
+                deterministic: bool = False, sequence_parallel: bool = False):
     from mxmla.nn import Decoder
 
     return Decoder(cfg["hidden"], cfg["layers"], cfg["heads"], max_seq_len=cfg["seq"], recipe=recipe, seed=seed,
-                   device=device, tp_group=tp_group, deterministic=deterministic, **(dims or {}))
+                   device=device, tp_group=tp_group, deterministic=deterministic,
+                   sequence_parallel=sequence_parallel, **(dims or {}))
 
 
 def init_tp(tp: int, device: str):
@@ -324,6 +332,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout = open(os.devnull, "w")
     base = GPU_CONFIG if device.startswith("cuda") else CPU_CONFIG
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in SIZE_KEYS}
+    if args.sp and cfg["seq"] % args.tp:
+        print(f"train_mla.py: --sp: the sequence length ({cfg['seq']}) must be a multiple of --tp ({args.tp}); "
+              f"give --seq", file=sys.stderr)
+        return 2
     if why_cpu:
         print(f"train_mla.py: {why_cpu}: running a tiny configuration on the CPU (mxmla's ops run their CPU "
               f"reference); options given explicitly still apply", flush=True)
@@ -336,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for recipe in args.recipes:
         try:
             models[recipe] = build_model(recipe, cfg, args.seed, device, mla_dims(cfg, args.recipes, device), tp_group,
-                                         args.deterministic)
+                                         args.deterministic, args.sp)
         except (NotImplementedError, ValueError) as e:
             print(f"train_mla.py: --recipe {recipe}: {e}", file=sys.stderr)
             return 2
@@ -347,7 +359,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{model_cfg['q_lora_rank']}, kv_lora_rank {model_cfg['kv_lora_rank']}, nope/rope/v "
           f"{model_cfg['nope_dim']}/{model_cfg['rope_dim']}/{model_cfg['v_dim']}, SwiGLU {model_cfg['inter_dim']}), "
           f"{n_params / 1e6:.2f} M parameters{' on this rank' if args.tp > 1 else ''}; device {device}"
-          f"{f'; tensor parallel over {args.tp} ranks' if args.tp > 1 else ''}", flush=True)
+          f"{f'; tensor parallel over {args.tp} ranks' if args.tp > 1 else ''}"
+          f"{', sequence parallel' if args.sp else ''}", flush=True)
     print(f"training: {cfg['steps']} steps x {cfg['batch']} sequences x {cfg['seq']} bytes, peak lr {cfg['lr']}, "
           f"seed {args.seed}; recipes {', '.join(args.recipes)}", flush=True)
 

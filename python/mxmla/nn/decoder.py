@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import Linear, RMSNorm, SwiGLU, check_recipe, child_seed, default_inter_dim, generator, init_normal_, \
-    resolve_dtypes
+from .layers import Linear, RMSNorm, SwiGLU, check_bool, check_recipe, child_seed, default_inter_dim, generator, \
+    init_normal_, resolve_dtypes
 from .mla import MLA, CuSeqlens
+from .tp import check_sp_split, gather_from_sp, load_unsharded_state_dict, scatter_to_sp, tp_size_rank, \
+    unsharded_state_dict
 
 
 def byte_tokens(text: Union[str, bytes, bytearray], device: Any = None) -> torch.Tensor:
@@ -25,29 +27,37 @@ def byte_tokens(text: Union[str, bytes, bytearray], device: Any = None) -> torch
 
 
 class Block(nn.Module):
-    """x + MLA(attn_norm(x)), then + SwiGLU(ffn_norm(x)) (DeepSeek-V3's Block, dense MLP)."""
+    """x + MLA(attn_norm(x)), then + SwiGLU(ffn_norm(x)) (DeepSeek-V3's Block, dense MLP).
+
+    tp_group: both MLA and the MLP tensor parallel (see there). sequence_parallel: with tp_group, x
+    and the output are this rank's slice of the sequence; the norms normalize the slice (their weight
+    gradients summed over the ranks), MLA and the MLP gather it and reduce-scatter their outputs."""
 
     def __init__(self, hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, nope_dim: int, rope_dim: int,
                  v_dim: int, inter_dim: int, recipe: str = "bf16", yarn: Any = None, *, max_seq_len: int = 4096,
                  rope_base: float = 10000.0, norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
                  out_init_std: Optional[float] = None, seed: int = 0, tp_group: Any = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, sequence_parallel: bool = False):
         super().__init__()
         check_recipe(recipe, "mxmla.nn.Block")
+        sequence_parallel = check_bool("mxmla.nn.Block", "sequence_parallel", sequence_parallel)
         dtype, params_dtype = resolve_dtypes("mxmla.nn.Block", dtype, params_dtype)
         g = generator(seed)
         self.attn_norm = RMSNorm(hidden, norm_eps, params_dtype)
         self.attn = MLA(hidden, heads, q_lora_rank, kv_lora_rank, nope_dim, rope_dim, v_dim, recipe, yarn,
                         rope_base=rope_base, max_seq_len=max_seq_len, norm_eps=norm_eps, dtype=dtype,
                         params_dtype=params_dtype, init_std=init_std, out_init_std=out_init_std, seed=child_seed(g),
-                        tp_group=tp_group, deterministic=deterministic)
+                        tp_group=tp_group, deterministic=deterministic, sequence_parallel=sequence_parallel)
         self.ffn_norm = RMSNorm(hidden, norm_eps, params_dtype)
-        self.ffn = SwiGLU(hidden, inter_dim, recipe, dtype, params_dtype, init_std, out_init_std, seed=child_seed(g))
+        self.ffn = SwiGLU(hidden, inter_dim, recipe, dtype, params_dtype, init_std, out_init_std, seed=child_seed(g),
+                          tp_group=tp_group, sequence_parallel=sequence_parallel)
+        if sequence_parallel and tp_size_rank(tp_group)[0] > 1:
+            self.attn_norm.sequence_parallel_group = self.ffn_norm.sequence_parallel_group = tp_group
 
     def forward(self, x: torch.Tensor, cu_seqlens: CuSeqlens = None, layout: str = "bshd") -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cu_seqlens, layout).to(x.dtype)
-        return x + self.ffn(self.ffn_norm(x)).to(x.dtype)
+        return x + self.ffn(self.ffn_norm(x), seq_dim=1 if layout == "bshd" else 0).to(x.dtype)
 
 
 class Decoder(nn.Module):
@@ -68,7 +78,15 @@ class Decoder(nn.Module):
         init_std: N(0, init_std) for the embedding and every projection; the projections into the
             residual stream (wo, w2) use init_std / sqrt(2·layers).
         seed: every weight is drawn from this seed (the same weights on any device and dtype).
-        tp_group: tensor parallelism of every MLA block (see mxmla.nn.MLA); the rest is replicated.
+        tp_group: tensor parallelism of every block, Megatron's: MLA's heads (see mxmla.nn.MLA) and the
+            MLP's inter_dim (see mxmla.nn.SwiGLU) split over the ranks; the embedding, the norms and
+            the output head replicated. unsharded_state_dict() / load_unsharded_state_dict() convert
+            to and from a tp size of 1's state dict.
+        sequence_parallel: with tp_group, Megatron's sequence parallelism: between the blocks each
+            rank holds its slice of the sequence (s of [b, s], the packed tokens of [t]; a multiple of
+            the tp size), so the residual stream, the blocks' norms and the activations saved around
+            them take 1/tp of the memory; the blocks gather the sequence for MLA and the MLP and
+            reduce-scatter their outputs, the final norm and the head run on the gathered sequence.
         deterministic: every MLA block's attention backward in a fixed summation order (see MLA).
         device: where the model lives.
 
@@ -83,9 +101,12 @@ class Decoder(nn.Module):
                  max_seq_len: int = 1024, recipe: str = "bf16", yarn: Any = None, *, rope_base: float = 10000.0,
                  norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16, params_dtype: Optional[torch.dtype] = None,
                  init_std: float = 0.02, seed: int = 0, device: Any = None, tp_group: Any = None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, sequence_parallel: bool = False):
         super().__init__()
         what = "mxmla.nn.Decoder"
+        self.sequence_parallel = check_bool(what, "sequence_parallel", sequence_parallel)
+        self.tp_group = tp_group
+        self.tp_size, _ = tp_size_rank(tp_group)
         self.recipe = check_recipe(recipe, what)
         self.dtype, params_dtype = resolve_dtypes(what, dtype, params_dtype)
         for k, v in dict(hidden=hidden, layers=layers, heads=heads, vocab_size=vocab_size).items():
@@ -106,7 +127,8 @@ class Decoder(nn.Module):
             Block(hidden, heads, cfg["q_lora_rank"], cfg["kv_lora_rank"], nope_dim, rope_dim, cfg["v_dim"],
                   cfg["inter_dim"], recipe, yarn, max_seq_len=max_seq_len, rope_base=rope_base, norm_eps=norm_eps,
                   dtype=dtype, params_dtype=params_dtype, init_std=init_std, out_init_std=out_std,
-                  seed=child_seed(g), tp_group=tp_group, deterministic=deterministic)
+                  seed=child_seed(g), tp_group=tp_group, deterministic=deterministic,
+                  sequence_parallel=sequence_parallel)
             for _ in range(layers))
         self.norm = RMSNorm(hidden, norm_eps, params_dtype)
         # the output head in bf16 under every recipe (DeepSeek-V3 §3.3.1 keeps it in higher precision)
@@ -122,8 +144,15 @@ class Decoder(nn.Module):
         else:
             raise ValueError(f"mxmla.nn.Decoder: tokens must be [b, s] or packed [t], got {tuple(tokens.shape)}")
         h = F.embedding(tokens, self.embed)
+        sp = self.sequence_parallel and self.tp_size > 1
+        seq_dim = 1 if layout == "bshd" else 0
+        if sp:  # this rank's slice of the sequence between the blocks
+            check_sp_split("mxmla.nn.Decoder", tokens, seq_dim, self.tp_group, "tokens")
+            h = scatter_to_sp(h, seq_dim, self.tp_group)
         for layer in self.layers:
             h = layer(h, cu_seqlens, layout)
+        if sp:  # the final norm and the head on the whole sequence (replicated: the same gradient on every rank)
+            h = gather_from_sp(h, seq_dim, self.tp_group)
         logits = self.head(self.norm(h))
         return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)
 
@@ -131,5 +160,15 @@ class Decoder(nn.Module):
         logits = self(tokens, cu_seqlens)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
+    def unsharded_state_dict(self) -> dict:
+        """The whole model's state dict (every rank's shards gathered; the same on every rank): what a
+        tp size of 1 holds, e.g. to save a checkpoint."""
+        return unsharded_state_dict(self)
+
+    def load_unsharded_state_dict(self, sd: dict) -> None:
+        """Loads a tp size of 1's state dict, keeping this rank's shards."""
+        load_unsharded_state_dict(self, sd)
+
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        return ", ".join(f"{k}={v!r}" for k, v in self.config.items()) + \
+            (", sequence_parallel=True" if self.sequence_parallel else "")

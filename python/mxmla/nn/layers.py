@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .tp import (copy_to_tp, gather_from_sp, keep_shards, load_unsharded_state_dict, reduce_from_tp,
+                 reduce_scatter_to_sp, tp_size_rank, unsharded_state_dict)
+
 RECIPES = ("bf16", "mxfp8", "block-fp8")
 
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -443,6 +446,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.dim, self.eps = int(dim), float(eps)
         self.weight = nn.Parameter(torch.ones(self.dim, dtype=params_dtype))
+        # sequence parallelism: the process group whose ranks each normalize a slice of the sequence;
+        # the weight's gradient is then summed over them (Megatron's sequence-parallel norms)
+        self.sequence_parallel_group: Any = None
 
     def reset_parameters(self, g: Optional[torch.Generator] = None) -> None:
         with torch.no_grad():
@@ -450,7 +456,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return F.rms_norm(x.to(ct), (self.dim,), self.weight.to(ct), self.eps).to(x.dtype)
+        w = self.weight if self.sequence_parallel_group is None else copy_to_tp(self.weight, self.sequence_parallel_group)
+        return F.rms_norm(x.to(ct), (self.dim,), w.to(ct), self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
@@ -462,26 +469,68 @@ class SwiGLU(nn.Module):
     Under the FP8 recipes x is quantized once for w1 and w3 (``Linear.quantize_input``: one pass,
     one saved copy for their wgrads). delay_wgrad (default True; the FP8 recipes): w2's weight
     gradient runs after w1's and w3's backward (``DeferredWgrad``), so that its fp32 buffer is not
-    allocated while the MLP's activations are still held. The same bits either way."""
+    allocated while the MLP's activations are still held. The same bits either way.
+
+    tp_group: Megatron's tensor-parallel MLP: w1 and w3 keep this rank's rows (column parallel, an
+    equal share of inter_dim), w2 the matching columns (row parallel, its partial outputs summed over
+    the ranks in fp32); inter_dim must divide evenly (under "mxfp8" into multiples of 32). Every rank
+    draws the full weights from `seed` and keeps its shards (the same model at any tp size).
+    sequence_parallel: with tp_group, x and the output are this rank's slice of the sequence dim
+    (``forward``'s seq_dim), all-gathered before w1 / w3 (the gradient reduce-scattered back) and
+    reduce-scattered after w2."""
 
     def __init__(self, dim: int, inter_dim: int, recipe: str = "bf16", dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
-                 out_init_std: Optional[float] = None, seed: int = 0, delay_wgrad: bool = True):
+                 out_init_std: Optional[float] = None, seed: int = 0, delay_wgrad: bool = True,
+                 tp_group: Any = None, sequence_parallel: bool = False):
         super().__init__()
-        check_recipe(recipe, "mxmla.nn.SwiGLU")
+        what = "mxmla.nn.SwiGLU"
+        check_recipe(recipe, what)
         self.recipe = recipe
-        self.delay_wgrad = check_bool("mxmla.nn.SwiGLU", "delay_wgrad", delay_wgrad)
+        self.delay_wgrad = check_bool(what, "delay_wgrad", delay_wgrad)
+        self.sequence_parallel = check_bool(what, "sequence_parallel", sequence_parallel)
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = tp_size_rank(tp_group)
+        if inter_dim % self.tp_size or (recipe == "mxfp8" and inter_dim // self.tp_size % 32):
+            raise ValueError(f"{what}: inter_dim ({inter_dim}) must divide into the tensor-parallel size's "
+                             f"({self.tp_size}) equal shares" + (" that are multiples of 32 (recipe 'mxfp8')"
+                                                                 if recipe == "mxfp8" else ""))
         g = generator(seed)
         kw = dict(recipe=recipe, dtype=dtype, params_dtype=params_dtype)
         self.w1 = Linear(dim, inter_dim, init_std=init_std, seed=child_seed(g), **kw)
         self.w2 = Linear(inter_dim, dim, init_std=init_std if out_init_std is None else out_init_std,
                          seed=child_seed(g), **kw)
         self.w3 = Linear(dim, inter_dim, init_std=init_std, seed=child_seed(g), **kw)
+        if self.tp_size > 1:
+            keep_shards(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _sharded(self):
+        """(Linear name, features per unit, sharded along the input (columns)?) of the sharded weights."""
+        return [("w1", 1, False), ("w3", 1, False), ("w2", 1, True)]
+
+    def forward(self, x: torch.Tensor, seq_dim: Optional[int] = None) -> torch.Tensor:
+        """seq_dim: with sequence_parallel, the dim of x that holds this rank's slice of the sequence
+        (default: 0 for a 2-D x, packed tokens; else 1, [b, s, dim])."""
+        g = self.tp_group
+        if self.sequence_parallel and self.tp_size > 1:
+            seq_dim = (0 if x.dim() == 2 else 1) if seq_dim is None else seq_dim
+            x = gather_from_sp(x, seq_dim, g, sum_grad=True)
+        else:
+            x = copy_to_tp(x, g)
         defer = self.w2.deferred_wgrad() if self.delay_wgrad else None  # its anchor recorded first
         xq = self.w1.quantize_input(x) if self.recipe != "bf16" and not torch.compiler.is_compiling() else None
-        return self.w2(F.silu(self.w1(x, x_quantized=xq)) * self.w3(x, x_quantized=xq), wgrad=defer)
+        y = self.w2(F.silu(self.w1(x, x_quantized=xq)) * self.w3(x, x_quantized=xq), wgrad=defer)
+        if self.sequence_parallel and self.tp_size > 1:
+            return reduce_scatter_to_sp(y, seq_dim, g)
+        return reduce_from_tp(y, g)
+
+    def unsharded_state_dict(self) -> dict:
+        """The state dict of the whole MLP (every rank's shards gathered; the same on every rank)."""
+        return unsharded_state_dict(self)
+
+    def load_unsharded_state_dict(self, sd: dict) -> None:
+        """Loads the state dict of the whole MLP (a tp size of 1's), keeping this rank's shards."""
+        load_unsharded_state_dict(self, sd)
 
 
 def default_inter_dim(hidden: int) -> int:

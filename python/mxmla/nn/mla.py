@@ -29,7 +29,8 @@ from torch import nn
 
 from .. import rope as _rope
 from .layers import Linear, RMSNorm, check_bool, check_recipe, child_seed, generator, resolve_dtypes
-from .tp import all_gather_cat, copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp, tp_size_rank
+from .tp import (copy_to_tp, gather_from_sp, keep_shards, load_unsharded_state_dict, reduce_from_tp,
+                 reduce_scatter_to_sp, tp_size_rank, unsharded_state_dict)
 
 LAYOUTS = ("bshd", "sbhd", "thd")
 ROPE_STYLE = "interleaved"  # DeepSeek-V3's apply_rotary_emb (complex pairs, output interleaved)
@@ -264,15 +265,7 @@ class MLA(nn.Module):
         # tensor parallelism: every rank draws the full weights (the same seed gives the same model at
         # any tp size) and keeps its heads' rows of the column-parallel projections and columns of wo
         if self.tp_size > 1:
-            for name, per_head, col in self._sharded():
-                lin = getattr(self, name)
-                lo, hi = self.tp_rank * self.local_heads * per_head, (self.tp_rank + 1) * self.local_heads * per_head
-                w = lin.weight.data[:, lo:hi] if col else lin.weight.data[lo:hi]
-                lin.weight = nn.Parameter(w.clone())
-                if col:
-                    lin.in_features = hi - lo
-                else:
-                    lin.out_features = hi - lo
+            keep_shards(self)
 
         # RoPE tables for positions 0 .. max_seq_len-1 (fp32, not part of the state dict)
         cos, sin = _rope.rope_tables(torch.arange(max_seq_len), rope_dim, base=rope_base, yarn=yarn, style=ROPE_STYLE)
@@ -290,19 +283,11 @@ class MLA(nn.Module):
     def unsharded_state_dict(self) -> dict:
         """The state dict of the whole block (every rank's shards gathered; the same on every rank):
         what a tp size of 1 holds, e.g. to save a checkpoint."""
-        sd = {k: v.detach().clone() for k, v in self.state_dict().items()}
-        for name, _, col in self._sharded():
-            sd[f"{name}.weight"] = all_gather_cat(getattr(self, name).weight, 1 if col else 0, self.tp_group)
-        return sd
+        return unsharded_state_dict(self)
 
     def load_unsharded_state_dict(self, sd: dict) -> None:
         """Loads the state dict of the whole block (a tp size of 1's), keeping this rank's shards."""
-        sd = dict(sd)
-        for name, per_head, col in self._sharded():
-            w = sd[f"{name}.weight"]
-            lo, hi = self.tp_rank * self.local_heads * per_head, (self.tp_rank + 1) * self.local_heads * per_head
-            sd[f"{name}.weight"] = w[:, lo:hi] if col else w[lo:hi]
-        self.load_state_dict(sd)
+        load_unsharded_state_dict(self, sd)
 
     # ------------------------------------------------------------------ pieces
     def _rope(self, x: torch.Tensor, layout: str, cu: Optional[List[int]]) -> torch.Tensor:

@@ -5,11 +5,17 @@
 - ``reduce_from_tp``: all-reduce forward (the partial sums of a row-parallel Linear), identity backward
   (Megatron's "g").
 - Sequence parallelism (Megatron's): ``gather_from_sp`` all-gathers this rank's slice of the sequence
-  dim forward and keeps this rank's slice of the gradient backward (the gradient reaching it is the
-  same on every rank: the block sums its heads' contributions through ``copy_to_tp`` on the replicated
-  latents); ``reduce_scatter_to_sp`` sums a row-parallel Linear's partial outputs and keeps this
+  dim forward; backward it keeps this rank's slice of the gradient (``sum_grad=False``: the gradient
+  reaching it is the same on every rank, as in MLA, which sums its heads' contributions through
+  ``copy_to_tp`` on the replicated latents) or reduce-scatters it (``sum_grad=True``: each rank's
+  gradient is a partial sum, as where the gathered input feeds column-parallel weights directly, the
+  MLP's); ``reduce_scatter_to_sp`` sums a row-parallel Linear's partial outputs and keeps this
   rank's slice of the sequence dim forward (a reduce-scatter instead of ``reduce_from_tp``'s
-  all-reduce), and all-gathers the gradient backward.
+  all-reduce), and all-gathers the gradient backward; ``scatter_to_sp`` keeps this rank's slice of a
+  replicated tensor forward (the decoder's embedding output) and all-gathers the gradient backward.
+- Sharded weights: a module lists them in ``_sharded()`` as (Linear name, features per unit, split
+  along the input?); ``keep_shards`` keeps this rank's equal part of each, ``unsharded_state_dict``
+  / ``load_unsharded_state_dict`` convert a model's state dict to and from tp 1's.
 
 Sums run in fp32 (a bf16 tensor is summed as fp32 and rounded back once). ``group=None`` (or a group
 of one rank) makes both the identity.
@@ -75,29 +81,54 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def _own_slice(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    n, r = tp_size_rank(group)
+    return x.chunk(n, dim=dim)[r].contiguous()
+
+
 class _SequenceParallel(torch.autograd.Function):
-    """gather: all-gather forward, this rank's slice of the gradient backward (gather_from_sp); else
-    reduce-scatter forward, all-gather of the gradient backward (reduce_scatter_to_sp)."""
+    """Forward / backward by mode: "gather" all-gather / this rank's slice; "gather_sum" all-gather /
+    reduce-scatter (gather_from_sp); "reduce_scatter" reduce-scatter / all-gather
+    (reduce_scatter_to_sp); "scatter" this rank's slice / all-gather (scatter_to_sp)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: Any, gather: bool) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.gather = dim, group, gather
-        return all_gather_cat(x, dim, group) if gather else _reduce_scatter(x, dim, group)
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any, mode: str) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.mode = dim, group, mode
+        if mode in ("gather", "gather_sum"):
+            return all_gather_cat(x, dim, group)
+        return _reduce_scatter(x, dim, group) if mode == "reduce_scatter" else _own_slice(x, dim, group)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        if ctx.gather:
-            n, r = tp_size_rank(ctx.group)
-            return g.chunk(n, dim=ctx.dim)[r].contiguous(), None, None, None
+        if ctx.mode == "gather":
+            return _own_slice(g, ctx.dim, ctx.group), None, None, None
+        if ctx.mode == "gather_sum":
+            return _reduce_scatter(g, ctx.dim, ctx.group), None, None, None
         return all_gather_cat(g, ctx.dim, ctx.group), None, None, None
 
 
-def gather_from_sp(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    return x if tp_size_rank(group)[0] == 1 else _SequenceParallel.apply(x, dim, group, True)
+def check_sp_split(what: str, x: torch.Tensor, dim: int, group: Any, name: str = "x") -> None:
+    """A clear error where the sequence dim of a tensor that sequence parallelism splits (the whole
+    sequence) is not a multiple of the tensor-parallel size."""
+    n, _ = tp_size_rank(group)
+    if n > 1 and x.shape[dim] % n:
+        raise ValueError(f"{what}: with sequence_parallel the sequence dim (dim {dim} of {name}, "
+                         f"{x.shape[dim]}) must be a multiple of the tensor-parallel size ({n}): "
+                         f"every rank holds an equal slice")
+
+
+def gather_from_sp(x: torch.Tensor, dim: int, group: Any, sum_grad: bool = False) -> torch.Tensor:
+    if tp_size_rank(group)[0] == 1:
+        return x
+    return _SequenceParallel.apply(x, dim, group, "gather_sum" if sum_grad else "gather")
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    return x if tp_size_rank(group)[0] == 1 else _SequenceParallel.apply(x, dim, group, False)
+    return x if tp_size_rank(group)[0] == 1 else _SequenceParallel.apply(x, dim, group, "reduce_scatter")
+
+
+def scatter_to_sp(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    return x if tp_size_rank(group)[0] == 1 else _SequenceParallel.apply(x, dim, group, "scatter")
 
 
 def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -116,6 +147,48 @@ def all_gather_cat(x: torch.Tensor, dim: int, group: Optional[Any]) -> torch.Ten
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
     dist.all_gather(parts, x.detach().contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+def _shards(model: torch.nn.Module):
+    """(state-dict key, split dim, owning module) of every sharded weight in model (modules with
+    ``_sharded()`` at a tp size above 1)."""
+    out = []
+    for prefix, m in model.named_modules():
+        if hasattr(m, "_sharded") and getattr(m, "tp_size", 1) > 1:
+            for name, _, col in m._sharded():
+                out.append((f"{prefix}.{name}.weight" if prefix else f"{name}.weight", 1 if col else 0, m))
+    return out
+
+
+def keep_shards(module: torch.nn.Module) -> None:
+    """Replaces each weight that ``module._sharded()`` lists by this rank's equal part of it (rows of
+    a column-parallel Linear, columns of a row-parallel one) and sets the Linear's feature count."""
+    n, r = module.tp_size, module.tp_rank
+    for name, _, col in module._sharded():
+        lin = getattr(module, name)
+        w = lin.weight.data.chunk(n, dim=1 if col else 0)[r]
+        lin.weight = torch.nn.Parameter(w.clone())
+        if col:
+            lin.in_features = w.shape[1]
+        else:
+            lin.out_features = w.shape[0]
+
+
+def unsharded_state_dict(model: torch.nn.Module) -> dict:
+    """model's state dict with every sharded weight gathered from the ranks (the same on every rank):
+    what a tp size of 1 holds, e.g. to save a checkpoint."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for key, dim, owner in _shards(model):
+        sd[key] = all_gather_cat(sd[key], dim, owner.tp_group)
+    return sd
+
+
+def load_unsharded_state_dict(model: torch.nn.Module, sd: dict) -> None:
+    """Loads a tp size of 1's state dict into model, keeping this rank's part of each sharded weight."""
+    sd = dict(sd)
+    for key, dim, owner in _shards(model):
+        sd[key] = sd[key].chunk(owner.tp_size, dim=dim)[owner.tp_rank]
+    model.load_state_dict(sd)
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float, group: Any) -> torch.Tensor:
