@@ -83,6 +83,19 @@ inline int gemm_k_splits(int64_t tiles, int64_t kblocks, int64_t mn, int64_t res
   return best;
 }
 
+// The block-FP8 GEMM's tile width, 256 or 128 columns (128 rows either way): a persistent grid
+// takes waves of one tile per SM, so the time goes as the waves times a tile's time. A 128-column
+// tile takes kNarrow of a wide tile's time (measured on an H200 in full waves: 0.54 at fprop
+// T 16384, 0.59 at 8192³, 0.61 at dgrad T 16384: each k-block's A is read for half the work); the
+// narrow tiles win where the wide ones leave the last wave's SMs idle: dgrad at T 4096 (4096 x 1536:
+// 192 wide tiles, 2 waves on 132 SMs, against 384 narrow ones, 3 waves), a 512-column output (64
+// wide tiles: half the SMs). m_tiles, n256, n128, sms >= 1.
+inline int block_gemm_tile_n(int64_t m_tiles, int64_t n256, int64_t n128, int64_t sms) {
+  constexpr double kNarrow = 0.6;
+  const int64_t wide = (m_tiles * n256 + sms - 1) / sms, narrow = (m_tiles * n128 + sms - 1) / sms;
+  return kNarrow * static_cast<double>(narrow) < static_cast<double>(wide) ? 128 : 256;
+}
+
 // Elementwise kernels (RoPE, dequantize, scale re-layout): one thread per work unit.
 inline int64_t elementwise_grid(int64_t units, int threads_per_block) {
   return (units + threads_per_block - 1) / threads_per_block;

@@ -73,16 +73,18 @@ __device__ __forceinline__ Work work_at(const mxgemm::Params& p, int t) {
   return w;
 }
 
-// The TMA epilogue of one consumer: its rows m0 .. m0 + 63, columns n0 .. n0 + 255 (acc: m64n256
+// The TMA epilogue of one consumer: its rows m0 .. m0 + 63, columns n0 .. n0 + kN − 1 (acc: m64nkN
 // fragments) through buf (two 64-column blocks [64 rows][128 B], 16-byte chunk c of row r at
-// c ^ (r % 8): the rows of a warp's store land in distinct banks) in two halves of 128 columns.
+// c ^ (r % 8): the rows of a warp's store land in distinct banks) in halves of 128 columns.
 // Thread 0 of the warpgroup (r == 0) waits until the previous store has read the buffer, issues the
 // stores (blocks wholly past M or N are skipped; TMA clips the rest) and commits them.
-__device__ __forceinline__ void store_tma(const mxgemm::Params& p, const float (&acc)[128], uint8_t* buf,
+template <int kN = 256>
+__device__ __forceinline__ void store_tma(const mxgemm::Params& p, const float (&acc)[kN / 2], uint8_t* buf,
                                           const CUtensorMap* tmap_out, int m0, int n0, int cw, int r, int lane) {
+  static_assert(kN % 128 == 0, "128-column halves");
   const int rl = 16 * (r / 32) + lane / 4;  // local row of half 0 (half 1: + 8)
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+  for (int half = 0; half < kN / 128; ++half) {
     if (r == 0) ptx::bulk_wait_read_all();
     ptx::named_barrier(2 + cw, 128);
 #pragma unroll

@@ -7,10 +7,13 @@
 // (1 x 128 blocks) or per 128 rows (128 x 128), B's per 128 rows (fprop's and dgrad's weights:
 // one factor per 128-column slice of a tile) or per row (wgrad's xᵀ: kColB, a factor per column).
 //
-// Persistent over 128 x 256 output tiles (grouped rasterisation), 384 threads, one CTA per SM:
-//   warpgroup 0  thread 0: TMA producer, each tile's k-blocks A [128][128 B] and B [256][128 B]
-//                (128-byte swizzle, one 128-wide block of K a stage) into a 4-stage ring;
-//                kColB: warp 1 writes each stage's 256 column factors of B into a table beside
+// Persistent over 128 x kBN output tiles (grouped rasterisation), 384 threads, one CTA per SM; kBN
+// 256, or 128 where the wider tiles would leave many SMs idle in their last wave
+// (heuristics::block_gemm_tile_n):
+//   warpgroup 0  thread 0: TMA producer, each tile's k-blocks A [128][128 B] and B [kBN][128 B]
+//                (128-byte swizzle, one 128-wide block of K a stage) into a ring of 4 (kBN 256)
+//                or 6 stages;
+//                kColB: warp 1 writes each stage's kBN column factors of B into a table beside
 //                the ring (its 32 lanes arrive on the stage's full barrier with the TMA bytes);
 //   warpgroups 1, 2  consumers of 64 rows: the block-scaled mainloop
 //                (sm90/mainloop_tma_wgmma_block_scaled.cuh: per 128-column slice four m64n128k32
@@ -19,7 +22,7 @@
 //                shared memory, or from the registers for fp32 / accumulate / unaligned rows;
 //                kColB always from the registers: its factor table takes the staging buffer's
 //                shared memory, and wgrad writes fp32).
-// Two instantiations (kColB false / true). Operands whose code rows TMA cannot take (row stride
+// Four instantiations (kBN 128 / 256, kColB false / true). Operands whose code rows TMA cannot take (row stride
 // or start not a multiple of 16 bytes: K % 16 != 0 when contiguous) are copied into padded rows
 // in scratch first.
 #include <cuda.h>  // CUtensorMap (types only)
@@ -45,17 +48,18 @@
 namespace mxmla::detail {
 namespace blockgemm {
 
+template <int kBN_>
 struct Cfg {
-  static constexpr int kBM = 128, kBN = 256;  // tile
+  static constexpr int kBM = 128, kBN = kBN_;  // tile
   // columns per FP8 wgmma slice (same-run A/Bs in docs/notes-gemm.md: 128 against 64, 0.85-0.90x the time)
   static constexpr int kSubN = 128;
-  static constexpr int kStages = 4;                      // 48 KB a stage (128 of K)
+  static constexpr int kStages = kBN == 256 ? 4 : 6;  // 48 / 32 KB a stage (128 of K)
   static constexpr int kGroupM = 8;
   static constexpr int kThreads = 384;
   static constexpr int kRegsProducer = 40, kRegsConsumer = 232;
   static_assert(kRegsProducer * 128 + 2 * kRegsConsumer * 128 <= (65536 / kThreads / 8 * 8) * kThreads,
                 "setmaxnreg moves registers inside the CTA's launch allocation");
-  static_assert(kBN % 128 == 0 && 128 % kSubN == 0, "a slice lies in one 128-row block of B");
+  static_assert((kBN == 128 || kBN == 256) && 128 % kSubN == 0, "a slice lies in one 128-row block of B");
 };
 
 struct Params {
@@ -66,9 +70,9 @@ struct Params {
   int a_br, b_br;
 };
 
-template <bool kColB>
+template <int kBN, bool kColB>
 struct Kernel {
-  using C = Cfg;
+  using C = Cfg<kBN>;
   static constexpr int kSubN = C::kSubN;
   using Mainloop = sm90::MainloopTmaWgmmaBlockScaled<C::kBM, C::kBN, C::kStages, 2, kSubN, kColB>;
   static constexpr int kSlices = Mainloop::kSlices;
@@ -182,7 +186,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
         });
     if constexpr (!kColB) {
       if (o.tma_out) {
-        mxgemm_c::store_tma(o, acc, sm.epi[cw][0], &tmap_out, m0 + 64 * cw, n0, cw, r, lane);
+        mxgemm_c::store_tma<C::kBN>(o, acc, sm.epi[cw][0], &tmap_out, m0 + 64 * cw, n0, cw, r, lane);
         continue;
       }
     }
@@ -216,9 +220,13 @@ Codes tma_codes(const uint8_t* codes, int64_t rows, int64_t K, int64_t ld, cudaS
   return {p, kp, std::move(copy)};
 }
 
-template <bool kColB>
-void launch(const BlockGemmProblem& pr, const Params& p, cudaStream_t s) {
-  using K = Kernel<kColB>;
+template <int kBN, bool kColB>
+void launch(const BlockGemmProblem& pr, Params p, cudaStream_t s) {
+  using K = Kernel<kBN, kColB>;
+  p.o.n_tiles = static_cast<int>((pr.N + kBN - 1) / kBN);
+  const int64_t tiles = int64_t{p.o.m_tiles} * p.o.n_tiles;
+  if (tiles > 0x7FFFFFFF) throw Error("mxmla.gemm", "out", "has too many output tiles");
+  p.o.num_tiles = static_cast<int>(tiles);
   const void* kernel = reinterpret_cast<const void*>(&sm90_block_fp8_gemm_kernel<K, kColB>);
   const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
   const Codes a = tma_codes(pr.a, pr.M, pr.K, pr.a_ld, s), b = tma_codes(pr.b, pr.N, pr.K, pr.b_ld, s);
@@ -240,7 +248,6 @@ void launch(const BlockGemmProblem& pr, const Params& p, cudaStream_t s) {
 
 void block_gemm_cuda(const BlockGemmProblem& pr, Stream stream) {
   constexpr const char* kOp = "mxmla.gemm";
-  using C = blockgemm::Cfg;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (pr.M == 0 || pr.N == 0) return;
   if (pr.K == 0) {  // D = 0 (+ D)
@@ -250,16 +257,13 @@ void block_gemm_cuda(const BlockGemmProblem& pr, Stream stream) {
     }
     return;
   }
-  if (pr.M > 0x7FFFFFFF - C::kBM || pr.N > 0x7FFFFFFF - C::kBN)
+  if (pr.M > 0x7FFFFFFF - 256 || pr.N > 0x7FFFFFFF - 256)
     throw Error(kOp, "out", "has more than 2^31 - 256 rows or columns (32-bit tile coordinates)");
   blockgemm::Params p{};
   mxgemm::Params& o = p.o;
   o.M = static_cast<int>(pr.M), o.N = static_cast<int>(pr.N), o.K = static_cast<int>(pr.K);
   o.kblocks = static_cast<int>((pr.K + 127) / 128);
-  o.m_tiles = static_cast<int>((pr.M + C::kBM - 1) / C::kBM), o.n_tiles = static_cast<int>((pr.N + C::kBN - 1) / C::kBN);
-  const int64_t tiles = int64_t{o.m_tiles} * o.n_tiles;
-  if (tiles > 0x7FFFFFFF) throw Error(kOp, "out", "has too many 128 x 256 output tiles");
-  o.num_tiles = static_cast<int>(tiles);
+  o.m_tiles = static_cast<int>((pr.M + 127) / 128);  // n_tiles, num_tiles: launch (by the tile's width)
   o.out = pr.out, o.ld_out = pr.ld_out;
   o.out_f32 = pr.out_t == DType::kFloat32, o.accumulate = pr.accumulate;
   o.alpha = static_cast<float>(pr.alpha);
@@ -268,10 +272,20 @@ void block_gemm_cuda(const BlockGemmProblem& pr, Stream stream) {
               pr.ld_out * 2 % 16 == 0;
   p.sa = pr.sa, p.sb = pr.sb, p.sa_ld = pr.sa_ld, p.sb_ld = pr.sb_ld;
   p.a_br = static_cast<int>(pr.a_br), p.b_br = static_cast<int>(pr.b_br);
-  if (pr.b_br == 1 && (o.n_tiles * int64_t{C::kBN}) * pr.sb_ld > 0x7FFFFFFF)
+  if (pr.b_br == 1 && ((pr.N + 255) / 256 * 256) * pr.sb_ld > 0x7FFFFFFF)
     throw Error(kOp, "b.scale_inv", "has more than 2^31 elements (the kernel indexes it with 32 bits)");
-  if (pr.b_br == 1) blockgemm::launch<true>(pr, p, s);
-  else blockgemm::launch<false>(pr, p, s);
+  // the tile's width: MXMLA_BLOCK_GEMM_TILE_N=128 or 256 in the environment forces it (tests, A/B runs)
+  const int64_t forced = heuristics::env_forced("MXMLA_BLOCK_GEMM_TILE_N", 256);
+  const int tile_n = forced == 128 || forced == 256
+                         ? static_cast<int>(forced)
+                         : heuristics::block_gemm_tile_n(o.m_tiles, (pr.N + 255) / 256, (pr.N + 127) / 128, device_sms());
+  if (tile_n == 128) {
+    if (pr.b_br == 1) blockgemm::launch<128, true>(pr, p, s);
+    else blockgemm::launch<128, false>(pr, p, s);
+  } else {
+    if (pr.b_br == 1) blockgemm::launch<256, true>(pr, p, s);
+    else blockgemm::launch<256, false>(pr, p, s);
+  }
 }
 
 }  // namespace mxmla::detail

@@ -101,6 +101,17 @@ TEST(Heuristics, GemmKSplits) {
   EXPECT_EQ(gemm_k_splits(1, 10, 128 * 256, 132), 1);                   // parts of K shorter than 8 k-blocks
 }
 
+// The block-FP8 GEMM's tile width: 128 columns where 256 leave the last wave's SMs idle.
+TEST(Heuristics, BlockGemmTileN) {
+  using namespace detail::heuristics;
+  EXPECT_EQ(block_gemm_tile_n(32, 6, 12, 132), 128);     // dgrad T 4096 (4096 x 1536): 2 waves -> 3 narrow
+  EXPECT_EQ(block_gemm_tile_n(32, 2, 4, 132), 128);      // a 512-column output: 64 wide tiles, one wave either way
+  EXPECT_EQ(block_gemm_tile_n(128, 96, 192, 132), 256);  // fprop T 16384: 94 full waves
+  EXPECT_EQ(block_gemm_tile_n(64, 32, 64, 132), 256);    // 8192^3
+  EXPECT_EQ(block_gemm_tile_n(32, 3, 5, 132), 256);      // a 576-column output: 1 wave against 2
+  EXPECT_EQ(block_gemm_tile_n(1, 1, 1, 132), 128);       // one small tile
+}
+
 // The environment's forced choices (MXMLA_GEMM_SPLITS, MXMLA_ATTN_BWD_GROUPS): whole numbers in range.
 TEST(Heuristics, EnvForced) {
   using namespace detail::heuristics;

@@ -280,12 +280,21 @@ def test_cuda_transposed_quantization_strided_input():
     assert torch.equal(g.data.view(torch.uint8).cpu(), h.data.view(torch.uint8))
 
 
+@pytest.fixture(params=["chosen", "128", "256"])
+def tile_n(request, monkeypatch):
+    """The GEMM's tile width: as the launcher chooses it, or 128 / 256 columns forced
+    (MXMLA_BLOCK_GEMM_TILE_N): every case through both kernels."""
+    if request.param != "chosen":
+        monkeypatch.setenv("MXMLA_BLOCK_GEMM_TILE_N", request.param)
+    return request.param
+
+
 @needs_gpu
 @pytest.mark.parametrize("a_br,b_br", [(1, 128), (1, 1), (128, 128)])
 @pytest.mark.parametrize("M,N,K", [(1, 1, 16), (31, 33, 128), (130, 257, 384), (257, 520, 1536), (4097, 300, 256),
                                    (200, 1000, 4096)])
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
-def test_cuda_gemm_bitwise_on_integer_data(a_br, b_br, M, N, K, out_dtype):
+def test_cuda_gemm_bitwise_on_integer_data(a_br, b_br, M, N, K, out_dtype, tile_n):
     a = mxmla.quantize_blockwise(ints(M, K, M + K), a_br)
     b = mxmla.quantize_blockwise(ints(N, K, N + 2 * K), b_br)
     g = mxmla.gemm(_cuda(a), _cuda(b), out_dtype=out_dtype)
@@ -294,7 +303,7 @@ def test_cuda_gemm_bitwise_on_integer_data(a_br, b_br, M, N, K, out_dtype):
 
 
 @needs_gpu
-def test_cuda_gemm_accumulate_alpha_strided_and_unaligned_out():
+def test_cuda_gemm_accumulate_alpha_strided_and_unaligned_out(tile_n):
     a = mxmla.quantize_blockwise(ints(130, 384, 5), 1)
     b = mxmla.quantize_blockwise(ints(300, 384, 6), 128)
     ga, gb, ha, hb = _cuda(a), _cuda(b), _cpu(a), _cpu(b)
@@ -313,7 +322,7 @@ def test_cuda_gemm_accumulate_alpha_strided_and_unaligned_out():
 
 @needs_gpu
 @pytest.mark.parametrize("b_br", [1, 128])
-def test_cuda_gemm_random_within_bound(b_br):
+def test_cuda_gemm_random_within_bound(b_br, tile_n):
     """Random data, fp32 scales: the FP8 tensor cores add a block's 128 products in their own
     precision, so D is compared with the CPU reference (float64) by error: relative RMS below 2^-10,
     every element within 2^-7 of max |D|."""
@@ -328,7 +337,7 @@ def test_cuda_gemm_random_within_bound(b_br):
 
 
 @needs_gpu
-def test_cuda_nan_and_inf_scales_match_cpu():
+def test_cuda_nan_and_inf_scales_match_cpu(tile_n):
     a = mxmla.quantize_blockwise(ints(140, 256, 0), 1)
     b = mxmla.quantize_blockwise(ints(300, 256, 1), 1)
     a.scale_inv[1, 1] = np.nan
@@ -363,7 +372,7 @@ def test_cuda_linear_three_gemms_against_cpu():
 
 @needs_gpu
 @pytest.mark.parametrize("K", [1, 31, 120, 1000])
-def test_cuda_gemm_any_k_and_unaligned_rows(K):
+def test_cuda_gemm_any_k_and_unaligned_rows(K, tile_n):
     """K not a multiple of 16 (code rows TMA cannot take: copied into aligned rows first) and a view
     with an odd row stride, bit for bit against the CPU."""
     a = mxmla.quantize_blockwise(ints(70, K, K), 1)
