@@ -113,7 +113,11 @@ def _decoder_worker(rank, world, init_file, result_file, recipe, layout, _q_lora
         import mxmla.nn as mnn
         from mxmla.nn.tp import _shards
 
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        backend = "gloo"
+        if device == "cuda2":  # one GPU a rank, NCCL (the two-GPU run)
+            torch.cuda.set_device(rank)
+            device, backend = f"cuda:{rank}", "nccl"
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
         dims = dict(hidden=64, heads=4, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
                     max_seq_len=64) if device == "cpu" else \
             dict(hidden=256, heads=4, q_lora_rank=64, kv_lora_rank=64, nope_dim=128, rope_dim=64,
@@ -146,7 +150,7 @@ def _decoder_worker(rank, world, init_file, result_file, recipe, layout, _q_lora
             errs[name] = _rel(prm.grad, r)
         bad = {k: v for k, v in errs.items() if not v <= bound}
         same = reload_ok = True
-        if device == "cpu":  # the unsharded state dict round trip (not gloo on CUDA tensors)
+        if backend == "nccl" or device == "cpu":  # the unsharded state dict round trip (not gloo on CUDA tensors)
             sd = tp.unsharded_state_dict()
             same = set(sd) == set(full.state_dict()) and all(torch.equal(sd[k], v) for k, v in full.state_dict().items())
             other = mnn.Decoder(**dict(kw, seed=99), tp_group=dist.group.WORLD, sequence_parallel=sp)
@@ -243,6 +247,19 @@ def test_decoder_tp2_equals_tp1_on_one_gpu(recipe, sp):
     r = _spawn(recipe, "bshd", None, "cuda", sp=sp, fn=_decoder_worker)
     assert not r["bad"], r["errs"]
     assert len(r["errs"]) > 20, r["errs"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="fewer than two CUDA devices visible (the two-GPU run)")
+@pytest.mark.parametrize("recipe,sp", [("mxfp8", True), ("float32", True), ("mxfp8", False)])
+def test_decoder_tp2_equals_tp1_on_two_gpus(recipe, sp):
+    """The decoder's tensor-parallel form with one GPU a rank and NCCL (its reduce-scatter under
+    sequence parallelism): the gloo test's checks, the state dict round trip included."""
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("torch.distributed with NCCL is not available in this torch")
+    r = _spawn(recipe, "bshd", None, "cuda2", sp=sp, fn=_decoder_worker)
+    assert not r["bad"], r["errs"]
+    assert len(r["errs"]) > 20, r["errs"]
+    assert r["sd_same"] and r["reload"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
