@@ -19,7 +19,12 @@ same weights. With two or more recipes the script prints the final loss gap of e
 first. On a GPU the mxfp8 recipe is slow for now (two of its kernels are correctness paths).
 
 Outputs in --out (default train_mla_out): loss_<recipe>.csv (step,loss: the training loss of every
-step) and loss.png (the curves; needs matplotlib, else the plot is skipped with a note).
+step) and loss.png (the curves; needs matplotlib, else the plot is skipped with a note); with --save
+also model_<recipe>.pt, each recipe's trained weights as the whole model's state dict (a tp size of
+1's, whatever --tp was) with the model's configuration. --load DIR starts each recipe from DIR's
+model_<recipe>.pt instead of the seed's weights (any --tp; the same model dimensions), prints its
+held-out loss, and trains on from there (weights only: the optimizer and the learning-rate schedule
+start afresh).
 
 Without a CUDA device (or with a CPU-only mxmla build) it runs a tiny configuration on the CPU,
 where mxmla's ops run their CPU reference, and says so; options given explicitly still apply.
@@ -126,6 +131,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (MLA's heads and the MLP's width split over them); launch with "
                         "python -m torch.distributed.run --nproc-per-node N examples/train_mla.py --tp N")
+    p.add_argument("--save", action="store_true",
+                   help="also write each recipe's trained weights to --out/model_<recipe>.pt (the whole model's "
+                        "state dict, loadable at any --tp)")
+    p.add_argument("--load", default=None, metavar="DIR",
+                   help="start each recipe from DIR/model_<recipe>.pt (a --save of the same dimensions, any --tp)")
     p.add_argument("--sp", action="store_true",
                    help="with --tp N: sequence parallelism too (each rank holds 1/N of the sequence between the "
                         "blocks; --seq a multiple of N)")
@@ -218,6 +228,40 @@ def init_tp(tp: int, device: str):
         device = f"cuda:{local}"
     dist.init_process_group("nccl" if cuda else "gloo")
     return dist.group.WORLD, device, dist.get_rank()
+
+
+def checkpoint_path(folder, recipe: str) -> Path:
+    return Path(folder) / f"model_{recipe}.pt"
+
+
+def model_config(model) -> Dict:
+    """The model's configuration in plain values (what torch.load(weights_only=True) reads back)."""
+    return {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v) for k, v in model.config.items()}
+
+
+def save_model(model, path: Path, rank: int) -> None:
+    """The whole model's state dict (every rank's shards gathered: all ranks take part) and its
+    configuration, written by rank 0."""
+    import torch
+
+    sd = model.unsharded_state_dict()
+    if rank == 0:
+        torch.save(dict(config=model_config(model), state_dict={k: v.cpu() for k, v in sd.items()}), path)
+
+
+def load_model(model, path: Path) -> None:
+    """Loads a save_model file into model (this rank's shards of it), after checking that the
+    configuration is the model's."""
+    import torch
+
+    if not path.is_file():
+        raise SystemExit(f"train_mla.py: --load: {path} does not exist (write it with --save)")
+    ck = torch.load(path, map_location="cpu", weights_only=True)
+    if ck.get("config") != model_config(model):
+        raise SystemExit(f"train_mla.py: --load: {path} holds a model of another configuration: "
+                         f"{ck.get('config')} against this run's {model_config(model)}")
+    dev = next(model.parameters()).device
+    model.load_unsharded_state_dict({k: v.to(dev) for k, v in ck["state_dict"].items()})
 
 
 def held_out_loss(model, val: np.ndarray, cfg: Dict, device: str, max_windows: int = 64) -> float:
@@ -368,7 +412,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Dict] = {}
     for recipe, model in models.items():
+        if args.load is not None:
+            load_model(model, checkpoint_path(args.load, recipe))
+            print(f"[{recipe}] loaded {checkpoint_path(args.load, recipe)}: held-out loss "
+                  f"{held_out_loss(model, val, cfg, device):.4f}", flush=True)
         results[recipe] = r = train_recipe(recipe, model, train, val, cfg, args.seed, device, log_every, tp_group)
+        if args.save:
+            save_model(model, checkpoint_path(out, recipe), rank)
+            print(f"[{recipe}] saved {checkpoint_path(out, recipe)}", flush=True)
         if rank == 0:
             write_csv(out / f"loss_{recipe}.csv", r["losses"])
         print(f"[{recipe}] done in {r['seconds']:.1f} s: final loss {final_loss(r['losses']):.4f} (mean of the last "

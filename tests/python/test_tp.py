@@ -331,6 +331,37 @@ def test_train_script_tp2_on_gloo_matches_tp1(tmp_path):
             assert abs(a - b) <= 1e-3 * abs(a), runs
 
 
+def test_train_script_checkpoints_load_at_any_tp(tmp_path):
+    """--save writes the whole model (a tp size of 1's state dict) at any --tp and --load reads it at
+    any other: trained at tp 1, loaded and trained on at tp 2 with sequence parallelism, loaded back
+    at tp 1; each loaded model's held-out loss is the saving run's final one (bf16 rounding of the
+    partial sums aside); a model of other dimensions is refused."""
+    import re
+    import subprocess
+
+    root, env = _cpu_launch_env()
+    common = [str(root / "examples" / "train_mla.py"), "--steps", "2", "--text-file",
+              str(root / "tests" / "python" / "data" / "tiny_corpus.txt"), "--save"]
+    dist_run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    held = {}
+    for name, launch, extra in (("a", [sys.executable], []),
+                                ("b", dist_run, ["--tp", "2", "--sp", "--load", str(tmp_path / "a")]),
+                                ("c", [sys.executable], ["--load", str(tmp_path / "b")])):
+        r = subprocess.run(launch + common + extra + ["--out", str(tmp_path / name)], capture_output=True, text=True,
+                           timeout=600, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (tmp_path / name / "model_bf16.pt").is_file()
+        held[name] = float(re.search(r"\] done in .* held-out loss (\S+);", r.stdout).group(1))
+        if name != "a":
+            loaded = float(re.search(r"loaded .*: held-out loss (\S+)", r.stdout).group(1))
+            before = held["a" if name == "b" else "b"]
+            assert abs(loaded - before) <= 1e-3 * before, (name, loaded, before, r.stdout)
+    r = subprocess.run([sys.executable] + common + ["--hidden", "128", "--load", str(tmp_path / "a"), "--out",
+                                                    str(tmp_path / "d")], capture_output=True, text=True, timeout=600,
+                       env=env)
+    assert r.returncode != 0 and "holds a model of another configuration" in r.stderr, r.stderr[-2000:]
+
+
 def test_train_script_sp_needs_tp():
     root, env = _cpu_launch_env()
     import subprocess
