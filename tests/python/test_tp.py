@@ -32,57 +32,19 @@ def _rel(a, b):
     return float((a - b).norm() / (b.norm() + 1e-30))
 
 
-def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device="cpu", sp=False):
+def _run_rank(rank, world, init_file, result_file, case, device, *args):
+    """One rank's process: joins the group (gloo; device "cuda2": one GPU a rank with NCCL, the
+    two-GPU run), runs case(rank, world, device, backend, *args), writes the dict it returns (each
+    rank its own results: its shards, its slice), or the traceback of what it raised."""
     try:
-        import mxmla.nn as mnn
-
         backend = "gloo"
-        if device == "cuda2":  # one GPU a rank, NCCL (the two-GPU run)
+        if device == "cuda2":
             torch.cuda.set_device(rank)
             device, backend = f"cuda:{rank}", "nccl"
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-        base = KW_GPU if device != "cpu" else KW
-        kw = dict(base, recipe=recipe, layout=layout, q_lora_rank=q_lora or 0, device=device)
-        full = mnn.MLA(**kw)
-        tp = mnn.MLA(**kw, tp_group=dist.group.WORLD, sequence_parallel=sp)
-        assert tp.local_heads == base["heads"] // world
-        g = torch.Generator().manual_seed(3)
-        hid = base["hidden"]
-        shape = (2, 40, hid) if layout == "bshd" else (80, hid)
-        x = torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
-        cu = [0, 40, 80] if layout == "thd" else None
-        res = []
-        # sequence parallelism: each rank's slice of the sequence dim in and out; the loss is the sum of
-        # the ranks' parts (each rank's output grad is its slice of the whole output's)
-        seq = 1 if layout == "bshd" else 0
-        mine = (lambda t: t.chunk(world, dim=seq)[rank]) if sp else (lambda t: t)  # noqa: E731
-        for m in (full, tp):
-            xi = (mine(x) if m is tp else x).clone().requires_grad_()
-            o = m(xi, cu_seqlens=cu)
-            (o.float().square().sum() * (1e3 / x.numel())).backward()  # (tp 1: the mean, times 1e3)
-            res.append((o.detach() if m is tp else mine(o.detach()), xi.grad if m is tp else mine(xi.grad)))
-        bound = 2.0 ** -7 if recipe == "bf16" else 2.0 ** -4
-        errs = {"out": _rel(res[1][0], res[0][0]), "dx": _rel(res[1][1], res[0][1])}
-        lh = tp.local_heads
-        shards = {n: (per, col) for n, per, col in tp._sharded()}
-        for name, p in tp.named_parameters():
-            ref = dict(full.named_parameters())[name].grad
-            mod = name.rsplit(".", 1)[0]
-            if mod in shards:
-                per, col = shards[mod]
-                lo, hi = rank * lh * per, (rank + 1) * lh * per
-                ref = ref[:, lo:hi] if col else ref[lo:hi]
-            errs[name] = _rel(p.grad, ref)
-        bad = {k: v for k, v in errs.items() if not v <= bound}
-        same = reload_ok = True
-        if backend == "nccl" or device == "cpu":  # the unsharded state dict round trip (not gloo on CUDA tensors)
-            sd = tp.unsharded_state_dict()
-            same = all(torch.equal(sd[k], v) for k, v in full.state_dict().items())
-            other = mnn.MLA(**dict(kw, seed=99), tp_group=dist.group.WORLD)
-            other.load_unsharded_state_dict(full.state_dict())
-            reload_ok = all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), tp.state_dict().values()))
-        with open(f"{result_file}.rank{rank}", "w") as f:  # every rank's own errors (its shards, its slice)
-            f.write(repr(dict(bad=bad, errs=errs, sd_same=same, reload=reload_ok)))
+        result = case(rank, world, device, backend, *args)
+        with open(f"{result_file}.rank{rank}", "w") as f:
+            f.write(repr(result))
         dist.barrier()  # no rank tears gloo down while the other still reads its last message
         dist.destroy_process_group()
         # leave without running C++ static destructors: gloo's transport threads raced them once on a
@@ -96,6 +58,54 @@ def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device=
         raise
 
 
+def _mla_case(rank, world, device, backend, recipe, layout, q_lora, sp):
+    """MLA at tp 2 against tp 1 on the same weights: the output, the input gradient and every
+    parameter's gradient; the unsharded state dict both ways."""
+    import mxmla.nn as mnn
+
+    base = KW_GPU if device != "cpu" else KW
+    kw = dict(base, recipe=recipe, layout=layout, q_lora_rank=q_lora or 0, device=device)
+    full = mnn.MLA(**kw)
+    tp = mnn.MLA(**kw, tp_group=dist.group.WORLD, sequence_parallel=sp)
+    assert tp.local_heads == base["heads"] // world
+    g = torch.Generator().manual_seed(3)
+    hid = base["hidden"]
+    shape = (2, 40, hid) if layout == "bshd" else (80, hid)
+    x = torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
+    cu = [0, 40, 80] if layout == "thd" else None
+    res = []
+    # sequence parallelism: each rank's slice of the sequence dim in and out; the loss is the sum of
+    # the ranks' parts (each rank's output grad is its slice of the whole output's)
+    seq = 1 if layout == "bshd" else 0
+    mine = (lambda t: t.chunk(world, dim=seq)[rank]) if sp else (lambda t: t)  # noqa: E731
+    for m in (full, tp):
+        xi = (mine(x) if m is tp else x).clone().requires_grad_()
+        o = m(xi, cu_seqlens=cu)
+        (o.float().square().sum() * (1e3 / x.numel())).backward()  # (tp 1: the mean, times 1e3)
+        res.append((o.detach() if m is tp else mine(o.detach()), xi.grad if m is tp else mine(xi.grad)))
+    bound = 2.0 ** -7 if recipe == "bf16" else 2.0 ** -4
+    errs = {"out": _rel(res[1][0], res[0][0]), "dx": _rel(res[1][1], res[0][1])}
+    lh = tp.local_heads
+    shards = {n: (per, col) for n, per, col in tp._sharded()}
+    for name, p in tp.named_parameters():
+        ref = dict(full.named_parameters())[name].grad
+        mod = name.rsplit(".", 1)[0]
+        if mod in shards:
+            per, col = shards[mod]
+            lo, hi = rank * lh * per, (rank + 1) * lh * per
+            ref = ref[:, lo:hi] if col else ref[lo:hi]
+        errs[name] = _rel(p.grad, ref)
+    bad = {k: v for k, v in errs.items() if not v <= bound}
+    same = reload_ok = True
+    if backend == "nccl" or device == "cpu":  # the unsharded state dict round trip (not gloo on CUDA tensors)
+        sd = tp.unsharded_state_dict()
+        same = all(torch.equal(sd[k], v) for k, v in full.state_dict().items())
+        other = mnn.MLA(**dict(kw, seed=99), tp_group=dist.group.WORLD)
+        other.load_unsharded_state_dict(full.state_dict())
+        reload_ok = all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), tp.state_dict().values()))
+    return dict(bad=bad, errs=errs, sd_same=same, reload=reload_ok)
+
+
 # The decoder's bounds, relative RMS against tp 1: recipe "bf16" computed in float64 (CPU) or float32
 # (GPU: its SDPA and cuBLAS) — the sharding's math itself, summation order aside; "mxfp8" (one block)
 # 2^-3: through the tensor-parallel MLP the gradient that reaches MLA differs by bf16 roundings too,
@@ -104,87 +114,68 @@ def _worker(rank, world, init_file, result_file, recipe, layout, q_lora, device=
 DECODER_BOUNDS = {torch.float64: 1e-10, torch.float32: 1e-4, "mxfp8": 2.0 ** -3}
 
 
-def _decoder_worker(rank, world, init_file, result_file, recipe, layout, _q_lora, device="cpu", sp=False):
+def _decoder_case(rank, world, device, backend, recipe, layout, _q_lora, sp):
     """mxmla.nn.Decoder at tp 2 (Megatron's: MLA's heads and the MLP's inter_dim split; sp: the
     sequence split between the blocks) against tp 1 on the same weights: the loss, every gradient
     (each rank's shards against tp 1's), the unsharded state dict both ways; bad input errors.
     recipe "float64" / "float32": the "bf16" recipe computed in that dtype."""
-    try:
-        import mxmla.nn as mnn
-        from mxmla.nn.tp import _shards
+    import mxmla.nn as mnn
+    from mxmla.nn.tp import _shards
 
-        backend = "gloo"
-        if device == "cuda2":  # one GPU a rank, NCCL (the two-GPU run)
-            torch.cuda.set_device(rank)
-            device, backend = f"cuda:{rank}", "nccl"
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-        dims = dict(hidden=64, heads=4, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
-                    max_seq_len=64) if device == "cpu" else \
-            dict(hidden=256, heads=4, q_lora_rank=64, kv_lora_rank=64, nope_dim=128, rope_dim=64,
-                 v_dim=128, max_seq_len=128)
-        dtype = {"float64": torch.float64, "float32": torch.float32}.get(recipe, torch.bfloat16)
-        kw = dict(dims, recipe="mxfp8" if recipe == "mxfp8" else "bf16", dtype=dtype, seed=7, device=device,
-                  layers=1 if recipe == "mxfp8" else 2)
-        full = mnn.Decoder(**kw)
-        tp = mnn.Decoder(**kw, tp_group=dist.group.WORLD, sequence_parallel=sp)
-        g = torch.Generator().manual_seed(4)
-        if layout == "bshd":
-            tokens, cu = torch.randint(0, 256, (2, 41), generator=g), None
-            inp, tgt = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-        else:
-            tokens, cu = torch.randint(0, 256, (81,), generator=g), [0, 30, 80]
-            inp, tgt = tokens[:-1].to(device), tokens[1:].to(device)
-        losses = []
-        for m in (full, tp):
-            loss = m.loss(inp, tgt, cu)
-            loss.backward()
-            losses.append(loss.detach().double())
-        bound = DECODER_BOUNDS[recipe if recipe == "mxfp8" else dtype]
-        errs = {"loss": float(abs(losses[1] - losses[0]) / losses[0])}
-        dims_of = {key: dim for key, dim, _ in _shards(tp)}
-        ref = dict(full.named_parameters())
-        for name, prm in tp.named_parameters():
-            r = ref[name].grad
-            if name in dims_of:
-                r = r.chunk(world, dim=dims_of[name])[rank]
-            errs[name] = _rel(prm.grad, r)
-        bad = {k: v for k, v in errs.items() if not v <= bound}
-        same = reload_ok = True
-        if backend == "nccl" or device == "cpu":  # the unsharded state dict round trip (not gloo on CUDA tensors)
-            sd = tp.unsharded_state_dict()
-            same = set(sd) == set(full.state_dict()) and all(torch.equal(sd[k], v) for k, v in full.state_dict().items())
-            other = mnn.Decoder(**dict(kw, seed=99), tp_group=dist.group.WORLD, sequence_parallel=sp)
-            other.load_unsharded_state_dict(full.state_dict())
-            reload_ok = all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), tp.state_dict().values()))
-        errors = []
-        if sp:  # a sequence that the ranks cannot split evenly
-            try:
-                tp.loss(inp[..., :-1], tgt[..., :-1], [0, 30, 79] if cu else None)
-            except ValueError as e:
-                errors.append(str(e))
-        try:  # an MLP width that the ranks cannot split
-            mnn.SwiGLU(64, 99, tp_group=dist.group.WORLD)
+    dims = {k: v for k, v in (KW if device == "cpu" else KW_GPU).items() if k != "seed"}
+    dtype = {"float64": torch.float64, "float32": torch.float32}.get(recipe, torch.bfloat16)
+    kw = dict(dims, recipe="mxfp8" if recipe == "mxfp8" else "bf16", dtype=dtype, seed=7, device=device,
+              layers=1 if recipe == "mxfp8" else 2)
+    full = mnn.Decoder(**kw)
+    tp = mnn.Decoder(**kw, tp_group=dist.group.WORLD, sequence_parallel=sp)
+    g = torch.Generator().manual_seed(4)
+    if layout == "bshd":
+        tokens, cu = torch.randint(0, 256, (2, 41), generator=g), None
+        inp, tgt = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    else:
+        tokens, cu = torch.randint(0, 256, (81,), generator=g), [0, 30, 80]
+        inp, tgt = tokens[:-1].to(device), tokens[1:].to(device)
+    losses = []
+    for m in (full, tp):
+        loss = m.loss(inp, tgt, cu)
+        loss.backward()
+        losses.append(loss.detach().double())
+    bound = DECODER_BOUNDS[recipe if recipe == "mxfp8" else dtype]
+    errs = {"loss": float(abs(losses[1] - losses[0]) / losses[0])}
+    dims_of = {key: dim for key, dim, _, _ in _shards(tp)}
+    ref = dict(full.named_parameters())
+    for name, prm in tp.named_parameters():
+        r = ref[name].grad
+        if name in dims_of:
+            r = r.chunk(world, dim=dims_of[name])[rank]
+        errs[name] = _rel(prm.grad, r)
+    bad = {k: v for k, v in errs.items() if not v <= bound}
+    same = reload_ok = True
+    if backend == "nccl" or device == "cpu":  # the unsharded state dict round trip (not gloo on CUDA tensors)
+        sd = tp.unsharded_state_dict()
+        same = set(sd) == set(full.state_dict()) and all(torch.equal(sd[k], v) for k, v in full.state_dict().items())
+        other = mnn.Decoder(**dict(kw, seed=99), tp_group=dist.group.WORLD, sequence_parallel=sp)
+        other.load_unsharded_state_dict(full.state_dict())
+        reload_ok = all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), tp.state_dict().values()))
+    errors = []
+    if sp:  # a sequence that the ranks cannot split evenly
+        try:
+            tp.loss(inp[..., :-1], tgt[..., :-1], [0, 30, 79] if cu else None)
         except ValueError as e:
             errors.append(str(e))
-        with open(f"{result_file}.rank{rank}", "w") as f:
-            f.write(repr(dict(bad=bad, errs=errs, sd_same=same, reload=reload_ok, errors=errors)))
-        dist.barrier()
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # (see _worker)
-    except Exception:  # noqa: BLE001
-        with open(result_file + f".err{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    try:  # an MLP width that the ranks cannot split
+        mnn.SwiGLU(64, 99, tp_group=dist.group.WORLD)
+    except ValueError as e:
+        errors.append(str(e))
+    return dict(bad=bad, errs=errs, sd_same=same, reload=reload_ok, errors=errors)
 
 
-def _spawn(recipe, layout, q_lora, device, sp=False, fn=_worker):
-    """fn (_worker) on two processes; both ranks' results merged (bad / errs keyed by rank; the state
-    dict checks true on both); a worker's traceback fails the test."""
+def _spawn(recipe, layout, q_lora, device, sp=False, case=_mla_case):
+    """case (_mla_case) on two processes; both ranks' results merged (bad / errs keyed by rank; the
+    state dict checks true on both); a rank's traceback fails the test."""
     with tempfile.TemporaryDirectory() as d:
         init, out = os.path.join(d, "init"), os.path.join(d, "result")
-        mp.spawn(fn, args=(2, init, out, recipe, layout, q_lora, device, sp), nprocs=2, join=True)
+        mp.spawn(_run_rank, args=(2, init, out, case, device, recipe, layout, q_lora, sp), nprocs=2, join=True)
         errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if ".err" in f]
         assert not errs, errs[0]
         ranks = [eval(open(f"{out}.rank{r}").read()) for r in range(2)]  # noqa: S307 - our own repr
@@ -226,7 +217,7 @@ def test_decoder_tp2_equals_tp1_on_gloo(recipe, layout, sp):
     cannot split."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch")
-    r = _spawn(recipe, layout, None, "cpu", sp=sp, fn=_decoder_worker)
+    r = _spawn(recipe, layout, None, "cpu", sp=sp, case=_decoder_case)
     assert not r["bad"], r["errs"]
     assert len(r["errs"]) > 20, r["errs"]  # the loss and every parameter's gradient on both ranks
     assert r["sd_same"] and r["reload"]
@@ -244,7 +235,7 @@ def test_decoder_tp2_equals_tp1_on_one_gpu(recipe, sp):
     kernels: the same checks as on gloo but the state dict round trip."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch")
-    r = _spawn(recipe, "bshd", None, "cuda", sp=sp, fn=_decoder_worker)
+    r = _spawn(recipe, "bshd", None, "cuda", sp=sp, case=_decoder_case)
     assert not r["bad"], r["errs"]
     assert len(r["errs"]) > 20, r["errs"]
 
@@ -256,7 +247,7 @@ def test_decoder_tp2_equals_tp1_on_two_gpus(recipe, sp):
     sequence parallelism): the gloo test's checks, the state dict round trip included."""
     if not dist.is_available() or not dist.is_nccl_available():
         pytest.skip("torch.distributed with NCCL is not available in this torch")
-    r = _spawn(recipe, "bshd", None, "cuda2", sp=sp, fn=_decoder_worker)
+    r = _spawn(recipe, "bshd", None, "cuda2", sp=sp, case=_decoder_case)
     assert not r["bad"], r["errs"]
     assert len(r["errs"]) > 20, r["errs"]
     assert r["sd_same"] and r["reload"]

@@ -150,13 +150,13 @@ def all_gather_cat(x: torch.Tensor, dim: int, group: Optional[Any]) -> torch.Ten
 
 
 def _shards(model: torch.nn.Module):
-    """(state-dict key, split dim, owning module) of every sharded weight in model (modules with
-    ``_sharded()`` at a tp size above 1)."""
+    """(state-dict key, split dim, owning module, its Linear's name) of every sharded weight in model
+    (modules with ``_sharded()`` at a tp size above 1)."""
     out = []
     for prefix, m in model.named_modules():
         if hasattr(m, "_sharded") and getattr(m, "tp_size", 1) > 1:
             for name, _, col in m._sharded():
-                out.append((f"{prefix}.{name}.weight" if prefix else f"{name}.weight", 1 if col else 0, m))
+                out.append((f"{prefix}.{name}.weight" if prefix else f"{name}.weight", 1 if col else 0, m, name))
     return out
 
 
@@ -178,7 +178,7 @@ def unsharded_state_dict(model: torch.nn.Module) -> dict:
     """model's state dict with every sharded weight gathered from the ranks (the same on every rank):
     what a tp size of 1 holds, e.g. to save a checkpoint."""
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for key, dim, owner in _shards(model):
+    for key, dim, owner, _ in _shards(model):
         sd[key] = all_gather_cat(sd[key], dim, owner.tp_group)
     return sd
 
@@ -186,7 +186,7 @@ def unsharded_state_dict(model: torch.nn.Module) -> dict:
 def load_unsharded_state_dict(model: torch.nn.Module, sd: dict) -> None:
     """Loads a tp size of 1's state dict into model, keeping this rank's part of each sharded weight."""
     sd = dict(sd)
-    for key, dim, owner in _shards(model):
+    for key, dim, owner, _ in _shards(model):
         sd[key] = sd[key].chunk(owner.tp_size, dim=dim)[owner.tp_rank]
     model.load_state_dict(sd)
 
@@ -198,10 +198,7 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, group: Any) -> torc
     n, _ = tp_size_rank(group)
     if n == 1:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    sharded = set()
-    for m in model.modules():
-        if hasattr(m, "_sharded") and getattr(m, "tp_size", 1) > 1:
-            sharded |= {id(getattr(m, name).weight) for name, _, _ in m._sharded()}
+    sharded = {id(getattr(owner, name).weight) for _, _, owner, name in _shards(model)}
     params = [p for p in model.parameters() if p.grad is not None]
     dev = params[0].grad.device if params else torch.device("cpu")
     sq_rep = torch.zeros((), dtype=torch.float32, device=dev)
