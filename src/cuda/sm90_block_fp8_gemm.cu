@@ -14,7 +14,9 @@
 //                (128-byte swizzle, one 128-wide block of K a stage) into a ring of 4 (kBN 256)
 //                or 6 stages;
 //                kColB: warp 1 writes each stage's kBN column factors of B into a table beside
-//                the ring (its 32 lanes arrive on the stage's full barrier with the TMA bytes);
+//                the ring (its 32 lanes arrive on the stage's full barrier with the TMA bytes),
+//                reading them from a [kblocks][N] copy that the launcher transposes first, so
+//                that a stage's factors are one contiguous row (a gather of kBN lines otherwise);
 //   warpgroups 1, 2  consumers of 64 rows: the block-scaled mainloop
 //                (sm90/mainloop_tma_wgmma_block_scaled.cuh: per 128-column slice four m64n128k32
 //                FP8 wgmmas into a temporary accumulator, folded into the fp32 one with the
@@ -65,7 +67,7 @@ struct Cfg {
 struct Params {
   mxgemm::Params o;   // M, N, the output (out, ld_out, out_f32, accumulate, alpha, tma_out); tiles
   const float* sa;    // A's factors: row (m / a_br) at sa + (m / a_br) * sa_ld, block kb at + kb
-  const float* sb;    // B's: row (n / b_br) at sb + (n / b_br) * sb_ld
+  const float* sb;    // B's: row (n / b_br) at sb + (n / b_br) * sb_ld; kColB: block kb's at sb + kb * sb_ld
   int64_t sa_ld, sb_ld;
   int a_br, b_br;
 };
@@ -131,12 +133,12 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
           int mt, nt;
           grouped_tile<C::kGroupM>(t, o.m_tiles, o.n_tiles, mt, nt);
           const int n = nt * C::kBN + lane;  // columns n + 32 i (0 past N)
-          const int row = n * static_cast<int>(p.sb_ld), step = 32 * static_cast<int>(p.sb_ld);  // (the host checks the range)
+          // (p.sb: the factors transposed by the launcher, [kblocks][N]: a stage's are one row)
           for (int kb = 0; kb < o.kblocks; ++kb) {
             sm.bars.producer_acquire(st);  // the consumers are done with the stage's previous block
+            const float* f = p.sb + int64_t{kb} * p.sb_ld;
 #pragma unroll
-            for (int i = 0; i < C::kBN / 32; ++i)
-              sm.fb[st.index][lane + 32 * i] = n + 32 * i < o.N ? __ldg(p.sb + (row + i * step + kb)) : 0.f;
+            for (int i = 0; i < C::kBN / 32; ++i) sm.fb[st.index][lane + 32 * i] = n + 32 * i < o.N ? __ldg(f + n + 32 * i) : 0.f;
             ptx::mbar_arrive(&sm.bars.full[st.index]);
             st.advance();
           }
@@ -193,6 +195,16 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
     mxgemm::store_accumulators<C::kBN>(o, acc, m0, n0, r0, lane);
   }
   if (o.tma_out && r == 0) ptx::bulk_wait_all();
+}
+
+// kColB: B's per-column factors [N][kblocks] (row stride ld) -> [kblocks][N], so that the factor warp
+// reads a stage's factors as one contiguous row. Thread (n fastest) per output value.
+__global__ void transpose_col_factors(const float* __restrict__ sb, int64_t ld, int64_t N, int64_t kblocks,
+                                      float* __restrict__ out) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= N * kblocks) return;
+  const int64_t kb = i / N, n = i - kb * N;
+  out[i] = sb[n * ld + kb];
 }
 
 // A K-major E4M3 operand [rows, K] (row stride ld bytes): boxes of [box_rows][128 bytes], 128-byte swizzle.
@@ -272,8 +284,16 @@ void block_gemm_cuda(const BlockGemmProblem& pr, Stream stream) {
               pr.ld_out * 2 % 16 == 0;
   p.sa = pr.sa, p.sb = pr.sb, p.sa_ld = pr.sa_ld, p.sb_ld = pr.sb_ld;
   p.a_br = static_cast<int>(pr.a_br), p.b_br = static_cast<int>(pr.b_br);
-  if (pr.b_br == 1 && ((pr.N + 255) / 256 * 256) * pr.sb_ld > 0x7FFFFFFF)
-    throw Error(kOp, "b.scale_inv", "has more than 2^31 elements (the kernel indexes it with 32 bits)");
+  std::unique_ptr<StreamScratch> col_factors;  // kColB: B's factors transposed (freed on the stream after the GEMM)
+  if (pr.b_br == 1) {
+    col_factors = std::make_unique<StreamScratch>(pr.N * o.kblocks * 4, s);
+    auto* t = reinterpret_cast<float*>(col_factors->ptr);
+    const int64_t n = pr.N * o.kblocks;
+    blockgemm::transpose_col_factors<<<static_cast<unsigned>(heuristics::elementwise_grid(n, 256)), 256, 0, s>>>(
+        pr.sb, pr.sb_ld, pr.N, o.kblocks, t);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+    p.sb = t, p.sb_ld = pr.N;
+  }
   // the tile's width: MXMLA_BLOCK_GEMM_TILE_N=128 or 256 in the environment forces it (tests, A/B runs)
   const int64_t forced = heuristics::env_forced("MXMLA_BLOCK_GEMM_TILE_N", 256);
   const int tile_n = forced == 128 || forced == 256

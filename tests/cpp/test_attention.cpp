@@ -888,6 +888,9 @@ std::vector<ACase> order_cases() {
   big.B = 2, big.H = big.Hkv = 16, big.Sq = big.Skv = 2048, big.Dqk = 192, big.Dv = 128, big.causal = true;
   big.qf = big.kvf = AttnFormat::kBSHD, big.seed = 7;
   v.push_back(big);
+  ACase big8 = big;  // MXFP8 (BHSD scales), GQA: the staged copies read by 512 tiles in either order
+  big8.in = In::kAttnBHSD, big8.Hkv = 4, big8.seed = 9;
+  v.push_back(big8);
   ACase thd = big;  // FP8 thd: the fused path (dequantizer warpgroup), 8 sequences of 1..1500 tokens
   thd.qf = thd.kvf = AttnFormat::kTHD, thd.in = In::kTokens, thd.H = thd.Hkv = 8;
   thd.lq = {1500, 3, 700, 0, 1024, 129, 900, 1};
