@@ -19,6 +19,8 @@ attnfwd the attention forward at the same dims, s 2048 / 4096 / 8192, on the MXF
 default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors; with --only
 gemm the MXFP8 GEMM's fprop, dgrad and wgrad of the Q up-projection at T 16384 and 4096 (N 24576, K 1536), and 8192³.
 With --only qblock the fused Q up-projection on block-FP8 x and W (DeepSeek-V3 recipe) at the qproj shapes;
+with --only bquant the block-FP8 quantization of bf16 [16384, 24576] (both directions, rowwise, transposed; 1 x 128
+and both directions with 128 x 128);
 with --only bgemm the block-FP8 GEMM at bench.py --block-gemm-only's shapes.
 Usage: PYTHONPATH=<build>/python python3 dev/bench/ab_kernels.py [--iters 30] [--only quant,rope,ropeq,qproj]"""
 from __future__ import annotations
@@ -103,6 +105,17 @@ def main() -> int:
             c, s = mxmla.rope_tables(torch.arange(T, device=dev), yarn="deepseek_v3")
             case(f"fused Q block-FP8 {T} x {NH}", lambda: mxmla.fused_q_uproj_rope_quant(xb, wb, c, s),
                  lambda: q_bufs(mxmla.fused_q_uproj_rope_quant(xb, wb, c, s)))
+    if "bquant" in only:  # block-FP8 quantization of bf16 [16384, 24576] (bench.py --quant-only's block cases)
+        x = torch.randn(16384, 24576, device=dev, dtype=torch.bfloat16)
+        bt = lambda q: [q.data, q.scale_inv]  # noqa: E731
+        case("block quantize both", lambda: mxmla.quantize_blockwise_both(x),
+             lambda: [t for q in mxmla.quantize_blockwise_both(x) for t in bt(q)])
+        case("block quantize rowwise", lambda: mxmla.quantize_blockwise(x), lambda: bt(mxmla.quantize_blockwise(x)))
+        case("block quantize transposed", lambda: mxmla.quantize_blockwise(x, transpose=True),
+             lambda: bt(mxmla.quantize_blockwise(x, transpose=True)))
+        case("block quantize 128x128 both", lambda: mxmla.quantize_blockwise_both(x, 128),
+             lambda: [t for q in mxmla.quantize_blockwise_both(x, 128) for t in bt(q)])
+        del x
     if "bgemm" in only and hasattr(mxmla._mxmla_core, "gemm_blockwise"):  # the block-FP8 GEMM (bench.py --block-gemm-only's cases)
         q = mxmla.quantize_blockwise
         for name, M, N, K, b_br in (("fprop 16384", 16384, 24576, 1536, 128), ("dgrad 16384", 16384, 1536, 24576, 128),
