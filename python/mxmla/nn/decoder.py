@@ -16,8 +16,7 @@ from torch import nn
 from .layers import Linear, RMSNorm, SwiGLU, check_bool, check_recipe, child_seed, default_inter_dim, generator, \
     init_normal_, resolve_dtypes
 from .mla import MLA, CuSeqlens
-from .tp import check_sp_split, gather_from_sp, load_unsharded_state_dict, scatter_to_sp, tp_size_rank, \
-    unsharded_state_dict
+from .tp import UnshardedStateDict, check_sp_split, gather_from_sp, scatter_to_sp, tp_size_rank
 
 
 def byte_tokens(text: Union[str, bytes, bytearray], device: Any = None) -> torch.Tensor:
@@ -60,7 +59,7 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x), seq_dim=1 if layout == "bshd" else 0).to(x.dtype)
 
 
-class Decoder(nn.Module):
+class Decoder(UnshardedStateDict, nn.Module):
     """A causal language model on byte tokens built from MLA blocks.
 
     Args:
@@ -159,15 +158,6 @@ class Decoder(nn.Module):
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, cu_seqlens: CuSeqlens = None) -> torch.Tensor:
         logits = self(tokens, cu_seqlens)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    def unsharded_state_dict(self) -> dict:
-        """The whole model's state dict (every rank's shards gathered; the same on every rank): what a
-        tp size of 1 holds, e.g. to save a checkpoint."""
-        return unsharded_state_dict(self)
-
-    def load_unsharded_state_dict(self, sd: dict) -> None:
-        """Loads a tp size of 1's state dict, keeping this rank's shards."""
-        load_unsharded_state_dict(self, sd)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.config.items()) + \

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .tp import (copy_to_tp, gather_from_sp, keep_shards, load_unsharded_state_dict, reduce_from_tp,
-                 reduce_scatter_to_sp, tp_size_rank, unsharded_state_dict)
+from .tp import UnshardedStateDict, copy_to_tp, gather_from_sp, keep_shards, reduce_from_tp, reduce_scatter_to_sp, \
+    tp_size_rank
 
 RECIPES = ("bf16", "mxfp8", "block-fp8")
 
@@ -463,7 +463,7 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(UnshardedStateDict, nn.Module):
     """DeepSeek-V3's dense MLP: w2(silu(w1·x) ⊙ w3·x), each projection a Linear of the recipe.
 
     Under the FP8 recipes x is quantized once for w1 and w3 (``Linear.quantize_input``: one pass,
@@ -523,14 +523,6 @@ class SwiGLU(nn.Module):
         if self.sequence_parallel and self.tp_size > 1:
             return reduce_scatter_to_sp(y, seq_dim, g)
         return reduce_from_tp(y, g)
-
-    def unsharded_state_dict(self) -> dict:
-        """The state dict of the whole MLP (every rank's shards gathered; the same on every rank)."""
-        return unsharded_state_dict(self)
-
-    def load_unsharded_state_dict(self, sd: dict) -> None:
-        """Loads the state dict of the whole MLP (a tp size of 1's), keeping this rank's shards."""
-        load_unsharded_state_dict(self, sd)
 
 
 def default_inter_dim(hidden: int) -> int:

@@ -29,8 +29,8 @@ from torch import nn
 
 from .. import rope as _rope
 from .layers import Linear, RMSNorm, check_bool, check_recipe, child_seed, generator, resolve_dtypes
-from .tp import (copy_to_tp, gather_from_sp, keep_shards, load_unsharded_state_dict, reduce_from_tp,
-                 reduce_scatter_to_sp, tp_size_rank, unsharded_state_dict)
+from .tp import UnshardedStateDict, copy_to_tp, gather_from_sp, keep_shards, reduce_from_tp, reduce_scatter_to_sp, \
+    tp_size_rank
 
 LAYOUTS = ("bshd", "sbhd", "thd")
 ROPE_STYLE = "interleaved"  # DeepSeek-V3's apply_rotary_emb (complex pairs, output interleaved)
@@ -142,7 +142,7 @@ class _KVFromProjection(torch.autograd.Function):
         return dkv, dk_pe, None
 
 
-class MLA(nn.Module):
+class MLA(UnshardedStateDict, nn.Module):
     """DeepSeek-V3 Multi-head Latent Attention (see the module docstring for the computation).
 
     Args:
@@ -279,15 +279,6 @@ class MLA(nn.Module):
         """(Linear name, features per head, sharded along the input (columns)?) of the sharded weights."""
         q = "wq" if self.q_lora_rank == 0 else "wq_b"
         return [(q, self.qk_dim, False), ("wkv_b", self.nope_dim + self.v_dim, False), ("wo", self.v_dim, True)]
-
-    def unsharded_state_dict(self) -> dict:
-        """The state dict of the whole block (every rank's shards gathered; the same on every rank):
-        what a tp size of 1 holds, e.g. to save a checkpoint."""
-        return unsharded_state_dict(self)
-
-    def load_unsharded_state_dict(self, sd: dict) -> None:
-        """Loads the state dict of the whole block (a tp size of 1's), keeping this rank's shards."""
-        load_unsharded_state_dict(self, sd)
 
     # ------------------------------------------------------------------ pieces
     def _rope(self, x: torch.Tensor, layout: str, cu: Optional[List[int]]) -> torch.Tensor:

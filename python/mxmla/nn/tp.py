@@ -15,7 +15,8 @@
   replicated tensor forward (the decoder's embedding output) and all-gathers the gradient backward.
 - Sharded weights: a module lists them in ``_sharded()`` as (Linear name, features per unit, split
   along the input?); ``keep_shards`` keeps this rank's equal part of each, ``unsharded_state_dict``
-  / ``load_unsharded_state_dict`` convert a model's state dict to and from tp 1's.
+  / ``load_unsharded_state_dict`` convert a model's state dict to and from tp 1's (methods of MLA,
+  SwiGLU and Decoder through ``UnshardedStateDict``).
 
 Sums run in fp32 (a bf16 tensor is summed as fp32 and rounded back once). ``group=None`` (or a group
 of one rank) makes both the identity.
@@ -189,6 +190,19 @@ def load_unsharded_state_dict(model: torch.nn.Module, sd: dict) -> None:
     for key, dim, owner, _ in _shards(model):
         sd[key] = sd[key].chunk(owner.tp_size, dim=dim)[owner.tp_rank]
     model.load_state_dict(sd)
+
+
+class UnshardedStateDict:
+    """The two state-dict conversions as methods of a tensor-parallel module (MLA, SwiGLU, Decoder)."""
+
+    def unsharded_state_dict(self) -> dict:
+        """The whole module's state dict (every rank's shards gathered; the same on every rank): what a
+        tp size of 1 holds, e.g. to save a checkpoint."""
+        return unsharded_state_dict(self)
+
+    def load_unsharded_state_dict(self, sd: dict) -> None:
+        """Loads a tp size of 1's state dict, keeping this rank's shards."""
+        load_unsharded_state_dict(self, sd)
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float, group: Any) -> torch.Tensor:
