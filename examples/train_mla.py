@@ -5,6 +5,7 @@ per recipe, from the same initial weights and in the same data order; write the 
     python examples/train_mla.py                      # GPU: 4 layers, hidden 512, 2000 steps
     python examples/train_mla.py --steps 300 --out runs/a
     python examples/train_mla.py --text-file notes.txt
+    python examples/train_mla.py --recipe mxfp8 --cuda-graph   # the step as one CUDA graph
 
 The corpus is the Python documentation that Debian's package python3-doc installs: its
 reStructuredText sources, /usr/share/doc/python3.X/html/_sources/**/*.rst.txt (about 12 MB of
@@ -16,7 +17,8 @@ bf16, fp32 master weights, AdamW); "mxfp8" runs every Linear on mxmla's MXFP8 GE
 on MXFP8 Q, K, V (forward and backward). With "mxfp8" in the run every recipe uses MXFP8-friendly
 MLA dims (multiples of 32; on a GPU DeepSeek-V3's head dims 192 / 128), so that all start from the
 same weights. With two or more recipes the script prints the final loss gap of each against the
-first. On a GPU the mxfp8 recipe is slow for now (two of its kernels are correctness paths).
+first. At these small dims every recipe's eager step is bound by the host (Python, launches);
+--cuda-graph captures one whole training step in a CUDA graph and replays it (GraphedStep below).
 
 Outputs in --out (default train_mla_out): loss_<recipe>.csv (step,loss: the training loss of every
 step) and loss.png (the curves; needs matplotlib, else the plot is skipped with a note); with --save
@@ -52,6 +54,7 @@ CORPUS_PATTERN = "*.rst.txt"
 GPU_CONFIG = dict(layers=4, hidden=512, heads=8, seq=512, batch=32, steps=2000, lr=2e-3)
 CPU_CONFIG = dict(layers=2, hidden=64, heads=2, seq=128, batch=16, steps=200, lr=3e-3)
 SIZE_KEYS = tuple(GPU_CONFIG)
+GRAPH_WARMUP = 3  # eager steps before --cuda-graph captures one (torch's CUDA graph notes ask for a few)
 
 
 # ---------------------------------------------------------------------------- corpus
@@ -139,6 +142,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--sp", action="store_true",
                    help="with --tp N: sequence parallelism too (each rank holds 1/N of the sequence between the "
                         "blocks; --seq a multiple of N)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="GPU: capture one whole training step (forward, backward, gradient clipping, AdamW) in a "
+                        "CUDA graph after %d eager warm-up steps and replay it for the rest (AdamW capturable, "
+                        "the learning rate a device tensor)" % GRAPH_WARMUP)
     args = p.parse_args(argv)
     args.recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
     if not args.recipes or len(set(args.recipes)) != len(args.recipes):
@@ -149,6 +156,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
     if args.sp and args.tp == 1:
         p.error("--sp (sequence parallelism) needs --tp N with N > 1")
+    if args.cuda_graph and args.tp > 1:
+        p.error("--cuda-graph: one process only for now (with --tp the collectives would be captured too; not "
+                "checked)")
     if args.sp and args.seq is not None and args.seq % args.tp:
         p.error(f"--sp: --seq ({args.seq}) must be a multiple of --tp ({args.tp}): each rank holds an equal slice")
     return args
@@ -280,32 +290,98 @@ def held_out_loss(model, val: np.ndarray, cfg: Dict, device: str, max_windows: i
     return total / n
 
 
-def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Dict, seed: int, device: str,
-                 log_every: int, tp_group=None) -> Dict:
+def make_optimizer(model, lr: float, graph: bool = False):
+    """AdamW (weight decay on the matrices only). graph: capturable, the learning rate a device tensor
+    per parameter group (set_lr fills it), so that a CUDA graph of opt.step() reads the current one."""
     import torch
 
-    from mxmla.nn.tp import clip_grad_norm_
-
-    torch.manual_seed(seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)],
-                            lr=cfg["lr"], betas=(0.9, 0.95), eps=1e-8)
+    groups = [dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)]
+    if graph:
+        dev = decay[0].device
+        for g in groups:
+            g["lr"] = torch.tensor(lr, dtype=torch.float32, device=dev)
+        return torch.optim.AdamW(groups, lr=torch.tensor(lr, dtype=torch.float32, device=dev), betas=(0.9, 0.95),
+                                 eps=1e-8, capturable=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def set_lr(opt, lr: float) -> None:
+    for group in opt.param_groups:
+        if isinstance(group["lr"], float):
+            group["lr"] = lr
+        else:
+            group["lr"].fill_(lr)  # (stream-ordered before the next step or graph replay)
+
+
+def train_step(model, opt, x, y, tp_group=None):
+    """One optimizer step on a batch: the loss (a device tensor)."""
+    from mxmla.nn.tp import clip_grad_norm_
+
+    loss = model.loss(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    clip_grad_norm_(model, 1.0, tp_group)  # the whole model's norm (sharded weights summed over the ranks)
+    opt.step()
+    return loss
+
+
+class GraphedStep:
+    """train_step captured once in a CUDA graph (torch.cuda.graph, whole-network capture), on static
+    input buffers of the batch's shape: __call__ copies the batch in and replays the graph, which
+    reruns every kernel of the captured step, mxmla's included (the weights' MXFP8 copies are quantized
+    again at each replay: the graph holds the quantization, not a cached copy). The optimizer must be
+    make_optimizer(..., graph=True)'s, warmed up by a few eager steps on a side stream first."""
+
+    def __init__(self, model, opt, x, y):
+        import torch
+
+        self.x, self.y = x.clone(), y.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)  # the gradients are allocated in the graph's memory, at capture
+        with torch.cuda.graph(self.graph):
+            self.loss = train_step(model, opt, self.x, self.y)
+
+    def __call__(self, x, y):
+        self.x.copy_(x, non_blocking=True)
+        self.y.copy_(y, non_blocking=True)
+        self.graph.replay()
+        return self.loss.detach().clone()
+
+
+def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Dict, seed: int, device: str,
+                 log_every: int, tp_group=None, cuda_graph: bool = False) -> Dict:
+    import torch
+
+    torch.manual_seed(seed)
+    opt = make_optimizer(model, cfg["lr"], graph=cuda_graph)
     offsets = batch_offsets(len(train), cfg["seq"], cfg["batch"], cfg["steps"], seed)
     losses: List[float] = []
     pending = []  # this interval's losses, still on the device (one synchronization per progress line)
     t0 = time.perf_counter()
     tokens = cfg["batch"] * cfg["seq"]
+    graphed, side = None, None
+    if cuda_graph:  # the eager warm-up steps on a side stream, as torch's CUDA graph notes ask
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
     for step in range(cfg["steps"]):
         x, y = windows(train, offsets[step], cfg["seq"])
         lr = lr_at(step, cfg["steps"], cfg["lr"])
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss = model.loss(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        clip_grad_norm_(model, 1.0, tp_group)  # the whole model's norm (sharded weights summed over the ranks)
-        opt.step()
+        if cuda_graph and step < GRAPH_WARMUP:
+            with torch.cuda.stream(side):
+                set_lr(opt, lr)
+                loss = train_step(model, opt, x.to(device), y.to(device))
+            torch.cuda.current_stream().wait_stream(side)
+        elif cuda_graph:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if graphed is None:
+                graphed = GraphedStep(model, opt, x, y)
+            set_lr(opt, lr)
+            loss = graphed(x, y)
+        else:
+            set_lr(opt, lr)
+            loss = train_step(model, opt, x.to(device, non_blocking=True), y.to(device, non_blocking=True), tp_group)
         pending.append(loss.detach())
         if (step + 1) % log_every == 0 or step + 1 == cfg["steps"]:
             losses += torch.stack(pending).float().tolist()
@@ -380,6 +456,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"train_mla.py: --sp: the sequence length ({cfg['seq']}) must be a multiple of --tp ({args.tp}); "
               f"give --seq", file=sys.stderr)
         return 2
+    if args.cuda_graph and not device.startswith("cuda"):
+        print(f"train_mla.py: --cuda-graph needs a CUDA device ({why_cpu or 'the device is ' + device})",
+              file=sys.stderr)
+        return 2
     if why_cpu:
         print(f"train_mla.py: {why_cpu}: running a tiny configuration on the CPU (mxmla's ops run their CPU "
               f"reference); options given explicitly still apply", flush=True)
@@ -416,7 +496,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             load_model(model, checkpoint_path(args.load, recipe))
             print(f"[{recipe}] loaded {checkpoint_path(args.load, recipe)}: held-out loss "
                   f"{held_out_loss(model, val, cfg, device):.4f}", flush=True)
-        results[recipe] = r = train_recipe(recipe, model, train, val, cfg, args.seed, device, log_every, tp_group)
+        results[recipe] = r = train_recipe(recipe, model, train, val, cfg, args.seed, device, log_every, tp_group,
+                                           args.cuda_graph)
         if args.save:
             save_model(model, checkpoint_path(out, recipe), rank)
             print(f"[{recipe}] saved {checkpoint_path(out, recipe)}", flush=True)

@@ -922,6 +922,17 @@ def test_train_script_runs_the_fp8_recipes_beside_bf16(tmp_path):
         assert (tmp_path / f"loss_{recipe}.csv").exists(), recipe
 
 
+def test_train_script_cuda_graph_needs_a_gpu_and_one_process(tmp_path, capsys):
+    tm = load_script()
+    args = ["--text-file", str(TEXT), "--steps", "2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq",
+            "32", "--batch", "2", "--out", str(tmp_path), "--cuda-graph"]
+    assert tm.main(args + ["--device", "cpu"]) == 2
+    assert "--cuda-graph needs a CUDA device (--device cpu)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tm.parse_args(args + ["--tp", "2"])
+    assert "--cuda-graph: one process only" in capsys.readouterr().err
+
+
 def test_train_script_two_recipes_same_weights_and_data(tmp_path, monkeypatch, capsys):
     """A second recipe slots in: here a stand-in that builds the bf16 model, so both runs start from
     the same weights and see the same batches; the curves are identical and the gap is zero."""

@@ -42,7 +42,12 @@ def check_bool(what: str, name: str, value) -> bool:
 
 def _per_version(weight: torch.Tensor, attr: str, make):
     """make(weight), cached on the weight under attr once per version of it: micro-batches between two
-    optimizer steps reuse it (an optimizer's in-place update bumps the version)."""
+    optimizer steps reuse it (an optimizer's in-place update bumps the version). While a CUDA graph is
+    being captured it is made afresh and not cached: the graph then holds the work, which each replay
+    redoes on the weight as it is then (replays run no Python, so a version check at capture would
+    freeze one copy of the weight into every replay)."""
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return make(weight.detach())
     key = (weight._version, weight.device, weight.data_ptr())
     cached = getattr(weight, attr, None)
     if cached is not None and cached[0] == key:
