@@ -132,13 +132,14 @@ __global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__
   }
 }
 
-// 16 codes (byte i of w = value k0 + i) times the block's factor f -> 16 bf16 (out[i]: values
-// k0 + 2i, k0 + 2i + 1): code · 2^(e − 127) in fp32 (exact), rounded to bf16; values at K and past
-// it are 0 (also under a NaN factor).
-template <bool kE4M3>
-__device__ __forceinline__ void dequant16(const uint32_t (&w)[4], float f, int64_t k0, int64_t K, uint32_t (&out)[8]) {
+// 4·kWords codes (byte i of w = value k0 + i) times the block's factor f -> as many bf16 (out[i]:
+// values k0 + 2i, k0 + 2i + 1): code · 2^(e − 127) in fp32 (exact), rounded to bf16; values at K and
+// past it are 0 (also under a NaN factor).
+template <bool kE4M3, int kWords>
+__device__ __forceinline__ void dequant_words(const uint32_t (&w)[kWords], float f, int64_t k0, int64_t K,
+                                              uint32_t (&out)[2 * kWords]) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 2 * kWords; ++i) {
     const uint32_t h2 = ptx::cvt_f16x2_from_fp8x2<kE4M3>(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
     const __half2 h = *reinterpret_cast<const __half2*>(&h2);
     const float lo = k0 + 2 * i < K ? __low2float(h) * f : 0.f, hi = k0 + 2 * i + 1 < K ? __high2float(h) * f : 0.f;
@@ -181,7 +182,7 @@ __global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ 
   }
   check_scale(e, w, ss.min_e, ss.small);
   uint32_t out[8];
-  dequant16<kE4M3>(w, e8m0_factor(e), k0, K, out);
+  dequant_words<kE4M3, 4>(w, e8m0_factor(e), k0, K, out);
   uint4* d = reinterpret_cast<uint4*>(dst + (r * Kp + k0) / 2);
   d[0] = make_uint4(out[0], out[1], out[2], out[3]);
   d[1] = make_uint4(out[4], out[5], out[6], out[7]);
@@ -189,71 +190,86 @@ __global__ void __launch_bounds__(256) dequant_bf16(const uint8_t* __restrict__ 
 
 // The same copy straight from a columnwise operand's codes X [K, R] (row stride ld; data and ld
 // multiples of 16 bytes), transposed through shared memory: one pass instead of repack_kmajor +
-// dequant_bf16. Block = 128 of K (blockIdx.x) x 64 of R (blockIdx.y), 256 threads: each loads 16
-// codes of two K rows (16-byte loads, both issued before either is used), then converts 16
-// consecutive K of one R row, twice (two 16-byte stores each; a warp writes 8 rows x 128 bytes).
-// Shared tile [128 k][64 r] with the 16-byte column groups XOR-swizzled by (k / 16) % 4, so the
-// reads down a column (4 K groups x 8 rows a warp) fall in distinct banks.
+// dequant_bf16. Block = 64 of K (blockIdx.x) x 128 of R (blockIdx.y), 256 threads, so that both sides
+// move whole 128-byte lines: each thread loads 16 codes of two K rows (8 threads a row, both loads
+// issued before either is used); then takes 8 consecutive K (one 16-byte store) of 4 consecutive R
+// rows: 8 words read down the tile (one per K row, 4 R bytes each), two 4 x 4 byte transposes give
+// each R row its 8 codes, and the 8 threads of an R group store 128 contiguous bytes of each row. The
+// shared tile [64 k][128 r] has its 16-byte chunks XOR-swizzled by (k / 8) % 8, so that both the
+// chunk stores and the word reads (a warp: 8 K groups x 4 R words) meet no bank conflict.
 template <bool kE4M3>
-__global__ void __launch_bounds__(256) dequant_bf16_trans(const uint8_t* __restrict__ codes, int64_t ld,
+__global__ void __launch_bounds__(256, 6) dequant_bf16_trans(const uint8_t* __restrict__ codes, int64_t ld,
                                                           const ScaleSrc ss, uint32_t* __restrict__ dst, int64_t R,
                                                           int64_t K, int64_t Kp) {
-  __shared__ __align__(16) uint8_t t[128][80];  // [k][r], 80-byte rows: 20 words, 16 rows = 10 · 32 words
-  const int64_t k0 = int64_t{blockIdx.x} * 128, r0 = int64_t{blockIdx.y} * 64;
-  const int r = threadIdx.x / 4;  // the conversion's row r0 + r, values k0 + 16c .. + 15 for c = 4h + threadIdx.x % 4
-  const int64_t gr = r0 + r;
-  // its two scale bytes, loaded with the codes (an operand's own scales come from memory the codes'
+  constexpr int kBK = 64, kBR = 128;
+  __shared__ __align__(16) uint32_t t[kBK][kBR / 4];  // [k][r / 4]: chunk j of row k at j ^ ((k / 8) % 8)
+  const int64_t k0 = int64_t{blockIdx.x} * kBK, r0 = int64_t{blockIdx.y} * kBR;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int c = tid % 8, q4 = tid / 8;  // the conversion's K values k0 + 8c .. + 7 of rows r0 + 4 q4 + i
+  const int64_t kc = k0 + 8 * c;
+  // its four scale bytes, loaded with the codes (an operand's own scales come from memory the codes'
   // loads do not warm)
-  uint32_t e[2] = {0, 0};
+  uint32_t e[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t kc = k0 + 16 * (h * 4 + threadIdx.x % 4);
-    if (gr < R && kc < Kp) e[h] = ss.at(gr, kc / 32);
+  for (int i = 0; i < 4; ++i) {
+    const int64_t gr = r0 + 4 * q4 + i;
+    if (gr < R && kc < Kp) e[i] = ss.at(gr, kc / 32);
   }
   {
-    const int q = threadIdx.x % 4;
-    const int64_t gq = r0 + 16 * q;  // the load's 16 rows
-    uint32_t w[2][4] = {};
+    const int l8 = tid % 8;
+    const int64_t gq = r0 + 16 * l8;  // the load's 16 R bytes
+    uint4 v[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int k = h * 64 + threadIdx.x / 4;
+      const int k = h * 32 + tid / 8;
       const int64_t gk = k0 + k;
+      v[h] = make_uint4(0, 0, 0, 0);
       if (gk < K) {
         const uint8_t* src = codes + gk * ld + gq;
         if (gq + 16 <= R) {
-          const uint4 v = *reinterpret_cast<const uint4*>(src);
-          w[h][0] = v.x, w[h][1] = v.y, w[h][2] = v.z, w[h][3] = v.w;
+          v[h] = *reinterpret_cast<const uint4*>(src);
         } else {
+          uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
           for (int i = 0; i < 16; ++i)
-            if (gq + i < R) w[h][i / 4] |= static_cast<uint32_t>(src[i]) << (8 * (i % 4));
+            if (gq + i < R) w[i / 4] |= static_cast<uint32_t>(src[i]) << (8 * (i % 4));
+          v[h] = make_uint4(w[0], w[1], w[2], w[3]);
         }
       }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int k = h * 64 + threadIdx.x / 4;
-      *reinterpret_cast<uint4*>(&t[k][16 * (q ^ ((k / 16) % 4))]) = make_uint4(w[h][0], w[h][1], w[h][2], w[h][3]);
+      const int k = h * 32 + tid / 8;
+      *reinterpret_cast<uint4*>(&t[k][4 * (l8 ^ ((k / 8) % 8))]) = v[h];
     }
   }
   __syncthreads();
-  if (gr >= R) return;
-  const int col_lo = r % 16;
+  if (kc >= Kp) return;
+  // word j: the codes (k0 + 8c + j, rows 4 q4 .. + 3), one byte a row; chunk q4 / 4 of row 8c + j
+  // sits at (q4 / 4) ^ c
+  const int col = 4 * ((q4 / 4) ^ c) + q4 % 4;
+  uint32_t w[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) w[j] = t[8 * c + j][col];
+  // 4 x 4 byte transposes: row i's codes k0 + 8c + 4h .. + 3 as one word (byte n = value 4h + n)
+  uint32_t rows[4][2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int c = h * 4 + threadIdx.x % 4;  // values k0 + 16c .. + 15
-    const int64_t kc = k0 + 16 * c;
-    if (kc >= Kp) continue;
-    const int col = 16 * ((r / 16) ^ (c % 4)) + col_lo;  // rows 16c .. 16c + 15: (k / 16) % 4 = c % 4
-    uint32_t w[4] = {0, 0, 0, 0};
+    const uint32_t* a = w + 4 * h;
+    const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);
+    const uint32_t t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362);
+    rows[0][h] = __byte_perm(t0, t2, 0x5410), rows[1][h] = __byte_perm(t0, t2, 0x7632);
+    rows[2][h] = __byte_perm(t1, t3, 0x5410), rows[3][h] = __byte_perm(t1, t3, 0x7632);
+  }
 #pragma unroll
-    for (int j = 0; j < 16; ++j) w[j / 4] |= static_cast<uint32_t>(t[16 * c + j][col]) << (8 * (j % 4));
-    check_scale(e[h], w, ss.min_e, ss.small);
-    uint32_t out[8];
-    dequant16<kE4M3>(w, e8m0_factor(e[h]), kc, K, out);
-    uint4* d = reinterpret_cast<uint4*>(dst + (gr * Kp + kc) / 2);
-    d[0] = make_uint4(out[0], out[1], out[2], out[3]);
-    d[1] = make_uint4(out[4], out[5], out[6], out[7]);
+  for (int i = 0; i < 4; ++i) {
+    const int64_t gr = r0 + 4 * q4 + i;
+    if (gr >= R) break;
+    const uint32_t cw[4] = {rows[i][0], rows[i][1], 0, 0};
+    check_scale(e[i], cw, ss.min_e, ss.small);
+    uint32_t out[4];
+    dequant_words<kE4M3, 2>(rows[i], e8m0_factor(e[i]), kc, K, out);
+    *reinterpret_cast<uint4*>(dst + (gr * Kp + kc) / 2) = make_uint4(out[0], out[1], out[2], out[3]);
   }
 }
 
@@ -297,7 +313,7 @@ KMajor kmajor(const GemmOperandView& v, int64_t R) {
   KMajor out{static_cast<const uint8_t*>(v.data), v.ld, nullptr, nullptr, 0};
   const bool aligned = reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && v.ld % 16 == 0;
   if (v.contract_cols && aligned) return out;
-  if (!v.contract_cols && aligned && (R + 63) / 64 <= 65535)  // dequant_bf16_trans's grid
+  if (!v.contract_cols && aligned && (R + 127) / 128 <= 65535)  // dequant_bf16_trans's grid
     out.cols = static_cast<const uint8_t*>(v.data), out.cols_ld = v.ld;
   out.codes = nullptr;
   return out;
@@ -354,7 +370,7 @@ void dequant_copy(const GemmOperandView& v, const KMajor& x, int64_t R, int64_t 
   uint32_t* dst = reinterpret_cast<uint32_t*>(keep->ptr);
   const ScaleSrc ss{v.scales, scale_index(v), min_e, small};
   if (x.cols != nullptr) {
-    const dim3 grid(static_cast<unsigned>((Kp + 127) / 128), static_cast<unsigned>((R + 63) / 64));
+    const dim3 grid(static_cast<unsigned>((Kp + 63) / 64), static_cast<unsigned>((R + 127) / 128));
     if (e4m3)
       dequant_bf16_trans<true><<<grid, 256, 0, s>>>(x.cols, x.cols_ld, ss, dst, R, K, Kp);
     else
