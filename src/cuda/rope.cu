@@ -125,7 +125,7 @@ void dispatch_table(const RopeKernelParams& p, const int64_t* cu, int64_t ncu, c
 void rope_cuda(const RopeKernelParams& p, Stream s) {
   auto stream = reinterpret_cast<cudaStream_t>(s);
   if (p.S * p.B * p.H == 0) return;
-  DeviceCuSeqlens cu(p.cu, stream);
+  DeviceCuSeqlens cu(p.cu, stream, p.backward ? "mxmla.rope_backward" : "mxmla.apply_rope");
   switch (p.io_t) {
     case DType::kBFloat16: return dispatch_table<__nv_bfloat16>(p, cu.ptr, cu.n, stream);
     case DType::kFloat16: return dispatch_table<__half>(p, cu.ptr, cu.n, stream);

@@ -185,14 +185,21 @@ __device__ __forceinline__ void load_table16(const void* tab, int64_t row, int64
 
 namespace mxmla::detail {
 // cu_seqlens on the device for one launch: stream-ordered allocation, copied from the host values
-// (a pageable copy returns once the source is staged) and freed after the kernel.
+// (a pageable copy returns once the source is staged) and freed after the kernel. Not on a stream
+// that a CUDA graph is capturing: the copy from this call's host buffer (gone after the call) is
+// host work that no replay could redo with another call's values (op names the caller in the error).
 struct DeviceCuSeqlens {
   StreamScratch buf;
   int64_t* ptr = nullptr;
   int64_t n = 0;
-  DeviceCuSeqlens(const std::vector<int64_t>* host, cudaStream_t s)
+  DeviceCuSeqlens(const std::vector<int64_t>* host, cudaStream_t s, const char* op)
       : buf(host == nullptr ? 0 : static_cast<int64_t>(host->size() * sizeof(int64_t)), s) {
     if (buf.ptr == nullptr) return;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MXMLA_CUDA_CHECK(cudaStreamIsCapturing(s, &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+      throw Error(op, "cu_seqlens", "is a host list, copied to the device at each call, which a CUDA graph "
+                                    "cannot capture: run packed sequences outside the capture");
     ptr = reinterpret_cast<int64_t*>(buf.ptr), n = static_cast<int64_t>(host->size());
     MXMLA_CUDA_CHECK(cudaMemcpyAsync(ptr, host->data(), n * sizeof(int64_t), cudaMemcpyHostToDevice, s));
   }

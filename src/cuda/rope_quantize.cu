@@ -49,7 +49,7 @@ void rope_quantize_cuda(const RopeQuantizeParams& p, Stream s) {
     MXMLA_CUDA_CHECK(cudaMemsetAsync(p.row_scales, 0, row_map_bytes(p.row_map), stream));
   if (p.col_codes && col_map_bytes(p.col_map) > col_map_blocks(p.col_map))
     MXMLA_CUDA_CHECK(cudaMemsetAsync(p.col_scales, 0, col_map_bytes(p.col_map), stream));
-  DeviceCuSeqlens cu(p.rope.cu, stream);
+  DeviceCuSeqlens cu(p.rope.cu, stream, "mxmla.rope_backward_quantize");
   int64_t tok_stride = 0;
   if (p.rope.io_t == DType::kBFloat16 && p.rope.D == mla::kD && p.rope.R == mla::kR &&
       uniform_token_stride(p.rope, tok_stride)) {  // DeepSeek-V3 query heads: the fast path
@@ -75,7 +75,7 @@ bool rope_quantize_copies_cuda(const RopeQuantizeParams& p, Stream s) {
   if (p.row_codes != nullptr || p.col_codes != nullptr || p.dx != nullptr || p.inexact == nullptr)
     throw Error("mxmla.rope_backward_quantize", "copies", "take no codes and no dx copy, and need the inexact flags");
   if (p.rope.S * p.rope.B * p.rope.H == 0) return true;
-  DeviceCuSeqlens cu(p.rope.cu, stream);
+  DeviceCuSeqlens cu(p.rope.cu, stream, "mxmla.rope_backward_quantize");
   if (p.rope.tab_t == DType::kFloat32) launch_mla<float, true, NoProbe, true>(p, cu.ptr, cu.n, tok_stride, stream);
   else launch_mla<__nv_bfloat16, true, NoProbe, true>(p, cu.ptr, cu.n, tok_stride, stream);
   return true;

@@ -436,3 +436,20 @@ def test_make_graphed_callables_runs_the_mxfp8_mla_block():
         torch.cuda.synchronize()
         for a, b in zip(*outs):
             assert _same_bits(a, b)
+
+
+def test_packed_sequences_refuse_cuda_graph_capture():
+    """An MLA block on packed sequences (thd) builds its RoPE positions on the host at each call; under
+    CUDA graph capture that would bake the capture's into every replay, so it is a clear error."""
+    block = mnn.MLA(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=128, rope_dim=64, v_dim=128,
+                    max_seq_len=64, layout="thd", recipe="mxfp8", seed=3).cuda()
+    x = torch.randn(40, 64, device="cuda").to(torch.bfloat16)
+    block(x, cu_seqlens=[0, 24, 40])  # eagerly: fine
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match=r"packed sequences \(layout 'thd'\) cannot be captured"):
+            with torch.cuda.graph(g):
+                block(x, cu_seqlens=[0, 24, 40])
+    torch.cuda.current_stream().wait_stream(side)

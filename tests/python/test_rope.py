@@ -223,6 +223,27 @@ def test_rope_torch_cuda():
         assert torch.equal(xg.cpu().view(torch.int16), mxmla.rope_backward(x, c, s, style=style).view(torch.int16))
 
 
+def test_rope_thd_with_host_cu_seqlens_refuses_cuda_graph_capture():
+    """cu_seqlens given on the host is copied to the device at each call: work on the host that a CUDA
+    graph's replay could not redo with another call's values, so under capture the call is a clear
+    error naming cu_seqlens (the same call outside the capture runs)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not mxmla.info()["gpus"]:
+        pytest.skip("no CUDA device visible: GPU test skipped")
+    x = torch.randn(66, 3, 192, dtype=torch.bfloat16, device="cuda")
+    c, s = mxmla.rope_tables(torch.arange(33), yarn="deepseek_v3")
+    c, s, cu = c.cuda(), s.cuda(), [0, 20, 20, 50, 66]
+    mxmla.apply_rope(x, c, s, layout="thd", cu_seqlens=cu)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(ValueError, match=r"mxmla.apply_rope: argument 'cu_seqlens': .*CUDA graph cannot capture"):
+            with torch.cuda.graph(g):
+                mxmla.apply_rope(x, c, s, layout="thd", cu_seqlens=cu)
+    torch.cuda.current_stream().wait_stream(side)
+
+
 # ----------------------------------------------------------------------------- rope_backward_quantize
 def f32_round(v):
     """Fraction -> nearest-even float32 (exact; no double rounding)."""

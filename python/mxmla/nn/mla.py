@@ -64,6 +64,9 @@ def sequences(what: str, x: torch.Tensor, layout: str, cu_seqlens: CuSeqlens,
     [t, ..] thd), checked: cu_seqlens only with thd, no sequence longer than max_seq_len."""
     cu = None
     if layout == "thd":
+        from .qproj import refuse_thd_capture
+
+        refuse_thd_capture()
         cu = cu_seqlens_list(what, cu_seqlens, x.shape[0])
         longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
     else:

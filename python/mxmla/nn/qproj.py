@@ -37,9 +37,21 @@ from .layers import _quantized_weight, block_linear_grads, block_weights, check_
 _OP = "mxmla.nn.MLAQUpProj"
 
 
+def refuse_thd_capture() -> None:
+    """A clear error while a CUDA graph is being captured: the modules make packed sequences' RoPE
+    positions and cu_seqlens on the host at each call, and a replay would copy the capture's host
+    buffers (freed by then), not another call's values."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("mxmla.nn: packed sequences (layout 'thd') cannot be captured in a CUDA graph: their "
+                           "RoPE positions and cu_seqlens are made on the host at each call (capture the "
+                           "bshd / sbhd layouts, or run thd eagerly)")
+
+
 def packed_positions(cu, device: Any = None) -> torch.Tensor:
     """Each packed token's position inside its own sequence (thd: positions restart at 0 at every
-    sequence of cu_seqlens ``cu``, a host list), int64 [t] on ``device``."""
+    sequence of cu_seqlens ``cu``, a host list), int64 [t] on ``device``; not under CUDA graph capture
+    (refuse_thd_capture)."""
+    refuse_thd_capture()
     starts = torch.tensor(cu[:-1], dtype=torch.int64)
     lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], dtype=torch.int64)
     pos = torch.arange(cu[-1], dtype=torch.int64) - torch.repeat_interleave(starts, lengths)
