@@ -982,3 +982,50 @@ def test_import_mxmla_without_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_script_env())
     assert r.returncode == 0, r.stderr
     assert "ImportError: mxmla.nn needs torch" in r.stdout
+
+
+# ----------------------------------------------------------------------------- CUDA graph capture (logic)
+def _pretend_capturing(monkeypatch, capturing=True):
+    """torch as it answers on a GPU while a CUDA graph is (or is not) being captured (the GPU tests
+    capture for real)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+
+
+def test_weight_cache_is_bypassed_while_capturing(monkeypatch):
+    """The once-per-version cache of a weight's FP8 copies: outside a capture one make per version;
+    while a CUDA graph is being captured a make at every call and nothing cached (a replay runs no
+    Python: a cached copy would be frozen into every replay)."""
+    from mxmla.nn.layers import _per_version
+
+    class CudaWeight:  # what _per_version reads of a CUDA tensor
+        is_cuda, device, _version = True, "cuda:0", 0
+
+        def data_ptr(self):
+            return 1234
+
+        def detach(self):
+            return self
+
+    w, made = CudaWeight(), []
+    make = lambda t: made.append(t) or len(made)  # noqa: E731
+    _pretend_capturing(monkeypatch, False)
+    assert [_per_version(w, "_c", make) for _ in range(3)] == [1, 1, 1]  # not capturing: made once
+    _pretend_capturing(monkeypatch)
+    assert [_per_version(w, "_c", make) for _ in range(2)] == [2, 3]
+    assert w._c[1] == 1  # the cache holds the copy made outside the capture, untouched
+
+
+def test_packed_sequences_refuse_capture(monkeypatch):
+    """MLA on packed sequences makes its RoPE positions and cu_seqlens on the host at each call:
+    while a CUDA graph is being captured that is a clear error, before any work is queued."""
+    block = mnn.MLA(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
+                    max_seq_len=64, layout="thd", recipe="mxfp8", seed=3)
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    _pretend_capturing(monkeypatch)
+    with pytest.raises(RuntimeError, match=r"packed sequences \(layout 'thd'\) cannot be captured in a CUDA graph"):
+        block(x, cu_seqlens=[0, 24, 40])
+    from mxmla.nn.qproj import packed_positions
+
+    with pytest.raises(RuntimeError, match="cannot be captured"):
+        packed_positions([0, 24, 40])
