@@ -233,15 +233,11 @@ def test_rope_thd_with_host_cu_seqlens_refuses_cuda_graph_capture():
     x = torch.randn(66, 3, 192, dtype=torch.bfloat16, device="cuda")
     c, s = mxmla.rope_tables(torch.arange(33), yarn="deepseek_v3")
     c, s, cu = c.cuda(), s.cuda(), [0, 20, 20, 50, 66]
+    from cuda_capture import refused_under_capture
+
     mxmla.apply_rope(x, c, s, layout="thd", cu_seqlens=cu)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        g = torch.cuda.CUDAGraph()
-        with pytest.raises(ValueError, match=r"mxmla.apply_rope: argument 'cu_seqlens': .*CUDA graph cannot capture"):
-            with torch.cuda.graph(g):
-                mxmla.apply_rope(x, c, s, layout="thd", cu_seqlens=cu)
-    torch.cuda.current_stream().wait_stream(side)
+    refused_under_capture(torch, lambda: mxmla.apply_rope(x, c, s, layout="thd", cu_seqlens=cu), ValueError,
+                          r"mxmla.apply_rope: argument 'cu_seqlens': .*CUDA graph cannot capture")
 
 
 # ----------------------------------------------------------------------------- rope_backward_quantize
