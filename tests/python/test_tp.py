@@ -170,6 +170,33 @@ def _decoder_case(rank, world, device, backend, recipe, layout, _q_lora, sp):
     return dict(bad=bad, errs=errs, sd_same=same, reload=reload_ok, errors=errors)
 
 
+def _pretrained_case(rank, world, device, backend, naming, *_):
+    """mxmla.nn.load_pretrained into a tensor-parallel Block (MLA's heads and the MLP's inter_dim split)
+    from a whole (tp 1) checkpoint in `naming`: each rank's shards and replicated weights equal tp 1's
+    module loaded from the same checkpoint, and pretrained_state_dict gathers the same checkpoint
+    back on every rank."""
+    import mxmla.nn as mnn
+    from mxmla.nn.tp import _shards
+
+    dims = {k: v for k, v in KW.items() if k not in ("seed", "max_seq_len")}
+    kw = dict(dims, inter_dim=96, max_seq_len=64, dtype=torch.float64)
+    ckpt = mnn.pretrained_state_dict(mnn.Block(**kw, seed=11), naming, prefix="model.layers.0.", dtype=None)
+    full, tp = mnn.Block(**kw, seed=1), mnn.Block(**kw, seed=2, tp_group=dist.group.WORLD)
+    for m in (full, tp):
+        assert mnn.load_pretrained(m, ckpt, prefix="model.layers.0.") == naming
+    dims_of = {key: dim for key, dim, _, _ in _shards(tp)}
+    ref = full.state_dict()
+    bad = {}
+    for k, v in tp.state_dict().items():
+        want = ref[k].chunk(world, dim=dims_of[k])[rank] if k in dims_of else ref[k]
+        if not torch.equal(v, want):
+            bad[k] = 1.0
+    back = mnn.pretrained_state_dict(tp, naming, prefix="model.layers.0.", dtype=None)
+    same = set(back) == set(ckpt) and all(torch.equal(back[k], v) for k, v in ckpt.items())
+    # reload: the six sharded weights (MLA's wq_b, wkv_b, wo; the MLP's w1, w3, w2) were compared as shards
+    return dict(bad=bad, errs={"sharded": len(dims_of)}, sd_same=same, reload=len(dims_of) == 6)
+
+
 def _spawn(recipe, layout, q_lora, device, sp=False, case=_mla_case):
     """case (_mla_case) on two processes; both ranks' results merged (bad / errs keyed by rank; the
     state dict checks true on both); a rank's traceback fails the test."""
@@ -226,6 +253,15 @@ def test_decoder_tp2_equals_tp1_on_gloo(recipe, layout, sp):
         assert "inter_dim (99) must divide" in errors[-1], errors
         if sp:
             assert "must be a multiple of the tensor-parallel size (2)" in errors[0], errors
+
+
+@pytest.mark.parametrize("naming", ["hf", "megatron"])
+def test_pretrained_weights_load_into_tp2_shards_on_gloo(naming):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch")
+    r = _spawn(naming, None, None, "cpu", case=_pretrained_case)
+    assert not r["bad"], r["bad"]
+    assert r["sd_same"] and r["reload"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")

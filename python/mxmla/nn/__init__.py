@@ -13,6 +13,9 @@
   copies; saved: the MXFP8 tensors, O and LSE; the backward returns bf16 gradients).
 - ``RMSNorm``, ``SwiGLU`` (DeepSeek-V3's dense MLP), ``Linear`` (the one place a recipe's GEMM runs),
   ``Block`` and ``Decoder`` (256 byte tokens, N blocks, final norm, LM head).
+- ``config_kwargs``, ``load_pretrained``, ``read_checkpoint``, ``pretrained_state_dict``: DeepSeek-V2 / V3 checkpoints
+  (Hugging Face's names, FP8 weights with their block scales), Megatron-Core's and DeepSeek's
+  names in and out of MLA, SwiGLU and Block (mxmla.nn.pretrained).
 
 Recipes: ``"bf16"`` (the baseline: every Linear and the attention in bf16 with fp32 accumulation,
 parameters in fp32) and ``"mxfp8"`` (every Linear on mxmla's MXFP8 GEMM with its three directions,
@@ -35,6 +38,8 @@ from ..attention_autograd import DotProductAttention
 from .decoder import Block, Decoder, byte_tokens
 from .layers import RECIPES, BlockFP8LinearFunction, Linear, MXFP8LinearFunction, RMSNorm, SwiGLU, check_recipe
 from .mla import MLA
+from .pretrained import config_kwargs, load_pretrained, pretrained_state_dict, read_checkpoint
 from .qproj import MLAQUpProj, attention_from_latent, attention_from_mxfp8_q
 
-__all__ = ["MLA", "MLAQUpProj", "attention_from_mxfp8_q", "attention_from_latent", "DotProductAttention", "MXFP8LinearFunction", "BlockFP8LinearFunction", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens"]
+__all__ = ["MLA", "MLAQUpProj", "attention_from_mxfp8_q", "attention_from_latent", "DotProductAttention", "MXFP8LinearFunction", "BlockFP8LinearFunction", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens",
+           "config_kwargs", "load_pretrained", "pretrained_state_dict", "read_checkpoint"]
