@@ -411,3 +411,37 @@ def test_read_checkpoint_reads_only_the_prefix_of_a_sharded_safetensors_folder(t
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor .safetensors files"):
         mnn.read_checkpoint(empty)
+
+
+# a Block's projections under Hugging Face's names (spelled out by hand, apart from the module's table)
+HF_PROJECTIONS = {"attn.wq_a.weight": "self_attn.q_a_proj.weight", "attn.wq_b.weight": "self_attn.q_b_proj.weight",
+                  "attn.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+                  "attn.wkv_b.weight": "self_attn.kv_b_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
+                  "ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w3.weight": "mlp.up_proj.weight",
+                  "ffn.w2.weight": "mlp.down_proj.weight"}
+
+
+@pytest.mark.parametrize("naming", ["hf", "deepseek"])
+def test_fp8_export_in_deepseeks_format_loads_back(naming):
+    """pretrained_state_dict(fp8=True): each projection as float8_e4m3fn codes with an fp32 factor per
+    128 x 128 block (Hugging Face's weight_scale_inv, DeepSeek's scale), the norms in bf16; loaded
+    back, each weight is its blocks' codes times their factors in fp32, within E4M3's rounding of the
+    trained weight."""
+    cfg = V3_LIKE
+    a = _block(cfg, seed=1)
+    sd = mnn.pretrained_state_dict(a, naming, fp8=True)
+    assert sorted(k for k, v in sd.items() if v.dtype == torch.float8_e4m3fn) == \
+        sorted(HF_PROJECTIONS.values() if naming == "hf" else HF_PROJECTIONS)
+    assert sd["input_layernorm.weight" if naming == "hf" else "attn_norm.weight"].dtype == torch.bfloat16
+    b = _block(cfg, seed=2)
+    assert mnn.load_pretrained(b, sd) == naming
+    trained, loaded = a.state_dict(), b.state_dict()
+    for key, hf_key in HF_PROJECTIONS.items():
+        src = hf_key if naming == "hf" else key
+        scale = sd[src + "_scale_inv" if naming == "hf" else src[:-len(".weight")] + ".scale"]
+        codes = sd[src]
+        assert scale.dtype == torch.float32 and scale.shape == (-(-codes.shape[0] // 128), -(-codes.shape[1] // 128))
+        assert torch.equal(loaded[key], dequantized(codes, scale).double()), key
+        assert _rel(loaded[key], trained[key]) < 2 ** -4, key
+    with pytest.raises(ValueError, match="Megatron-Core's checkpoints keep bf16 weights"):
+        mnn.pretrained_state_dict(a, "megatron", fp8=True)

@@ -285,15 +285,24 @@ def load_pretrained(module: nn.Module, state_dict: Union[Dict[str, Any], str, "o
 
 
 def pretrained_state_dict(module: nn.Module, naming: str = "hf", prefix: str = "",
-                          dtype: Optional[torch.dtype] = torch.bfloat16) -> Dict[str, torch.Tensor]:
+                          dtype: Optional[torch.dtype] = torch.bfloat16, fp8: bool = False) -> Dict[str, torch.Tensor]:
     """`module`'s whole weights (an MLA, SwiGLU or Block; a tensor-parallel one's shards gathered,
     the same on every rank) under `naming`'s keys ("hf", "megatron", "deepseek"), each key prefixed
     with `prefix`, in `dtype` (None: the parameters' dtype). Megatron's names are those of its
     TransformerEngine layers (the norms fused into linear_q_up_proj, linear_kv_up_proj and
-    linear_fc1; linear_fc1 = [w1; w3]). load_pretrained reads it back."""
+    linear_fc1; linear_fc1 = [w1; w3]). fp8: the projections' weights in DeepSeek-V3's released
+    format instead — float8_e4m3fn codes with one fp32 factor per 128 x 128 block (mxmla's
+    quantize_blockwise, scale = 448 / amax not rounded to a power of two, as DeepSeek's are not),
+    stored as `<name>.weight_scale_inv` ("hf") or `<name>.scale` ("deepseek"); the norms in
+    `dtype`. load_pretrained reads either back."""
     what = "mxmla.nn.pretrained_state_dict"
     if naming not in NAMINGS:
         raise ValueError(f"{what}: naming must be one of {', '.join(map(repr, NAMINGS))}, got {naming!r}")
+    if not isinstance(fp8, bool):
+        raise TypeError(f"{what}: fp8 must be a bool, got {type(fp8).__name__}")
+    if fp8 and naming == "megatron":
+        raise ValueError(f"{what}: fp8=True writes DeepSeek-V3's FP8 weights with their block scales, which the "
+                         f"'hf' and 'deepseek' namings hold; Megatron-Core's checkpoints keep bf16 weights")
     prefix = _dotted(prefix, what)
     table = _table(module)
     whole = unsharded_state_dict(module)
@@ -301,6 +310,13 @@ def pretrained_state_dict(module: nn.Module, naming: str = "hf", prefix: str = "
     stacked: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
     for key, names in table.items():
         src, part = names[naming][0]
+        if fp8 and whole[key].dim() == 2:  # a projection (part is None: not Megatron's stacked fc1)
+            from ..blockfp8 import quantize_blockwise
+
+            q = quantize_blockwise(whole[key].to(torch.float32).contiguous(), block_rows=128, pow2_scales=False)
+            out[prefix + src] = q.data
+            out[prefix + (src + "_scale_inv" if naming == "hf" else src[:-len(".weight")] + ".scale")] = q.scale_inv
+            continue
         w = whole[key] if dtype is None else whole[key].to(dtype)
         if part is None:
             out[prefix + src] = w
