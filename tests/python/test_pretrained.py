@@ -445,3 +445,27 @@ def test_fp8_export_in_deepseeks_format_loads_back(naming):
         assert _rel(loaded[key], trained[key]) < 2 ** -4, key
     with pytest.raises(ValueError, match="Megatron-Core's checkpoints keep bf16 weights"):
         mnn.pretrained_state_dict(a, "megatron", fp8=True)
+
+
+def test_from_pretrained_builds_from_a_checkpoint_folder(tmp_path):
+    """MLA.from_pretrained / Block.from_pretrained: config.json's dims with the caller's arguments on
+    top, layer n's weights from the folder's safetensors files."""
+    st = pytest.importorskip("safetensors.torch")
+    cfg = V3_LIKE
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sd = {}
+    for layer in (0, 1):
+        sd.update(random_weights(hf_layer_shapes(cfg), f"model.layers.{layer}.", seed=10 + layer))
+    st.save_file({k: v.float() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    m = mnn.MLA.from_pretrained(tmp_path, 1, dtype=F64, max_seq_len=64)
+    assert m.heads == 3 and m.q_lora_rank == 48 and m.max_seq_len == 64
+    x = _x(cfg)
+    want = hf_attention({k: v.float().double() for k, v in sd.items()}, cfg, x, "model.layers.1.self_attn.")
+    assert _rel(m(x), want) < 1e-6
+    b = mnn.Block.from_pretrained(tmp_path, 0, dtype=F64, max_seq_len=64)
+    want = hf_layer({k: v.float().double() for k, v in sd.items()}, cfg, x, "model.layers.0.")
+    assert _rel(b(x), want) < 1e-6
+    with pytest.raises(ValueError, match="layer must be an int >= 0"):
+        mnn.MLA.from_pretrained(tmp_path, -1)
+    with pytest.raises(ValueError, match="no weight under prefix 'model.layers.7.self_attn.'"):
+        mnn.MLA.from_pretrained(tmp_path, 7, max_seq_len=64)

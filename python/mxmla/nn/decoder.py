@@ -54,6 +54,14 @@ class Block(nn.Module):
         if sequence_parallel and tp_size_rank(tp_group)[0] > 1:
             self.attn_norm.sequence_parallel_group = self.ffn_norm.sequence_parallel_group = tp_group
 
+    @classmethod
+    def from_pretrained(cls, path: Any, layer: int, prefix: Optional[str] = None, **kwargs: Any) -> "Block":
+        """Layer `layer` (a dense one) of a Hugging Face DeepSeek-V2 / V3 checkpoint folder, with kwargs
+        added to its config's arguments: mxmla.nn.pretrained.from_pretrained."""
+        from .pretrained import from_pretrained
+
+        return from_pretrained(cls, path, layer, prefix, **kwargs)
+
     def forward(self, x: torch.Tensor, cu_seqlens: CuSeqlens = None, layout: str = "bshd") -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cu_seqlens, layout).to(x.dtype)
         return x + self.ffn(self.ffn_norm(x), seq_dim=1 if layout == "bshd" else 0).to(x.dtype)

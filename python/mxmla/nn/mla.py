@@ -277,6 +277,15 @@ class MLA(UnshardedStateDict, nn.Module):
         if device is not None:
             self.to(device)
 
+    @classmethod
+    def from_pretrained(cls, path: Any, layer: int, prefix: Optional[str] = None, **kwargs: Any) -> "MLA":
+        """Layer `layer`'s attention of a Hugging Face DeepSeek-V2 / V3 checkpoint folder (config.json
+        and safetensors; FP8 weights included), with kwargs added to its config's arguments (recipe,
+        max_seq_len, tp_group, ...): mxmla.nn.pretrained.from_pretrained."""
+        from .pretrained import from_pretrained
+
+        return from_pretrained(cls, path, layer, prefix, **kwargs)
+
     # ------------------------------------------------------------------ tensor parallelism
     def _sharded(self):
         """(Linear name, features per head, sharded along the input (columns)?) of the sharded weights."""

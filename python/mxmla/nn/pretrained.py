@@ -27,6 +27,8 @@ FP8 weights with their 128 x 128 block scales), Megatron-Core's MLA and DeepSeek
 - ``read_checkpoint(path, prefix)``: the tensors under a prefix of a safetensors checkpoint (a
   sharded Hugging Face folder: only the files and tensors needed); ``load_pretrained`` takes the
   path itself too.
+- ``MLA.from_pretrained(path, layer, **kwargs)`` / ``Block.from_pretrained``: a module built from a
+  Hugging Face checkpoint folder's config.json and loaded with its layer's weights.
 - ``pretrained_state_dict(module, naming="hf")``: the module's whole weights (the ranks' shards
   gathered) under those names, e.g. to hand a trained block back to Hugging Face or Megatron.
 
@@ -327,6 +329,27 @@ def pretrained_state_dict(module: nn.Module, naming: str = "hf", prefix: str = "
     return out
 
 
+def from_pretrained(cls: type, path: Union[str, "os.PathLike[str]"], layer: int, prefix: Optional[str] = None,
+                    **kwargs: Any) -> nn.Module:
+    """An mxmla.nn.MLA or Block (cls) for layer `layer` of the Hugging Face checkpoint folder `path`:
+    dims, RoPE and norms from its config.json (config_kwargs; `kwargs` add to them or override them:
+    recipe, max_seq_len, dtype, tp_group, ...), weights from its safetensors files under `prefix`
+    (default "model.layers.{layer}.self_attn." for MLA, "model.layers.{layer}." for Block; only
+    those tensors are read). ``MLA.from_pretrained`` and ``Block.from_pretrained`` call this."""
+    what = f"mxmla.nn.{getattr(cls, '__name__', cls)}.from_pretrained"
+    if cls not in (MLA, Block):
+        raise TypeError(f"{what}: builds an mxmla.nn.MLA or Block, got {cls!r}")
+    if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+        raise ValueError(f"{what}: layer must be an int >= 0, got {layer!r}")
+    kw = config_kwargs(path, cls.__name__)
+    kw.update(kwargs)
+    module = cls(**kw)
+    if prefix is None:
+        prefix = f"model.layers.{layer}.self_attn." if cls is MLA else f"model.layers.{layer}."
+    load_pretrained(module, path, prefix=prefix)
+    return module
+
+
 def _config_dict(what: str, config: Any) -> Dict[str, Any]:
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
@@ -392,4 +415,5 @@ def config_kwargs(config: Any, module: str = "MLA") -> Dict[str, Any]:
     return kw
 
 
-__all__: Sequence[str] = ["NAMINGS", "config_kwargs", "load_pretrained", "pretrained_state_dict", "read_checkpoint"]
+__all__: Sequence[str] = ["NAMINGS", "config_kwargs", "from_pretrained", "load_pretrained", "pretrained_state_dict",
+                          "read_checkpoint"]
