@@ -476,6 +476,36 @@ def test_block_fp8_linear_quantizes_the_weight_once_per_version():
     assert not torch.equal(lin(x), y0) and lin.weight._mxmla_block_fp8 is not cached
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+def test_weight_cache_sees_writes_that_bypass_the_version_counter(recipe):
+    """A weight's FP8 copies are cached per version of the weight and per generation: a write that
+    leaves the version counter alone (through .data, as Megatron copies its main parameters into the
+    model's; FSDP2's all-gather into its unsharded parameters, test_data_parallel.py) is seen after
+    any torch optimizer's step, or after mnn.invalidate_weight_caches()."""
+    lin = mnn.Linear(64, 32, recipe=recipe, seed=1)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+
+    def expected(w):  # a Linear that never cached anything, with weight w
+        ref = mnn.Linear(64, 32, recipe=recipe, seed=9)
+        ref.weight.data.copy_(w)
+        return ref(x)
+
+    y0 = lin(x)
+    w1 = torch.randn(32, 64, generator=torch.Generator().manual_seed(3)) * 0.02
+    version = lin.weight._version
+    lin.weight.data.copy_(w1)
+    assert lin.weight._version == version  # the premise: the write bypassed the counter
+    assert torch.equal(lin(x), y0)  # so between optimizer steps the cached copy is still read
+    other = torch.nn.Parameter(torch.zeros(1))
+    other.grad = torch.ones(1)
+    torch.optim.SGD([other], lr=0.1).step()  # any optimizer's step, even on other parameters
+    assert torch.equal(lin(x), expected(w1)) and not torch.equal(lin(x), y0)
+    w2 = w1.flip(0)
+    lin.weight.data.copy_(w2)
+    mnn.invalidate_weight_caches()
+    assert torch.equal(lin(x), expected(w2))
+
+
 def test_block_fp8_recipe_checks_its_dtype():
     with pytest.raises(ValueError, match="recipe 'block-fp8' computes in bf16"):
         mnn.Linear(64, 64, recipe="block-fp8", dtype=torch.float32)

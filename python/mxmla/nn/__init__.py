@@ -36,10 +36,12 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 
 from ..attention_autograd import DotProductAttention
 from .decoder import Block, Decoder, byte_tokens
-from .layers import RECIPES, BlockFP8LinearFunction, Linear, MXFP8LinearFunction, RMSNorm, SwiGLU, check_recipe
+from .layers import RECIPES, BlockFP8LinearFunction, Linear, MXFP8LinearFunction, RMSNorm, SwiGLU, check_recipe, \
+    invalidate_weight_caches
 from .mla import MLA
 from .pretrained import config_kwargs, load_pretrained, pretrained_state_dict, read_checkpoint
 from .qproj import MLAQUpProj, attention_from_latent, attention_from_mxfp8_q
 
 __all__ = ["MLA", "MLAQUpProj", "attention_from_mxfp8_q", "attention_from_latent", "DotProductAttention", "MXFP8LinearFunction", "BlockFP8LinearFunction", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens",
-           "config_kwargs", "load_pretrained", "pretrained_state_dict", "read_checkpoint"]
+           "config_kwargs", "load_pretrained", "pretrained_state_dict", "read_checkpoint",
+           "invalidate_weight_caches"]

@@ -17,6 +17,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .tp import UnshardedStateDict, copy_to_tp, gather_from_sp, keep_shards, reduce_from_tp, reduce_scatter_to_sp, \
     tp_size_rank
@@ -40,15 +41,34 @@ def check_bool(what: str, name: str, value) -> bool:
     return value
 
 
+# The weights' FP8 copies are cached per generation and version of each weight. The version counter
+# misses writes that bypass it: FSDP2 all-gathers into its unsharded parameters under
+# torch.autograd._unsafe_preserve_version_counter (the same tensor, often the same address, new
+# values), and a write through `.data` (Megatron copies its fp32 main parameters into the model's so)
+# has a counter of its own. So every torch optimizer's step starts a new generation (a global step
+# hook), as does invalidate_weight_caches() for code that changes weights some other way.
+_GENERATION = [0]
+
+
+def invalidate_weight_caches() -> None:
+    """Makes every Linear quantize its weight afresh at its next call (after a weight change that
+    neither a torch optimizer's step nor an in-place update of the parameter made, e.g. one written
+    through ``param.data``). Every torch optimizer's ``step()`` does this by itself."""
+    _GENERATION[0] += 1
+
+
+register_optimizer_step_post_hook(lambda *_args, **_kwargs: invalidate_weight_caches())
+
+
 def _per_version(weight: torch.Tensor, attr: str, make):
-    """make(weight), cached on the weight under attr once per version of it: micro-batches between two
-    optimizer steps reuse it (an optimizer's in-place update bumps the version). While a CUDA graph is
-    being captured it is made afresh and not cached: the graph then holds the work, which each replay
+    """make(weight), cached on the weight under attr once per generation and version of it (see
+    _GENERATION): micro-batches between two optimizer steps reuse it. While a CUDA graph is being
+    captured it is made afresh and not cached: the graph then holds the work, which each replay
     redoes on the weight as it is then (replays run no Python, so a version check at capture would
     freeze one copy of the weight into every replay)."""
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
         return make(weight.detach())
-    key = (weight._version, weight.device, weight.data_ptr())
+    key = (_GENERATION[0], weight._version, weight.device, weight.data_ptr())
     cached = getattr(weight, attr, None)
     if cached is not None and cached[0] == key:
         return cached[1]
