@@ -477,6 +477,47 @@ def test_block_fp8_linear_quantizes_the_weight_once_per_version():
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+def test_frozen_weights_skip_the_wgrad_and_keep_no_copy_of_x(recipe, monkeypatch):
+    """A Linear whose weight takes no gradient (fine-tuning with frozen layers): the same output and
+    the same dX bits as with a trained weight, no weight gradient, no wgrad GEMM, and nothing of x
+    saved for the backward (W's copy only: under "mxfp8" its columnwise codes and scales, under
+    "block-fp8" nothing, Wᵀ's copy being the weight cache's). An input without a gradient under a
+    trained weight: no dgrad, the same dW bits."""
+    import mxmla
+
+    x0 = torch.randn(70, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    dy = torch.randn(70, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    trained, frozen = mnn.Linear(64, 96, recipe=recipe, seed=1), mnn.Linear(64, 96, recipe=recipe, seed=1)
+    frozen.weight.requires_grad_(False)
+    calls = []
+    for name in ("gemm", "linear_backward"):
+        real = getattr(mxmla, name)
+        monkeypatch.setattr(mxmla, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    out = {}
+    for key, lin in (("trained", trained), ("frozen", frozen)):
+        x = x0.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            y = lin(x)
+        calls.clear()
+        y.backward(dy)
+        out[key] = (y.detach(), x.grad, lin.weight.grad, sum(saved), list(calls))
+    (y0, dx0, dw0, bytes0, calls0), (y1, dx1, dw1, bytes1, calls1) = out["trained"], out["frozen"]
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert dw0 is not None and dw1 is None
+    assert calls1 == ["gemm"], calls1  # the dgrad alone
+    # mxfp8: W's columnwise codes [96, 64] and scales [96 / 32, 64]; block-fp8: nothing (Wᵀ: the cache's)
+    assert bytes1 == (96 * 64 + 3 * 64 if recipe == "mxfp8" else 0) < bytes0, (bytes1, bytes0)
+    # an input without a gradient: no dgrad, the same wgrad bits (at once, and deferred)
+    for deferred in (False, True):
+        trained.weight.grad = None
+        handle = trained.deferred_wgrad() if deferred else None
+        trained(x0, wgrad=handle).backward(dy)
+        assert torch.equal(trained.weight.grad, dw0), deferred
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
 def test_weight_cache_sees_writes_that_bypass_the_version_counter(recipe):
     """A weight's FP8 copies are cached per version of the weight and per generation: a write that
     leaves the version counter alone (through .data, as Megatron copies its main parameters into the

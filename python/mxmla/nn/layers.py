@@ -101,23 +101,34 @@ def linear_saved(x8, w8) -> tuple:
     return x8.columnwise_data, x8.columnwise_scale_inv, w8.columnwise_data, w8.columnwise_scale_inv
 
 
+def linear_saved_frozen(w8) -> tuple:
+    """linear_saved's form for a Linear whose weight takes no gradient: W's columnwise copy only."""
+    return None, None, w8.columnwise_data, w8.columnwise_scale_inv
+
+
 def linear_saved_original(x2: torch.Tensor, w8) -> tuple:
     """linear_saved's form for a Linear that keeps its bf16 input x2 [T, K] itself (save_original_input):
     x's columnwise copy is quantized from it when the wgrad runs (the same bits)."""
     return x2, None, w8.columnwise_data, w8.columnwise_scale_inv
 
 
-def linear_grads(saved, shapes, weight: torch.Tensor, dy, deferred: bool = False):
-    """(dx bf16 [T, K], dW in the weight's dtype or None) of an MXFP8 Linear from linear_saved's (or
-    linear_saved_original's) tensors and the (x, W) shapes: ``mxmla.linear_backward`` (dy: a [T, N]
+def linear_grads(saved, shapes, weight: torch.Tensor, dy, deferred: bool = False, need_dx: bool = True,
+                 need_dw: bool = True):
+    """(dx bf16 [T, K] or None, dW in the weight's dtype or None) of an MXFP8 Linear from linear_saved's
+    (or linear_saved_original's) tensors and the (x, W) shapes: ``mxmla.linear_backward`` (dy: a [T, N]
     tensor or its pair form), the wgrad added into the weight's ``main_grad`` (Megatron's fp32 buffer;
     then no dW) when it has one. deferred: (dx, a function computing that dW later), dy a [T, N]
     tensor; the same bits (dy quantized once, then ``mxmla.gemm``'s dgrad now and its wgrad on dY's
-    columnwise copy later)."""
+    columnwise copy later). need_dx / need_dw false: that GEMM is skipped (an input without a
+    gradient; a frozen weight, whose saved x copy may then be None: dY is quantized rowwise only)."""
     import mxmla
 
     xc, xs, wc, ws = saved
     w8 = mxmla.MXFP8Tensor(shapes[1], "e4m3", "compact", None, None, wc, ws)
+    if not need_dw:  # a frozen weight: the dgrad alone, on dY's rowwise copy (the same bits)
+        if not need_dx:
+            return None, None
+        return mxmla.gemm(mxmla.quantize(dy, rowwise=True, columnwise=False), w8, trans_b=False), None
 
     def x_columnwise():
         if xs is None:  # the bf16 x itself: its columnwise copy, made now
@@ -126,10 +137,10 @@ def linear_grads(saved, shapes, weight: torch.Tensor, dy, deferred: bool = False
 
     if not deferred:
         main_grad = getattr(weight, "main_grad", None)
-        dx, dw = mxmla.linear_backward(dy, w8, x_columnwise(), main_grad=main_grad)
+        dx, dw = mxmla.linear_backward(dy, w8, x_columnwise(), need_dx=need_dx, main_grad=main_grad)
         return dx, (None if main_grad is not None else dw.to(weight.dtype))
-    dy8 = mxmla.quantize(dy)  # dgrad's rowwise copy, wgrad's columnwise copy
-    dx = mxmla.gemm(dy8, w8, trans_b=False)
+    dy8 = mxmla.quantize(dy, rowwise=need_dx)  # dgrad's rowwise copy, wgrad's columnwise copy
+    dx = mxmla.gemm(dy8, w8, trans_b=False) if need_dx else None
     dyc = mxmla.MXFP8Tensor(dy8.shape, "e4m3", "compact", None, None, dy8.columnwise_data, dy8.columnwise_scale_inv)
     del dy8
 
@@ -198,7 +209,9 @@ class MXFP8LinearFunction(torch.autograd.Function):
     saves its output O for the output projection), and the copy is quantized from it when the wgrad
     runs; otherwise the columnwise copy is saved as usual. x_quantized: x's MXFP8 copies (both
     directions) made once for the Linears that read the same x (``Linear.quantize_input``): fprop
-    reads the rowwise copy (``mxmla.gemm``), and the columnwise copy they save is one tensor."""
+    reads the rowwise copy (``mxmla.gemm``), and the columnwise copy they save is one tensor. A weight
+    that takes no gradient (frozen, as in fine-tuning): no copy of x is kept and no wgrad runs; an x
+    without a gradient: no dgrad."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, token: Optional[torch.Tensor] = None,
@@ -211,16 +224,20 @@ class MXFP8LinearFunction(torch.autograd.Function):
         w8 = _quantized_weight(weight)
         ctx.lead = lead
         ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
+        need_dw = ctx.needs_input_grad[1]  # a frozen weight: no wgrad, so no copy of x is kept
         if x_quantized is not None:  # made once for the Linears that read the same x (save_original_input moot)
             y = mxmla.gemm(x_quantized, w8)
-            ctx.save_for_backward(*linear_saved(x_quantized, w8))
+            ctx.save_for_backward(*(linear_saved(x_quantized, w8) if need_dw else linear_saved_frozen(w8)))
             ctx.shapes = (tuple(x_quantized.shape), w8.shape)
             return y.reshape(*lead, y.shape[-1])
         x2 = x.detach().reshape(-1, K).to(torch.bfloat16)
         if x2.stride(-1) != 1:  # (linear_forward reads rows of any stride, each row contiguous)
             x2 = x2.contiguous()
         y, x8 = mxmla.linear_forward(x2, w8)
-        if save_original_input and _is_own_rows(x, x2):
+        if not need_dw:
+            del x8
+            ctx.save_for_backward(*linear_saved_frozen(w8))
+        elif save_original_input and _is_own_rows(x, x2):
             del x8  # x itself is kept (another node saves it anyway): x's columnwise copy is made at wgrad time
             ctx.save_for_backward(*linear_saved_original(x2, w8))
         else:
@@ -232,8 +249,10 @@ class MXFP8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous()
         deferred = ctx.box is not None and ctx.needs_input_grad[2]
-        dx, dw = linear_grads(ctx.saved_tensors, ctx.shapes, ctx.weight, dy2, deferred)  # dx [T, K] bf16
-        return (dx.reshape(*ctx.lead, dx.shape[-1]),) + _wgrad_outputs(ctx, dw, deferred) + (None, None)
+        dx, dw = linear_grads(ctx.saved_tensors, ctx.shapes, ctx.weight, dy2, deferred,
+                              need_dx=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1])  # dx [T, K] bf16
+        dx = None if dx is None else dx.reshape(*ctx.lead, dx.shape[-1])
+        return (dx,) + _wgrad_outputs(ctx, dw, deferred) + (None, None)
 
 
 def _wgrad_outputs(ctx, dw, deferred: bool) -> tuple:
@@ -255,14 +274,17 @@ def block_weights(weight: torch.Tensor):
 
 
 def block_linear_grads(dy: torch.Tensor, wt, xt, weight: torch.Tensor, need_dx: bool = True,
-                       deferred: bool = False):
+                       deferred: bool = False, need_dw: bool = True):
     """(dx bf16 [T, K] or None, dW fp32 [N, K] or None) of a block-FP8 Linear (SPEC §4.1): dy [T, N]
     quantized in 1 x 128 blocks along N (dgrad's A) and along T (wgrad's A, dyᵀ); dgrad dX = dY·W on
     Wᵀ's copy ``wt`` [K, N], wgrad dW = dYᵀ·X on xᵀ's copy ``xt`` [K, T] (or a function making it,
     called when the wgrad runs), added into the weight's ``main_grad`` (Megatron's fp32 buffer; then
-    no dW) when it has one. deferred: (dx, a function computing that dW later, from dyᵀ's codes)."""
+    no dW) when it has one. deferred: (dx, a function computing that dW later, from dyᵀ's codes).
+    need_dw false (a frozen weight; xt may be None): the dgrad alone, dY quantized along N only."""
     import mxmla
 
+    if not need_dw:
+        return (mxmla.gemm(mxmla.quantize_blockwise(dy), wt) if need_dx else None), None
     if need_dx:  # dY along N and along T in one pass
         dyq, dyt = mxmla.quantize_blockwise_both(dy)
         dx = mxmla.gemm(dyq, wt)
@@ -293,7 +315,8 @@ class BlockFP8LinearFunction(torch.autograd.Function):
     anyway, as attention saves its output O for the output projection): x is then quantized along
     K only in the forward, and along T when the wgrad runs. backward: dY quantized the same two
     ways; dgrad dX = dY · W (bf16), wgrad dW = dYᵀ · X (fp32, or added into the weight's
-    ``main_grad``). Any T, K, N."""
+    ``main_grad``). Any T, K, N. A frozen weight (no gradient): x along K only, nothing of it kept, no
+    wgrad; an x without a gradient: no dgrad."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, token: Optional[torch.Tensor] = None,
@@ -305,8 +328,11 @@ class BlockFP8LinearFunction(torch.autograd.Function):
         ctx.box = box  # a DeferredWgrad's (with its token): the wgrad runs later, in its anchor's backward
         wq, wt = block_weights(weight)
         x2 = None if x_quantized is not None else _rows_bf16(x)
-        ctx.original = save_original_input and x2 is not None and _is_own_rows(x, x2)
-        if ctx.original:  # fprop's x now; wgrad's xᵀ from x, later
+        ctx.frozen = not ctx.needs_input_grad[1]  # a weight without a gradient: no xᵀ, nothing of x kept
+        ctx.original = save_original_input and x2 is not None and _is_own_rows(x, x2) and not ctx.frozen
+        if ctx.frozen:
+            xq = mxmla.quantize_blockwise(x2) if x2 is not None else x_quantized[0]
+        elif ctx.original:  # fprop's x now; wgrad's xᵀ from x, later
             xq = mxmla.quantize_blockwise(x2)
             ctx.save_for_backward(x2)
         else:
@@ -324,13 +350,16 @@ class BlockFP8LinearFunction(torch.autograd.Function):
         import mxmla
 
         saved = ctx.saved_tensors
-        if ctx.original:
+        if ctx.frozen:
+            xt = None
+        elif ctx.original:
             xt = functools.partial(mxmla.quantize_blockwise, saved[0], transpose=True)
         else:
             xt = mxmla.BlockFP8Tensor(saved[0], saved[1], 1)
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16).contiguous()
         deferred = ctx.box is not None and ctx.needs_input_grad[2]
-        dx, dw = block_linear_grads(dy2, ctx.wt, xt, ctx.weight, ctx.needs_input_grad[0], deferred)
+        dx, dw = block_linear_grads(dy2, ctx.wt, xt, ctx.weight, ctx.needs_input_grad[0], deferred,
+                                    need_dw=not ctx.frozen)
         dx = None if dx is None else dx.reshape(*ctx.lead, dx.shape[-1])
         return (dx,) + _wgrad_outputs(ctx, dw, deferred) + (None, None)
 
