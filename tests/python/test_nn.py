@@ -517,6 +517,35 @@ def test_frozen_weights_skip_the_wgrad_and_keep_no_copy_of_x(recipe, monkeypatch
         assert torch.equal(trained.weight.grad, dw0), deferred
 
 
+@pytest.mark.parametrize("recipe,q_lora,layout", [("mxfp8", 32, "bshd"), ("mxfp8", 0, "thd"),
+                                                 ("block-fp8", 32, "bshd")])
+def test_frozen_mla_block_gives_the_same_input_gradient(recipe, q_lora, layout):
+    """An MLA block with every weight frozen (fine-tuning other layers through it): the output and dX
+    bit for bit as the trained block's, no parameter gradient, and less saved for the backward (no
+    copies of the Linears' inputs: the fused query path, the kv_b projection of attention_from_latent
+    and the plain Linears all skip their wgrads)."""
+    kw = dict(hidden=64, heads=2, q_lora_rank=q_lora, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
+              max_seq_len=64, recipe=recipe, layout=layout, seed=6)
+    trained, frozen = mnn.MLA(**kw), mnn.MLA(**kw)
+    frozen.requires_grad_(False)
+    shape = (2, 24, 64) if layout == "bshd" else (48, 64)
+    x0 = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    cu = [0, 20, 48] if layout == "thd" else None
+    res = []
+    for m in (trained, frozen):
+        x = x0.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            y = m(x, cu_seqlens=cu)
+        y.float().square().mean().backward()
+        res.append((y.detach(), x.grad, sum(saved)))
+    assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
+    assert all(p.grad is None for p in frozen.parameters())
+    assert all(p.grad is not None for p in trained.parameters())
+    assert res[1][2] < res[0][2], (res[1][2], res[0][2])
+
+
 @pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
 def test_weight_cache_sees_writes_that_bypass_the_version_counter(recipe):
     """A weight's FP8 copies are cached per version of the weight and per generation: a write that

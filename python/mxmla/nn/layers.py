@@ -128,6 +128,8 @@ def linear_grads(saved, shapes, weight: torch.Tensor, dy, deferred: bool = False
     if not need_dw:  # a frozen weight: the dgrad alone, on dY's rowwise copy (the same bits)
         if not need_dx:
             return None, None
+        if isinstance(dy, tuple):  # the pair form: its [T, h·(d0 + d1)] rows, made here
+            dy = torch.cat(dy, dim=-1).reshape(dy[0].shape[0], -1)
         return mxmla.gemm(mxmla.quantize(dy, rowwise=True, columnwise=False), w8, trans_b=False), None
 
     def x_columnwise():

@@ -32,7 +32,8 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from .layers import _quantized_weight, block_linear_grads, block_weights, check_bool, generator, init_normal_, linear_grads, linear_saved
+from .layers import _quantized_weight, block_linear_grads, block_weights, check_bool, generator, init_normal_, \
+    linear_grads, linear_saved, linear_saved_frozen
 
 _OP = "mxmla.nn.MLAQUpProj"
 
@@ -135,8 +136,8 @@ class _QUpProjMXFP8Function(torch.autograd.Function):
         q8, _, x8 = fused_q_mxfp8_weight(xs, w8, cos, sin, cfg["nope_dim"], cfg["rope_dim"], cfg["style"],
                                          cfg["layout"], cfg["batch"], "nk", True, True, "e4m3", cfg["bhsd_scales"],
                                          False)
-        # only the copies the backward reads: x's and W's columnwise ones
-        ctx.save_for_backward(*linear_saved(x8, w8), cos, sin)
+        # only the copies the backward reads: x's and W's columnwise ones (a frozen weight: W's alone)
+        ctx.save_for_backward(*(linear_saved(x8, w8) if ctx.needs_input_grad[1] else linear_saved_frozen(w8)), cos, sin)
         ctx.cfg, ctx.x_shape, ctx.w_dtype, ctx.weight = cfg, x.shape, weight.dtype, weight
         ctx.shapes, ctx.x_dtype = (x8.shape, w8.shape), x.dtype
         return _anchored(ctx, x, q8)
@@ -147,8 +148,13 @@ class _QUpProjMXFP8Function(torch.autograd.Function):
 
         xc, xsc, wc, wsc, cos, sin = ctx.saved_tensors
         cfg = ctx.cfg
-        x8 = mxmla.MXFP8Tensor(ctx.shapes[0], "e4m3", "compact", None, None, xc, xsc)
         w8 = mxmla.MXFP8Tensor(ctx.shapes[1], "e4m3", "compact", None, None, wc, wsc)
+        if not ctx.needs_input_grad[1]:  # a frozen weight: dQ' rowwise and the dgrad alone (the same bits)
+            dq8 = mxmla.rope_backward_quantize(dq.to(torch.bfloat16).contiguous(), cos, sin, columnwise=False,
+                                               style=cfg["style"], layout=cfg["layout"], rope_dim=cfg["rope_dim"])
+            dx = mxmla.gemm(dq8, w8, trans_b=False)
+            return dx.reshape(ctx.x_shape).to(ctx.x_dtype), None, None, None, None
+        x8 = mxmla.MXFP8Tensor(ctx.shapes[0], "e4m3", "compact", None, None, xc, xsc)
         # dQ' = RoPE backward of dq quantized (both copies, [T, N]); dx = dQ'·W [T, K] bf16, dW = dQ'ᵀ·x
         # [N, K] fp32 (or added into Megatron's fp32 main_grad; no .grad): one call, which on CUDA
         # writes the GEMMs' bf16 copies of dQ' instead of its codes
@@ -171,12 +177,16 @@ class _QUpProjBlockFP8Function(torch.autograd.Function):
         K = x.shape[-1]
         xs = x.detach().reshape(-1, K).to(torch.bfloat16).contiguous()
         wq, wt = block_weights(weight)
-        # one pass over x: the fused op's x (1 x 128 blocks along K) and wgrad's xᵀ [K, T] (along the tokens)
-        xq, xt = mxmla.quantize_blockwise_both(xs)
+        # one pass over x: the fused op's x (1 x 128 blocks along K) and wgrad's xᵀ [K, T] (along the tokens);
+        # a frozen weight: x along K only, nothing of it kept
+        if ctx.needs_input_grad[1]:
+            xq, xt = mxmla.quantize_blockwise_both(xs)
+        else:
+            xq, xt = mxmla.quantize_blockwise(xs), None
         q8, _, _ = fused_q_block_fp8_weight(xq, wq, cos, sin, cfg["nope_dim"], cfg["rope_dim"], cfg["style"],
                                             cfg["layout"], cfg["batch"], "nk", True, True, "e4m3",
                                             cfg["bhsd_scales"], False)
-        ctx.save_for_backward(xt.data, xt.scale_inv, cos, sin)
+        ctx.save_for_backward(*((xt.data, xt.scale_inv) if xt is not None else (None, None)), cos, sin)
         ctx.cfg, ctx.x_shape, ctx.weight, ctx.x_dtype, ctx.wt = cfg, x.shape, weight, x.dtype, wt
         return _anchored(ctx, x, q8)
 
@@ -188,8 +198,10 @@ class _QUpProjBlockFP8Function(torch.autograd.Function):
         cfg, wt = ctx.cfg, ctx.wt
         dqr = mxmla.rope_backward(dq.to(torch.bfloat16).contiguous(), cos, sin, style=cfg["style"],
                                   layout=cfg["layout"], rope_dim=cfg["rope_dim"])
-        dx, dw = block_linear_grads(dqr.reshape(-1, wt.shape[1]), wt, mxmla.BlockFP8Tensor(xc, xsc, 1), ctx.weight,
-                                    ctx.needs_input_grad[0])
+        frozen = not ctx.needs_input_grad[1]
+        xt = None if frozen else mxmla.BlockFP8Tensor(xc, xsc, 1)
+        dx, dw = block_linear_grads(dqr.reshape(-1, wt.shape[1]), wt, xt, ctx.weight, ctx.needs_input_grad[0],
+                                    need_dw=not frozen)
         return (None if dx is None else dx.reshape(ctx.x_shape).to(ctx.x_dtype)), dw, None, None, None
 
 
@@ -374,7 +386,7 @@ class _AttentionFromLatent(torch.autograd.Function):
         v8 = _rowwise_only(v8)  # (V's columnwise copy served the forward only: the backward reads V rowwise)
         ctx.qkv8, ctx.kw, ctx.nope = (q8, k8, v8), dict(kw, deterministic=deterministic), nope
         ctx.anchor_shape = anchor.shape
-        ctx.save_for_backward(o, lse, *linear_saved(x8, w8))
+        ctx.save_for_backward(o, lse, *(linear_saved(x8, w8) if ctx.needs_input_grad[7] else linear_saved_frozen(w8)))
         ctx.shapes, ctx.lead, ctx.lat_dtype, ctx.pe_dtype = (x8.shape, w8.shape), lead, lat.dtype, k_pe.dtype
         ctx.weight = weight  # for its main_grad (Megatron's fp32 gradient buffer), when it has one
         return o
@@ -396,7 +408,8 @@ class _AttentionFromLatent(torch.autograd.Function):
         dk_pe = dk[..., nope:].sum(dim=-2, keepdim=True).to(ctx.pe_dtype)  # k_pe's expansion over the heads
         # the kv_b Linear's dy = [dK_nope | dV] per head, read in place (no concatenation pass)
         dx, dw = linear_grads(saved, ctx.shapes, ctx.weight,
-                              (dk[..., :nope].reshape(-1, H, nope), dv.reshape(-1, H, dv.shape[-1])))
+                              (dk[..., :nope].reshape(-1, H, nope), dv.reshape(-1, H, dv.shape[-1])),
+                              need_dw=ctx.needs_input_grad[7])
         dlat = dx.reshape(*ctx.lead, dx.shape[-1]).to(ctx.lat_dtype)
         return dq.view(ctx.anchor_shape), None, None, None, None, dlat, dk_pe, dw, None, None, None, None
 
