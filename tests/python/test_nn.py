@@ -1095,7 +1095,8 @@ def _pretend_capturing(monkeypatch, capturing=True):
 def test_weight_cache_is_bypassed_while_capturing(monkeypatch):
     """The once-per-version cache of a weight's FP8 copies: outside a capture one make per version;
     while a CUDA graph is being captured a make at every call and nothing cached (a replay runs no
-    Python: a cached copy would be frozen into every replay)."""
+    Python: a cached copy would be frozen into every replay); after a capture that read the weight,
+    a make at every eager call too (replays change weights without a new version)."""
     from mxmla.nn.layers import _per_version
 
     class CudaWeight:  # what _per_version reads of a CUDA tensor
@@ -1114,6 +1115,10 @@ def test_weight_cache_is_bypassed_while_capturing(monkeypatch):
     _pretend_capturing(monkeypatch)
     assert [_per_version(w, "_c", make) for _ in range(2)] == [2, 3]
     assert w._c[1] == 1  # the cache holds the copy made outside the capture, untouched
+    # after the capture the weight may change by replays (a captured optimizer step) with neither a new
+    # version nor a new generation: an eager call between replays makes its copy afresh every time
+    _pretend_capturing(monkeypatch, False)
+    assert [_per_version(w, "_c", make) for _ in range(2)] == [4, 5]
 
 
 def test_packed_sequences_refuse_capture(monkeypatch):

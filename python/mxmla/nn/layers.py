@@ -65,8 +65,13 @@ def _per_version(weight: torch.Tensor, attr: str, make):
     _GENERATION): micro-batches between two optimizer steps reuse it. While a CUDA graph is being
     captured it is made afresh and not cached: the graph then holds the work, which each replay
     redoes on the weight as it is then (replays run no Python, so a version check at capture would
-    freeze one copy of the weight into every replay)."""
+    freeze one copy of the weight into every replay). A weight once read inside a capture is not
+    cached afterwards either: a replay may update it (a captured optimizer step) without a new
+    version or generation, and an eager call between replays (an evaluation) must see that."""
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        weight._mxmla_in_graph = True
+        return make(weight.detach())
+    if getattr(weight, "_mxmla_in_graph", False):
         return make(weight.detach())
     key = (_GENERATION[0], weight._version, weight.device, weight.data_ptr())
     cached = getattr(weight, attr, None)
