@@ -355,6 +355,9 @@ def test_bad_checkpoints_and_configs_give_clear_errors():
     wrong = dict(ck, **{"a.o_proj.weight_scale_inv": torch.ones(1, 1)})
     with pytest.raises(ValueError, match=r"'a.o_proj.weight_scale_inv' must be a float tensor of shape \(2, 1\)"):
         mnn.load_pretrained(m, wrong, prefix="a")
+    e5 = dict(ck, **{"a.o_proj.weight": ck["a.o_proj.weight"].float().to(torch.float8_e5m2)})
+    with pytest.raises(ValueError, match="'a.o_proj.weight' is float8_e5m2"):
+        mnn.load_pretrained(m, e5, prefix="a")
     ints = dict(sd, **{"a.o_proj.weight": torch.zeros(160, 72, dtype=torch.int32)})
     with pytest.raises(ValueError, match="'a.o_proj.weight' must be a float tensor"):
         mnn.load_pretrained(m, ints, prefix="a")

@@ -136,18 +136,17 @@ def _whole_shapes(module: nn.Module) -> Dict[str, torch.Size]:
 
 
 def _dequantize_fp8(what: str, key: str, w: torch.Tensor, scale: torch.Tensor, scale_key: str) -> torch.Tensor:
-    """An FP8 weight [out, in] times its block's fp32 scale [ceil(out/128), ceil(in/128)], in fp32 (the
-    product of a code and an fp32 scale is computed exactly in float64 and rounded once: what an fp32
-    multiplication gives, as DeepSeek's weight_dequant)."""
+    """An E4M3 weight [out, in] times its block's fp32 scale [ceil(out/128), ceil(in/128)]: mxmla's
+    BlockFP8Tensor.dequantize (code · scale rounded once to fp32, as DeepSeek's weight_dequant)."""
+    from ..blockfp8 import BlockFP8Tensor
+
     if w.dim() != 2:
         raise ValueError(f"{what}: FP8 weight '{key}' must be 2-D [out, in], got shape {tuple(w.shape)}")
     want = (-(-w.shape[0] // _BLOCK), -(-w.shape[1] // _BLOCK))
     if tuple(scale.shape) != want or not scale.is_floating_point():
         raise ValueError(f"{what}: '{scale_key}' must be a float tensor of shape {want} (one scale per 128 x 128 "
                          f"block of '{key}' {tuple(w.shape)}), got {scale.dtype} of shape {tuple(scale.shape)}")
-    s = scale.to(device=w.device, dtype=torch.float64)
-    s = s.repeat_interleave(_BLOCK, 0)[:w.shape[0]].repeat_interleave(_BLOCK, 1)[:, :w.shape[1]]
-    return (w.to(torch.float64) * s).to(torch.float32)
+    return BlockFP8Tensor(w, scale.to(device=w.device, dtype=torch.float32), _BLOCK).dequantize()
 
 
 def _detect(what: str, sd: Dict[str, Any], table, prefix: str) -> str:
@@ -219,7 +218,7 @@ def load_pretrained(module: nn.Module, state_dict: Union[Dict[str, Any], str, "o
     "model.layers.0." for its whole first layer as a Block; a dot is added if missing).
     state_dict: a dict of tensors, or a safetensors checkpoint's path (read_checkpoint). naming:
     "hf", "megatron" or "deepseek" (mxmla's own names), or None to detect it from the keys. Weights
-    are the whole (tp size 1) tensors in any float dtype, or float8_e4m3fn / e5m2 with their 128 x 128
+    are the whole (tp size 1) tensors in any float dtype, or float8_e4m3fn with their 128 x 128
     block scales; they are checked against the module's dims and cast to its parameters' dtype.
     strict: a key under the prefix that the module does not take is an error (a MoE layer's experts,
     a bias; TransformerEngine's `_extra_state` and rotary `inv_freq` buffers are skipped). Returns
@@ -249,7 +248,10 @@ def load_pretrained(module: nn.Module, state_dict: Union[Dict[str, Any], str, "o
         if not isinstance(w, torch.Tensor):
             raise TypeError(f"{what}: '{src_key}' must be a tensor, got {type(w).__name__}")
         used.add(src_key)
-        if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if w.dtype == torch.float8_e5m2:
+            raise ValueError(f"{what}: '{src_key}' is float8_e5m2; FP8 checkpoints with block scales (DeepSeek-V3's) "
+                             f"hold float8_e4m3fn codes")
+        if w.dtype == torch.float8_e4m3fn:
             scale_key = next((prefix + s for s in _scale_keys(src, naming) if prefix + s in state_dict), None)
             if scale_key is None:
                 raise ValueError(f"{what}: '{src_key}' is {w.dtype} and needs its block scales: none of "
