@@ -28,6 +28,12 @@ model_<recipe>.pt instead of the seed's weights (any --tp; the same model dimens
 held-out loss, and trains on from there (weights only: the optimizer and the learning-rate schedule
 start afresh).
 
+Parallelism (one process per rank under python -m torch.distributed.run): --tp N splits MLA's heads
+and the MLP's width over N ranks (--sp adds sequence parallelism); --cp N splits each sequence over N
+ranks (context parallelism: each rank holds two of 2N chunks, the attention passes keys and values
+around a ring; the ranks' gradients are averaged before the optimizer step); --tp and --cp combine
+(N·M processes: tp groups of consecutive ranks).
+
 Without a CUDA device (or with a CPU-only mxmla build) it runs a tiny configuration on the CPU,
 where mxmla's ops run their CPU reference, and says so; options given explicitly still apply.
 """
@@ -134,6 +140,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (MLA's heads and the MLP's width split over them); launch with "
                         "python -m torch.distributed.run --nproc-per-node N examples/train_mla.py --tp N")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel ranks (each sequence split over them; --seq a multiple of 2N); launch "
+                        "with python -m torch.distributed.run --nproc-per-node N examples/train_mla.py --cp N")
     p.add_argument("--save", action="store_true",
                    help="also write each recipe's trained weights to --out/model_<recipe>.pt (the whole model's "
                         "state dict, loadable at any --tp)")
@@ -150,17 +159,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
     if not args.recipes or len(set(args.recipes)) != len(args.recipes):
         p.error(f"--recipe: give one or more distinct recipes, got {args.recipe!r}")
-    for k in ("steps", "layers", "hidden", "heads", "seq", "batch", "log_every", "tp"):
+    for k in ("steps", "layers", "hidden", "heads", "seq", "batch", "log_every", "tp", "cp"):
         v = getattr(args, k)
         if v is not None and v < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
     if args.sp and args.tp == 1:
         p.error("--sp (sequence parallelism) needs --tp N with N > 1")
-    if args.cuda_graph and args.tp > 1:
-        p.error("--cuda-graph: one process only for now (with --tp the collectives would be captured too; not "
-                "checked)")
-    if args.sp and args.seq is not None and args.seq % args.tp:
-        p.error(f"--sp: --seq ({args.seq}) must be a multiple of --tp ({args.tp}): each rank holds an equal slice")
+    if args.cuda_graph and (args.tp > 1 or args.cp > 1):
+        p.error("--cuda-graph: one process only for now (with --tp or --cp the collectives would be captured too; "
+                "not checked)")
+    if args.seq is not None and args.seq % (2 * args.cp):
+        p.error(f"--cp: --seq ({args.seq}) must be a multiple of 2 x --cp ({2 * args.cp}): each rank holds two equal "
+                "chunks of every sequence")
+    if args.sp and args.seq is not None and (args.seq // args.cp) % args.tp:
+        p.error(f"--sp: --seq ({args.seq}) / --cp ({args.cp}) must be a multiple of --tp ({args.tp}): each rank holds "
+                "an equal slice")
     return args
 
 
@@ -194,50 +207,95 @@ def lr_at(step: int, steps: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def mla_dims(cfg: Dict, recipes, device: str) -> Dict:
+def mla_dims(cfg: Dict, recipes, device: str, cp: int = 1) -> Dict:
     """The MLA dims every recipe of the run shares (same initial weights). With "mxfp8" among the
-    recipes they must suit MXFP8: every Linear's dims multiples of 32, head dims multiples of 32, and on
-    a GPU the attention kernel's (d_qk, d_v) = (192, 128) (DeepSeek-V3's heads: nope 128, rope 64, v 128).
-    Otherwise the Decoder's defaults."""
-    if "mxfp8" not in recipes:
+    recipes, or with context parallelism (mxmla's attention under every recipe), they must suit MXFP8:
+    every Linear's dims multiples of 32, head dims multiples of 32, and on a GPU the attention kernel's
+    (d_qk, d_v) = (192, 128) (DeepSeek-V3's heads: nope 128, rope 64, v 128). Otherwise the Decoder's
+    defaults."""
+    if "mxfp8" not in recipes and cp == 1:
         return {}
     h = cfg["hidden"]
     if h % 32:
-        raise ValueError(f"recipe mxfp8 needs --hidden to be a multiple of 32, got {h}")
+        raise ValueError(f"recipe mxfp8 and --cp need --hidden to be a multiple of 32, got {h}")
     lora = lambda n: max(32, n // 32 * 32)  # noqa: E731
     head = dict(nope_dim=128, rope_dim=64, v_dim=128) if device.startswith("cuda") else \
         dict(nope_dim=32, rope_dim=32, v_dim=32)
     return dict(head, q_lora_rank=lora(h // 2), kv_lora_rank=lora(h // 4))
 
 
-def build_model(recipe: str, cfg: Dict, seed: int, device: str, dims: Dict = None, tp_group=None,
+def build_model(recipe: str, cfg: Dict, seed: int, device: str, dims: Dict = None, par: "Parallel" = None,
                 deterministic: bool = False, sequence_parallel: bool = False):
     from mxmla.nn import Decoder
 
+    par = par or Parallel()
     return Decoder(cfg["hidden"], cfg["layers"], cfg["heads"], max_seq_len=cfg["seq"], recipe=recipe, seed=seed,
-                   device=device, tp_group=tp_group, deterministic=deterministic,
+                   device=device, tp_group=par.tp_group, cp_group=par.cp_group, deterministic=deterministic,
                    sequence_parallel=sequence_parallel, **(dims or {}))
 
 
-def init_tp(tp: int, device: str):
-    """(process group or None, device of this rank, rank) for --tp: one process per rank, started by
-    torch.distributed.run (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR / MASTER_PORT in the environment)."""
-    if tp == 1:
-        return None, device, 0
+class Parallel:
+    """The run's process groups (None where a size is 1): tensor parallel (tp_group) and context parallel
+    (cp_group), and what context parallelism adds to a step: each rank's part of the batch's sequences,
+    the mean of the ranks' losses and gradients."""
+
+    def __init__(self, tp_group=None, cp_group=None, cp: int = 1):
+        self.tp_group, self.cp_group, self.cp = tp_group, cp_group, cp
+
+    def split(self, t):
+        """This rank's two chunks of each sequence of t [b, s] (mxmla.nn.cp_split)."""
+        from mxmla.nn import cp_split
+
+        return t if self.cp_group is None else cp_split(t, 1, self.cp_group)
+
+    def mean(self, v):
+        """The mean over the context-parallel ranks of a tensor (a loss, a gradient), in place."""
+        if self.cp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(v, group=self.cp_group)
+            v.div_(self.cp)
+        return v
+
+    def mean_grads(self, model) -> None:
+        """Every gradient averaged over the context-parallel ranks (each holds its tokens' part): the
+        gradient of the whole batch's mean loss."""
+        if self.cp_group is not None:
+            for p in model.parameters():
+                if p.grad is not None:
+                    self.mean(p.grad)
+
+
+def init_parallel(tp: int, cp: int, device: str):
+    """(Parallel, device of this rank, rank) for --tp / --cp: one process per rank, started by
+    torch.distributed.run (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR / MASTER_PORT in the environment).
+    With both, rank = cp_rank·tp + tp_rank: tp groups of consecutive ranks, cp groups strided by tp."""
+    if tp == 1 and cp == 1:
+        return Parallel(), device, 0
     import torch
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != tp:
-        raise SystemExit(f"train_mla.py: --tp {tp} needs {tp} processes: launch with python -m torch.distributed.run "
-                         f"--nproc-per-node {tp} examples/train_mla.py --tp {tp} ... (WORLD_SIZE is {world})")
+    if world != tp * cp:
+        flags = " ".join(f"--{k} {n}" for k, n in (("tp", tp), ("cp", cp)) if n > 1)
+        raise SystemExit(f"train_mla.py: {flags} needs {tp * cp} processes: launch with python -m "
+                         f"torch.distributed.run --nproc-per-node {tp * cp} examples/train_mla.py {flags} ... "
+                         f"(WORLD_SIZE is {world})")
     cuda = device.startswith("cuda")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.group.WORLD, device, dist.get_rank()
+    rank = dist.get_rank()
+    if tp == world:
+        return Parallel(tp_group=dist.group.WORLD), device, rank
+    if cp == world:
+        return Parallel(cp_group=dist.group.WORLD, cp=cp), device, rank
+    # every rank creates every group, in the same order (torch.distributed.new_group's rule)
+    tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)]
+    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
+    return Parallel(tp_groups[rank // tp], cp_groups[rank % tp], cp), device, rank
 
 
 def checkpoint_path(folder, recipe: str) -> Path:
@@ -274,9 +332,11 @@ def load_model(model, path: Path) -> None:
     model.load_unsharded_state_dict({k: v.to(dev) for k, v in ck["state_dict"].items()})
 
 
-def held_out_loss(model, val: np.ndarray, cfg: Dict, device: str, max_windows: int = 64) -> float:
+def held_out_loss(model, val: np.ndarray, cfg: Dict, device: str, max_windows: int = 64,
+                  par: Parallel = None) -> float:
     import torch
 
+    par = par or Parallel()
     seq = cfg["seq"]
     starts = list(range(0, len(val) - seq - 1 + 1, seq))[:max_windows]
     total, n = 0.0, 0
@@ -284,7 +344,7 @@ def held_out_loss(model, val: np.ndarray, cfg: Dict, device: str, max_windows: i
     with torch.no_grad():
         for i in range(0, len(starts), cfg["batch"]):
             x, y = windows(val, starts[i:i + cfg["batch"]], seq)
-            total += float(model.loss(x.to(device), y.to(device))) * len(x)
+            total += float(par.mean(model.loss(par.split(x).to(device), par.split(y).to(device)))) * len(x)
             n += len(x)
     model.train()
     return total / n
@@ -315,16 +375,19 @@ def set_lr(opt, lr: float) -> None:
             group["lr"].fill_(lr)  # (stream-ordered before the next step or graph replay)
 
 
-def train_step(model, opt, x, y, tp_group=None):
-    """One optimizer step on a batch: the loss (a device tensor)."""
+def train_step(model, opt, x, y, par: Parallel = None):
+    """One optimizer step on a batch: the loss (a device tensor; with context parallelism the mean of
+    the ranks', each over its chunks of the sequences)."""
     from mxmla.nn.tp import clip_grad_norm_
 
-    loss = model.loss(x, y)
+    par = par or Parallel()
+    loss = model.loss(par.split(x), par.split(y))
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    clip_grad_norm_(model, 1.0, tp_group)  # the whole model's norm (sharded weights summed over the ranks)
+    par.mean_grads(model)
+    clip_grad_norm_(model, 1.0, par.tp_group)  # the whole model's norm (sharded weights summed over the ranks)
     opt.step()
-    return loss
+    return par.mean(loss.detach())
 
 
 class GraphedStep:
@@ -351,7 +414,7 @@ class GraphedStep:
 
 
 def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Dict, seed: int, device: str,
-                 log_every: int, tp_group=None, cuda_graph: bool = False) -> Dict:
+                 log_every: int, par: Parallel = None, cuda_graph: bool = False) -> Dict:
     import torch
 
     torch.manual_seed(seed)
@@ -381,7 +444,7 @@ def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Di
             loss = graphed(x, y)
         else:
             set_lr(opt, lr)
-            loss = train_step(model, opt, x.to(device, non_blocking=True), y.to(device, non_blocking=True), tp_group)
+            loss = train_step(model, opt, x.to(device, non_blocking=True), y.to(device, non_blocking=True), par)
         pending.append(loss.detach())
         if (step + 1) % log_every == 0 or step + 1 == cfg["steps"]:
             losses += torch.stack(pending).float().tolist()
@@ -393,7 +456,7 @@ def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Di
             print(f"[{recipe}] step {step + 1:>{len(str(cfg['steps']))}}/{cfg['steps']}  loss {losses[-1]:.4f}  "
                   f"lr {lr:.2e}  {dt:6.1f} s  {tokens * (step + 1) / dt / 1e3:7.1f}k tok/s", flush=True)
     seconds = time.perf_counter() - t0
-    return dict(losses=losses, seconds=seconds, held_out=held_out_loss(model, val, cfg, device))
+    return dict(losses=losses, seconds=seconds, held_out=held_out_loss(model, val, cfg, device, par=par))
 
 
 def final_loss(losses: Sequence[float]) -> float:
@@ -447,14 +510,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("train_mla.py: needs torch (pip install torch)", file=sys.stderr)
         return 2
     device, why_cpu = pick_device(args.device)
-    tp_group, device, rank = init_tp(args.tp, device)
+    par, device, rank = init_parallel(args.tp, args.cp, device)
     if rank != 0:  # one rank reports and writes the outputs
         sys.stdout = open(os.devnull, "w")
     base = GPU_CONFIG if device.startswith("cuda") else CPU_CONFIG
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in SIZE_KEYS}
-    if args.sp and cfg["seq"] % args.tp:
-        print(f"train_mla.py: --sp: the sequence length ({cfg['seq']}) must be a multiple of --tp ({args.tp}); "
-              f"give --seq", file=sys.stderr)
+    if cfg["seq"] % (2 * args.cp):
+        print(f"train_mla.py: --cp: the sequence length ({cfg['seq']}) must be a multiple of 2 x --cp "
+              f"({2 * args.cp}); give --seq", file=sys.stderr)
+        return 2
+    if args.sp and (cfg["seq"] // args.cp) % args.tp:
+        print(f"train_mla.py: --sp: the sequence length ({cfg['seq']}) / --cp ({args.cp}) must be a multiple of "
+              f"--tp ({args.tp}); give --seq", file=sys.stderr)
         return 2
     if args.cuda_graph and not device.startswith("cuda"):
         print(f"train_mla.py: --cuda-graph needs a CUDA device ({why_cpu or 'the device is ' + device})",
@@ -471,7 +538,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     models = {}
     for recipe in args.recipes:
         try:
-            models[recipe] = build_model(recipe, cfg, args.seed, device, mla_dims(cfg, args.recipes, device), tp_group,
+            models[recipe] = build_model(recipe, cfg, args.seed, device, mla_dims(cfg, args.recipes, device, args.cp), par,
                                          args.deterministic, args.sp)
         except (NotImplementedError, ValueError) as e:
             print(f"train_mla.py: --recipe {recipe}: {e}", file=sys.stderr)
@@ -484,6 +551,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{model_cfg['nope_dim']}/{model_cfg['rope_dim']}/{model_cfg['v_dim']}, SwiGLU {model_cfg['inter_dim']}), "
           f"{n_params / 1e6:.2f} M parameters{' on this rank' if args.tp > 1 else ''}; device {device}"
           f"{f'; tensor parallel over {args.tp} ranks' if args.tp > 1 else ''}"
+          f"{f'; context parallel over {args.cp} ranks' if args.cp > 1 else ''}"
           f"{', sequence parallel' if args.sp else ''}", flush=True)
     print(f"training: {cfg['steps']} steps x {cfg['batch']} sequences x {cfg['seq']} bytes, peak lr {cfg['lr']}, "
           f"seed {args.seed}; recipes {', '.join(args.recipes)}", flush=True)
@@ -495,8 +563,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.load is not None:
             load_model(model, checkpoint_path(args.load, recipe))
             print(f"[{recipe}] loaded {checkpoint_path(args.load, recipe)}: held-out loss "
-                  f"{held_out_loss(model, val, cfg, device):.4f}", flush=True)
-        results[recipe] = r = train_recipe(recipe, model, train, val, cfg, args.seed, device, log_every, tp_group,
+                  f"{held_out_loss(model, val, cfg, device, par=par):.4f}", flush=True)
+        results[recipe] = r = train_recipe(recipe, model, train, val, cfg, args.seed, device, log_every, par,
                                            args.cuda_graph)
         if args.save:
             save_model(model, checkpoint_path(out, recipe), rank)
@@ -519,7 +587,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a, b = results[first], results[recipe]
         print(f"final loss gap {recipe} - {first}: {final_loss(b['losses']) - final_loss(a['losses']):+.4f} "
               f"(training), {b['held_out'] - a['held_out']:+.4f} (held-out)", flush=True)
-    if tp_group is not None:
+    if args.tp > 1 or args.cp > 1:
         import torch.distributed as dist
 
         dist.barrier()  # no rank tears the group down while another still reads its last message

@@ -37,7 +37,7 @@ else:
 
 _OP = "mxmla.attention"
 _LAYOUT_OP = "mxmla.qkv_layout"
-_NOT_DIFF = "its backward is not implemented yet"
+_NOT_DIFF = "the op is forward only: mxmla.MXFP8Attention and mxmla.nn.DotProductAttention carry its gradient"
 
 #: The tensor formats: [s, b, h, d], [b, s, h, d], [b, h, s, d], and [t, h, d] (packed sequences).
 FORMATS = ("sbhd", "bshd", "bhsd", "thd")

@@ -44,8 +44,8 @@ else:
     Array = Any
 
 _OP = "mxmla.fused_q_uproj_rope_quant"
-_NOT_DIFF = "its backward is not implemented yet: use rope_backward_quantize and the backward GEMMs in your own " \
-            "torch.autograd.Function"
+_NOT_DIFF = "the op is forward only: mxmla.nn.MLAQUpProj carries its gradient (rope_backward_quantize and the " \
+            "backward GEMMs)"
 
 
 def _qproj_options(nope_dim: int, rope_dim: int, style: str, layout: str, batch: int, weight_layout: str,

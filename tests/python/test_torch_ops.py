@@ -392,7 +392,8 @@ def test_non_differentiable_ops_raise_instead_of_cutting_the_graph():
     w = torch.randint(-2, 3, (192, 64)).to(torch.bfloat16)
     c2, s2 = mxmla.rope_tables(torch.arange(32))
     with pytest.raises(RuntimeError, match="mxmla.fused_q_uproj_rope_quant: argument 'x': requires grad, but "
-                                           "fused_q_uproj_rope_quant has no gradient \\(its backward is not implemented"):
+                                           "fused_q_uproj_rope_quant has no gradient \\(the op is forward only: "
+                                           "mxmla.nn.MLAQUpProj"):
         mxmla.fused_q_uproj_rope_quant(xf, w, c2, s2)
     with pytest.raises(RuntimeError, match="argument 'w': requires grad"):
         mxmla.fused_q_uproj_rope_quant(xf.detach(), w.requires_grad_(), c2, s2)

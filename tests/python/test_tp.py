@@ -58,6 +58,18 @@ def _run_rank(rank, world, init_file, result_file, case, device, *args):
         raise
 
 
+def tp_slice(tp_mla, name, whole, tp_rank):
+    """The part of `whole` (a tensor of the unsharded MLA's parameter `name`) that tp_mla holds on tensor
+    parallel rank tp_rank: its heads' rows (wq / wq_b, wkv_b), their columns (wo), or all (replicated)."""
+    shards = {n: (per, col) for n, per, col in tp_mla._sharded()}
+    mod = name.rsplit(".", 1)[0]
+    if mod not in shards:
+        return whole
+    per, col = shards[mod]
+    lo, hi = tp_rank * tp_mla.local_heads * per, (tp_rank + 1) * tp_mla.local_heads * per
+    return whole[:, lo:hi] if col else whole[lo:hi]
+
+
 def _mla_case(rank, world, device, backend, recipe, layout, q_lora, sp):
     """MLA at tp 2 against tp 1 on the same weights: the output, the input gradient and every
     parameter's gradient; the unsharded state dict both ways."""
@@ -85,16 +97,8 @@ def _mla_case(rank, world, device, backend, recipe, layout, q_lora, sp):
         res.append((o.detach() if m is tp else mine(o.detach()), xi.grad if m is tp else mine(xi.grad)))
     bound = 2.0 ** -7 if recipe == "bf16" else 2.0 ** -4
     errs = {"out": _rel(res[1][0], res[0][0]), "dx": _rel(res[1][1], res[0][1])}
-    lh = tp.local_heads
-    shards = {n: (per, col) for n, per, col in tp._sharded()}
     for name, p in tp.named_parameters():
-        ref = dict(full.named_parameters())[name].grad
-        mod = name.rsplit(".", 1)[0]
-        if mod in shards:
-            per, col = shards[mod]
-            lo, hi = rank * lh * per, (rank + 1) * lh * per
-            ref = ref[:, lo:hi] if col else ref[lo:hi]
-        errs[name] = _rel(p.grad, ref)
+        errs[name] = _rel(p.grad, tp_slice(tp, name, dict(full.named_parameters())[name].grad, rank))
     bad = {k: v for k, v in errs.items() if not v <= bound}
     same = reload_ok = True
     if backend == "nccl" or device == "cpu":  # the unsharded state dict round trip (not gloo on CUDA tensors)

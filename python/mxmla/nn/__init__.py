@@ -11,6 +11,9 @@
   projection and quantized from their views of its output (no concatenation passes either way).
 - ``DotProductAttention``: MXFP8 attention with autograd (bf16 q, k, v quantized to MXFP8 with both
   copies; saved: the MXFP8 tensors, O and LSE; the backward returns bf16 gradients).
+- ``context_parallel_attention``, ``cp_split``, ``cp_gather``: context parallelism (a sequence split
+  over a process group's ranks, keys and values passed around a ring; mxmla.nn.cp), also through
+  ``cp_group=`` of DotProductAttention, MLA, Block and Decoder.
 - ``RMSNorm``, ``SwiGLU`` (DeepSeek-V3's dense MLP), ``Linear`` (the one place a recipe's GEMM runs),
   ``Block`` and ``Decoder`` (256 byte tokens, N blocks, final norm, LM head).
 - ``config_kwargs``, ``load_pretrained``, ``read_checkpoint``, ``pretrained_state_dict``: DeepSeek-V2 / V3 checkpoints
@@ -35,6 +38,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
     raise ImportError("mxmla.nn needs torch (pip install torch); the rest of mxmla works without it") from e
 
 from ..attention_autograd import DotProductAttention
+from .cp import context_parallel_attention, cp_gather, cp_split
 from .decoder import Block, Decoder, byte_tokens
 from .layers import RECIPES, BlockFP8LinearFunction, Linear, MXFP8LinearFunction, RMSNorm, SwiGLU, check_recipe, \
     invalidate_weight_caches
@@ -44,4 +48,4 @@ from .qproj import MLAQUpProj, attention_from_latent, attention_from_mxfp8_q
 
 __all__ = ["MLA", "MLAQUpProj", "attention_from_mxfp8_q", "attention_from_latent", "DotProductAttention", "MXFP8LinearFunction", "BlockFP8LinearFunction", "RMSNorm", "SwiGLU", "Linear", "Block", "Decoder", "RECIPES", "check_recipe", "byte_tokens",
            "config_kwargs", "load_pretrained", "pretrained_state_dict", "read_checkpoint",
-           "invalidate_weight_caches"]
+           "invalidate_weight_caches", "context_parallel_attention", "cp_split", "cp_gather"]

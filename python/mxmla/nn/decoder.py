@@ -30,14 +30,16 @@ class Block(nn.Module):
 
     tp_group: both MLA and the MLP tensor parallel (see there). sequence_parallel: with tp_group, x
     and the output are this rank's slice of the sequence; the norms normalize the slice (their weight
-    gradients summed over the ranks), MLA and the MLP gather it and reduce-scatter their outputs."""
+    gradients summed over the ranks), MLA and the MLP gather it and reduce-scatter their outputs.
+    cp_group: MLA context parallel (see there): x is this rank's two chunks of each sequence; the
+    norms and the MLP work on them as they are."""
 
     def __init__(self, hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, nope_dim: int, rope_dim: int,
                  v_dim: int, inter_dim: int, recipe: str = "bf16", yarn: Any = None, *, max_seq_len: int = 4096,
                  rope_base: float = 10000.0, norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
                  out_init_std: Optional[float] = None, seed: int = 0, tp_group: Any = None,
-                 deterministic: bool = False, sequence_parallel: bool = False):
+                 deterministic: bool = False, sequence_parallel: bool = False, cp_group: Any = None):
         super().__init__()
         check_recipe(recipe, "mxmla.nn.Block")
         sequence_parallel = check_bool("mxmla.nn.Block", "sequence_parallel", sequence_parallel)
@@ -47,7 +49,8 @@ class Block(nn.Module):
         self.attn = MLA(hidden, heads, q_lora_rank, kv_lora_rank, nope_dim, rope_dim, v_dim, recipe, yarn,
                         rope_base=rope_base, max_seq_len=max_seq_len, norm_eps=norm_eps, dtype=dtype,
                         params_dtype=params_dtype, init_std=init_std, out_init_std=out_init_std, seed=child_seed(g),
-                        tp_group=tp_group, deterministic=deterministic, sequence_parallel=sequence_parallel)
+                        tp_group=tp_group, deterministic=deterministic, sequence_parallel=sequence_parallel,
+                        cp_group=cp_group)
         self.ffn_norm = RMSNorm(hidden, norm_eps, params_dtype)
         self.ffn = SwiGLU(hidden, inter_dim, recipe, dtype, params_dtype, init_std, out_init_std, seed=child_seed(g),
                           tp_group=tp_group, sequence_parallel=sequence_parallel)
@@ -94,6 +97,10 @@ class Decoder(UnshardedStateDict, nn.Module):
             the tp size), so the residual stream, the blocks' norms and the activations saved around
             them take 1/tp of the memory; the blocks gather the sequence for MLA and the MLP and
             reduce-scatter their outputs, the final norm and the head run on the gathered sequence.
+        cp_group: context parallelism of every block's attention (see mxmla.nn.MLA): forward's tokens
+            [b, s] are this rank's two chunks of each sequence (mxmla.nn.cp_split of the whole
+            tokens along dim 1, the targets split the same way); the logits and loss are the rank's
+            tokens'; the parameters' gradients are to be summed over the group. bshd tokens only.
         deterministic: every MLA block's attention backward in a fixed summation order (see MLA).
         device: where the model lives.
 
@@ -108,7 +115,7 @@ class Decoder(UnshardedStateDict, nn.Module):
                  max_seq_len: int = 1024, recipe: str = "bf16", yarn: Any = None, *, rope_base: float = 10000.0,
                  norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16, params_dtype: Optional[torch.dtype] = None,
                  init_std: float = 0.02, seed: int = 0, device: Any = None, tp_group: Any = None,
-                 deterministic: bool = False, sequence_parallel: bool = False):
+                 deterministic: bool = False, sequence_parallel: bool = False, cp_group: Any = None):
         super().__init__()
         what = "mxmla.nn.Decoder"
         self.sequence_parallel = check_bool(what, "sequence_parallel", sequence_parallel)
@@ -135,7 +142,7 @@ class Decoder(UnshardedStateDict, nn.Module):
                   cfg["inter_dim"], recipe, yarn, max_seq_len=max_seq_len, rope_base=rope_base, norm_eps=norm_eps,
                   dtype=dtype, params_dtype=params_dtype, init_std=init_std, out_init_std=out_std,
                   seed=child_seed(g), tp_group=tp_group, deterministic=deterministic,
-                  sequence_parallel=sequence_parallel)
+                  sequence_parallel=sequence_parallel, cp_group=cp_group)
             for _ in range(layers))
         self.norm = RMSNorm(hidden, norm_eps, params_dtype)
         # the output head in bf16 under every recipe (DeepSeek-V3 §3.3.1 keeps it in higher precision)

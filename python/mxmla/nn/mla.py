@@ -203,6 +203,17 @@ class MLA(UnshardedStateDict, nn.Module):
             sums are reduce-scattered into the output's slice instead of all-reduced. cu_seqlens then
             describe the whole (gathered) packed sequence. Without tp_group (or at tp 1) it changes
             nothing.
+        cp_group: a torch.distributed process group for context parallelism (None: none). forward's
+            x is then this rank's part of every sequence (bshd / sbhd): chunks r and 2·cp−1−r of 2·cp
+            equal chunks (mxmla.nn.cp_split), its RoPE positions those chunks' positions
+            (mxmla.positions_context_parallel), and the attention runs over the whole sequence with
+            mxmla.nn.context_parallel_attention (keys and values around the ring of ranks; under
+            "mxfp8" in MXFP8, each chunk quantized on its own; under "bf16" and "block-fp8" mxmla's
+            bf16 attention). Every Linear works on the rank's tokens only; the parameters'
+            gradients are the rank's parts, to be summed over the group (as data parallelism sums
+            them: Megatron reduces over data x context parallel ranks). Under "mxfp8" the query's
+            up-projection is then an MXFP8 Linear followed by RoPE (not the fused op). Needs dtype
+            bf16, an even local length, and max_seq_len >= the whole sequence (cp x the local length).
 
     forward(x, cu_seqlens=None, layout=None) -> [.., hidden] in the compute dtype, same layout as x.
     Attention is causal (top-left) within each sequence; with thd, each sequence of cu_seqlens
@@ -215,7 +226,8 @@ class MLA(UnshardedStateDict, nn.Module):
                  layout: str = "bshd", norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
                  out_init_std: Optional[float] = None, seed: int = 0, device: Any = None, tp_group: Any = None,
-                 deterministic: bool = False, delay_wgrad: bool = True, sequence_parallel: bool = False):
+                 deterministic: bool = False, delay_wgrad: bool = True, sequence_parallel: bool = False,
+                 cp_group: Any = None):
         super().__init__()
         what = "mxmla.nn.MLA"
         self.deterministic = check_bool(what, "deterministic", deterministic)
@@ -239,6 +251,15 @@ class MLA(UnshardedStateDict, nn.Module):
                              f"({v_dim}) to be multiples of 32 (the MXFP8 blocks of q, k and v along the head dim)")
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = tp_size_rank(tp_group)
+        self.cp_group = cp_group
+        self.cp_size, self.cp_rank = tp_size_rank(cp_group)
+        if self.cp_size > 1 and self.dtype != torch.bfloat16:
+            raise ValueError(f"{what}: cp_group (context parallelism) runs mxmla's attention, which takes bf16 or "
+                             f"MXFP8 operands: dtype must be torch.bfloat16, got {self.dtype}")
+        if self.cp_size > 1 and ((nope_dim + rope_dim) % 32 or v_dim % 32):
+            raise ValueError(f"{what}: cp_group (context parallelism) runs mxmla's attention under every recipe: "
+                             f"nope_dim + rope_dim ({nope_dim + rope_dim}) and v_dim ({v_dim}) must be multiples of "
+                             "32 (on a GPU its kernel's head dims, 128 or 192 and 128)")
         if heads % self.tp_size:
             raise ValueError(f"{what}: heads ({heads}) must be divisible by the tensor-parallel size ({self.tp_size})")
         self.local_heads = heads // self.tp_size
@@ -293,11 +314,26 @@ class MLA(UnshardedStateDict, nn.Module):
         return [(q, self.qk_dim, False), ("wkv_b", self.nope_dim + self.v_dim, False), ("wo", self.v_dim, True)]
 
     # ------------------------------------------------------------------ pieces
-    def _rope(self, x: torch.Tensor, layout: str, cu: Optional[List[int]]) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, layout: str, cu: Optional[List[int]],
+              tables: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """RoPE with the tables' rows by token position (tables: other rows, e.g. context parallelism's)."""
+        cos, sin = tables if tables is not None else (self.rope_cos, self.rope_sin)
         if x.dtype == torch.float64:
-            return rope_torch(x, self.rope_cos, self.rope_sin, layout, self.rope_dim, cu)
-        return _rope.apply_rope(x, self.rope_cos, self.rope_sin, style=ROPE_STYLE, layout=layout,
-                                rope_dim=self.rope_dim, cu_seqlens=cu)
+            return rope_torch(x, cos, sin, layout, self.rope_dim, cu)
+        return _rope.apply_rope(x, cos, sin, style=ROPE_STYLE, layout=layout, rope_dim=self.rope_dim, cu_seqlens=cu)
+
+    def _cp_tables(self, local_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables' rows at this context-parallel rank's positions (chunks r and 2·cp−1−r)."""
+        what = "mxmla.nn.MLA"
+        if local_len % 2:
+            raise ValueError(f"{what}: with cp_group, x's sequence dim ({local_len}) must be even: this rank's two "
+                             "equal chunks (mxmla.nn.cp_split)")
+        if local_len * self.cp_size > self.max_seq_len:
+            raise ValueError(f"{what}: with cp_group the whole sequence has cp x {local_len} = "
+                             f"{local_len * self.cp_size} tokens, more than max_seq_len={self.max_seq_len}")
+        pos = torch.as_tensor(_rope.positions_context_parallel(local_len, self.cp_size, self.cp_rank),
+                              dtype=torch.long, device=self.rope_cos.device)
+        return self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
 
     def _fused_q(self, lat: torch.Tensor, layout: str, cu: Optional[List[int]] = None):
         """(q8, anchor): the fused Q up-projection of the normalized latent (of x when q_lora_rank is 0)
@@ -346,7 +382,11 @@ class MLA(UnshardedStateDict, nn.Module):
         seq_dim = 1 if layout == "bshd" else 0
         if sp:  # this rank's slice of the sequence -> the whole sequence (Megatron's sequence parallelism)
             x = gather_from_sp(x, seq_dim, g)
+        cp = self.cp_size > 1
+        if cp and layout == "thd":
+            raise ValueError(f"{what}: cp_group (context parallelism) takes layout 'bshd' or 'sbhd', not 'thd'")
         cu, longest = sequences(what, x, layout, cu_seqlens, self.max_seq_len)
+        tables = self._cp_tables(longest) if cp else None
 
         # query: low-rank projection, RMSNorm, up-projection; RoPE on the trailing rope_dim of each head
         # (tensor parallel: the latents are replicated, copy_to_tp sums their gradients over the ranks'
@@ -354,7 +394,7 @@ class MLA(UnshardedStateDict, nn.Module):
         # sequence parallelism reduce-scattered into this rank's slice of the sequence)
         # wo's weight gradient after the rest of the block's backward: its anchor is recorded first
         defer = self.wo.deferred_wgrad() if self.delay_wgrad else None
-        fused_q = self.recipe == "mxfp8"
+        fused_q = self.recipe == "mxfp8" and not cp
         # the FP8 recipes: x quantized once for wq_a and wkv_a (one pass, one saved copy for their wgrads)
         xq = self.wkv_a.quantize_input(x) if (self.recipe != "bf16" and self.q_lora_rank
                                               and not torch.compiler.is_compiling()) else None
@@ -366,10 +406,10 @@ class MLA(UnshardedStateDict, nn.Module):
                 q = self.wq(copy_to_tp(x, g))
             else:
                 q = self.wq_b(copy_to_tp(self.q_norm(self.wq_a(x, x_quantized=xq)), g))
-            q = self._rope(q.unflatten(-1, (self.local_heads, self.qk_dim)), layout, cu)
+            q = self._rope(q.unflatten(-1, (self.local_heads, self.qk_dim)), layout, cu, tables)
         # key / value: the compressed latent (kv) and the shared rope key (one head)
         kv, k_pe = self.wkv_a(x, x_quantized=xq).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_pe = copy_to_tp(self._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu), g)
+        k_pe = copy_to_tp(self._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu, tables), g)
         lat = copy_to_tp(self.kv_norm(kv), g)
         if fused_q:  # kv_b, K = [k_nope | k_pe] and V in MXFP8 without concatenation passes, then attention
             from .qproj import attention_from_latent
@@ -384,7 +424,14 @@ class MLA(UnshardedStateDict, nn.Module):
             else:
                 k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
                 k = torch.cat([k_nope, k_pe.expand(*k_nope.shape[:-1], self.rope_dim)], dim=-1)
-            o = self._attention(q, k, v, layout, cu)
+            if cp:
+                from .cp import context_parallel_attention
+
+                o = context_parallel_attention(q, k, v, self.cp_group, causal=True, softmax_scale=self.softmax_scale,
+                                               layout=layout, fp8=self.recipe == "mxfp8",
+                                               deterministic=self.deterministic)
+            else:
+                o = self._attention(q, k, v, layout, cu)
         # the attention saves O (mxfp8: attention_from_latent; block-fp8: torch's SDPA in one call, not
         # thd's per-sequence calls and their concatenation): wo's wgrad quantizes O from it instead of
         # wo saving an FP8 copy of its own
@@ -400,4 +447,5 @@ class MLA(UnshardedStateDict, nn.Module):
                 f"softmax_scale={self.softmax_scale:.6g}, yarn={self.yarn!r}" +
                 (", deterministic=True" if self.deterministic else "") +
                 ("" if self.delay_wgrad else ", delay_wgrad=False") +
+                (f", cp={self.cp_size}" if self.cp_size > 1 else "") +
                 (", sequence_parallel=True" if self.sequence_parallel else ""))

@@ -1,0 +1,321 @@
+"""Context parallelism: attention over a sequence split across the ranks of a process group
+(TransformerEngine's ``cp_comm_type="p2p"``, Megatron-Core's ``context_parallel_size``).
+
+The split (Megatron's load balancing for causal attention): the sequence dim is cut into 2·cp equal
+chunks and rank r holds chunks r and 2·cp−1−r, in that order (``cp_split`` makes this rank's part,
+``cp_gather`` puts the parts back; ``mxmla.positions_context_parallel`` gives the RoPE positions of
+a rank's tokens). Every rank then does the same causal work.
+
+``context_parallel_attention(q, k, v, cp_group)``: the keys and values travel around a ring of the
+ranks (rank r sends to r+1 and receives from r−1) while each rank runs attention of its queries
+against the block it holds; the partial outputs are merged in fp32 through their log-sum-exps. With
+its two chunks written [q₀ | q₁] and the block of rank s as [k₀ | k₁], step i (s = r − i mod cp)
+computes, causal:
+
+    i = 0:            q₀·k₀ causal, q₁·k₀ full, q₁·k₁ causal   (the rank's own diagonal)
+    s < r (i <= r):   q₀·k₀ full, q₁·k₀ full                    (k₁ lies after both query chunks)
+    s > r (i > r):    q₁·k₀ full, q₁·k₁ full                    (q₀ lies before both key chunks)
+
+and without a mask all four pairs. The backward runs the same ring: each pair's gradients come from
+``attention_backward`` with the merged O and LSE (so P and D are the whole sequence's), dQ is summed
+here in fp32, and dK, dV are summed in fp32 accumulators that travel around the ring with the block
+and reach their owner after the last step.
+
+MXFP8: each chunk of q, k and v is quantized on its own (with both copies, in one pass). When the
+chunk length is a multiple of 32 its blocks are exactly the blocks of the unsplit sequence, so the
+dequantized inputs are those of attention without context parallelism. Only FP8 codes and E8M0
+scales travel in the forward's ring (K rowwise, V columnwise: half the bytes of bf16), the copies the
+backward's GEMMs read in its ring. bf16 inputs (``fp8=False``) run the same ring on mxmla's attention
+with bf16 operands.
+
+Against attention on the whole sequence, O differs by its partial outputs' bf16 roundings (each
+pair's O is rounded to bf16 before the fp32 merge, as in TransformerEngine's): at most a few units
+of bf16 rounding of O's magnitude; the gradients likewise by each pair's bf16 rounding before the fp32
+sums.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..attention import attention
+from ..attention_autograd import quantize_for_attention
+from ..attention_backward import attention_backward
+from ..mxfp8 import MXFP8Tensor
+from .tp import tp_size_rank
+
+_OP = "mxmla.nn.context_parallel_attention"
+_TAG_KV, _TAG_DKV = 11, 12
+
+
+def cp_size_rank(group: Any) -> Tuple[int, int]:
+    """(ranks, this rank) of a context-parallel group; (1, 0) for None."""
+    return tp_size_rank(group)
+
+
+def _seq_dim(what: str, layout: str) -> int:
+    if layout == "bshd":
+        return 1
+    if layout == "sbhd":
+        return 0
+    raise ValueError(f"{what}: argument 'layout': context parallelism takes 'bshd' or 'sbhd' (the sequence dim is "
+                     f"split into 2·cp chunks), got {layout!r}")
+
+
+def cp_split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """This rank's part of x along dim (the whole sequence): chunks r and 2·cp−1−r of 2·cp equal
+    chunks, concatenated. x.shape[dim] must be divisible by 2·cp."""
+    size, rank = cp_size_rank(group)
+    if size == 1:
+        return x
+    n = x.shape[dim]
+    if n % (2 * size):
+        raise ValueError(f"mxmla.nn.cp_split: the sequence dim (dim {dim}, {n}) must be divisible by 2·cp "
+                         f"({2 * size}): each rank holds two equal chunks")
+    chunks = x.chunk(2 * size, dim)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim)
+
+
+def cp_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """The whole sequence from every rank's part (the inverse of cp_split; not differentiable)."""
+    size, _ = cp_size_rank(group)
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    chunks: List[Optional[torch.Tensor]] = [None] * (2 * size)
+    for r, p in enumerate(parts):
+        a, b = p.chunk(2, dim)
+        chunks[r], chunks[2 * size - 1 - r] = a, b
+    return torch.cat(chunks, dim)  # type: ignore[arg-type]
+
+
+class _Ring:
+    """Point-to-point exchange with the ring's neighbours: send to rank r+1, receive from r−1 (NCCL: on
+    its own streams, overlapping the attention calls; gloo, which sends host memory only: CUDA tensors
+    staged through host copies)."""
+
+    def __init__(self, group: Any):
+        size, rank = cp_size_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        self.group, self.next, self.prev = group, ranks[(rank + 1) % size], ranks[(rank - 1) % size]
+        self.host = dist.get_backend(group) == "gloo"
+
+    def start(self, send: Sequence[torch.Tensor], tag: int) -> Tuple[list, List[torch.Tensor], List[Any]]:
+        devices = [t.device for t in send]
+        if self.host:
+            send = [t.cpu() for t in send]
+        recv = [torch.empty_like(t) for t in send]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
+        return dist.batch_isend_irecv(ops), recv, devices
+
+    @staticmethod
+    def wait(pending: Tuple[list, List[torch.Tensor], List[Any]]) -> List[torch.Tensor]:
+        reqs, recv, devices = pending
+        for q in reqs:
+            q.wait()
+        return [t.to(d) for t, d in zip(recv, devices)]
+
+
+_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def _keep(t: Any, rowwise: bool, columnwise: bool) -> Any:
+    """An MXFP8 tensor with only the copies asked for (a bf16 tensor as it is)."""
+    if not isinstance(t, MXFP8Tensor):
+        return t
+    return MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout, t.rowwise_data if rowwise else None,
+                       t.rowwise_scale_inv if rowwise else None, t.columnwise_data if columnwise else None,
+                       t.columnwise_scale_inv if columnwise else None, layout=t.layout, attention=t.attention)
+
+
+def _buffers(ts: Sequence[Any]) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+    for t in ts:
+        out += [getattr(t, f) for f in _FIELDS if getattr(t, f) is not None] if isinstance(t, MXFP8Tensor) else [t]
+    return out
+
+
+def _template(t: Any) -> Any:
+    """t's description without its memory (empty buffers where t has buffers): what _rebuild needs."""
+    if isinstance(t, MXFP8Tensor):
+        return MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout,
+                           *[None if getattr(t, f) is None else torch.empty(0) for f in _FIELDS],
+                           layout=t.layout, attention=t.attention)
+    return torch.empty(0)
+
+
+def _rebuild(like: Sequence[Any], bufs: Sequence[torch.Tensor]) -> List[Any]:
+    """Tensors shaped as `like` from the received buffers (the order of _buffers)."""
+    it, out = iter(bufs), []
+    for t in like:
+        if isinstance(t, MXFP8Tensor):
+            parts = [next(it) if getattr(t, f) is not None else None for f in _FIELDS]
+            out.append(MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout, *parts, layout=t.layout,
+                                   attention=t.attention))
+        else:
+            out.append(next(it))
+    return out
+
+
+def _pairs(step: int, rank: int, size: int, causal: bool) -> List[Tuple[int, int, bool]]:
+    """(query chunk, key chunk, causal) of the attention calls at ring step `step` (module docstring)."""
+    if not causal:
+        return [(0, 0, False), (0, 1, False), (1, 0, False), (1, 1, False)]
+    if step == 0:
+        return [(0, 0, True), (1, 0, False), (1, 1, True)]
+    if step <= rank:
+        return [(0, 0, False), (1, 0, False)]
+    return [(1, 0, False), (1, 1, False)]
+
+
+def _rows(lse: torch.Tensor, seq_dim: int) -> torch.Tensor:
+    """[b, h, s] per-row factors broadcast to O's [b, s, h, 1] (bshd) or [s, b, h, 1] (sbhd)."""
+    return (lse.transpose(1, 2) if seq_dim == 1 else lse.permute(2, 0, 1)).unsqueeze(-1)
+
+
+def _merge(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, seq_dim: int) -> None:
+    """acc ← the softmax-weighted union of acc and (o, lse), in place, fp32: LSE = log(e^a + e^b), O = O_a·e^(a−LSE)
+    + O_b·e^(b−LSE). Rows that neither saw (both −inf) stay O = 0, LSE = −inf; a NaN stays NaN."""
+    new = torch.logaddexp(acc_lse, lse)
+    gone = torch.isneginf(new)
+    w_old = torch.where(gone, 0.0, torch.exp(acc_lse - new))
+    w_new = torch.where(gone, 0.0, torch.exp(lse - new))
+    acc_o.mul_(_rows(w_old, seq_dim)).add_(o.float() * _rows(w_new, seq_dim))
+    acc_lse.copy_(new)
+
+
+class ContextParallelAttention(torch.autograd.Function):
+    """O = attention of this rank's queries against the whole sequence's keys (module docstring).
+
+    ``ContextParallelAttention.apply(q, k, v, cp_group, causal, softmax_scale, layout, fp8, fp8_format,
+    deterministic)`` → O (bf16)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
+                softmax_scale: Optional[float], layout: str, fp8: bool, fp8_format: str,
+                deterministic: bool) -> torch.Tensor:
+        size, rank = cp_size_rank(group)
+        dim = _seq_dim(_OP, layout)
+        c = q.shape[dim] // 2
+
+        def halves(x: torch.Tensor) -> List[Any]:
+            hs = [x.detach().narrow(dim, i * c, c) for i in range(2)]
+            return [quantize_for_attention(h, layout, fp8_format) if fp8 else h.contiguous() for h in hs]
+
+        qs, ks, vs = halves(q), halves(k), halves(v)
+        # the forward's ring carries K rowwise and V columnwise (what its GEMMs read)
+        kv = [_keep(t, True, False) for t in ks] + [_keep(t, False, True) for t in vs]
+        o_shape = list(q.shape[:-1]) + [int(v.shape[-1])]
+        b, h = (q.shape[0], q.shape[2]) if dim == 1 else (q.shape[1], q.shape[2])
+        acc_o = torch.zeros(o_shape, dtype=torch.float32, device=q.device)
+        acc_lse = torch.full((b, h, 2 * c), float("-inf"), dtype=torch.float32, device=q.device)
+        ring = _Ring(group) if size > 1 else None
+        for step in range(size):
+            pending = ring.start(_buffers(kv), _TAG_KV) if ring is not None and step + 1 < size else None
+            for qa, kb, blk_causal in _pairs(step, rank, size, causal):
+                o_b, lse_b = attention(qs[qa], kv[kb], kv[2 + kb], causal=blk_causal, softmax_scale=softmax_scale,
+                                       layout=layout, return_lse=True)
+                _merge(acc_o.narrow(dim, qa * c, c), acc_lse.narrow(2, qa * c, c), o_b, lse_b, dim)
+            if pending is not None:
+                kv = _rebuild(kv, _Ring.wait(pending))
+        o = acc_o.to(torch.bfloat16)
+        # saved: q's and k's chunks with both copies, v's rowwise (the backward's dP = dO·Vᵀ), O, LSE
+        saved = qs + ks + [_keep(t, True, False) for t in vs]
+        ctx.like = [_template(t) for t in saved]
+        ctx.save_for_backward(*_buffers(saved), o, acc_lse)
+        ctx.cfg = (group, causal, softmax_scale, layout, dim, c, deterministic)
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        group, causal, softmax_scale, layout, dim, c, deterministic = ctx.cfg
+        size, rank = cp_size_rank(group)
+        *bufs, o, lse = ctx.saved_tensors
+        saved = _rebuild(ctx.like, bufs)
+        qs, kv = saved[:2], saved[2:]
+        do = do.to(torch.bfloat16)
+        dos = [do.narrow(dim, i * c, c).contiguous() for i in range(2)]
+        os_ = [o.narrow(dim, i * c, c).contiguous() for i in range(2)]
+        lses = [lse.narrow(2, i * c, c).contiguous() for i in range(2)]
+        dq = torch.zeros(do.shape[:-1] + (_last(qs[0]),), dtype=torch.float32, device=do.device)
+        # dK, dV of the block held: fp32 sums that travel with it (k₀, k₁, v₀, v₁)
+        dkv = [torch.zeros(_shape(t), dtype=torch.float32, device=do.device) for t in kv]
+        ring = _Ring(group) if size > 1 else None
+        pending_dkv = None
+        for step in range(size):
+            pending = ring.start(_buffers(kv), _TAG_KV) if ring is not None and step + 1 < size else None
+            if pending_dkv is not None:
+                dkv = _Ring.wait(pending_dkv)
+            for qa, kb, blk_causal in _pairs(step, rank, size, causal):
+                g_q, g_k, g_v = attention_backward(dos[qa], qs[qa], kv[kb], kv[2 + kb], os_[qa], lses[qa],
+                                                   causal=blk_causal, softmax_scale=softmax_scale, layout=layout,
+                                                   deterministic=deterministic)
+                dq.narrow(dim, qa * c, c).add_(g_q.float())
+                dkv[kb].add_(g_k.float())
+                dkv[2 + kb].add_(g_v.float())
+            if ring is not None:  # the sums go on with the block; after the last step they reach its owner
+                pending_dkv = ring.start(dkv, _TAG_DKV)
+            if pending is not None:
+                kv = _rebuild(kv, _Ring.wait(pending))
+        if pending_dkv is not None:
+            dkv = _Ring.wait(pending_dkv)
+        dk = torch.cat(dkv[:2], dim).to(torch.bfloat16)
+        dv = torch.cat(dkv[2:], dim).to(torch.bfloat16)
+        return (dq.to(torch.bfloat16), dk, dv) + (None,) * 7
+
+
+def _shape(t: Any) -> Tuple[int, ...]:
+    """A chunk's shape in its format (an MXFP8 tensor's codes, either copy)."""
+    if isinstance(t, MXFP8Tensor):
+        return tuple(int(s) for s in (t.rowwise_data if t.rowwise_data is not None else t.columnwise_data).shape)
+    return tuple(t.shape)
+
+
+def _last(t: Any) -> int:
+    return _shape(t)[-1]
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Any, *,
+                               causal: bool = True, softmax_scale: Optional[float] = None, layout: str = "bshd",
+                               fp8: bool = True, fp8_format: str = "e4m3",
+                               deterministic: bool = False) -> torch.Tensor:
+    """Attention with autograd over a sequence split across cp_group's ranks (module docstring).
+
+    q [b, s, h, d_qk], k [b, s, h_kv, d_qk], v [b, s, h_kv, d_v] (bshd; sbhd: [s, b, ...]), bf16: this
+    rank's part of the sequence as ``cp_split`` makes it (chunks r and 2·cp−1−r), the same local
+    length s (even) on every rank, for q, k and v. causal: top-left over the whole sequence.
+    softmax_scale: None is d_qk^-0.5. fp8: quantize each chunk to MXFP8 (both copies) and run the
+    MXFP8 attention (default), or run the bf16 attention on the chunks as they are. deterministic:
+    the attention backward's fixed order (the ring's sums have one order anyway). cp_group None (or
+    one rank) is attention on the local sequence, through the same chunked path.
+
+    Returns O (bf16, q's layout and shape with d_v columns): this rank's rows of the whole sequence's
+    attention output."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 4:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{_OP}: argument '{name}': must be a 4-D torch.bfloat16 tensor ({layout}), "
+                            f"got {got}")
+    dim = _seq_dim(_OP, layout)
+    s = q.shape[dim]
+    if s % 2 or s == 0:
+        raise ValueError(f"{_OP}: argument 'q': this rank's sequence length ({s}, dim {dim}) must be even and "
+                         "positive (two equal chunks: cp_split)")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[dim] != s:
+            raise ValueError(f"{_OP}: argument '{name}': sequence length {t.shape[dim]} differs from q's {s} (context "
+                             "parallelism splits one sequence for q, k and v)")
+    if not isinstance(fp8, bool):
+        raise TypeError(f"{_OP}: argument 'fp8': must be a bool, got {type(fp8).__name__}")
+    if cp_group is not None and (not dist.is_available() or not dist.is_initialized()):
+        raise RuntimeError(f"{_OP}: cp_group given, but torch.distributed is not initialized")
+    return ContextParallelAttention.apply(q, k, v, cp_group, bool(causal), softmax_scale, layout, fp8, fp8_format,
+                                          bool(deterministic))
+
+
+__all__: Sequence[str] = ["context_parallel_attention", "ContextParallelAttention", "cp_split", "cp_gather",
+                          "cp_size_rank"]
