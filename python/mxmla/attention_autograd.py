@@ -115,9 +115,9 @@ class DotProductAttention(torch.nn.Module):
     (top-left; bottom_right=True aligns it to the end for s_q != s_kv); layout: "sbhd" (default),
     "bshd", "bhsd" or "thd" (then forward takes cu_seqlens_q / cu_seqlens_kv); fp8_format "e4m3" or
     "e5m2"; deterministic: the backward sums in a fixed order. cp_group: context parallelism
-    (TransformerEngine's cp_group with cp_comm_type "p2p"): q, k, v are this rank's two chunks of the
-    sequence (mxmla.nn.cp_split; sbhd / bshd) and the attention runs over the whole sequence through
-    mxmla.nn.context_parallel_attention."""
+    (TransformerEngine's cp_group with cp_comm_type "p2p"): q, k, v are this rank's two chunks of each
+    sequence (mxmla.nn.cp_split; sbhd / bshd, or thd with forward's cu_seqlens_q the whole sequences')
+    and the attention runs over the whole sequences through mxmla.nn.context_parallel_attention."""
 
     def __init__(self, softmax_scale: Optional[float] = None, causal: bool = True, layout: str = "sbhd",
                  bottom_right: bool = False, fp8_format: str = "e4m3", deterministic: bool = False,
@@ -126,9 +126,9 @@ class DotProductAttention(torch.nn.Module):
         what = "mxmla.nn.DotProductAttention"
         if layout not in ("sbhd", "bshd", "bhsd", "thd"):
             raise ValueError(f"{what}: layout must be 'sbhd', 'bshd', 'bhsd' or 'thd', got {layout!r}")
-        if cp_group is not None and (layout not in ("sbhd", "bshd") or bottom_right):
-            raise ValueError(f"{what}: cp_group (context parallelism) takes layout 'sbhd' or 'bshd' and the top-left "
-                             f"causal mask, got layout={layout!r}, bottom_right={bottom_right}")
+        if cp_group is not None and (layout == "bhsd" or bottom_right):
+            raise ValueError(f"{what}: cp_group (context parallelism) takes layout 'sbhd', 'bshd' or 'thd' and the "
+                             f"top-left causal mask, got layout={layout!r}, bottom_right={bottom_right}")
         self.softmax_scale, self.causal, self.layout = softmax_scale, causal, layout
         self.bottom_right, self.fp8_format, self.deterministic = bottom_right, fp8_format, deterministic
         self.cp_group = cp_group
@@ -137,14 +137,15 @@ class DotProductAttention(torch.nn.Module):
                 cu_seqlens_kv: Any = None, max_seqlen_q: Optional[int] = None,
                 max_seqlen_kv: Optional[int] = None) -> torch.Tensor:
         if self.cp_group is not None:
-            if cu_seqlens_q is not None or cu_seqlens_kv is not None:
-                raise ValueError("mxmla.nn.DotProductAttention: cu_seqlens with cp_group: context parallelism takes "
-                                 "sbhd / bshd sequences")
+            if cu_seqlens_kv is not None and cu_seqlens_kv is not cu_seqlens_q:
+                raise ValueError("mxmla.nn.DotProductAttention: with cp_group, q, k and v split the same sequences: "
+                                 "give cu_seqlens_q only (the whole sequences')")
             from .nn.cp import context_parallel_attention
 
             return context_parallel_attention(q, k, v, self.cp_group, causal=self.causal,
                                               softmax_scale=self.softmax_scale, layout=self.layout,
-                                              fp8_format=self.fp8_format, deterministic=self.deterministic)
+                                              cu_seqlens=cu_seqlens_q, fp8_format=self.fp8_format,
+                                              deterministic=self.deterministic)
         if cu_seqlens_kv is None:
             cu_seqlens_kv = cu_seqlens_q
         return MXFP8Attention.apply(q, k, v, self.causal, self.softmax_scale, self.layout, cu_seqlens_q,

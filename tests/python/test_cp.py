@@ -48,18 +48,23 @@ def _rel(a, b):
     return float((a - b).norm() / (b.norm() + 1e-30))
 
 
-def _f64_attention(q, k, v, causal, scale, seq_dim):
-    """float64 softmax(Q·Kᵀ·scale)·V of [b, s, h, d] (bshd) or [s, b, h, d] (sbhd), GQA by repeating K, V."""
-    if seq_dim == 0:
+def _f64_attention(q, k, v, causal, scale, layout, cu=None):
+    """float64 softmax(Q·Kᵀ·scale)·V of [b, s, h, d] (bshd), [s, b, h, d] (sbhd) or [t, h, d] (thd: the
+    sequences of cu attend to themselves only), GQA by repeating K, V."""
+    if layout == "thd":
+        q, k, v = (t.unsqueeze(0) for t in (q, k, v))
+    elif layout == "sbhd":
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
-    return o.transpose(0, 1) if seq_dim == 0 else o
+    n = s.shape[-1]
+    hidden = torch.ones(n, n, dtype=torch.bool).triu(1) if causal else torch.zeros(n, n, dtype=torch.bool)
+    if layout == "thd":  # no attention across sequences
+        seq_of = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
+        hidden |= seq_of[:, None] != seq_of[None, :]
+    o = torch.einsum("bhqk,bkhd->bqhd", s.masked_fill(hidden, float("-inf")).softmax(-1), v)
+    return o[0] if layout == "thd" else o.transpose(0, 1) if layout == "sbhd" else o
 
 
 def _dequantized(x, layout, fp8, columnwise=False):
@@ -70,12 +75,13 @@ def _dequantized(x, layout, fp8, columnwise=False):
 
     if not fp8:
         return x.double()
-    return mxmla.dequantize(quantize_for_attention(x, layout), columnwise=columnwise).double()
+    m = mxmla.quantize(x.flatten(1)) if layout == "thd" else quantize_for_attention(x, layout)  # thd: as [t, h·d]
+    return mxmla.dequantize(m, columnwise=columnwise).double().reshape(x.shape)
 
 
-def _attn_case(rank, world, device, backend, layout, causal, fp8, h_kv, dims, group="world"):
+def _attn_case(rank, world, device, backend, layout, causal, fp8, h_kv, dims, group="world", cu=None):
     """The ring's O and gradients (gathered) against the whole sequence's (on `device`; the float64
-    reference on the CPU)."""
+    reference on the CPU). thd: the sequences of cu (dims' s is their token count, b unused)."""
     import mxmla
     from mxmla.nn import DotProductAttention
     from mxmla.nn.cp import context_parallel_attention, cp_gather, cp_split
@@ -86,19 +92,19 @@ def _attn_case(rank, world, device, backend, layout, causal, fp8, h_kv, dims, gr
     g = torch.Generator().manual_seed(7)
 
     def rnd(heads, dd):
-        shape = (b, s, heads, dd) if seq == 1 else (s, b, heads, dd)
+        shape = (s, heads, dd) if layout == "thd" else (b, s, heads, dd) if seq == 1 else (s, b, heads, dd)
         return torch.randn(shape, generator=g).to(torch.bfloat16)
 
     q, k, v = rnd(h, d), rnd(h_kv, d), rnd(h_kv, dv)
     do = rnd(h, dv)
-    mine = [cp_split(t, seq, group).to(device).requires_grad_() for t in (q, k, v)]
-    o = context_parallel_attention(*mine, group, causal=causal, layout=layout, fp8=fp8)
-    o.backward(cp_split(do, seq, group).to(device))
-    got = [cp_gather(t, seq, group).cpu() for t in (o.detach(), *(m.grad for m in mine))]
+    mine = [cp_split(t, seq, group, cu).to(device).requires_grad_() for t in (q, k, v)]
+    o = context_parallel_attention(*mine, group, causal=causal, layout=layout, fp8=fp8, cu_seqlens=cu)
+    o.backward(cp_split(do, seq, group, cu).to(device))
+    got = [cp_gather(t, seq, group, cu).cpu() for t in (o.detach(), *(m.grad for m in mine))]
 
     scale = d ** -0.5
     ref_in = [_dequantized(t, layout, fp8, i == 2).requires_grad_() for i, t in enumerate((q, k, v))]
-    ref_o = _f64_attention(*ref_in, causal, scale, seq)
+    ref_o = _f64_attention(*ref_in, causal, scale, layout, cu)
     ref_o.backward(do.double())
     refs = [ref_o.detach()] + [t.grad for t in ref_in]
     errs, bad = {}, {}
@@ -115,9 +121,10 @@ def _attn_case(rank, world, device, backend, layout, causal, fp8, h_kv, dims, gr
     # against mxmla's own attention of the whole sequence (no ring, no merge)
     qw, kw, vw = (t.to(device).clone().requires_grad_() for t in (q, k, v))
     if fp8:
-        whole = DotProductAttention(causal=causal, layout=layout)(qw, kw, vw)
+        whole = DotProductAttention(causal=causal, layout=layout)(qw, kw, vw, cu_seqlens_q=cu)
     else:
-        whole = mxmla.attention(*(t.to(device) for t in (q, k, v)), causal=causal, layout=layout)
+        whole = mxmla.attention(*(t.to(device) for t in (q, k, v)), causal=causal, layout=layout, cu_seqlens_q=cu,
+                                cu_seqlens_kv=cu)
     whole = whole.detach().cpu()
     gap = float((got[0].double() - whole.double()).abs().max() / whole.double().abs().max())
     errs["o_vs_whole"] = gap
@@ -139,6 +146,18 @@ CASES = [  # (cp, layout, causal, fp8, h_kv)
 def test_context_parallel_attention_matches_the_whole_sequence(cp, layout, causal, fp8, h_kv):
     dims = (2, 2 * cp * 32, 2, 64, 32)  # b, whole s (chunks of 32 tokens), h, d_qk, d_v
     for r, res in enumerate(_spawn(cp, _attn_case, layout, causal, fp8, h_kv, dims)):
+        assert not res["bad"], (r, res["errs"], res["bad"])
+
+
+@pytest.mark.parametrize("cp,causal,fp8", [(2, True, True), (3, True, True), (2, False, False)])
+def test_packed_sequences(cp, causal, fp8):
+    """thd: sequences of 2·cp·{32, 0, 64, 8} tokens (an empty one, chunks of 8 tokens: MXFP8 tail blocks)
+    split per sequence, each attending to itself only."""
+    lens = [2 * cp * n for n in (32, 0, 64, 8)]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    for r, res in enumerate(_spawn(cp, _attn_case, "thd", causal, fp8, 2, (1, cu[-1], 4, 64, 32), "world", cu)):
         assert not res["bad"], (r, res["errs"], res["bad"])
 
 
@@ -168,14 +187,25 @@ def test_bad_input_gets_clear_errors():
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="even"):
         context_parallel_attention(q[:, :7], q[:, :7], q[:, :7], None)
-    with pytest.raises(ValueError, match="argument 'k'.*differs from q"):
+    with pytest.raises(ValueError, match="argument 'k': 6 tokens .* differ from q's 8"):
         context_parallel_attention(q, q[:, :6], q, None)
-    with pytest.raises(ValueError, match="'bshd' or 'sbhd'"):
-        context_parallel_attention(q, q, q, None, layout="thd")
+    with pytest.raises(ValueError, match="'bshd', 'sbhd' or 'thd'"):
+        context_parallel_attention(q, q, q, None, layout="bhsd")
     with pytest.raises(TypeError, match="argument 'v'.*bfloat16"):
         context_parallel_attention(q, q, q.float(), None)
-    with pytest.raises(ValueError, match="cp_group.*'sbhd' or 'bshd'"):
-        DotProductAttention(layout="thd", cp_group=object())
+    with pytest.raises(TypeError, match="argument 'q'.*3-D"):
+        context_parallel_attention(q, q, q, None, layout="thd", cu_seqlens=[0, 8])
+    t = q[0]  # [8, 2, 64] packed
+    with pytest.raises(ValueError, match="'cu_seqlens'.*needs the whole sequences'"):
+        context_parallel_attention(t, t, t, None, layout="thd")
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0.*end at the token count 8"):
+        context_parallel_attention(t, t, t, None, layout="thd", cu_seqlens=[0, 6])
+    with pytest.raises(ValueError, match="multiple of 2·cp \\(2\\).*lengths \\[3, 3\\]"):
+        context_parallel_attention(t, t, t, None, layout="thd", cu_seqlens=[0, 2, 5, 8])
+    with pytest.raises(ValueError, match="'cu_seqlens': is for layout 'thd'"):
+        context_parallel_attention(q, q, q, None, cu_seqlens=[0, 8])
+    with pytest.raises(ValueError, match="cp_group.*'sbhd', 'bshd' or 'thd'"):
+        DotProductAttention(layout="bhsd", cp_group=object())
     with pytest.raises(RuntimeError, match="not initialized"):
         context_parallel_attention(q, q, q, object())
     with pytest.raises(ValueError, match="divisible by 2·cp"):
@@ -213,15 +243,21 @@ def _mla_case(rank, world, device, backend, recipe, layout):
     seq = 1 if layout == "bshd" else 0
     g = torch.Generator().manual_seed(3)
     s = 2 * world * 32
-    shape = (2, s, kw["hidden"]) if seq == 1 else (s, 2, kw["hidden"])
+    cu = None
+    if layout == "thd":  # three packed sequences of 2·cp·{32, 8, 16} tokens
+        cu = [0, 2 * world * 32, 2 * world * 40, 2 * world * 56]
+        shape = (cu[-1], kw["hidden"])
+    else:
+        shape = (2, s, kw["hidden"]) if seq == 1 else (s, 2, kw["hidden"])
     x, dy = (torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
     xw = x.clone().requires_grad_()
-    whole(xw).backward(dy)
-    xs = cp_split(x, seq, group).requires_grad_()
-    split(xs).backward(cp_split(dy, seq, group))
+    whole(xw, cu_seqlens=cu).backward(dy)
+    xs = cp_split(x, seq, group, cu).requires_grad_()
+    split(xs, cu_seqlens=cu).backward(cp_split(dy, seq, group, cu))
     with torch.no_grad():
-        y_whole, y_split = whole(x), cp_gather(split(cp_split(x, seq, group)), seq, group)
-    pairs = [("y", y_split, y_whole), ("dx", cp_gather(xs.grad, seq, group), xw.grad)]
+        y_whole = whole(x, cu_seqlens=cu)
+        y_split = cp_gather(split(cp_split(x, seq, group, cu), cu_seqlens=cu), seq, group, cu)
+    pairs = [("y", y_split, y_whole), ("dx", cp_gather(xs.grad, seq, group, cu), xw.grad)]
     for (name, p), (_, p2) in zip(split.named_parameters(), whole.named_parameters()):
         gsum = p.grad.clone()
         dist.all_reduce(gsum, group=group)
@@ -231,7 +267,7 @@ def _mla_case(rank, world, device, backend, recipe, layout):
 
 
 @pytest.mark.parametrize("cp,recipe,layout", [(2, "bf16", "bshd"), (2, "mxfp8", "bshd"), (3, "mxfp8", "sbhd"),
-                                              (2, "block-fp8", "sbhd")])
+                                              (2, "block-fp8", "sbhd"), (2, "mxfp8", "thd"), (3, "bf16", "thd")])
 def test_mla_context_parallel_matches_the_whole_sequence(cp, recipe, layout):
     for r, res in enumerate(_spawn(cp, _mla_case, recipe, layout)):
         assert not res["bad"], (r, res["errs"], res["bad"])
@@ -250,18 +286,23 @@ def test_cuda_one_rank_runs_the_chunked_path():
 
 
 @ON_GPU
-@pytest.mark.parametrize("fp8,causal", [(True, True), (False, True), (True, False)])
-def test_cuda_context_parallel_attention_on_one_gpu(fp8, causal):
+@pytest.mark.parametrize("fp8,causal,layout", [(True, True, "bshd"), (False, True, "bshd"), (True, False, "bshd"),
+                                               (True, True, "thd")])
+def test_cuda_context_parallel_attention_on_one_gpu(fp8, causal, layout):
     """Two processes on the one GPU (gloo: the ring's buffers staged through the host): the CUDA kernels
-    on the chunks, the ring's logic as on two GPUs."""
-    for r, res in enumerate(_spawn(2, _attn_case, "bshd", causal, fp8, 2, GPU_DIMS, device="cuda")):
+    on the chunks, the ring's logic as on two GPUs. thd: sequences of 4·{64, 0, 96, 8} tokens."""
+    cu, dims = None, GPU_DIMS
+    if layout == "thd":
+        cu = [0, 256, 256, 640, 672]
+        dims = (1, cu[-1]) + GPU_DIMS[2:]
+    for r, res in enumerate(_spawn(2, _attn_case, layout, causal, fp8, 2, dims, "world", cu, device="cuda")):
         assert not res["bad"], (r, res["errs"], res["bad"])
 
 
 @ON_GPU
-@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
-def test_cuda_mla_context_parallel_on_one_gpu(recipe):
-    for r, res in enumerate(_spawn(2, _mla_case, recipe, "bshd", device="cuda")):
+@pytest.mark.parametrize("recipe,layout", [("mxfp8", "bshd"), ("block-fp8", "bshd"), ("mxfp8", "thd")])
+def test_cuda_mla_context_parallel_on_one_gpu(recipe, layout):
+    for r, res in enumerate(_spawn(2, _mla_case, recipe, layout, device="cuda")):
         assert not res["bad"], (r, res["errs"], res["bad"])
 
 
@@ -278,7 +319,7 @@ def test_two_gpus_mla_context_parallel_nccl():
         assert not res["bad"], (r, res["errs"], res["bad"])
 
 
-def _decoder_case(rank, world, device, backend, recipe):
+def _decoder_case(rank, world, device, backend, recipe, packed=False):
     """Decoder(cp_group): the mean of the ranks' losses and the ranks' summed (/ cp) gradients against the
     whole sequence's loss and gradients."""
     import mxmla.nn as mnn
@@ -288,11 +329,17 @@ def _decoder_case(rank, world, device, backend, recipe):
     kw = dict(hidden=64, layers=2, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
               inter_dim=96, max_seq_len=256, recipe=recipe, seed=4)
     whole, split = mnn.Decoder(**kw), mnn.Decoder(**kw, cp_group=group)
-    tokens = torch.randint(0, 256, (2, 2 * world * 32 + 1), generator=torch.Generator().manual_seed(9))
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    lw = whole.loss(x, y)
+    gen = torch.Generator().manual_seed(9)
+    if packed:  # sequences of 2·cp·{32, 16} tokens, packed; random targets
+        cu = [0, 2 * world * 32, 2 * world * 48]
+        x, y = (torch.randint(0, 256, (cu[-1],), generator=gen) for _ in range(2))
+        dim = 0
+    else:
+        tokens = torch.randint(0, 256, (2, 2 * world * 32 + 1), generator=gen)
+        x, y, cu, dim = tokens[:, :-1], tokens[:, 1:], None, 1
+    lw = whole.loss(x, y, cu_seqlens=cu)
     lw.backward()
-    ls = split.loss(cp_split(x, 1, group), cp_split(y, 1, group))
+    ls = split.loss(cp_split(x, dim, group, cu), cp_split(y, dim, group, cu), cu_seqlens=cu)
     ls.backward()
     mean = ls.detach().clone()
     dist.all_reduce(mean, group=group)
@@ -305,11 +352,11 @@ def _decoder_case(rank, world, device, backend, recipe):
     return dict(bad={k: v for k, v in errs.items() if not v <= bound}, errs=errs)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
-def test_decoder_context_parallel_matches_the_whole_sequence(recipe):
+@pytest.mark.parametrize("recipe,packed", [("bf16", False), ("mxfp8", False), ("mxfp8", True)])
+def test_decoder_context_parallel_matches_the_whole_sequence(recipe, packed):
     """The loss of a token is its own (the head and the norms per token), so the whole sequence's mean loss
     is the mean of the ranks' (equal token counts), and its gradient the mean of theirs."""
-    for r, res in enumerate(_spawn(2, _decoder_case, recipe)):
+    for r, res in enumerate(_spawn(2, _decoder_case, recipe, packed)):
         assert not res["bad"], (r, res["errs"], res["bad"])
 
 

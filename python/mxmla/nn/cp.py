@@ -3,8 +3,10 @@
 
 The split (Megatron's load balancing for causal attention): the sequence dim is cut into 2·cp equal
 chunks and rank r holds chunks r and 2·cp−1−r, in that order (``cp_split`` makes this rank's part,
-``cp_gather`` puts the parts back; ``mxmla.positions_context_parallel`` gives the RoPE positions of
-a rank's tokens). Every rank then does the same causal work.
+``cp_gather`` puts the parts back; ``mxmla.positions_context_parallel`` / ``cp_positions`` give the
+RoPE positions of a rank's tokens). Every rank then does the same causal work. Packed sequences
+(thd, cu_seqlens of the whole sequences, each a multiple of 2·cp long) are split the same way, each
+sequence on its own.
 
 ``context_parallel_attention(q, k, v, cp_group)``: the keys and values travel around a ring of the
 ranks (rank r sends to r+1 and receives from r−1) while each rank runs attention of its queries
@@ -64,10 +66,25 @@ def _seq_dim(what: str, layout: str) -> int:
                      f"split into 2·cp chunks), got {layout!r}")
 
 
-def cp_split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """This rank's part of x along dim (the whole sequence): chunks r and 2·cp−1−r of 2·cp equal
-    chunks, concatenated. x.shape[dim] must be divisible by 2·cp."""
+def _thd_chunks(cu: List[int], size: int) -> List[List[Tuple[int, int]]]:
+    """Per rank, its (start, stop) token ranges of the whole packed sequences: chunks r and 2·cp−1−r of each."""
+    out: List[List[Tuple[int, int]]] = [[] for _ in range(size)]
+    for a, b in zip(cu, cu[1:]):
+        n = (b - a) // (2 * size)
+        for r in range(size):
+            out[r] += [(a + r * n, a + (r + 1) * n), (a + (2 * size - 1 - r) * n, a + (2 * size - r) * n)]
+    return out
+
+
+def cp_split(x: torch.Tensor, dim: int, group: Any, cu_seqlens: Any = None) -> torch.Tensor:
+    """This rank's part of x along dim (the whole sequences): chunks r and 2·cp−1−r of 2·cp equal
+    chunks, concatenated; x.shape[dim] divisible by 2·cp. With cu_seqlens (packed sequences, thd: the
+    whole sequences' offsets along dim, each length a multiple of 2·cp) the same for every sequence,
+    packed in order."""
     size, rank = cp_size_rank(group)
+    if cu_seqlens is not None:
+        cu = whole_cu_seqlens("mxmla.nn.cp_split", cu_seqlens, x.shape[dim], size)
+        return torch.cat([x.narrow(dim, a, b - a) for a, b in _thd_chunks(cu, size)[rank]], dim)
     if size == 1:
         return x
     n = x.shape[dim]
@@ -78,13 +95,25 @@ def cp_split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim)
 
 
-def cp_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """The whole sequence from every rank's part (the inverse of cp_split; not differentiable)."""
+def cp_gather(x: torch.Tensor, dim: int, group: Any, cu_seqlens: Any = None) -> torch.Tensor:
+    """The whole sequences from every rank's part (the inverse of cp_split, with the same cu_seqlens;
+    not differentiable)."""
     size, _ = cp_size_rank(group)
-    if size == 1:
+    if size == 1 and cu_seqlens is None:
         return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    parts = [x.contiguous()]
+    if size > 1:
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+    if cu_seqlens is not None:
+        cu = whole_cu_seqlens("mxmla.nn.cp_gather", cu_seqlens, size * x.shape[dim], size)
+        pieces = []
+        for r, ranges in enumerate(_thd_chunks(cu, size)):
+            at = 0
+            for a, b in ranges:
+                pieces.append((a, parts[r].narrow(dim, at, b - a)))
+                at += b - a
+        return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim)
     chunks: List[Optional[torch.Tensor]] = [None] * (2 * size)
     for r, p in enumerate(parts):
         a, b = p.chunk(2, dim)
@@ -172,19 +201,65 @@ def _pairs(step: int, rank: int, size: int, causal: bool) -> List[Tuple[int, int
     return [(1, 0, False), (1, 1, False)]
 
 
-def _rows(lse: torch.Tensor, seq_dim: int) -> torch.Tensor:
-    """[b, h, s] per-row factors broadcast to O's [b, s, h, 1] (bshd) or [s, b, h, 1] (sbhd)."""
-    return (lse.transpose(1, 2) if seq_dim == 1 else lse.permute(2, 0, 1)).unsqueeze(-1)
+class _Chunks:
+    """A rank's local tensor as its two chunks and back. sbhd / bshd: the halves of the sequence dim.
+    thd: chunk i packs the i-th half of every sequence's local part (sequence j: cu[j+1]−cu[j] tokens
+    of the whole, cu the whole sequences' cu_seqlens, each length a multiple of 2·cp; locally
+    (cu[j+1]−cu[j])/cp tokens from cu[j]/cp), with cu_seqlens cu/(2·cp) for both chunks."""
+
+    def __init__(self, layout: str, local: int, cp: int, cu: Optional[List[int]], device: Any):
+        self.layout = layout
+        if layout == "thd":
+            assert cu is not None
+            half = [(b - a) // (2 * cp) for a, b in zip(cu, cu[1:])]
+            starts = [a // cp for a in cu[:-1]]
+            idx = [[i for st, n in zip(starts, half) for i in range(st + c * n, st + (c + 1) * n)] for c in range(2)]
+            self.idx = [torch.tensor(i, dtype=torch.long, device=device) for i in idx]
+            self.cu = [0]
+            for n in half:
+                self.cu.append(self.cu[-1] + n)
+            self.kw = dict(cu_seqlens_q=self.cu, cu_seqlens_kv=self.cu, max_seqlen_q=max(half, default=0),
+                           max_seqlen_kv=max(half, default=0))
+            self.dim, self.lse_dim = 0, 1
+        else:
+            self.dim = _seq_dim(_OP, layout)
+            self.c, self.kw, self.lse_dim = local // 2, {}, 2
+
+    def take(self, x: torch.Tensor, i: int, dim: Optional[int] = None) -> torch.Tensor:
+        """Chunk i of x along its token dim (dim: LSE's, when given), contiguous."""
+        d = self.dim if dim is None else dim
+        if self.layout == "thd":
+            return x.index_select(d, self.idx[i])
+        return x.narrow(d, i * self.c, self.c).contiguous()
+
+    def put(self, parts: Sequence[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
+        """The local tensor from its two chunks."""
+        d = self.dim if dim is None else dim
+        if self.layout != "thd":
+            return torch.cat(list(parts), d)
+        shape = list(parts[0].shape)
+        shape[d] = parts[0].shape[d] + parts[1].shape[d]
+        out = parts[0].new_empty(shape)
+        for i in range(2):
+            out.index_copy_(d, self.idx[i], parts[i])
+        return out
+
+    def rows(self, w: torch.Tensor) -> torch.Tensor:
+        """Per-row factors in LSE's layout ([b, h, s]; thd [h, t]) broadcast to O's ([.., h, 1])."""
+        if self.layout == "thd":
+            return w.transpose(0, 1).unsqueeze(-1)
+        return (w.transpose(1, 2) if self.dim == 1 else w.permute(2, 0, 1)).unsqueeze(-1)
 
 
-def _merge(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, seq_dim: int) -> None:
-    """acc ← the softmax-weighted union of acc and (o, lse), in place, fp32: LSE = log(e^a + e^b), O = O_a·e^(a−LSE)
-    + O_b·e^(b−LSE). Rows that neither saw (both −inf) stay O = 0, LSE = −inf; a NaN stays NaN."""
+def _merge(ch: _Chunks, acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """acc ← the softmax-weighted union of acc and (o, lse), in place, fp32: LSE = log(e^a + e^b),
+    O = O_a·e^(a−LSE) + O_b·e^(b−LSE). Rows that neither saw (both −inf) stay O = 0, LSE = −inf; a NaN
+    stays NaN."""
     new = torch.logaddexp(acc_lse, lse)
     gone = torch.isneginf(new)
     w_old = torch.where(gone, 0.0, torch.exp(acc_lse - new))
     w_new = torch.where(gone, 0.0, torch.exp(lse - new))
-    acc_o.mul_(_rows(w_old, seq_dim)).add_(o.float() * _rows(w_new, seq_dim))
+    acc_o.mul_(ch.rows(w_old)).add_(o.float() * ch.rows(w_new))
     acc_lse.copy_(new)
 
 
@@ -192,56 +267,57 @@ class ContextParallelAttention(torch.autograd.Function):
     """O = attention of this rank's queries against the whole sequence's keys (module docstring).
 
     ``ContextParallelAttention.apply(q, k, v, cp_group, causal, softmax_scale, layout, fp8, fp8_format,
-    deterministic)`` → O (bf16)."""
+    deterministic, cu_seqlens)`` → O (bf16)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
                 softmax_scale: Optional[float], layout: str, fp8: bool, fp8_format: str,
-                deterministic: bool) -> torch.Tensor:
+                deterministic: bool, cu: Optional[List[int]] = None) -> torch.Tensor:
         size, rank = cp_size_rank(group)
-        dim = _seq_dim(_OP, layout)
-        c = q.shape[dim] // 2
+        ch = _Chunks(layout, q.shape[0 if layout == "thd" else _seq_dim(_OP, layout)], size, cu, q.device)
 
-        def halves(x: torch.Tensor) -> List[Any]:
-            hs = [x.detach().narrow(dim, i * c, c) for i in range(2)]
-            return [quantize_for_attention(h, layout, fp8_format) if fp8 else h.contiguous() for h in hs]
+        def chunks(x: torch.Tensor) -> List[Any]:
+            cs = [ch.take(x.detach(), i) for i in range(2)]
+            return [quantize_for_attention(c, layout, fp8_format) if fp8 else c for c in cs]
 
-        qs, ks, vs = halves(q), halves(k), halves(v)
+        qs, ks, vs = chunks(q), chunks(k), chunks(v)
         # the forward's ring carries K rowwise and V columnwise (what its GEMMs read)
         kv = [_keep(t, True, False) for t in ks] + [_keep(t, False, True) for t in vs]
-        o_shape = list(q.shape[:-1]) + [int(v.shape[-1])]
-        b, h = (q.shape[0], q.shape[2]) if dim == 1 else (q.shape[1], q.shape[2])
-        acc_o = torch.zeros(o_shape, dtype=torch.float32, device=q.device)
-        acc_lse = torch.full((b, h, 2 * c), float("-inf"), dtype=torch.float32, device=q.device)
+        d_v = int(v.shape[-1])
+        acc_o, acc_lse = [], []
+        for i in range(2):
+            rows = _shape(qs[i])[:-1]
+            acc_o.append(torch.zeros(rows + (d_v,), dtype=torch.float32, device=q.device))
+            lse_shape = (rows[1], rows[0]) if layout == "thd" else \
+                (rows[0], rows[2], rows[1]) if ch.dim == 1 else (rows[1], rows[2], rows[0])
+            acc_lse.append(torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device))
         ring = _Ring(group) if size > 1 else None
         for step in range(size):
             pending = ring.start(_buffers(kv), _TAG_KV) if ring is not None and step + 1 < size else None
             for qa, kb, blk_causal in _pairs(step, rank, size, causal):
                 o_b, lse_b = attention(qs[qa], kv[kb], kv[2 + kb], causal=blk_causal, softmax_scale=softmax_scale,
-                                       layout=layout, return_lse=True)
-                _merge(acc_o.narrow(dim, qa * c, c), acc_lse.narrow(2, qa * c, c), o_b, lse_b, dim)
+                                       layout=layout, return_lse=True, **ch.kw)
+                _merge(ch, acc_o[qa], acc_lse[qa], o_b, lse_b)
             if pending is not None:
                 kv = _rebuild(kv, _Ring.wait(pending))
-        o = acc_o.to(torch.bfloat16)
-        # saved: q's and k's chunks with both copies, v's rowwise (the backward's dP = dO·Vᵀ), O, LSE
+        o = ch.put([a.to(torch.bfloat16) for a in acc_o])
+        # saved: q's and k's chunks with both copies, v's rowwise (the backward's dP = dO·Vᵀ), O, LSE's chunks
         saved = qs + ks + [_keep(t, True, False) for t in vs]
         ctx.like = [_template(t) for t in saved]
-        ctx.save_for_backward(*_buffers(saved), o, acc_lse)
-        ctx.cfg = (group, causal, softmax_scale, layout, dim, c, deterministic)
+        ctx.save_for_backward(*_buffers(saved), o, *acc_lse)
+        ctx.cfg = (group, causal, softmax_scale, layout, deterministic, ch)
         return o
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        group, causal, softmax_scale, layout, dim, c, deterministic = ctx.cfg
+        group, causal, softmax_scale, layout, deterministic, ch = ctx.cfg
         size, rank = cp_size_rank(group)
-        *bufs, o, lse = ctx.saved_tensors
+        *bufs, o, lse0, lse1 = ctx.saved_tensors
         saved = _rebuild(ctx.like, bufs)
         qs, kv = saved[:2], saved[2:]
         do = do.to(torch.bfloat16)
-        dos = [do.narrow(dim, i * c, c).contiguous() for i in range(2)]
-        os_ = [o.narrow(dim, i * c, c).contiguous() for i in range(2)]
-        lses = [lse.narrow(2, i * c, c).contiguous() for i in range(2)]
-        dq = torch.zeros(do.shape[:-1] + (_last(qs[0]),), dtype=torch.float32, device=do.device)
+        dos, os_, lses = [ch.take(do, i) for i in range(2)], [ch.take(o, i) for i in range(2)], [lse0, lse1]
+        dq = [torch.zeros(_shape(t), dtype=torch.float32, device=do.device) for t in qs]
         # dK, dV of the block held: fp32 sums that travel with it (k₀, k₁, v₀, v₁)
         dkv = [torch.zeros(_shape(t), dtype=torch.float32, device=do.device) for t in kv]
         ring = _Ring(group) if size > 1 else None
@@ -253,8 +329,8 @@ class ContextParallelAttention(torch.autograd.Function):
             for qa, kb, blk_causal in _pairs(step, rank, size, causal):
                 g_q, g_k, g_v = attention_backward(dos[qa], qs[qa], kv[kb], kv[2 + kb], os_[qa], lses[qa],
                                                    causal=blk_causal, softmax_scale=softmax_scale, layout=layout,
-                                                   deterministic=deterministic)
-                dq.narrow(dim, qa * c, c).add_(g_q.float())
+                                                   deterministic=deterministic, **ch.kw)
+                dq[qa].add_(g_q.float())
                 dkv[kb].add_(g_k.float())
                 dkv[2 + kb].add_(g_v.float())
             if ring is not None:  # the sums go on with the block; after the last step they reach its owner
@@ -263,9 +339,8 @@ class ContextParallelAttention(torch.autograd.Function):
                 kv = _rebuild(kv, _Ring.wait(pending))
         if pending_dkv is not None:
             dkv = _Ring.wait(pending_dkv)
-        dk = torch.cat(dkv[:2], dim).to(torch.bfloat16)
-        dv = torch.cat(dkv[2:], dim).to(torch.bfloat16)
-        return (dq.to(torch.bfloat16), dk, dv) + (None,) * 7
+        grads = [ch.put([a.to(torch.bfloat16), b.to(torch.bfloat16)]) for a, b in (dq, dkv[:2], dkv[2:])]
+        return tuple(grads) + (None,) * 8
 
 
 def _shape(t: Any) -> Tuple[int, ...]:
@@ -281,41 +356,85 @@ def _last(t: Any) -> int:
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Any, *,
                                causal: bool = True, softmax_scale: Optional[float] = None, layout: str = "bshd",
-                               fp8: bool = True, fp8_format: str = "e4m3",
+                               cu_seqlens: Any = None, fp8: bool = True, fp8_format: str = "e4m3",
                                deterministic: bool = False) -> torch.Tensor:
-    """Attention with autograd over a sequence split across cp_group's ranks (module docstring).
+    """Attention with autograd over sequences split across cp_group's ranks (module docstring).
 
-    q [b, s, h, d_qk], k [b, s, h_kv, d_qk], v [b, s, h_kv, d_v] (bshd; sbhd: [s, b, ...]), bf16: this
-    rank's part of the sequence as ``cp_split`` makes it (chunks r and 2·cp−1−r), the same local
-    length s (even) on every rank, for q, k and v. causal: top-left over the whole sequence.
-    softmax_scale: None is d_qk^-0.5. fp8: quantize each chunk to MXFP8 (both copies) and run the
-    MXFP8 attention (default), or run the bf16 attention on the chunks as they are. deterministic:
-    the attention backward's fixed order (the ring's sums have one order anyway). cp_group None (or
-    one rank) is attention on the local sequence, through the same chunked path.
+    q [b, s, h, d_qk], k [b, s, h_kv, d_qk], v [b, s, h_kv, d_v] (bshd; sbhd: [s, b, ...]; thd: [t, h, d]),
+    bf16: this rank's part of the sequences as ``cp_split`` makes it (chunks r and 2·cp−1−r of each),
+    for q, k and v alike: bshd / sbhd the same local length s (even) on every rank; thd the packed
+    parts of the sequences of ``cu_seqlens`` (the whole sequences' offsets, a host list or an int
+    tensor, each length a multiple of 2·cp; this rank holds cu_seqlens[-1] / cp tokens). causal:
+    top-left within each whole sequence. softmax_scale: None is d_qk^-0.5. fp8: quantize each chunk
+    to MXFP8 (both copies) and run the MXFP8 attention (default), or run the bf16 attention on the
+    chunks as they are. deterministic: the attention backward's fixed order (the ring's sums have one
+    order anyway). cp_group None (or one rank) is attention on the local sequences, through the same
+    chunked path.
 
-    Returns O (bf16, q's layout and shape with d_v columns): this rank's rows of the whole sequence's
+    Returns O (bf16, q's layout and shape with d_v columns): this rank's rows of the whole sequences'
     attention output."""
+    if layout not in ("bshd", "sbhd", "thd"):
+        raise ValueError(f"{_OP}: argument 'layout': context parallelism takes 'bshd', 'sbhd' or 'thd', got "
+                         f"{layout!r}")
+    ndim = 3 if layout == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 4:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != ndim:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"{_OP}: argument '{name}': must be a 4-D torch.bfloat16 tensor ({layout}), "
+            raise TypeError(f"{_OP}: argument '{name}': must be a {ndim}-D torch.bfloat16 tensor ({layout}), "
                             f"got {got}")
-    dim = _seq_dim(_OP, layout)
+    if cp_group is not None and (not dist.is_available() or not dist.is_initialized()):
+        raise RuntimeError(f"{_OP}: cp_group given, but torch.distributed is not initialized")
+    size, _ = cp_size_rank(cp_group)
+    dim = 0 if layout == "thd" else _seq_dim(_OP, layout)
     s = q.shape[dim]
-    if s % 2 or s == 0:
+    cu = None
+    if layout == "thd":
+        cu = whole_cu_seqlens(_OP, cu_seqlens, size * s, size)
+    elif cu_seqlens is not None:
+        raise ValueError(f"{_OP}: argument 'cu_seqlens': is for layout 'thd' (packed sequences), not '{layout}'")
+    elif s % 2 or s == 0:
         raise ValueError(f"{_OP}: argument 'q': this rank's sequence length ({s}, dim {dim}) must be even and "
                          "positive (two equal chunks: cp_split)")
     for name, t in (("k", k), ("v", v)):
         if t.shape[dim] != s:
-            raise ValueError(f"{_OP}: argument '{name}': sequence length {t.shape[dim]} differs from q's {s} (context "
-                             "parallelism splits one sequence for q, k and v)")
+            raise ValueError(f"{_OP}: argument '{name}': {t.shape[dim]} tokens (dim {dim}) differ from q's {s} "
+                             "(context parallelism splits the same sequences for q, k and v)")
     if not isinstance(fp8, bool):
         raise TypeError(f"{_OP}: argument 'fp8': must be a bool, got {type(fp8).__name__}")
-    if cp_group is not None and (not dist.is_available() or not dist.is_initialized()):
-        raise RuntimeError(f"{_OP}: cp_group given, but torch.distributed is not initialized")
     return ContextParallelAttention.apply(q, k, v, cp_group, bool(causal), softmax_scale, layout, fp8, fp8_format,
-                                          bool(deterministic))
+                                          bool(deterministic), cu)
+
+
+def whole_cu_seqlens(what: str, cu_seqlens: Any, tokens: int, cp: int) -> List[int]:
+    """The whole sequences' cu_seqlens as a host list, checked: it ends at `tokens` (the whole packed
+    sequences' count: cp x a rank's), each length a multiple of 2·cp (the split)."""
+    if cu_seqlens is None:
+        raise ValueError(f"{what}: argument 'cu_seqlens': layout 'thd' needs the whole sequences' cu_seqlens")
+    from .mla import cu_seqlens_list
+
+    cu = cu_seqlens_list(what, cu_seqlens, tokens)
+    bad = [b - a for a, b in zip(cu, cu[1:]) if (b - a) % (2 * cp)]
+    if bad:
+        raise ValueError(f"{what}: argument 'cu_seqlens': every sequence's length must be a multiple of 2·cp "
+                         f"({2 * cp}): each rank holds two equal chunks of it; got lengths {bad}")
+    return cu
+
+
+def cp_positions(local: Any, group: Any) -> torch.Tensor:
+    """RoPE positions (int64, CPU) of this rank's tokens: local = its sequence length (bshd / sbhd:
+    mxmla.positions_context_parallel), or the whole sequences' cu_seqlens as a host list (thd: each
+    token's position inside its own sequence)."""
+    from ..rope import positions_context_parallel
+
+    size, rank = cp_size_rank(group)
+    if isinstance(local, int):
+        return torch.as_tensor(positions_context_parallel(local, size, rank), dtype=torch.long)
+    out = []
+    for a, b in zip(local, local[1:]):
+        n = (b - a) // (2 * size)
+        out += [range(rank * n, (rank + 1) * n), range((2 * size - 1 - rank) * n, (2 * size - rank) * n)]
+    return torch.tensor([p for r in out for p in r], dtype=torch.long)
 
 
 __all__: Sequence[str] = ["context_parallel_attention", "ContextParallelAttention", "cp_split", "cp_gather",
-                          "cp_size_rank"]
+                          "cp_size_rank", "cp_positions", "whole_cu_seqlens"]

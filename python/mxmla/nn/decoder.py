@@ -99,8 +99,9 @@ class Decoder(UnshardedStateDict, nn.Module):
             reduce-scatter their outputs, the final norm and the head run on the gathered sequence.
         cp_group: context parallelism of every block's attention (see mxmla.nn.MLA): forward's tokens
             [b, s] are this rank's two chunks of each sequence (mxmla.nn.cp_split of the whole
-            tokens along dim 1, the targets split the same way); the logits and loss are the rank's
-            tokens'; the parameters' gradients are to be summed over the group. bshd tokens only.
+            tokens along dim 1, the targets split the same way; packed tokens [t]: cp_split with the
+            whole sequences' cu_seqlens, which forward then takes); the logits and loss are the rank's
+            tokens'; the parameters' gradients are to be summed over the group.
         deterministic: every MLA block's attention backward in a fixed summation order (see MLA).
         device: where the model lives.
 

@@ -204,8 +204,9 @@ class MLA(UnshardedStateDict, nn.Module):
             describe the whole (gathered) packed sequence. Without tp_group (or at tp 1) it changes
             nothing.
         cp_group: a torch.distributed process group for context parallelism (None: none). forward's
-            x is then this rank's part of every sequence (bshd / sbhd): chunks r and 2·cp−1−r of 2·cp
-            equal chunks (mxmla.nn.cp_split), its RoPE positions those chunks' positions
+            x is then this rank's part of every sequence: chunks r and 2·cp−1−r of 2·cp equal chunks
+            (mxmla.nn.cp_split; thd: of each sequence, packed, and cu_seqlens are the whole sequences',
+            each a multiple of 2·cp long), its RoPE positions those chunks' positions
             (mxmla.positions_context_parallel), and the attention runs over the whole sequence with
             mxmla.nn.context_parallel_attention (keys and values around the ring of ranks; under
             "mxfp8" in MXFP8, each chunk quantized on its own; under "bf16" and "block-fp8" mxmla's
@@ -322,18 +323,33 @@ class MLA(UnshardedStateDict, nn.Module):
             return rope_torch(x, cos, sin, layout, self.rope_dim, cu)
         return _rope.apply_rope(x, cos, sin, style=ROPE_STYLE, layout=layout, rope_dim=self.rope_dim, cu_seqlens=cu)
 
-    def _cp_tables(self, local_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE tables' rows at this context-parallel rank's positions (chunks r and 2·cp−1−r)."""
+    def _cp_sequences(self, x: torch.Tensor, layout: str, cu_seqlens: CuSeqlens):
+        """Context parallelism: (the whole sequences' cu_seqlens or None, the longest whole sequence, the
+        RoPE tables' rows at this rank's token positions: chunks r and 2·cp−1−r of each sequence)."""
+        from .cp import cp_positions, whole_cu_seqlens
+
         what = "mxmla.nn.MLA"
-        if local_len % 2:
-            raise ValueError(f"{what}: with cp_group, x's sequence dim ({local_len}) must be even: this rank's two "
-                             "equal chunks (mxmla.nn.cp_split)")
-        if local_len * self.cp_size > self.max_seq_len:
-            raise ValueError(f"{what}: with cp_group the whole sequence has cp x {local_len} = "
-                             f"{local_len * self.cp_size} tokens, more than max_seq_len={self.max_seq_len}")
-        pos = torch.as_tensor(_rope.positions_context_parallel(local_len, self.cp_size, self.cp_rank),
-                              dtype=torch.long, device=self.rope_cos.device)
-        return self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
+        if layout == "thd":
+            from .qproj import refuse_thd_capture
+
+            refuse_thd_capture()
+            tokens = self.cp_size * x.shape[0]  # None: one sequence, as without cp
+            cu = whole_cu_seqlens(what, cu_seqlens if cu_seqlens is not None else [0, tokens], tokens, self.cp_size)
+            longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+            pos = cp_positions(cu, self.cp_group)
+        else:
+            if cu_seqlens is not None:
+                raise ValueError(f"{what}: cu_seqlens is for layout 'thd' (packed sequences), not '{layout}'")
+            cu, local = None, x.shape[1] if layout == "bshd" else x.shape[0]
+            if local % 2:
+                raise ValueError(f"{what}: with cp_group, x's sequence dim ({local}) must be even: this rank's two "
+                                 "equal chunks (mxmla.nn.cp_split)")
+            longest, pos = local * self.cp_size, cp_positions(local, self.cp_group)
+        if longest > self.max_seq_len:
+            raise ValueError(f"{what}: with cp_group a whole sequence has {longest} tokens (cp = {self.cp_size}), "
+                             f"more than max_seq_len={self.max_seq_len}")
+        pos = pos.to(self.rope_cos.device)
+        return cu, longest, (self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos))
 
     def _fused_q(self, lat: torch.Tensor, layout: str, cu: Optional[List[int]] = None):
         """(q8, anchor): the fused Q up-projection of the normalized latent (of x when q_lora_rank is 0)
@@ -383,10 +399,12 @@ class MLA(UnshardedStateDict, nn.Module):
         if sp:  # this rank's slice of the sequence -> the whole sequence (Megatron's sequence parallelism)
             x = gather_from_sp(x, seq_dim, g)
         cp = self.cp_size > 1
-        if cp and layout == "thd":
-            raise ValueError(f"{what}: cp_group (context parallelism) takes layout 'bshd' or 'sbhd', not 'thd'")
-        cu, longest = sequences(what, x, layout, cu_seqlens, self.max_seq_len)
-        tables = self._cp_tables(longest) if cp else None
+        if cp:  # RoPE by token (the tables' rows at this rank's positions), cu: the whole sequences'
+            cu, longest, tables = self._cp_sequences(x, layout, cu_seqlens)
+            rope_cu = None
+        else:
+            cu, longest = sequences(what, x, layout, cu_seqlens, self.max_seq_len)
+            tables, rope_cu = None, cu
 
         # query: low-rank projection, RMSNorm, up-projection; RoPE on the trailing rope_dim of each head
         # (tensor parallel: the latents are replicated, copy_to_tp sums their gradients over the ranks'
@@ -406,10 +424,10 @@ class MLA(UnshardedStateDict, nn.Module):
                 q = self.wq(copy_to_tp(x, g))
             else:
                 q = self.wq_b(copy_to_tp(self.q_norm(self.wq_a(x, x_quantized=xq)), g))
-            q = self._rope(q.unflatten(-1, (self.local_heads, self.qk_dim)), layout, cu, tables)
+            q = self._rope(q.unflatten(-1, (self.local_heads, self.qk_dim)), layout, rope_cu, tables)
         # key / value: the compressed latent (kv) and the shared rope key (one head)
         kv, k_pe = self.wkv_a(x, x_quantized=xq).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_pe = copy_to_tp(self._rope(k_pe.unsqueeze(-2).contiguous(), layout, cu, tables), g)
+        k_pe = copy_to_tp(self._rope(k_pe.unsqueeze(-2).contiguous(), layout, rope_cu, tables), g)
         lat = copy_to_tp(self.kv_norm(kv), g)
         if fused_q:  # kv_b, K = [k_nope | k_pe] and V in MXFP8 without concatenation passes, then attention
             from .qproj import attention_from_latent
@@ -428,7 +446,7 @@ class MLA(UnshardedStateDict, nn.Module):
                 from .cp import context_parallel_attention
 
                 o = context_parallel_attention(q, k, v, self.cp_group, causal=True, softmax_scale=self.softmax_scale,
-                                               layout=layout, fp8=self.recipe == "mxfp8",
+                                               layout=layout, cu_seqlens=cu, fp8=self.recipe == "mxfp8",
                                                deterministic=self.deterministic)
             else:
                 o = self._attention(q, k, v, layout, cu)
