@@ -130,90 +130,121 @@ def nccl_ms_in_step(step, device):
                if e.device_type == DeviceType.CUDA and "nccl" in e.name.lower()) / 1e3
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("seqs", nargs="*", type=int)
-    ap.add_argument("--recipe", default="bf16,mxfp8")
-    ap.add_argument("--small", action="store_true", help="small dims on the CPU with gloo")
-    ap.add_argument("--sp", action="store_true", help="sequence parallelism: each rank steps its slice of the sequence")
-    args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.small
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if "WORLD_SIZE" not in os.environ:
-        raise SystemExit("mla_tp_step.py: launch with python -m torch.distributed.run --nproc-per-node N "
-                         "bench/mla_tp_step.py (N ranks of tensor parallelism)")
-    if cuda:
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo")
-    group = dist.group.WORLD
-    world, rank = tp_size_rank(group)
-    dims = DSV3 if cuda else SMALL
-    seqs = args.seqs or ([4096] if cuda else [64])
-    clock = Clock(device)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    where = "GPUs, NCCL" if cuda else "CPU processes, gloo: the CPU reference at small dims, not a performance figure"
-    say(f"MLA block, tensor parallel over {world} ranks{' with sequence parallelism' if args.sp else ''} ({where}); "
-        + ", ".join(f"{k} {v}" for k, v in dims.items()) + ", b 1, causal, bshd")
-    say(f"{'T':>6s} {'recipe':>7s} {'tp1 ms':>9s} {f'tp{world} ms':>9s} {'ratio':>6s} {'comm alone':>10s} "
-        f"{'share':>6s} {'in step':>8s} {'share':>6s} {'out rel':>8s}")
-    for T in seqs:
-        for recipe in args.recipe.split(","):
-            kw = dict(dims, recipe=recipe, max_seq_len=T, layout="bshd", seed=11, device=device)
-            g = torch.Generator().manual_seed(5)
-            x = torch.randn(1, T, dims["hidden"], generator=g).to(torch.bfloat16).to(device).requires_grad_()
-            dy = torch.randn(1, T, dims["hidden"], generator=g).to(torch.bfloat16).to(device)
-            # tp 1 on rank 0 alone (the others wait)
-            t1, out1 = float("nan"), None
-            if rank == 0:
-                full = mnn.MLA(**kw)
-                t1 = clock(step_fn(full, x, dy))
-                with torch.no_grad():
-                    out1 = full(x).float()
-                del full
-            dist.barrier()
-            # tp over all ranks
-            tp = mnn.MLA(**kw, tp_group=group, sequence_parallel=args.sp)
-            if args.sp:  # this rank's slice of the sequence, in and out
-                if T % world:
-                    raise SystemExit(f"mla_tp_step.py: --sp needs T ({T}) divisible by the ranks ({world})")
-                lo, hi = rank * T // world, (rank + 1) * T // world
-                xs, dys = x.detach()[:, lo:hi].clone().requires_grad_(), dy[:, lo:hi].contiguous()
-            else:
-                xs, dys = x, dy
-            step = step_fn(tp, xs, dys)
-            tn = clock(step, group)
-            calls = record_collectives(step)
-            comm = clock(replay(calls, group, world, device), group)
-            in_step = nccl_ms_in_step(step, device) if cuda else 0.0
+class Launch:
+    """What a torch.distributed.run launch of one of these scripts sets up: the arguments (T ..., --recipe,
+    --small and `extra` flags), the device of this rank (a GPU a rank with NCCL; the CPU with gloo without
+    a GPU or with --small), the world group, its size and this rank, the dims (DeepSeek-V3's, or small),
+    the sequence lengths, the clock, and `say` (rank 0 prints); the header lines are printed."""
+
+    def __init__(self, name, doc, what, default_t, small_t, extra=()):
+        ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+        ap.add_argument("seqs", nargs="*", type=int)
+        ap.add_argument("--recipe", default="bf16,mxfp8")
+        ap.add_argument("--small", action="store_true", help="small dims on the CPU with gloo")
+        for flag, help_ in extra:
+            ap.add_argument(flag, action="store_true", help=help_)
+        self.args = ap.parse_args()
+        self.cuda = torch.cuda.is_available() and not self.args.small
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if "WORLD_SIZE" not in os.environ:
+            raise SystemExit(f"{name}: launch with python -m torch.distributed.run --nproc-per-node N "
+                             f"bench/{name} (N ranks of {what})")
+        if self.cuda:
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        else:
+            self.device = torch.device("cpu")
+        dist.init_process_group("nccl" if self.cuda else "gloo")
+        self.group = dist.group.WORLD
+        self.world, self.rank = tp_size_rank(self.group)
+        self.dims = DSV3 if self.cuda else SMALL
+        self.seqs = self.args.seqs or ([default_t] if self.cuda else [small_t])
+        self.clock = Clock(self.device)
+        self.say = print if self.rank == 0 else (lambda *a, **k: None)
+
+    def header(self, title, short):
+        where = "GPUs, NCCL" if self.cuda else \
+            "CPU processes, gloo: the CPU reference at small dims, not a performance figure"
+        self.say(f"MLA block, {title} ({where}); " + ", ".join(f"{k} {v}" for k, v in self.dims.items())
+                 + ", b 1, causal, bshd")
+        self.say(f"{'T':>6s} {'recipe':>7s} {f'{short}1 ms':>9s} {f'{short}{self.world} ms':>9s} {'ratio':>6s} "
+                 f"{'comm alone':>10s} {'share':>6s} {'in step':>8s} {'share':>6s} {'out rel':>8s}")
+
+    def row(self, T, recipe, build, split, record, replay_, out_of=lambda m, xs: m(xs).float(),
+            ref_of=lambda o: o, note=""):
+        """One (T, recipe) row: the block's step on rank 0 alone on the whole input (x [1, T, hidden],
+        dy), against the parallel block build(kw) on every rank stepping split(x), split(dy); the
+        exchanges record(step) lists, replayed alone by replay_(calls); out_of(block, x part) the parallel
+        output comparable with ref_of(the whole output). Rank 0 prints the row (the slowest rank's
+        times) and gets the recorded calls (other ranks: None)."""
+        kw = dict(self.dims, recipe=recipe, max_seq_len=T, layout="bshd", seed=11, device=self.device)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(1, T, self.dims["hidden"], generator=g).to(torch.bfloat16).to(self.device).requires_grad_()
+        dy = torch.randn(1, T, self.dims["hidden"], generator=g).to(torch.bfloat16).to(self.device)
+        t1, out1 = float("nan"), None
+        if self.rank == 0:  # one device: rank 0 alone (the others wait)
+            whole = mnn.MLA(**kw)
+            t1 = self.clock(step_fn(whole, x, dy))
             with torch.no_grad():
-                outn = tp(xs).float()
-            # the slowest rank's figures
-            figs = torch.tensor([tn, comm, in_step], dtype=torch.float64, device=device)
-            dist.all_reduce(figs, op=dist.ReduceOp.MAX, group=group)
-            tn, comm, in_step = (float(v) for v in figs)
-            if not cuda:  # (no kernels to profile)
-                in_step = float("nan")
-            if rank == 0:
-                ref = out1[:, :T // world] if args.sp else out1
-                rel = float((outn - ref).norm() / (ref.norm() + 1e-30))
-                print(f"{T:6d} {recipe:>7s} {t1:9.3f} {tn:9.3f} {tn / t1:6.3f} {comm:10.3f} {comm / tn:6.3f} "
-                      f"{in_step:8.3f} {in_step / tn:6.3f} {rel:8.1e}"
-                      + ("  (target tp step <= 0.55 x tp 1)" if cuda and world == 2 else ""))
+                out1 = whole(x).float()
+            del whole
+        dist.barrier()
+        par = build(kw)
+        xs, dys = split(x.detach()).requires_grad_(), split(dy)
+        step = step_fn(par, xs, dys)
+        tn = self.clock(step, self.group)
+        calls = record(step)
+        comm = self.clock(replay_(calls), self.group)
+        in_step = nccl_ms_in_step(step, self.device) if self.cuda else 0.0
+        with torch.no_grad():
+            outn = out_of(par, xs)
+        # the slowest rank's figures
+        figs = torch.tensor([tn, comm, in_step], dtype=torch.float64, device=self.device)
+        dist.all_reduce(figs, op=dist.ReduceOp.MAX, group=self.group)
+        tn, comm, in_step = (float(v) for v in figs)
+        if not self.cuda:  # (no kernels to profile)
+            in_step = float("nan")
+        if self.rank == 0:
+            ref = ref_of(out1)
+            rel = float((outn - ref).norm() / (ref.norm() + 1e-30))
+            print(f"{T:6d} {recipe:>7s} {t1:9.3f} {tn:9.3f} {tn / t1:6.3f} {comm:10.3f} {comm / tn:6.3f} "
+                  f"{in_step:8.3f} {in_step / tn:6.3f} {rel:8.1e}{note}")
+        del par, x, dy, xs, dys
+        if self.cuda:
+            torch.cuda.empty_cache()
+        dist.barrier()
+        return calls if self.rank == 0 else None
+
+    def finish(self):
+        dist.destroy_process_group()
+        if not self.cuda:  # gloo's transport threads can race the C++ static destructors at exit
+            # (tests/python/test_tp.py's workers leave the same way)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+
+def main():
+    run = Launch("mla_tp_step.py", __doc__, "tensor parallelism", 4096, 64,
+                 [("--sp", "sequence parallelism: each rank steps its slice of the sequence")])
+    args, cuda, device, group, world, rank = run.args, run.cuda, run.device, run.group, run.world, run.rank
+    seqs = run.seqs
+    run.header(f"tensor parallel over {world} ranks{' with sequence parallelism' if args.sp else ''}", "tp")
+    for T in seqs:
+        if args.sp and T % world:
+            raise SystemExit(f"mla_tp_step.py: --sp needs T ({T}) divisible by the ranks ({world})")
+        # --sp: this rank's slice of the sequence, in and out
+        part = (lambda t: t[:, rank * T // world:(rank + 1) * T // world].contiguous()) if args.sp else \
+            (lambda t: t)
+        for recipe in args.recipe.split(","):
+            calls = run.row(T, recipe, lambda kw: mnn.MLA(**kw, tp_group=group, sequence_parallel=args.sp), part,
+                            record_collectives, lambda c: replay(c, group, world, device),
+                            ref_of=(lambda o: o[:, :T // world]) if args.sp else (lambda o: o),
+                            note="  (target tp step <= 0.55 x tp 1)" if cuda and world == 2 else "")
+            if calls is not None:
                 print(f"{'':6s} {'':7s} collectives in a tp step: " + ", ".join(
                     f"{name} {n} {str(dt).replace('torch.', '')}" for name, n, dt in calls))
-            del tp, x, dy, xs, dys
-            if cuda:
-                torch.cuda.empty_cache()
-            dist.barrier()
-    dist.destroy_process_group()
-    if not cuda:  # gloo's transport threads can race the C++ static destructors at exit (tests/python/test_tp.py's
-        # workers leave the same way)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -442,3 +442,25 @@ def test_train_script_cp2_on_gloo_matches_one_process(tmp_path):
     r = subprocess.run([sys.executable] + common + ["--cp", "2"], capture_output=True, text=True, timeout=120,
                        env=env)
     assert r.returncode != 0 and "--cp 2 needs 2 processes" in r.stderr, r.stderr[-2000:]
+
+
+def test_cp_step_bench_runs_on_gloo():
+    """bench/mla_cp_step.py --small under torch.distributed.run (two CPU processes, gloo): both recipes'
+    rows, the cp step's output against the whole sequence's within MLA_BOUND, the ring's exchanges (one
+    in the forward, three in the backward at cp 2)."""
+    import re
+    import subprocess
+    import sys
+
+    from test_tp import _cpu_launch_env
+
+    root, env = _cpu_launch_env()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(root / "bench" / "mla_cp_step.py"), "--small"], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "not a performance figure" in r.stdout and "context parallel over 2 ranks" in r.stdout, r.stdout
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s*128\s+(bf16|mxfp8)\s.*\s(\S+)$", r.stdout, re.M)}
+    assert set(rows) == {"bf16", "mxfp8"}, r.stdout
+    assert rows["bf16"] <= MLA_BOUND["bf16"] and rows["mxfp8"] <= MLA_BOUND["mxfp8"], r.stdout
+    assert r.stdout.count("ring exchanges in a cp step: 4,") == 2, r.stdout

@@ -218,7 +218,9 @@ class _Chunks:
             self.cu = [0]
             for n in half:
                 self.cu.append(self.cu[-1] + n)
-            self.kw = dict(cu_seqlens_q=self.cu, cu_seqlens_kv=self.cu, max_seqlen_q=max(half, default=0),
+            cu_t = torch.tensor(self.cu, dtype=torch.int32, device=device)  # one copy for every call; with the
+            # bounds, no call copies it back to the host
+            self.kw = dict(cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=max(half, default=0),
                            max_seqlen_kv=max(half, default=0))
             self.dim, self.lse_dim = 0, 1
         else:
@@ -283,21 +285,20 @@ class ContextParallelAttention(torch.autograd.Function):
         qs, ks, vs = chunks(q), chunks(k), chunks(v)
         # the forward's ring carries K rowwise and V columnwise (what its GEMMs read)
         kv = [_keep(t, True, False) for t in ks] + [_keep(t, False, True) for t in vs]
-        d_v = int(v.shape[-1])
-        acc_o, acc_lse = [], []
-        for i in range(2):
-            rows = _shape(qs[i])[:-1]
-            acc_o.append(torch.zeros(rows + (d_v,), dtype=torch.float32, device=q.device))
-            lse_shape = (rows[1], rows[0]) if layout == "thd" else \
-                (rows[0], rows[2], rows[1]) if ch.dim == 1 else (rows[1], rows[2], rows[0])
-            acc_lse.append(torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device))
+        # the merged O (fp32) and LSE of each query chunk: its first pair's, as they come (step 0 has a pair
+        # for each chunk; merging into O = 0, LSE = −inf would give the same bits)
+        acc_o: List[Any] = [None, None]
+        acc_lse: List[Any] = [None, None]
         ring = _Ring(group) if size > 1 else None
         for step in range(size):
             pending = ring.start(_buffers(kv), _TAG_KV) if ring is not None and step + 1 < size else None
             for qa, kb, blk_causal in _pairs(step, rank, size, causal):
                 o_b, lse_b = attention(qs[qa], kv[kb], kv[2 + kb], causal=blk_causal, softmax_scale=softmax_scale,
                                        layout=layout, return_lse=True, **ch.kw)
-                _merge(ch, acc_o[qa], acc_lse[qa], o_b, lse_b)
+                if acc_o[qa] is None:
+                    acc_o[qa], acc_lse[qa] = o_b.float(), lse_b
+                else:
+                    _merge(ch, acc_o[qa], acc_lse[qa], o_b, lse_b)
             if pending is not None:
                 kv = _rebuild(kv, _Ring.wait(pending))
         o = ch.put([a.to(torch.bfloat16) for a in acc_o])
@@ -324,12 +325,13 @@ class ContextParallelAttention(torch.autograd.Function):
         pending_dkv = None
         for step in range(size):
             pending = ring.start(_buffers(kv), _TAG_KV) if ring is not None and step + 1 < size else None
-            if pending_dkv is not None:
+            grads = [(qa, kb, attention_backward(dos[qa], qs[qa], kv[kb], kv[2 + kb], os_[qa], lses[qa],
+                                                 causal=blk_causal, softmax_scale=softmax_scale, layout=layout,
+                                                 deterministic=deterministic, **ch.kw))
+                     for qa, kb, blk_causal in _pairs(step, rank, size, causal)]
+            if pending_dkv is not None:  # the sums arrive while this step's pairs ran
                 dkv = _Ring.wait(pending_dkv)
-            for qa, kb, blk_causal in _pairs(step, rank, size, causal):
-                g_q, g_k, g_v = attention_backward(dos[qa], qs[qa], kv[kb], kv[2 + kb], os_[qa], lses[qa],
-                                                   causal=blk_causal, softmax_scale=softmax_scale, layout=layout,
-                                                   deterministic=deterministic, **ch.kw)
+            for qa, kb, (g_q, g_k, g_v) in grads:
                 dq[qa].add_(g_q.float())
                 dkv[kb].add_(g_k.float())
                 dkv[2 + kb].add_(g_v.float())
