@@ -31,8 +31,9 @@ start afresh).
 Parallelism (one process per rank under python -m torch.distributed.run): --tp N splits MLA's heads
 and the MLP's width over N ranks (--sp adds sequence parallelism); --cp N splits each sequence over N
 ranks (context parallelism: each rank holds two of 2N chunks, the attention passes keys and values
-around a ring; the ranks' gradients are averaged before the optimizer step); --tp and --cp combine
-(N·M processes: tp groups of consecutive ranks).
+around a ring, or with --cp-comm a2a all-to-alls them over the heads; the ranks' gradients are
+averaged before the optimizer step); --tp and --cp combine (N·M processes: tp groups of consecutive
+ranks).
 
 Without a CUDA device (or with a CPU-only mxmla build) it runs a tiny configuration on the CPU,
 where mxmla's ops run their CPU reference, and says so; options given explicitly still apply.
@@ -143,6 +144,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel ranks (each sequence split over them; --seq a multiple of 2N); launch "
                         "with python -m torch.distributed.run --nproc-per-node N examples/train_mla.py --cp N")
+    p.add_argument("--cp-comm", choices=("p2p", "a2a"), default="p2p",
+                   help="with --cp: keys and values around a ring of the ranks (p2p, default) or all-to-all over the "
+                        "heads (a2a: --heads divisible by --cp, per --tp rank)")
     p.add_argument("--save", action="store_true",
                    help="also write each recipe's trained weights to --out/model_<recipe>.pt (the whole model's "
                         "state dict, loadable at any --tp)")
@@ -230,7 +234,8 @@ def build_model(recipe: str, cfg: Dict, seed: int, device: str, dims: Dict = Non
 
     par = par or Parallel()
     return Decoder(cfg["hidden"], cfg["layers"], cfg["heads"], max_seq_len=cfg["seq"], recipe=recipe, seed=seed,
-                   device=device, tp_group=par.tp_group, cp_group=par.cp_group, deterministic=deterministic,
+                   device=device, tp_group=par.tp_group, cp_group=par.cp_group, cp_comm_type=par.cp_comm_type,
+                   deterministic=deterministic,
                    sequence_parallel=sequence_parallel, **(dims or {}))
 
 
@@ -239,8 +244,8 @@ class Parallel:
     (cp_group), and what context parallelism adds to a step: each rank's part of the batch's sequences,
     the mean of the ranks' losses and gradients."""
 
-    def __init__(self, tp_group=None, cp_group=None, cp: int = 1):
-        self.tp_group, self.cp_group, self.cp = tp_group, cp_group, cp
+    def __init__(self, tp_group=None, cp_group=None, cp: int = 1, cp_comm_type: str = "p2p"):
+        self.tp_group, self.cp_group, self.cp, self.cp_comm_type = tp_group, cp_group, cp, cp_comm_type
 
     def split(self, t):
         """This rank's two chunks of each sequence of t [b, s] (mxmla.nn.cp_split)."""
@@ -266,7 +271,7 @@ class Parallel:
                     self.mean(p.grad)
 
 
-def init_parallel(tp: int, cp: int, device: str):
+def init_parallel(tp: int, cp: int, device: str, cp_comm_type: str = "p2p"):
     """(Parallel, device of this rank, rank) for --tp / --cp: one process per rank, started by
     torch.distributed.run (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR / MASTER_PORT in the environment).
     With both, rank = cp_rank·tp + tp_rank: tp groups of consecutive ranks, cp groups strided by tp."""
@@ -291,11 +296,11 @@ def init_parallel(tp: int, cp: int, device: str):
     if tp == world:
         return Parallel(tp_group=dist.group.WORLD), device, rank
     if cp == world:
-        return Parallel(cp_group=dist.group.WORLD, cp=cp), device, rank
+        return Parallel(cp_group=dist.group.WORLD, cp=cp, cp_comm_type=cp_comm_type), device, rank
     # every rank creates every group, in the same order (torch.distributed.new_group's rule)
     tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)]
     cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
-    return Parallel(tp_groups[rank // tp], cp_groups[rank % tp], cp), device, rank
+    return Parallel(tp_groups[rank // tp], cp_groups[rank % tp], cp, cp_comm_type), device, rank
 
 
 def checkpoint_path(folder, recipe: str) -> Path:
@@ -510,7 +515,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("train_mla.py: needs torch (pip install torch)", file=sys.stderr)
         return 2
     device, why_cpu = pick_device(args.device)
-    par, device, rank = init_parallel(args.tp, args.cp, device)
+    par, device, rank = init_parallel(args.tp, args.cp, device, args.cp_comm)
     if rank != 0:  # one rank reports and writes the outputs
         sys.stdout = open(os.devnull, "w")
     base = GPU_CONFIG if device.startswith("cuda") else CPU_CONFIG
@@ -551,7 +556,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{model_cfg['nope_dim']}/{model_cfg['rope_dim']}/{model_cfg['v_dim']}, SwiGLU {model_cfg['inter_dim']}), "
           f"{n_params / 1e6:.2f} M parameters{' on this rank' if args.tp > 1 else ''}; device {device}"
           f"{f'; tensor parallel over {args.tp} ranks' if args.tp > 1 else ''}"
-          f"{f'; context parallel over {args.cp} ranks' if args.cp > 1 else ''}"
+          f"{f'; context parallel over {args.cp} ranks ({args.cp_comm})' if args.cp > 1 else ''}"
           f"{', sequence parallel' if args.sp else ''}", flush=True)
     print(f"training: {cfg['steps']} steps x {cfg['batch']} sequences x {cfg['seq']} bytes, peak lr {cfg['lr']}, "
           f"seed {args.seed}; recipes {', '.join(args.recipes)}", flush=True)

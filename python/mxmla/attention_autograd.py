@@ -117,11 +117,12 @@ class DotProductAttention(torch.nn.Module):
     "e5m2"; deterministic: the backward sums in a fixed order. cp_group: context parallelism
     (TransformerEngine's cp_group with cp_comm_type "p2p"): q, k, v are this rank's two chunks of each
     sequence (mxmla.nn.cp_split; sbhd / bshd, or thd with forward's cu_seqlens_q the whole sequences')
-    and the attention runs over the whole sequences through mxmla.nn.context_parallel_attention."""
+    and the attention runs over the whole sequences through mxmla.nn.context_parallel_attention
+    (cp_comm_type "p2p": the ring; "a2a": all-to-all over the heads)."""
 
     def __init__(self, softmax_scale: Optional[float] = None, causal: bool = True, layout: str = "sbhd",
                  bottom_right: bool = False, fp8_format: str = "e4m3", deterministic: bool = False,
-                 cp_group: Any = None):
+                 cp_group: Any = None, cp_comm_type: str = "p2p"):
         super().__init__()
         what = "mxmla.nn.DotProductAttention"
         if layout not in ("sbhd", "bshd", "bhsd", "thd"):
@@ -131,7 +132,7 @@ class DotProductAttention(torch.nn.Module):
                              f"top-left causal mask, got layout={layout!r}, bottom_right={bottom_right}")
         self.softmax_scale, self.causal, self.layout = softmax_scale, causal, layout
         self.bottom_right, self.fp8_format, self.deterministic = bottom_right, fp8_format, deterministic
-        self.cp_group = cp_group
+        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Any = None,
                 cu_seqlens_kv: Any = None, max_seqlen_q: Optional[int] = None,
@@ -145,7 +146,7 @@ class DotProductAttention(torch.nn.Module):
             return context_parallel_attention(q, k, v, self.cp_group, causal=self.causal,
                                               softmax_scale=self.softmax_scale, layout=self.layout,
                                               cu_seqlens=cu_seqlens_q, fp8_format=self.fp8_format,
-                                              deterministic=self.deterministic)
+                                              deterministic=self.deterministic, cp_comm_type=self.cp_comm_type)
         if cu_seqlens_kv is None:
             cu_seqlens_kv = cu_seqlens_q
         return MXFP8Attention.apply(q, k, v, self.causal, self.softmax_scale, self.layout, cu_seqlens_q,

@@ -79,7 +79,7 @@ def _dequantized(x, layout, fp8, columnwise=False):
     return mxmla.dequantize(m, columnwise=columnwise).double().reshape(x.shape)
 
 
-def _attn_case(rank, world, device, backend, layout, causal, fp8, h_kv, dims, group="world", cu=None):
+def _attn_case(rank, world, device, backend, layout, causal, fp8, h_kv, dims, group="world", cu=None, comm="p2p"):
     """The ring's O and gradients (gathered) against the whole sequence's (on `device`; the float64
     reference on the CPU). thd: the sequences of cu (dims' s is their token count, b unused)."""
     import mxmla
@@ -98,7 +98,8 @@ def _attn_case(rank, world, device, backend, layout, causal, fp8, h_kv, dims, gr
     q, k, v = rnd(h, d), rnd(h_kv, d), rnd(h_kv, dv)
     do = rnd(h, dv)
     mine = [cp_split(t, seq, group, cu).to(device).requires_grad_() for t in (q, k, v)]
-    o = context_parallel_attention(*mine, group, causal=causal, layout=layout, fp8=fp8, cu_seqlens=cu)
+    o = context_parallel_attention(*mine, group, causal=causal, layout=layout, fp8=fp8, cu_seqlens=cu,
+                                   cp_comm_type=comm)
     o.backward(cp_split(do, seq, group, cu).to(device))
     got = [cp_gather(t, seq, group, cu).cpu() for t in (o.detach(), *(m.grad for m in mine))]
 
@@ -123,8 +124,15 @@ def _attn_case(rank, world, device, backend, layout, causal, fp8, h_kv, dims, gr
     if fp8:
         whole = DotProductAttention(causal=causal, layout=layout)(qw, kw, vw, cu_seqlens_q=cu)
     else:
-        whole = mxmla.attention(*(t.to(device) for t in (q, k, v)), causal=causal, layout=layout, cu_seqlens_q=cu,
-                                cu_seqlens_kv=cu)
+        from mxmla.nn.cp import _BF16Attention
+
+        whole = _BF16Attention.apply(qw, kw, vw, dict(causal=causal, layout=layout, cu_seqlens_q=cu,
+                                                      cu_seqlens_kv=cu), False)
+    if comm == "a2a":  # the whole sequences' attention per head: the same bits, forward and backward
+        whole.backward(do.to(device))
+        for name, a, b in zip(("o", "dq", "dk", "dv"), got, (whole, qw.grad, kw.grad, vw.grad)):
+            if not torch.equal(a, b.detach().cpu()):
+                bad[f"{name}_bits"] = float((a.double() - b.detach().cpu().double()).abs().max())
     whole = whole.detach().cpu()
     gap = float((got[0].double() - whole.double()).abs().max() / whole.double().abs().max())
     errs["o_vs_whole"] = gap
@@ -158,6 +166,19 @@ def test_packed_sequences(cp, causal, fp8):
     for n in lens:
         cu.append(cu[-1] + n)
     for r, res in enumerate(_spawn(cp, _attn_case, "thd", causal, fp8, 2, (1, cu[-1], 4, 64, 32), "world", cu)):
+        assert not res["bad"], (r, res["errs"], res["bad"])
+
+
+@pytest.mark.parametrize("cp,layout,causal,fp8", [(2, "bshd", True, True), (3, "sbhd", True, False),
+                                                 (2, "bshd", False, True), (2, "thd", True, True)])
+def test_all_to_all_gives_the_whole_sequences_bits(cp, layout, causal, fp8):
+    """cp_comm_type "a2a": the output and the gradients bit for bit those of attention on the whole
+    sequences (each head's attention runs unsplit on one rank), and within the float64 bounds."""
+    cu, dims = None, (2, 2 * cp * 32, 2 * cp, 64, 32)
+    if layout == "thd":
+        cu = [0, 2 * cp * 32, 2 * cp * 32, 2 * cp * 40]
+        dims = (1, cu[-1], 2 * cp, 64, 32)
+    for r, res in enumerate(_spawn(cp, _attn_case, layout, causal, fp8, cp, dims, "world", cu, "a2a")):
         assert not res["bad"], (r, res["errs"], res["bad"])
 
 
@@ -231,7 +252,7 @@ MLA_KW_GPU = dict(hidden=256, heads=4, q_lora_rank=64, kv_lora_rank=64, nope_dim
 MLA_BOUND = {"bf16": 2.0 ** -7, "mxfp8": 2.0 ** -4, "block-fp8": 2.0 ** -4}
 
 
-def _mla_case(rank, world, device, backend, recipe, layout):
+def _mla_case(rank, world, device, backend, recipe, layout, comm="p2p"):
     """MLA(cp_group) on this rank's chunks against MLA on the whole sequence: the gathered output and input
     gradient, and every parameter's gradient summed over the ranks."""
     import mxmla.nn as mnn
@@ -239,7 +260,7 @@ def _mla_case(rank, world, device, backend, recipe, layout):
 
     group = dist.group.WORLD
     kw = dict(MLA_KW if device == "cpu" else MLA_KW_GPU, recipe=recipe, layout=layout, device=device)
-    whole, split = mnn.MLA(**kw), mnn.MLA(**kw, cp_group=group)
+    whole, split = mnn.MLA(**kw), mnn.MLA(**kw, cp_group=group, cp_comm_type=comm)
     seq = 1 if layout == "bshd" else 0
     g = torch.Generator().manual_seed(3)
     s = 2 * world * 32
@@ -266,10 +287,12 @@ def _mla_case(rank, world, device, backend, recipe, layout):
     return dict(bad={k: v for k, v in errs.items() if not v <= MLA_BOUND[recipe]}, errs=errs)
 
 
-@pytest.mark.parametrize("cp,recipe,layout", [(2, "bf16", "bshd"), (2, "mxfp8", "bshd"), (3, "mxfp8", "sbhd"),
-                                              (2, "block-fp8", "sbhd"), (2, "mxfp8", "thd"), (3, "bf16", "thd")])
-def test_mla_context_parallel_matches_the_whole_sequence(cp, recipe, layout):
-    for r, res in enumerate(_spawn(cp, _mla_case, recipe, layout)):
+@pytest.mark.parametrize("cp,recipe,layout,comm", [(2, "bf16", "bshd", "p2p"), (2, "mxfp8", "bshd", "p2p"),
+                                                   (3, "mxfp8", "sbhd", "p2p"), (2, "block-fp8", "sbhd", "p2p"),
+                                                   (2, "mxfp8", "thd", "p2p"), (3, "bf16", "thd", "p2p"),
+                                                   (2, "mxfp8", "bshd", "a2a"), (4, "bf16", "thd", "a2a")])
+def test_mla_context_parallel_matches_the_whole_sequence(cp, recipe, layout, comm):
+    for r, res in enumerate(_spawn(cp, _mla_case, recipe, layout, comm)):
         assert not res["bad"], (r, res["errs"], res["bad"])
 
 
@@ -286,16 +309,18 @@ def test_cuda_one_rank_runs_the_chunked_path():
 
 
 @ON_GPU
-@pytest.mark.parametrize("fp8,causal,layout", [(True, True, "bshd"), (False, True, "bshd"), (True, False, "bshd"),
-                                               (True, True, "thd")])
-def test_cuda_context_parallel_attention_on_one_gpu(fp8, causal, layout):
+@pytest.mark.parametrize("fp8,causal,layout,comm", [(True, True, "bshd", "p2p"), (False, True, "bshd", "p2p"),
+                                                    (True, False, "bshd", "p2p"), (True, True, "thd", "p2p"),
+                                                    (True, True, "bshd", "a2a"), (True, True, "thd", "a2a")])
+def test_cuda_context_parallel_attention_on_one_gpu(fp8, causal, layout, comm):
     """Two processes on the one GPU (gloo: the ring's buffers staged through the host): the CUDA kernels
-    on the chunks, the ring's logic as on two GPUs. thd: sequences of 4·{64, 0, 96, 8} tokens."""
+    on the chunks, the ring's logic as on two GPUs. thd: sequences of 4·{64, 0, 96, 8} tokens. a2a: the
+    whole sequences' bits too."""
     cu, dims = None, GPU_DIMS
     if layout == "thd":
         cu = [0, 256, 256, 640, 672]
         dims = (1, cu[-1]) + GPU_DIMS[2:]
-    for r, res in enumerate(_spawn(2, _attn_case, layout, causal, fp8, 2, dims, "world", cu, device="cuda")):
+    for r, res in enumerate(_spawn(2, _attn_case, layout, causal, fp8, 2, dims, "world", cu, comm, device="cuda")):
         assert not res["bad"], (r, res["errs"], res["bad"])
 
 
@@ -407,9 +432,9 @@ def test_tensor_and_context_parallel_together(recipe, sp):
 
 
 def test_train_script_cp2_on_gloo_matches_one_process(tmp_path):
-    """examples/train_mla.py --cp 2 (and --cp 2 --tp 2 --sp on four processes) under torch.distributed.run
-    with gloo: the same losses as one process for both recipes (measured within 1e-4 relative), and
-    --cp's argument checks."""
+    """examples/train_mla.py --cp 2 (also with --cp-comm a2a, and --cp 2 --tp 2 --sp on four processes)
+    under torch.distributed.run with gloo: the same losses as one process for both recipes (measured
+    within 1e-4 relative), and --cp's argument checks."""
     import csv
     import subprocess
     import sys
@@ -422,6 +447,7 @@ def test_train_script_cp2_on_gloo_matches_one_process(tmp_path):
     dist_run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     runs = {}
     for name, launch, extra in (("one", [sys.executable], []), ("cp2", dist_run + ["2"], ["--cp", "2"]),
+                                ("cp2a2a", dist_run + ["2"], ["--cp", "2", "--cp-comm", "a2a"]),
                                 ("cp2tp2", dist_run + ["4"], ["--cp", "2", "--tp", "2", "--sp"])):
         out = tmp_path / name
         r = subprocess.run(launch + common + extra + ["--out", str(out)], capture_output=True, text=True,
@@ -433,7 +459,7 @@ def test_train_script_cp2_on_gloo_matches_one_process(tmp_path):
                 runs[name, recipe] = [float(row["loss"]) for row in csv.DictReader(f)]
     for recipe in ("bf16", "mxfp8"):
         assert len(runs["one", recipe]) == 3
-        for name in ("cp2", "cp2tp2"):
+        for name in ("cp2", "cp2a2a", "cp2tp2"):
             for a, b in zip(runs["one", recipe], runs[name, recipe]):
                 assert abs(a - b) <= 1e-3 * abs(a), runs
     r = subprocess.run([sys.executable] + common[:1] + ["--cp", "2", "--seq", "30"], capture_output=True, text=True,
@@ -444,10 +470,12 @@ def test_train_script_cp2_on_gloo_matches_one_process(tmp_path):
     assert r.returncode != 0 and "--cp 2 needs 2 processes" in r.stderr, r.stderr[-2000:]
 
 
-def test_cp_step_bench_runs_on_gloo():
+@pytest.mark.parametrize("a2a", [False, True])
+def test_cp_step_bench_runs_on_gloo(a2a):
     """bench/mla_cp_step.py --small under torch.distributed.run (two CPU processes, gloo): both recipes'
     rows, the cp step's output against the whole sequence's within MLA_BOUND, the ring's exchanges (one
-    in the forward, three in the backward at cp 2)."""
+    in the forward, three in the backward at cp 2), or with --a2a the all-to-alls (q, k, v, O and
+    their gradients: eight)."""
     import re
     import subprocess
     import sys
@@ -456,14 +484,15 @@ def test_cp_step_bench_runs_on_gloo():
 
     root, env = _cpu_launch_env()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(root / "bench" / "mla_cp_step.py"), "--small"], capture_output=True, text=True,
-                       timeout=600, env=env)
+                        str(root / "bench" / "mla_cp_step.py"), "--small"] + (["--a2a"] if a2a else []),
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "not a performance figure" in r.stdout and "context parallel over 2 ranks" in r.stdout, r.stdout
     rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s*128\s+(bf16|mxfp8)\s.*\s(\S+)$", r.stdout, re.M)}
     assert set(rows) == {"bf16", "mxfp8"}, r.stdout
     assert rows["bf16"] <= MLA_BOUND["bf16"] and rows["mxfp8"] <= MLA_BOUND["mxfp8"], r.stdout
-    assert r.stdout.count("ring exchanges in a cp step: 4,") == 2, r.stdout
+    what = "all-to-alls in a cp step: 8," if a2a else "ring exchanges in a cp step: 4,"
+    assert r.stdout.count(what) == 2, r.stdout
 
 
 def _wrapped_case(rank, world, device, backend):

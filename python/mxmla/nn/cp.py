@@ -356,10 +356,110 @@ def _last(t: Any) -> int:
     return _shape(t)[-1]
 
 
+# ----------------------------------------------------------------------------- all-to-all ("a2a")
+def _ranges(layout: str, local: int, size: int, cu: Optional[List[int]]) -> List[List[Tuple[int, int]]]:
+    """Per rank, its (start, stop) token ranges of the whole sequences, in the order it holds them."""
+    if layout == "thd":
+        assert cu is not None
+        return _thd_chunks(cu, size)
+    c = local // 2
+    return [[(r * c, (r + 1) * c), ((2 * size - 1 - r) * c, (2 * size - r) * c)] for r in range(size)]
+
+
+def _all_to_all(parts: Sequence[torch.Tensor], group: Any) -> List[torch.Tensor]:
+    """parts[i] (all of one shape) goes to rank i; returns what rank i sent this one at [i] (gloo, which
+    sends host memory only: CUDA tensors staged through host copies)."""
+    device, shape = parts[0].device, parts[0].shape
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    if dist.get_backend(group) == "gloo":
+        flat = flat.cpu()
+    out = torch.empty_like(flat)
+    dist.all_to_all_single(out, flat, group=group)
+    return [o.view(shape) for o in out.to(device).chunk(len(parts))]
+
+
+def _seq_to_heads(x: torch.Tensor, dim: int, group: Any, ranges: List[List[Tuple[int, int]]]) -> torch.Tensor:
+    """This rank's tokens of every head [.., s_local, h, d] → the whole sequences of its head group
+    [.., S, h/cp, d] (group i of h/cp heads to rank i; the ranks' token ranges put back in order)."""
+    got = _all_to_all([p.contiguous() for p in x.chunk(len(ranges), dim=-2)], group)
+    pieces = []
+    for r, part in enumerate(got):
+        at = 0
+        for a, b in ranges[r]:
+            pieces.append((a, part.narrow(dim, at, b - a)))
+            at += b - a
+    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim)
+
+
+def _heads_to_seq(y: torch.Tensor, dim: int, group: Any, ranges: List[List[Tuple[int, int]]]) -> torch.Tensor:
+    """The inverse of _seq_to_heads: the whole sequences of this rank's head group → its tokens of every head."""
+    parts = [torch.cat([y.narrow(dim, a, b - a) for a, b in rs], dim) for rs in ranges]
+    return torch.cat(_all_to_all(parts, group), dim=-2)
+
+
+class _Reshard(torch.autograd.Function):
+    """_seq_to_heads (to_heads) or _heads_to_seq, the other one its backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any, ranges: Any, to_heads: bool) -> torch.Tensor:
+        ctx.cfg = (dim, group, ranges, to_heads)
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, dim, group, ranges)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        dim, group, ranges, to_heads = ctx.cfg
+        back = _heads_to_seq if to_heads else _seq_to_heads
+        return back(g.contiguous(), dim, group, ranges), None, None, None, None
+
+
+class _BF16Attention(torch.autograd.Function):
+    """mxmla's attention on bf16 q, k, v with its gradient (saved: q, k, v, O, LSE)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict,
+                deterministic: bool) -> torch.Tensor:
+        q, k, v = (t.detach().contiguous() for t in (q, k, v))
+        o, lse = attention(q, k, v, return_lse=True, **kw)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.cfg = (kw, deterministic)
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        q, k, v, o, lse = ctx.saved_tensors
+        kw, deterministic = ctx.cfg
+        return attention_backward(do.to(torch.bfloat16).contiguous(), q, k, v, o, lse, deterministic=deterministic,
+                                  **kw) + (None, None)
+
+
+def _a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
+                   softmax_scale: Optional[float], layout: str, fp8: bool, fp8_format: str, deterministic: bool,
+                   cu: Optional[List[int]]) -> torch.Tensor:
+    """cp_comm_type "a2a" (DeepSpeed-Ulysses, TransformerEngine's "a2a"): all-to-all q, k, v from this
+    rank's tokens of every head to the whole sequences of h/cp heads, attention there (the unsplit
+    op: per head the same bits as without context parallelism), all-to-all O back."""
+    from ..attention_autograd import MXFP8Attention
+
+    size, _ = cp_size_rank(group)
+    dim = 0 if layout == "thd" else _seq_dim(_OP, layout)
+    ranges = _ranges(layout, q.shape[dim], size, cu)
+    qw, kw_, vw = (_Reshard.apply(t, dim, group, ranges, True) for t in (q, k, v))
+    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0) if cu is not None else None
+    seq = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest) \
+        if layout == "thd" else {}
+    if fp8:
+        o = MXFP8Attention.apply(qw, kw_, vw, causal, softmax_scale, layout, seq.get("cu_seqlens_q"),
+                                 seq.get("cu_seqlens_kv"), longest, longest, fp8_format, False, deterministic)
+    else:
+        o = _BF16Attention.apply(qw, kw_, vw, dict(causal=causal, softmax_scale=softmax_scale, layout=layout, **seq),
+                                 deterministic)
+    return _Reshard.apply(o, dim, group, ranges, False)
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Any, *,
                                causal: bool = True, softmax_scale: Optional[float] = None, layout: str = "bshd",
                                cu_seqlens: Any = None, fp8: bool = True, fp8_format: str = "e4m3",
-                               deterministic: bool = False) -> torch.Tensor:
+                               deterministic: bool = False, cp_comm_type: str = "p2p") -> torch.Tensor:
     """Attention with autograd over sequences split across cp_group's ranks (module docstring).
 
     q [b, s, h, d_qk], k [b, s, h_kv, d_qk], v [b, s, h_kv, d_v] (bshd; sbhd: [s, b, ...]; thd: [t, h, d]),
@@ -371,7 +471,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     to MXFP8 (both copies) and run the MXFP8 attention (default), or run the bf16 attention on the
     chunks as they are. deterministic: the attention backward's fixed order (the ring's sums have one
     order anyway). cp_group None (or one rank) is attention on the local sequences, through the same
-    chunked path.
+    chunked path. cp_comm_type: "p2p" (the ring, module docstring) or "a2a" (DeepSpeed-Ulysses, as
+    TransformerEngine's "a2a": q, k, v all-to-all'd from this rank's tokens of every head to the whole
+    sequences of h/cp heads (h and h_kv divisible by cp), the attention of the whole sequences there —
+    per head the same bits as without context parallelism — and O all-to-all'd back; the gradients
+    take the same way back; no merge, four all-to-alls a step).
 
     Returns O (bf16, q's layout and shape with d_v columns): this rank's rows of the whole sequences'
     attention output."""
@@ -403,6 +507,16 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                              "(context parallelism splits the same sequences for q, k and v)")
     if not isinstance(fp8, bool):
         raise TypeError(f"{_OP}: argument 'fp8': must be a bool, got {type(fp8).__name__}")
+    if cp_comm_type not in ("p2p", "a2a"):
+        raise ValueError(f"{_OP}: argument 'cp_comm_type': must be 'p2p' or 'a2a', got {cp_comm_type!r}")
+    if cp_comm_type == "a2a":
+        for name, t in (("q", q), ("k", k)):
+            if t.shape[-2] % size:
+                raise ValueError(f"{_OP}: argument '{name}': cp_comm_type 'a2a' splits the heads over the ranks: "
+                                 f"{t.shape[-2]} heads are not divisible by cp = {size}")
+        if size > 1:
+            return _a2a_attention(q, k, v, cp_group, bool(causal), softmax_scale, layout, fp8, fp8_format,
+                                  bool(deterministic), cu)
     return ContextParallelAttention.apply(q, k, v, cp_group, bool(causal), softmax_scale, layout, fp8, fp8_format,
                                           bool(deterministic), cu)
 

@@ -39,7 +39,8 @@ class Block(nn.Module):
                  rope_base: float = 10000.0, norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
                  out_init_std: Optional[float] = None, seed: int = 0, tp_group: Any = None,
-                 deterministic: bool = False, sequence_parallel: bool = False, cp_group: Any = None):
+                 deterministic: bool = False, sequence_parallel: bool = False, cp_group: Any = None,
+                 cp_comm_type: str = "p2p"):
         super().__init__()
         check_recipe(recipe, "mxmla.nn.Block")
         sequence_parallel = check_bool("mxmla.nn.Block", "sequence_parallel", sequence_parallel)
@@ -50,7 +51,7 @@ class Block(nn.Module):
                         rope_base=rope_base, max_seq_len=max_seq_len, norm_eps=norm_eps, dtype=dtype,
                         params_dtype=params_dtype, init_std=init_std, out_init_std=out_init_std, seed=child_seed(g),
                         tp_group=tp_group, deterministic=deterministic, sequence_parallel=sequence_parallel,
-                        cp_group=cp_group)
+                        cp_group=cp_group, cp_comm_type=cp_comm_type)
         self.ffn_norm = RMSNorm(hidden, norm_eps, params_dtype)
         self.ffn = SwiGLU(hidden, inter_dim, recipe, dtype, params_dtype, init_std, out_init_std, seed=child_seed(g),
                           tp_group=tp_group, sequence_parallel=sequence_parallel)
@@ -101,7 +102,8 @@ class Decoder(UnshardedStateDict, nn.Module):
             [b, s] are this rank's two chunks of each sequence (mxmla.nn.cp_split of the whole
             tokens along dim 1, the targets split the same way; packed tokens [t]: cp_split with the
             whole sequences' cu_seqlens, which forward then takes); the logits and loss are the rank's
-            tokens'; the parameters' gradients are to be summed over the group.
+            tokens'; the parameters' gradients are to be summed over the group. cp_comm_type: "p2p"
+            or "a2a" (see MLA).
         deterministic: every MLA block's attention backward in a fixed summation order (see MLA).
         device: where the model lives.
 
@@ -116,7 +118,8 @@ class Decoder(UnshardedStateDict, nn.Module):
                  max_seq_len: int = 1024, recipe: str = "bf16", yarn: Any = None, *, rope_base: float = 10000.0,
                  norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16, params_dtype: Optional[torch.dtype] = None,
                  init_std: float = 0.02, seed: int = 0, device: Any = None, tp_group: Any = None,
-                 deterministic: bool = False, sequence_parallel: bool = False, cp_group: Any = None):
+                 deterministic: bool = False, sequence_parallel: bool = False, cp_group: Any = None,
+                 cp_comm_type: str = "p2p"):
         super().__init__()
         what = "mxmla.nn.Decoder"
         self.sequence_parallel = check_bool(what, "sequence_parallel", sequence_parallel)
@@ -143,7 +146,7 @@ class Decoder(UnshardedStateDict, nn.Module):
                   cfg["inter_dim"], recipe, yarn, max_seq_len=max_seq_len, rope_base=rope_base, norm_eps=norm_eps,
                   dtype=dtype, params_dtype=params_dtype, init_std=init_std, out_init_std=out_std,
                   seed=child_seed(g), tp_group=tp_group, deterministic=deterministic,
-                  sequence_parallel=sequence_parallel, cp_group=cp_group)
+                  sequence_parallel=sequence_parallel, cp_group=cp_group, cp_comm_type=cp_comm_type)
             for _ in range(layers))
         self.norm = RMSNorm(hidden, norm_eps, params_dtype)
         # the output head in bf16 under every recipe (DeepSeek-V3 §3.3.1 keeps it in higher precision)

@@ -215,6 +215,8 @@ class MLA(UnshardedStateDict, nn.Module):
             them: Megatron reduces over data x context parallel ranks). Under "mxfp8" the query's
             up-projection is then an MXFP8 Linear followed by RoPE (not the fused op). Needs dtype
             bf16, an even local length, and max_seq_len >= the whole sequence (cp x the local length).
+        cp_comm_type: "p2p" (the ring, default) or "a2a" (all-to-all: each rank attends the whole
+            sequences with heads/cp of its heads; the heads (per tensor-parallel rank) divisible by cp).
 
     forward(x, cu_seqlens=None, layout=None) -> [.., hidden] in the compute dtype, same layout as x.
     Attention is causal (top-left) within each sequence; with thd, each sequence of cu_seqlens
@@ -228,7 +230,7 @@ class MLA(UnshardedStateDict, nn.Module):
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
                  out_init_std: Optional[float] = None, seed: int = 0, device: Any = None, tp_group: Any = None,
                  deterministic: bool = False, delay_wgrad: bool = True, sequence_parallel: bool = False,
-                 cp_group: Any = None):
+                 cp_group: Any = None, cp_comm_type: str = "p2p"):
         super().__init__()
         what = "mxmla.nn.MLA"
         self.deterministic = check_bool(what, "deterministic", deterministic)
@@ -264,6 +266,13 @@ class MLA(UnshardedStateDict, nn.Module):
         if heads % self.tp_size:
             raise ValueError(f"{what}: heads ({heads}) must be divisible by the tensor-parallel size ({self.tp_size})")
         self.local_heads = heads // self.tp_size
+        if cp_comm_type not in ("p2p", "a2a"):
+            raise ValueError(f"{what}: cp_comm_type must be 'p2p' or 'a2a', got {cp_comm_type!r}")
+        self.cp_comm_type = cp_comm_type
+        if cp_comm_type == "a2a" and self.local_heads % self.cp_size:
+            raise ValueError(f"{what}: cp_comm_type 'a2a' splits the heads over the context-parallel ranks: "
+                             f"{self.local_heads} heads (per tensor-parallel rank) are not divisible by cp = "
+                             f"{self.cp_size}")
         self.hidden, self.heads = hidden, heads
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = nope_dim, rope_dim, v_dim
@@ -447,7 +456,7 @@ class MLA(UnshardedStateDict, nn.Module):
 
                 o = context_parallel_attention(q, k, v, self.cp_group, causal=True, softmax_scale=self.softmax_scale,
                                                layout=layout, cu_seqlens=cu, fp8=self.recipe == "mxfp8",
-                                               deterministic=self.deterministic)
+                                               deterministic=self.deterministic, cp_comm_type=self.cp_comm_type)
             else:
                 o = self._attention(q, k, v, layout, cu)
         # the attention saves O (mxfp8: attention_from_latent; block-fp8: torch's SDPA in one call, not
@@ -465,5 +474,5 @@ class MLA(UnshardedStateDict, nn.Module):
                 f"softmax_scale={self.softmax_scale:.6g}, yarn={self.yarn!r}" +
                 (", deterministic=True" if self.deterministic else "") +
                 ("" if self.delay_wgrad else ", delay_wgrad=False") +
-                (f", cp={self.cp_size}" if self.cp_size > 1 else "") +
+                (f", cp={self.cp_size} ({self.cp_comm_type})" if self.cp_size > 1 else "") +
                 (", sequence_parallel=True" if self.sequence_parallel else ""))
