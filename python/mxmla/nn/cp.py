@@ -76,23 +76,42 @@ def _thd_chunks(cu: List[int], size: int) -> List[List[Tuple[int, int]]]:
     return out
 
 
+def _split_ranges(what: str, n: int, dim: int, size: int, cu_seqlens: Any) -> List[List[Tuple[int, int]]]:
+    """Per rank, its token ranges of the whole sequences (n tokens along dim): chunks r and 2·cp−1−r of
+    2·cp equal chunks (n divisible by 2·cp), or of each packed sequence of cu_seqlens."""
+    if cu_seqlens is not None:
+        return _thd_chunks(whole_cu_seqlens(what, cu_seqlens, n, size), size)
+    if n % (2 * size):
+        raise ValueError(f"{what}: the sequence dim (dim {dim}, {n}) must be divisible by 2·cp ({2 * size}): each "
+                         "rank holds two equal chunks")
+    return _ranges("bshd", n // size, size, None)
+
+
+def _take(x: torch.Tensor, ranges: Sequence[Tuple[int, int]], dim: int) -> torch.Tensor:
+    """x's token ranges along dim, concatenated in order."""
+    return torch.cat([x.narrow(dim, a, b - a) for a, b in ranges], dim)
+
+
+def _assemble(parts: Sequence[torch.Tensor], ranges: List[List[Tuple[int, int]]], dim: int) -> torch.Tensor:
+    """The whole sequences from each rank's part (parts[r] holds ranges[r] in order): the inverse of _take."""
+    pieces = []
+    for part, rs in zip(parts, ranges):
+        at = 0
+        for a, b in rs:
+            pieces.append((a, part.narrow(dim, at, b - a)))
+            at += b - a
+    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim)
+
+
 def cp_split(x: torch.Tensor, dim: int, group: Any, cu_seqlens: Any = None) -> torch.Tensor:
     """This rank's part of x along dim (the whole sequences): chunks r and 2·cp−1−r of 2·cp equal
     chunks, concatenated; x.shape[dim] divisible by 2·cp. With cu_seqlens (packed sequences, thd: the
     whole sequences' offsets along dim, each length a multiple of 2·cp) the same for every sequence,
     packed in order."""
     size, rank = cp_size_rank(group)
-    if cu_seqlens is not None:
-        cu = whole_cu_seqlens("mxmla.nn.cp_split", cu_seqlens, x.shape[dim], size)
-        return torch.cat([x.narrow(dim, a, b - a) for a, b in _thd_chunks(cu, size)[rank]], dim)
-    if size == 1:
+    if size == 1 and cu_seqlens is None:
         return x
-    n = x.shape[dim]
-    if n % (2 * size):
-        raise ValueError(f"mxmla.nn.cp_split: the sequence dim (dim {dim}, {n}) must be divisible by 2·cp "
-                         f"({2 * size}): each rank holds two equal chunks")
-    chunks = x.chunk(2 * size, dim)
-    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim)
+    return _take(x, _split_ranges("mxmla.nn.cp_split", x.shape[dim], dim, size, cu_seqlens)[rank], dim)
 
 
 def cp_gather(x: torch.Tensor, dim: int, group: Any, cu_seqlens: Any = None) -> torch.Tensor:
@@ -105,20 +124,7 @@ def cp_gather(x: torch.Tensor, dim: int, group: Any, cu_seqlens: Any = None) -> 
     if size > 1:
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x.contiguous(), group=group)
-    if cu_seqlens is not None:
-        cu = whole_cu_seqlens("mxmla.nn.cp_gather", cu_seqlens, size * x.shape[dim], size)
-        pieces = []
-        for r, ranges in enumerate(_thd_chunks(cu, size)):
-            at = 0
-            for a, b in ranges:
-                pieces.append((a, parts[r].narrow(dim, at, b - a)))
-                at += b - a
-        return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim)
-    chunks: List[Optional[torch.Tensor]] = [None] * (2 * size)
-    for r, p in enumerate(parts):
-        a, b = p.chunk(2, dim)
-        chunks[r], chunks[2 * size - 1 - r] = a, b
-    return torch.cat(chunks, dim)  # type: ignore[arg-type]
+    return _assemble(parts, _split_ranges("mxmla.nn.cp_gather", size * x.shape[dim], dim, size, cu_seqlens), dim)
 
 
 class _Ring:
@@ -381,20 +387,12 @@ def _all_to_all(parts: Sequence[torch.Tensor], group: Any) -> List[torch.Tensor]
 def _seq_to_heads(x: torch.Tensor, dim: int, group: Any, ranges: List[List[Tuple[int, int]]]) -> torch.Tensor:
     """This rank's tokens of every head [.., s_local, h, d] → the whole sequences of its head group
     [.., S, h/cp, d] (group i of h/cp heads to rank i; the ranks' token ranges put back in order)."""
-    got = _all_to_all([p.contiguous() for p in x.chunk(len(ranges), dim=-2)], group)
-    pieces = []
-    for r, part in enumerate(got):
-        at = 0
-        for a, b in ranges[r]:
-            pieces.append((a, part.narrow(dim, at, b - a)))
-            at += b - a
-    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim)
+    return _assemble(_all_to_all([p.contiguous() for p in x.chunk(len(ranges), dim=-2)], group), ranges, dim)
 
 
 def _heads_to_seq(y: torch.Tensor, dim: int, group: Any, ranges: List[List[Tuple[int, int]]]) -> torch.Tensor:
     """The inverse of _seq_to_heads: the whole sequences of this rank's head group → its tokens of every head."""
-    parts = [torch.cat([y.narrow(dim, a, b - a) for a, b in rs], dim) for rs in ranges]
-    return torch.cat(_all_to_all(parts, group), dim=-2)
+    return torch.cat(_all_to_all([_take(y, rs, dim) for rs in ranges], group), dim=-2)
 
 
 class _Reshard(torch.autograd.Function):
