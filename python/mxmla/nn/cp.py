@@ -219,8 +219,9 @@ class _Chunks:
             assert cu is not None
             half = [(b - a) // (2 * cp) for a, b in zip(cu, cu[1:])]
             starts = [a // cp for a in cu[:-1]]
-            idx = [[i for st, n in zip(starts, half) for i in range(st + c * n, st + (c + 1) * n)] for c in range(2)]
-            self.idx = [torch.tensor(i, dtype=torch.long, device=device) for i in idx]
+            self.idx = [torch.cat([torch.arange(st + c * n, st + (c + 1) * n, dtype=torch.long)
+                                   for st, n in zip(starts, half)] or [torch.zeros(0, dtype=torch.long)]).to(device)
+                        for c in range(2)]
             self.cu = [0]
             for n in half:
                 self.cu.append(self.cu[-1] + n)
@@ -228,28 +229,26 @@ class _Chunks:
             # bounds, no call copies it back to the host
             self.kw = dict(cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, max_seqlen_q=max(half, default=0),
                            max_seqlen_kv=max(half, default=0))
-            self.dim, self.lse_dim = 0, 1
+            self.dim = 0
         else:
             self.dim = _seq_dim(_OP, layout)
-            self.c, self.kw, self.lse_dim = local // 2, {}, 2
+            self.c, self.kw = local // 2, {}
 
-    def take(self, x: torch.Tensor, i: int, dim: Optional[int] = None) -> torch.Tensor:
-        """Chunk i of x along its token dim (dim: LSE's, when given), contiguous."""
-        d = self.dim if dim is None else dim
+    def take(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Chunk i of x along its token dim, contiguous."""
         if self.layout == "thd":
-            return x.index_select(d, self.idx[i])
-        return x.narrow(d, i * self.c, self.c).contiguous()
+            return x.index_select(self.dim, self.idx[i])
+        return x.narrow(self.dim, i * self.c, self.c).contiguous()
 
-    def put(self, parts: Sequence[torch.Tensor], dim: Optional[int] = None) -> torch.Tensor:
+    def put(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The local tensor from its two chunks."""
-        d = self.dim if dim is None else dim
         if self.layout != "thd":
-            return torch.cat(list(parts), d)
+            return torch.cat(list(parts), self.dim)
         shape = list(parts[0].shape)
-        shape[d] = parts[0].shape[d] + parts[1].shape[d]
+        shape[0] = parts[0].shape[0] + parts[1].shape[0]
         out = parts[0].new_empty(shape)
         for i in range(2):
-            out.index_copy_(d, self.idx[i], parts[i])
+            out.index_copy_(0, self.idx[i], parts[i])
         return out
 
     def rows(self, w: torch.Tensor) -> torch.Tensor:
