@@ -77,7 +77,8 @@ __device__ __forceinline__ Work work_at(const mxgemm::Params& p, int t) {
 // fragments) through buf (two 64-column blocks [64 rows][128 B], 16-byte chunk c of row r at
 // c ^ (r % 8): the rows of a warp's store land in distinct banks) in halves of 128 columns.
 // Thread 0 of the warpgroup (r == 0) waits until the previous store has read the buffer, issues the
-// stores (blocks wholly past M or N are skipped; TMA clips the rest) and commits them.
+// stores (blocks wholly past M or N are skipped; TMA clips the rest, in whole 16-byte chunks of a row:
+// the launchers take this path only when N · 2 bytes is a multiple of 16) and commits them.
 template <int kN = 256>
 __device__ __forceinline__ void store_tma(const mxgemm::Params& p, const float (&acc)[kN / 2], uint8_t* buf,
                                           const CUtensorMap* tmap_out, int m0, int n0, int cw, int r, int lane) {

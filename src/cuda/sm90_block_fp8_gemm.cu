@@ -281,7 +281,7 @@ void block_gemm_cuda(const BlockGemmProblem& pr, Stream stream) {
   o.alpha = static_cast<float>(pr.alpha);
   o.k_splits = 1, o.kb_per_split = o.kblocks;
   o.tma_out = pr.b_br != 1 && !o.out_f32 && !o.accumulate && reinterpret_cast<uintptr_t>(pr.out) % 16 == 0 &&
-              pr.ld_out * 2 % 16 == 0;
+              pr.ld_out * 2 % 16 == 0 && pr.N * 2 % 16 == 0;  // (whole 16-byte chunks: sm90_mxfp8_gemm.cu's launch_c)
   p.sa = pr.sa, p.sb = pr.sb, p.sa_ld = pr.sa_ld, p.sb_ld = pr.sb_ld;
   p.a_br = static_cast<int>(pr.a_br), p.b_br = static_cast<int>(pr.b_br);
   std::unique_ptr<StreamScratch> col_factors;  // kColB: B's factors transposed (freed on the stream after the GEMM)

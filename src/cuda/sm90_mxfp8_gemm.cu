@@ -439,7 +439,11 @@ void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cu
     part = std::make_unique<StreamScratch>(int64_t{p.k_splits} * p.M * p.N * 4, s);
     p.partial = reinterpret_cast<float*>(part->ptr);
   }
-  p.tma_out = !p.out_f32 && !p.accumulate && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.ld_out * 2 % 16 == 0;
+  // TMA stores whole 16-byte chunks of a row: a row whose end (N columns) falls inside a chunk would
+  // get the chunk's last columns written past N, i.e. into a strided view's gap (found by the GPU
+  // fuzzer: zeros between N and the row stride). So N · 2 bytes must be a multiple of 16 too.
+  p.tma_out = !p.out_f32 && !p.accumulate && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.ld_out * 2 % 16 == 0 &&
+              p.N * 2 % 16 == 0;
   CUtensorMap to{};
   if (p.tma_out) {
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.N), static_cast<cuuint64_t>(p.M)};

@@ -388,6 +388,34 @@ def test_cuda_tensors_match_the_reference():
         mxmla.gemm(gpu[0], cpu[1])
 
 
+@needs_gpu
+@pytest.mark.parametrize("splits", ["1", "2"])
+@pytest.mark.parametrize("M,N,ld", [(192, 100, 104), (245, 226, 240), (127, 255, 256), (25, 1823, 1824),
+                                    (64, 128, 136)])
+def test_cuda_bf16_out_view_keeps_the_bytes_between_its_rows(M, N, ld, splits, monkeypatch):
+    """A bf16 out view [M, N] with row stride ld > N that TMA could describe (16-byte aligned start and
+    row stride): every byte of its buffer outside the view stays as it was, and the view equals the
+    CPU reference's (integer data: bit for bit). Found by the GPU fuzzer (seeds 0, 44, 58, 63, 130 of
+    gemm): the unsplit kernel's TMA epilogue stores whole 16-byte chunks of a row, so where N · 2 bytes
+    is not a multiple of 16 it wrote zeros past column N; now it stores from the registers there.
+    splits: MXMLA_GEMM_SPLITS (1: the unsplit kernel and its epilogue; 2: the split-K reduction)."""
+    monkeypatch.setenv("MXMLA_GEMM_SPLITS", splits)
+    K = 64
+    a, b = (mxmla.quantize(torch.from_numpy(integers(s, i))) for i, s in enumerate(((M, K), (N, K))))
+    base = torch.from_numpy(np.random.default_rng(3).integers(0, 1 << 16, (M + 1) * ld, dtype=np.int64)
+                            .astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    want, got = base.clone(), base.cuda()
+    # (an offset of 8 elements: a 16-byte aligned start that is not the allocation's)
+    mxmla.gemm(a, b, out=want[8:8 + M * ld].view(M, ld)[:, :N])
+    view = got[8:8 + M * ld].view(M, ld)[:, :N]
+    assert view.data_ptr() % 16 == 0
+    mxmla.gemm(*(mxmla.MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout,
+                                   *(None if x is None else x.cuda() for x in (t.rowwise_data, t.rowwise_scale_inv,
+                                                                             t.columnwise_data, t.columnwise_scale_inv)))
+                 for t in (a, b)), out=view)
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+
+
 # ----------------------------------------------------------------------------- custom ops, torch.compile
 @needs_torch
 def test_custom_ops_are_registered_with_fakes():
