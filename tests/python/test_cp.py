@@ -229,6 +229,11 @@ def test_bad_input_gets_clear_errors():
         DotProductAttention(layout="bhsd", cp_group=object())
     with pytest.raises(RuntimeError, match="not initialized"):
         context_parallel_attention(q, q, q, object())
+    if not dist.is_initialized():
+        import mxmla.nn as mnn
+
+        with pytest.raises(RuntimeError, match="cp_group given, but torch.distributed is not initialized"):
+            mnn.MLA(**MLA_KW, cp_group=object())
     with pytest.raises(ValueError, match="divisible by 2·cp"):
         import mxmla.nn.cp as cpm
 

@@ -54,7 +54,7 @@ _TAG_KV, _TAG_DKV = 11, 12
 
 def cp_size_rank(group: Any) -> Tuple[int, int]:
     """(ranks, this rank) of a context-parallel group; (1, 0) for None."""
-    return tp_size_rank(group)
+    return tp_size_rank(group, "cp_group")
 
 
 def _seq_dim(what: str, layout: str) -> int:
@@ -234,11 +234,12 @@ class _Chunks:
             self.dim = _seq_dim(_OP, layout)
             self.c, self.kw = local // 2, {}
 
-    def take(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        """Chunk i of x along its token dim, contiguous."""
+    def take(self, x: torch.Tensor, i: int, contiguous: bool = True) -> torch.Tensor:
+        """Chunk i of x along its token dim: contiguous, or (contiguous=False, sbhd / bshd) a view."""
         if self.layout == "thd":
             return x.index_select(self.dim, self.idx[i])
-        return x.narrow(self.dim, i * self.c, self.c).contiguous()
+        c = x.narrow(self.dim, i * self.c, self.c)
+        return c.contiguous() if contiguous else c
 
     def put(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The local tensor from its two chunks."""
@@ -284,7 +285,9 @@ class ContextParallelAttention(torch.autograd.Function):
         ch = _Chunks(layout, q.shape[0 if layout == "thd" else _seq_dim(_OP, layout)], size, cu, q.device)
 
         def chunks(x: torch.Tensor) -> List[Any]:
-            cs = [ch.take(x.detach(), i) for i in range(2)]
+            # MXFP8: quantize_attention reads a chunk's view in place (no copy first); bf16: contiguous
+            # chunks, which the ring sends as they are
+            cs = [ch.take(x.detach(), i, contiguous=not fp8) for i in range(2)]
             return [quantize_for_attention(c, layout, fp8_format) if fp8 else c for c in cs]
 
         qs, ks, vs = chunks(q), chunks(k), chunks(v)
@@ -441,15 +444,15 @@ def _a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
     dim = 0 if layout == "thd" else _seq_dim(_OP, layout)
     ranges = _ranges(layout, q.shape[dim], size, cu)
     qw, kw_, vw = (_Reshard.apply(t, dim, group, ranges, True) for t in (q, k, v))
+    # thd: the whole sequences' cu_seqlens, the longest as the bound (no copy of cu_seqlens to the host)
     longest = max((b - a for a, b in zip(cu, cu[1:])), default=0) if cu is not None else None
-    seq = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest) \
-        if layout == "thd" else {}
     if fp8:
-        o = MXFP8Attention.apply(qw, kw_, vw, causal, softmax_scale, layout, seq.get("cu_seqlens_q"),
-                                 seq.get("cu_seqlens_kv"), longest, longest, fp8_format, False, deterministic)
+        o = MXFP8Attention.apply(qw, kw_, vw, causal, softmax_scale, layout, cu, cu, longest, longest, fp8_format,
+                                 False, deterministic)
     else:
-        o = _BF16Attention.apply(qw, kw_, vw, dict(causal=causal, softmax_scale=softmax_scale, layout=layout, **seq),
-                                 deterministic)
+        kw = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                  max_seqlen_q=longest, max_seqlen_kv=longest)
+        o = _BF16Attention.apply(qw, kw_, vw, kw, deterministic)
     return _Reshard.apply(o, dim, group, ranges, False)
 
 

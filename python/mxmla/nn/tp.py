@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 
 
-def tp_size_rank(group: Any) -> Tuple[int, int]:
-    """(ranks, this rank) of a process group; (1, 0) for None."""
+def tp_size_rank(group: Any, arg: str = "tp_group") -> Tuple[int, int]:
+    """(ranks, this rank) of a process group (the argument `arg`); (1, 0) for None."""
     if group is None:
         return 1, 0
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("mxmla.nn: tp_group given, but torch.distributed is not initialized "
+        raise RuntimeError(f"mxmla.nn: {arg} given, but torch.distributed is not initialized "
                            "(torch.distributed.init_process_group first)")
     return dist.get_world_size(group), dist.get_rank(group)
 
