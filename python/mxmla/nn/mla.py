@@ -255,7 +255,7 @@ class MLA(UnshardedStateDict, nn.Module):
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = tp_size_rank(tp_group)
         self.cp_group = cp_group
-        self.cp_size, self.cp_rank = tp_size_rank(cp_group)
+        self.cp_size, self.cp_rank = tp_size_rank(cp_group, "cp_group")
         if self.cp_size > 1 and self.dtype != torch.bfloat16:
             raise ValueError(f"{what}: cp_group (context parallelism) runs mxmla's attention, which takes bf16 or "
                              f"MXFP8 operands: dtype must be torch.bfloat16, got {self.dtype}")
