@@ -57,6 +57,10 @@ struct Cfg {
 // Named barriers (0 is __syncthreads'): the dequantizer warpgroup's, the two consumer warpgroups'.
 constexpr uint32_t kDequantBarrier = 1, kConsumerBarrier = 2;
 
+// The softmax's exponent folds the scale into one FFMA while every |row maximum of S·scale·log2 e|
+// of a warp stays below this (the consumers' softmax says why).
+constexpr float kFoldLimit = 1024.f;
+
 struct OperandParams {
   AttnTensorView view;
   AttnScaleView sc;
@@ -648,8 +652,9 @@ __global__ void __launch_bounds__(512, 1)
       }
       if (!pos_scale) {
 #pragma unroll
-        for (int i = 0; i < 64; ++i) s[i] *= p.scale_log2;
+        for (int i = 0; i < 64; ++i) s[i] = __fmul_rn(s[i], p.scale_log2);
       }
+      float base[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // row h's values: s[4jj + 2h], s[4jj + 2h + 1]
         float m4[4];                  // four independent chains
@@ -660,15 +665,32 @@ __global__ void __launch_bounds__(512, 1)
         float mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(mrow[h], mx * c);
-        const float base = m_new == -INFINITY ? 0.f : m_new;
-        alpha[h] = ptx::ex2_approx(mrow[h] - base);
+        const float m_new = fmaxf(mrow[h], __fmul_rn(mx, c));
+        base[h] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[h] = ptx::ex2_approx(mrow[h] - base[h]);
         mrow[h] = m_new;
+      }
+      // P = 2^(S·c − base) as one FFMA, fma(S, ce, −base). With ce = c that leaves the row maximum's
+      // exponent at the rounding error of max·c instead of 0. Below kFoldLimit that is under 2^-14: a
+      // common factor within 1 ± 5e-5 on the row's P, no more than each score's own rounding in the
+      // unfolded form. At |S·c| ≥ 2^31 it is ±128 or more (every P 0 or Inf: O and LSE lost), and in
+      // between enough to move the maximum's P off 1, which E4M3 P rounds to another code. So past the
+      // limit (any row of the warp, NaN included) S is rounded to S·c first and ce = 1: the maximum's
+      // exponent is exactly 0, as in the reference (the kernel's SASS keeps the P·V wait after the row
+      // maxima only with the multiplications alone under this branch: docs/notes-attention.md).
+      float ce = c;
+      if (__any_sync(0xffffffffu, !(fabsf(base[0]) < kFoldLimit && fabsf(base[1]) < kFoldLimit))) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) s[i] = __fmul_rn(s[i], c);
+        ce = 1.f;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
         float l4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj) {
-          s[4 * jj + 2 * h] = ptx::ex2_approx(fmaf(s[4 * jj + 2 * h], c, -base));
-          s[4 * jj + 2 * h + 1] = ptx::ex2_approx(fmaf(s[4 * jj + 2 * h + 1], c, -base));
+          s[4 * jj + 2 * h] = ptx::ex2_approx(fmaf(s[4 * jj + 2 * h], ce, -base[h]));
+          s[4 * jj + 2 * h + 1] = ptx::ex2_approx(fmaf(s[4 * jj + 2 * h + 1], ce, -base[h]));
           l4[jj % 4] += s[4 * jj + 2 * h] + s[4 * jj + 2 * h + 1];
         }
         lrow[h] = lrow[h] * alpha[h] + ((l4[0] + l4[1]) + (l4[2] + l4[3]));

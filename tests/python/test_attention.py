@@ -788,6 +788,45 @@ def test_cuda_bf16_packed_and_thd_match_cpu_reference(causal):
         _gpu_check(o, lse, o_ref, lse_ref)
 
 
+@needs_gpu
+@pytest.mark.parametrize("p_format", ["bfloat16", "e4m3"])
+@pytest.mark.parametrize("log2_peak", [5, 20, 33])
+def test_cuda_large_scores_keep_each_rows_maximum_at_p_one(p_format, log2_peak):
+    """Scores whose row maxima of S·scale·log2 e reach about 2^log2_peak. The kernel's folded exponent
+    fma(S, c, −max) leaves the maximum's exponent at max·c's rounding error: at 2^33 that is ±128 or
+    more (every P 0 or Inf: O 0 or NaN, LSE ∓Inf), at 2^20 it moves the maximum's P off 1, which E4M3 P
+    rounds to another code (O off by 12 %). Past a limit the kernel rounds S·c first: the maximum's
+    P is exactly 1 at every magnitude, as in the reference."""
+    torch.manual_seed(7)
+    b, sq, skv, h, d = 1, 130, 200, 2, 128
+    scale = 1.0 / math.sqrt(d)
+    # S ~ a²·√d·N(0, 1): choose a so that S·scale·log2 e is about 2^log2_peak at the row maxima (~3σ)
+    a = math.sqrt(2.0 ** log2_peak / (3 * math.sqrt(d) * scale * 1.4426950408889634))
+    q = (torch.randn(b, sq, h, d) * a).to(torch.bfloat16)
+    k = (torch.randn(b, skv, h, d) * a).to(torch.bfloat16)
+    v = torch.randn(b, skv, h, d).to(torch.bfloat16)
+    o_ref, lse_ref = mxmla.attention(q, k, v, layout="bshd_bshd_bshd", softmax_scale=scale, p_format=p_format,
+                                     return_lse=True)
+    assert torch.isfinite(lse_ref).all() and lse_ref.abs().max() > 0.25 * 2.0 ** log2_peak
+    for inputs in ((q, k, v), [mxmla.quantize_attention(x, "bshd") for x in (q, k, v)]):
+        ops = [x.cuda() if isinstance(x, torch.Tensor) else mx_map(x, lambda t: t.cuda()) for x in inputs]
+        if not isinstance(inputs[0], torch.Tensor):  # the MXFP8 operands' own reference
+            o_ref, lse_ref = mxmla.attention(*inputs, layout="bshd_bshd_bshd", softmax_scale=scale,
+                                             p_format=p_format, return_lse=True)
+        o, lse = mxmla.attention(*ops, layout="bshd_bshd_bshd", softmax_scale=scale, p_format=p_format,
+                                 return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.isfinite(o.float()).all(), "O has NaN / Inf"
+        assert torch.isfinite(lse).all(), "LSE has ±Inf"
+        # S in fp32 against float64: the LSE's error grows with its magnitude (one fp32 rounding of
+        # each product and sum, about 2^-20 of it); O within the usual bounds
+        lse, ref = lse.cpu().double(), lse_ref.double()
+        assert ((lse - ref).abs() <= 1e-4 + 2.0 ** -20 * ref.abs()).all(), (lse - ref).abs().max()
+        o, o_r = o.float().cpu().double(), o_ref.float().double()
+        assert (o - o_r).norm() / o_r.norm() <= 0.005
+        assert not ((o - o_r).abs() > 0.02 + 0.02 * o_r.abs()).any()
+
+
 def test_default_format_reads_mxfp8_codes_not_the_quantized_shape():
     """thd operands quantized token-major as [t, h*d] with codes viewed [t, h, d]: layout=None takes
     the format from the codes (3-D: thd), as layout="thd" does."""
