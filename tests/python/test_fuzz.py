@@ -44,7 +44,7 @@ CI_COUNTS = {  # configs per op in CI, half from each profile (seeds 0 .. n/2 - 
     "attention": 600,
     "gemm": 400,
 }
-GPU_COUNT = 40  # per op, when a GPU is visible (the full run is the separate command above)
+GPU_COUNT = 100  # per op, when a GPU is visible (about 50 s in all at the H200's rates; the full run: the command above)
 
 
 # ----------------------------------------------------------------------------- exact references
