@@ -602,10 +602,12 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
       dq_stage<C::kDqN>(acc, buf0, buf1, buf2, warp, lane, row0);
       ptx::fence_proxy_async();
       if constexpr (kDet) {  // wait for the key blocks after this one that see the tile (block j sees it
-                             // iff j·96 <= i0 + 63 + off: those up to kb + (i0 + 63 − det_a) / 96). Every
-                             // thread spins (a loop in the issuer's branch costs the consumers their
-                             // uniform registers; see ptx::spin_until_ge_acquire_gpu)
-        const int n = p.causal ? static_cast<int>(imin((i0 + C::kBM - 1 - sm.det_a) / C::kBN, sm.det_cap)) : sm.det_cap;
+                             // iff j·96 <= i0 + ni − 1 + off, the tile's last row: those up to
+                             // kb + (i0 + ni − 1 − det_a) / 96; a block past the last row has no tile and
+                             // publishes nothing, e.g. top-left causal with s_kv > s_q, found by the GPU
+                             // fuzzer as a hang). Every thread spins (a loop in the issuer's branch costs
+                             // the consumers their uniform registers; see ptx::spin_until_ge_acquire_gpu)
+        const int n = p.causal ? static_cast<int>(imin((i0 + ni - 1 - sm.det_a) / C::kBN, sm.det_cap)) : sm.det_cap;
         int* const flag = prm.dq_flag + c * prm.dq_rows + row0 - prm.dq_row0;
         ptx::spin_until_ge_acquire_gpu(flag, n);
         if (issuer) sm.flag[c][st] = flag;

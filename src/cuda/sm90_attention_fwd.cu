@@ -31,27 +31,27 @@ constexpr const char* kOp = "mxmla.attention";
 // A 4-D map over an operand: dims {d, heads, tokens, batch}, box {64, 1, 128, 1}; FP8 codes with the
 // 64-byte swizzle (the dequantizer's staging), bf16 with the 128-byte swizzle (the wgmma layout).
 // TMA reads an operand when its data pointer and its head, token and batch strides are multiples of
-// 16 bytes.
-bool tma_aligned(const AttnTensorView& v, bool fp8, int64_t batch) {
+// 16 bytes; the stride of a dim of extent 1 (one head, one token, one sequence) is never stepped
+// over and does not count (make_tma_desc gives it the packed value).
+bool tma_aligned(const AttnTensorView& v, bool fp8, int64_t heads, int64_t tokens, int64_t batch) {
   const int64_t esz = fp8 ? 1 : 2;
   const auto aligned = [](int64_t bytes) { return bytes % 16 == 0; };
-  return reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && aligned(v.st_h * esz) && aligned(v.st_s * esz) &&
-         (batch <= 1 || aligned(v.st_b * esz));
+  return reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && (heads <= 1 || aligned(v.st_h * esz)) &&
+         (tokens <= 1 || aligned(v.st_s * esz)) && (batch <= 1 || aligned(v.st_b * esz));
 }
 
 CUtensorMap operand_map(const char* arg, const AttnTensorView& v, bool fp8, int64_t d, int64_t heads, int64_t tokens,
                         int64_t batch) {
-  if (!tma_aligned(v, fp8, batch))
+  tokens = std::max<int64_t>(tokens, 1);
+  if (!tma_aligned(v, fp8, heads, tokens, batch))
     throw Error(kOp, arg,
                 "the CUDA kernel reads it with TMA: its data pointer and its head, token and batch strides must be "
                 "multiples of 16 bytes");
   const int64_t esz = fp8 ? 1 : 2;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(heads),
-                              static_cast<cuuint64_t>(std::max<int64_t>(tokens, 1)),
-                              static_cast<cuuint64_t>(batch)};
-  const int64_t st_b = batch > 1 ? v.st_b : std::max<int64_t>(tokens, 1) * v.st_s;
+                              static_cast<cuuint64_t>(tokens), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(v.st_h * esz), static_cast<cuuint64_t>(v.st_s * esz),
-                                 static_cast<cuuint64_t>(std::max<int64_t>(st_b, 1) * esz)};
+                                 static_cast<cuuint64_t>(v.st_b * esz)};  // (extent-1 dims': replaced)
   const cuuint32_t box[4] = {64, 1, 128, 1};
   return make_tma_desc(v.data, fp8 ? DType::kUInt8 : DType::kBFloat16, 4, dims, strides, box,
                        fp8 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
@@ -173,7 +173,7 @@ void attention_fwd_cuda(const AttentionProblem& p, Stream stream) {
   g.thd = p.thd, g.cu_q = p.cu_q, g.cu_kv = p.cu_kv, g.total_q = p.total_q, g.total_kv = p.total_kv;
   std::unique_ptr<StreamScratch> keep[3];  // freed on the stream after the kernel
   AttentionProblem b = p;                  // the same problem on the bf16 copies (Q's codes where TMA reads them)
-  const bool q_codes = tma_aligned(p.q, true, p.thd ? 1 : p.B);
+  const bool q_codes = tma_aligned(p.q, true, p.H, p.thd ? p.total_q : p.Sq, p.thd ? 1 : p.B);
   b.fp8 = false, b.k_sc = b.v_sc = AttnScaleView{};
   if (!q_codes) b.fmt = Fp8Format::kE4M3, b.q_sc = AttnScaleView{};
   AttnTensorView* out[] = {&b.q, &b.k, &b.v};

@@ -106,7 +106,10 @@ def expected_outs(exp: dict) -> dict:
 # attention and gemm are not bit-exact against an independent float64 evaluation (summation order):
 # their float outputs are checked against intervals (oracle.Tol), on a GPU against the reference with
 # the kernels' bounds. Everything else they write (buffers, the layout name) stays byte-exact.
-TOLERANCE_OUTPUTS = {"attention": ("o", "lse"), "gemm": ("d",)}
+TOLERANCE_OUTPUTS = {"attention": ("o", "lse"), "attention_backward": ("dq", "dk", "dv"), "gemm": ("d",)}
+# outputs without an independent oracle (the CPU side checks their invariants; a device run is
+# compared with the CPU reference)
+NO_ORACLE = {"attention_backward": ("dq", "dk", "dv")}
 
 # True: mxmla.gemm on CUDA runs the SM90 MXFP8 kernel, compared with the CPU reference (gemm_pair
 # below); bf16 operands on CUDA raise GEMM_CUDA_ERROR (the kernel takes MXFP8 operands). False (a build
@@ -191,6 +194,20 @@ def tol_stats(tol: Tol) -> tuple:
 GPU_O_RMS, GPU_O_ATOL, GPU_O_RTOL, GPU_LSE_ATOL, GPU_P_EPS = 0.005, 0.02, 0.02, 1e-4, 2.0 ** -17
 
 
+def _pair_values(op: str, what: str, name: str, got: dict, ref: dict, out: list):
+    """(the device's values, the reference's) of one float output as float64, or None with a
+    mismatch appended to `out` (missing on either side, or another shape or dtype)."""
+    if name not in got or name not in ref:
+        out.append(Mismatch(op, what, name, None, (), "", "", 0, 0, "missing output"))
+        return None
+    g, r = got[name], ref[name]
+    if g.shape != r.shape or g.dtype != r.dtype:
+        out.append(Mismatch(op, what, name, None, (), "", "", 0, 0,
+                            f"shape / dtype {list(g.shape)} {g.dtype} != {list(r.shape)} {r.dtype}"))
+        return None
+    return _values(g), _values(r)
+
+
 def attention_pair(cfg: dict, ins: dict, what: str, got: dict, ref: dict) -> list:
     """A device's O and LSE against the CPU reference's, within the GPU bounds above; NaN where the
     reference has NaN; rows without keys exactly 0 / -inf. (The other outputs: compare_sets.)"""
@@ -202,15 +219,10 @@ def attention_pair(cfg: dict, ins: dict, what: str, got: dict, ref: dict) -> lis
     for name in ("o", "lse"):
         if name not in ref:
             continue
-        if name not in got:
-            out.append(Mismatch(op, what, name, None, (), "", "", 0, 0, "missing output"))
+        vals = _pair_values(op, what, name, got, ref, out)
+        if vals is None:
             continue
-        g, r = got[name], ref[name]
-        if g.shape != r.shape or g.dtype != r.dtype:
-            out.append(Mismatch(op, what, name, None, (), "", "", 0, 0,
-                                f"shape / dtype {list(g.shape)} {g.dtype} != {list(r.shape)} {r.dtype}"))
-            continue
-        gv, rv = _values(g), _values(r)
+        gv, rv = vals
         total = int(gv.size)
         nan = np.isnan(rv)
         bad = nan != np.isnan(gv)
@@ -244,6 +256,96 @@ def attention_pair(cfg: dict, ins: dict, what: str, got: dict, ref: dict) -> lis
         if wrong.any():
             out.append(_first(op, what, name, wrong, gv, lambda i: (
                 f"{float(rv.reshape(-1)[i])!r} within {float(allowed.reshape(-1)[i]):.3g} (GPU bound)"), total))
+    return out
+
+
+def attention_visibility(cfg: dict, ins: dict) -> tuple:
+    """(query rows without a visible key [B, S_q], keys no query sees [B, S_kv]) in the bshd order of
+    the operands (thd: B = 1 and the packed tokens, those outside every sequence included): where
+    SPEC §5 makes dQ, resp. dK and dV, exactly zero."""
+    qs, ks = cfg["q"]["shape"], cfg["k"]["shape"]
+    tok = lambda sh, f: (1, sh[0]) if f == "thd" else {"sbhd": (sh[1], sh[0]), "bshd": (sh[0], sh[1]),  # noqa: E731
+                                                        "bhsd": (sh[0], sh[2])}[f]
+    nokey, unseen = np.ones(tok(qs, cfg["q_format"]), bool), np.ones(tok(ks, cfg["kv_format"]), bool)
+    if cfg["q_format"] == "thd":
+        cq, ckv = ins["cu_q"], ins["cu_kv"]
+        seqs = [(0, int(cq[b]), int(cq[b + 1]), int(ckv[b]), int(ckv[b + 1])) for b in range(len(cq) - 1)]
+    else:
+        seqs = [(b, 0, nokey.shape[1], 0, unseen.shape[1]) for b in range(nokey.shape[0])]
+    causal, br = cfg["causal"] != "none", cfg["causal"] == "bottom_right"
+    for b, q0, q1, k0, k1 in seqs:
+        sq, skv = q1 - q0, k1 - k0
+        i = np.arange(sq)
+        n = np.clip(i + 1 + (skv - sq if br else 0), 0, skv) if causal else np.full(sq, skv)
+        nokey[b, q0:q1] = n == 0
+        seen = int(n.max()) if sq else 0  # keys 0 .. seen - 1 are visible to some query
+        unseen[b, k0:k0 + seen] = False
+    return nokey, unseen
+
+
+def _max_abs(a: np.ndarray) -> float:
+    a = a[np.isfinite(a)]
+    return float(np.abs(a).max()) if a.size else 0.0
+
+
+# GPU bounds of the attention backward (tests/python/test_attention_backward.py, _near): relative RMS
+# <= 0.3 % there on N(0, 1) data; here 1 % over each gradient, every element within 5 % of itself plus
+# 2 % of the largest |reference| of its (batch, head), plus a floor for gradients that vanish (every
+# row sees at most one key: P = 1, dP = D, dS = 0 up to fp32 rounding): 2^-16 of the largest one
+# term can be (softmax_scale·d_v·max|dO|·max|V|·max|K| for dQ, ·max|Q| for dK; max|dO| for dV). Exact zeros where SPEC §5 makes them (dQ of rows without keys, dK / dV of keys no query
+# sees, thd tokens outside every sequence).
+GPU_BWD_RMS, GPU_BWD_RTOL, GPU_BWD_HEAD_ATOL, GPU_BWD_FLOOR = 0.01, 0.05, 0.02, 2.0 ** -16
+
+
+def attention_backward_pair(cfg: dict, ins: dict, what: str, got: dict, ref: dict) -> list:
+    """A device's dQ, dK, dV against the CPU reference's within the bounds above."""
+    from .oracle import _to_bshd, attention_operands, attention_softmax_scale
+
+    op = "attention_backward"
+    out = []
+    ops = attention_operands(cfg, ins)
+    do = cfg["do"]
+    dov = fp.to_f64((ins["do.src"] if do["mx"] else ins["do.x"]).logical(), "bfloat16")
+    mq, mk, mv = (_max_abs(ops[r][0]) for r in ("q", "k", "v"))
+    mdo = _max_abs(dov)
+    sc = attention_softmax_scale(cfg)
+    dp = cfg["d_v"] * mdo * mv  # |dP| <= d_v·max|dO|·max|V|, and |D| too
+    floor = {"dq": sc * dp * mk, "dk": sc * dp * mq, "dv": mdo}  # one term's largest magnitude
+    nokey, unseen = attention_visibility(cfg, ins)
+    for name, role in (("dq", "q"), ("dk", "k"), ("dv", "v")):
+        vals = _pair_values(op, what, name, got, ref, out)
+        if vals is None:
+            continue
+        gv, rv = vals
+        total = int(gv.size)
+        fmt = cfg[role]["fmt"]
+        gb, rb = _to_bshd(gv, fmt), _to_bshd(rv, fmt)
+        first = lambda mask, note: _first(op, what, name, mask, gb, note, total)  # noqa: E731  (bshd order)
+        zero = np.broadcast_to((nokey if name == "dq" else unseen)[:, :, None, None], gb.shape)
+        with np.errstate(all="ignore"):
+            fin_r, fin_g = np.isfinite(rb), np.isfinite(gb)
+            bad = (fin_r != fin_g) | (~fin_r & ~fin_g & ~((gb == rb) | (np.isnan(gb) & np.isnan(rb))))
+            if bad.any():
+                out.append(first(bad, lambda i: f"{float(rb.reshape(-1)[i])!r} (the same non-finite pattern; "
+                                                "flat index in bshd order)"))
+            bad = zero & (gb != 0)
+            if bad.any():
+                out.append(first(bad, lambda i: "0 exactly (no visible key / a key no query sees / outside every "
+                                                "sequence; flat index in bshd order)"))
+            chk = fin_r & fin_g & ~zero
+            head = np.where(fin_r, np.abs(rb), 0.0).max(axis=(1, 3), keepdims=True) if rb.size else rb
+            allowed = GPU_BWD_RTOL * np.abs(rb) + GPU_BWD_HEAD_ATOL * head + GPU_BWD_FLOOR * floor[name]
+            err = np.abs(gb - rb)
+            wrong = chk & ~(err <= allowed)
+            if wrong.any():
+                out.append(first(wrong, lambda i: f"{float(rb.reshape(-1)[i])!r} within "
+                                                  f"{float(np.broadcast_to(allowed, rb.shape).reshape(-1)[i]):.3g} "
+                                                  "(GPU bound; flat index in bshd order)"))
+            num = float(np.sum(np.where(chk, err ** 2, 0.0)))
+            den = float(np.sum(np.where(chk, rb ** 2, 0.0)))
+            if den > 0 and np.sqrt(num / den) > GPU_BWD_RMS and np.sqrt(num) > GPU_BWD_FLOOR * floor[name]:
+                out.append(Mismatch(op, what, name, None, (), "", "", 0, 0,
+                                    f"relative RMS error {np.sqrt(num / den):.4g} > {GPU_BWD_RMS}"))
     return out
 
 
@@ -294,6 +396,8 @@ def compare_pair(cfg: dict, ins: dict, what: str, got: dict, ref: dict) -> list:
                        {k: v for k, v in ref.items() if k not in tol_names}, same_dtype=True)
     if op == "attention":
         out += attention_pair(cfg, ins, what, got, ref)
+    elif op == "attention_backward":
+        out += attention_backward_pair(cfg, ins, what, got, ref)
     elif op == "gemm":
         out += gemm_pair(cfg, ins, what, got, ref)
     return out
@@ -527,6 +631,8 @@ def invariants(cfg: dict, ins: dict, outs: dict) -> list:
                                 cfg["fmt"], None, sl)
     elif op == "attention":
         bad += _attention_invariants(cfg, ins, outs)
+    elif op == "attention_backward":
+        bad += _attention_backward_invariants(cfg, ins, outs)
     elif op == "gemm":
         bad += _gemm_invariants(cfg, ins, outs)
     elif op == "fused_q_uproj_rope_quant":
@@ -559,12 +665,49 @@ def _attention_invariants(cfg: dict, ins: dict, outs: dict) -> list:
             bad.append(_inv(op, name, f"{list(o.shape)} {o.dtype}, expected {list(shape)} {dt}"))
     if not cfg["return_lse"] and "lse" in outs:
         bad.append(_inv(op, "lse", "returned without return_lse"))
+    bad += _attention_inputs_kept(op, cfg, ins, outs)
+    return bad
+
+
+def _attention_inputs_kept(op: str, cfg: dict, ins: dict, outs: dict) -> list:
+    """The bf16 operands' buffers read back after the op: unchanged (their views and the poison)."""
+    bad = []
     for role in ("q", "k", "v"):
         o = cfg[role]
         key = f"{'pack' if o.get('packed') else role}.base"
         if o["prec"] == "bf16" and key in outs:
             if not np.array_equal(outs[key].raw, ins[f"{role}.x"].base.reshape(-1).view(np.uint8)):
                 bad.append(_inv(op, key, "an input buffer (its view or the poison around it) changed"))
+    return bad
+
+
+def _attention_backward_invariants(cfg: dict, ins: dict, outs: dict) -> list:
+    """dQ, dK, dV bf16 in the shapes of q, k, v; exactly zero where SPEC §5 makes them zero (rows
+    without keys, keys no query sees, thd tokens outside every sequence); finite (the configs' inputs
+    are); the bf16 inputs' buffers (dO's too) unchanged."""
+    from .oracle import _to_bshd
+
+    op, bad = "attention_backward", []
+    nokey, unseen = attention_visibility(cfg, ins)
+    for name, role in (("dq", "q"), ("dk", "k"), ("dv", "v")):
+        o = outs.get(name)
+        shape = tuple(cfg[role]["shape"][:-1] + [cfg["d_v"] if role == "v" else cfg["d_qk"]])
+        if o is None:
+            bad.append(_inv(op, name, "missing"))
+            continue
+        if o.shape != shape or o.dtype != "bfloat16":
+            bad.append(_inv(op, name, f"{list(o.shape)} {o.dtype}, expected {list(shape)} bfloat16"))
+            continue
+        v = _to_bshd(_values(o), cfg[role]["fmt"])
+        zero = np.broadcast_to((nokey if name == "dq" else unseen)[:, :, None, None], v.shape)
+        if (zero & (v != 0)).any():
+            bad.append(_inv(op, name, f"{int((zero & (v != 0)).sum())} elements are not 0 where no key is visible "
+                                      "/ no query sees the key / outside every sequence"))
+        if not np.isfinite(v).all():
+            bad.append(_inv(op, name, f"{int((~np.isfinite(v)).sum())} non-finite elements from finite inputs"))
+    bad += _attention_inputs_kept(op, cfg, ins, outs)
+    if "do.base" in outs and not np.array_equal(outs["do.base"].raw, ins["do.x"].base.reshape(-1).view(np.uint8)):
+        bad.append(_inv(op, "do.base", "dO's buffer (its view or the poison around it) changed"))
     return bad
 
 

@@ -29,6 +29,7 @@ OPS = (
     "rope_backward_quantize",
     "fused_q_uproj_rope_quant",
     "attention",
+    "attention_backward",
     "gemm",
 )
 PROFILES = ("cuda", "any")
@@ -543,7 +544,7 @@ def _attn_default_format(cfg: dict):
     return fq, fkv
 
 
-def gen_attention(r: random.Random, cuda: bool) -> dict:
+def gen_attention(r: random.Random, cuda: bool, work_max: float = ATTN_WORK) -> dict:
     if r.random() < 0.2:
         qf, kvf = r.sample(["sbhd", "bshd", "bhsd"], 2)
     else:
@@ -599,7 +600,7 @@ def gen_attention(r: random.Random, cuda: bool) -> dict:
         pairs = sum(a * b for a, b in zip(lq, lkv)) if thd else B * Sq * Skv
         return pairs * H * (Dqk + Dv)
 
-    while work() > ATTN_WORK:
+    while work() > work_max:
         if H // Hkv > 1:  # fewer query heads per kv head
             H = Hkv * ((H // Hkv) // 2)
         elif Hkv > 1:  # (H == Hkv here)
@@ -663,6 +664,45 @@ def gen_attention(r: random.Random, cuda: bool) -> dict:
         la = "format"
     cfg["layout_arg"] = la
     cfg["expected_layout"] = expected_qkv_layout(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- attention backward
+ATTN_BWD_WORK = 4e7  # the backward reference costs about three forwards
+# Value events the backward's configs keep. The kernels' gradients are compared with the float64
+# reference within fp32 bounds (check.attention_backward_pair), which hold while the scores stay
+# moderate: no NaN / Inf (SPEC §5 leaves the gradients of non-finite inputs open), no huge rows,
+# keys, scale bytes or random codes (fp32 scores far from float64's), softmax_scale at most 0.5. No
+# edits of the copy the forward does not read either: the backward reads both copies.
+ATTN_BWD_EVENTS = ("zero_row", "small_row", "zero_key", "scale_zero", "scale_one", "pad")
+
+
+def gen_attention_backward(r: random.Random, cuda: bool) -> dict:
+    """attention's configs (formats, packing, views, thd sequences, GQA, MXFP8 sources, causal
+    alignments) with moderate scores, plus dO (bf16 in q's format with d_v; MXFP8 from
+    quantize_attention for sbhd / bshd sometimes) and the deterministic flag. O and LSE come from the
+    CPU reference forward of the same operands (runner), the same inputs for both devices."""
+    cfg = gen_attention(r, cuda, ATTN_BWD_WORK)
+    for role in ("q", "k", "v"):
+        op = cfg[role]
+        op["events"] = [e for e in op["events"] if e in ATTN_BWD_EVENTS]
+        if role != "v":
+            op["data"]["mult"] = min(op["data"]["mult"], 1.0)
+            op["data"]["row_exp"] = min(op["data"]["row_exp"], 1)
+    if cfg["softmax_scale"] is not None and cfg["softmax_scale"] > 0.5:
+        cfg["softmax_scale"] = 0.5
+    cfg["p_format"] = "bfloat16"  # (the forward that makes O; the backward has no P format)
+    cfg["return_lse"] = True
+    qs = cfg["q"]["shape"]
+    do = dict(shape=qs[:-1] + [cfg["d_v"]], data=dict(dist=r.choice(["normal", "uniform", "int", "pow2"]),
+                                                      mult=2.0 ** r.choice([-2, 0, 0, 1, 3]),
+                                                      row_exp=r.choice([0, 1, 2])),
+              events=[r.choice(["zero_row", "small_row"]) for _ in range(r.choice([0, 0, 1, 2]))])
+    do["mx"] = cfg["prec"] == "mxfp8" and cfg["q_format"] in ("sbhd", "bshd") and r.random() < 0.4
+    if not do["mx"]:
+        do["view"] = _view_json(_attn_sep_view(r, _np_rng(r), do["shape"], 8 if cuda else r.choice([1, 8])))
+    cfg["do"] = do
+    cfg["deterministic"] = r.random() < 0.4
     return cfg
 
 
@@ -769,6 +809,7 @@ GENERATORS = {
     "rope_backward_quantize": gen_rope_backward_quantize,
     "fused_q_uproj_rope_quant": gen_fused,
     "attention": gen_attention,
+    "attention_backward": gen_attention_backward,
     "gemm": gen_gemm,
 }
 
@@ -858,7 +899,11 @@ def tags(cfg: dict) -> list:
             t.append("T_tail")
     if op == "to_bhsd":
         t.append(f"tensors={len(cfg['tensors'])}")
-    if op == "attention":
+    if op == "attention_backward":
+        t += ["deterministic"] if cfg["deterministic"] else []
+        t += ["do_mxfp8"] if cfg["do"]["mx"] else []
+        t += [f"do_event={e}" for e in cfg["do"]["events"]]
+    if op in ("attention", "attention_backward"):
         t += [f"format={cfg['q_format']}" if cfg["q_format"] == cfg["kv_format"] else "format=mixed",
               f"prec={cfg['prec']}", f"pack={cfg['pack']}", f"causal={cfg['causal']}", f"p_format={cfg['p_format']}",
               f"dims={cfg['d_qk']}/{cfg['d_v']}", f"layout_arg={cfg['layout_arg']}"]
@@ -1110,6 +1155,28 @@ def _attn_inputs(g, cfg: dict, ins: dict) -> None:
         ins["cu_kv"] = np.concatenate([[0], np.cumsum(cfg["seqlens_kv"])]).astype(np.int64)
 
 
+def _attn_do(g, cfg: dict, ins: dict) -> None:
+    """dO of a backward config: values per (token, head) row as _attn_values, zero or tiny blocks of
+    32 along d_v; bf16 bits in its view, or (MXFP8) contiguous bf16 source values."""
+    do = cfg["do"]
+    shape = do["shape"]
+    Dv = shape[-1]
+    rows = int(np.prod(shape[:-1]))
+    d = do["data"]
+    v = D.base_values(g, d["dist"], (rows, Dv), imax=8, pow2=(-4, 2))
+    v = v * d["mult"] * np.exp2(g.integers(-d["row_exp"], d["row_exp"] + 1, (rows, 1)))
+    for ev in do["events"]:
+        if rows:
+            c = int(g.integers(Dv // 32)) * 32
+            v[int(g.integers(rows)), c:c + 32] *= 0.0 if ev == "zero_row" else 2.0 ** -int(g.integers(8, 131))
+    bits = _bits_of(g, v.reshape(shape), "bfloat16")
+    if do["mx"]:
+        ins["do.src"] = Arr.contiguous(bits, "bfloat16")
+    else:
+        view = D.View.from_json(do["view"])
+        ins["do.x"] = Arr(D.fill_base(g, view, "bfloat16", bits), "bfloat16", view)
+
+
 def _gemm_inputs(g, cfg: dict, ins: dict) -> None:
     cuda = cfg["profile"] == "cuda"
     for name in ("a", "b"):
@@ -1218,6 +1285,9 @@ def materialize(cfg: dict) -> dict:
         ins["cos"], ins["sin"] = _table_arrs(g, cfg_t, S + cfg["tab_extra"])
     elif op == "attention":
         _attn_inputs(g, cfg, ins)
+    elif op == "attention_backward":
+        _attn_inputs(g, cfg, ins)
+        _attn_do(g, cfg, ins)
     elif op == "gemm":
         _gemm_inputs(g, cfg, ins)
     return ins

@@ -609,8 +609,14 @@ def _attention(cfg, ins):
     if cfg["return_lse"]:
         res["lse"] = Tol("float32", a["lse"], a["t_lse"], a["nokey_lse"].copy(), None, "LSE")
     res["layout"] = (np.frombuffer(cfg["expected_layout"].encode(), np.uint8).copy(), "uint8")
-    # the inputs' buffers after the op: as they were given (bf16), or the poison with the codes (edited)
-    # copied into their views
+    res.update(_attention_bases(cfg, ins, ops))
+    return res
+
+
+def _attention_bases(cfg: dict, ins: dict, ops: dict) -> dict:
+    """The inputs' buffers after the op: as they were given (bf16), or the poison with the codes
+    (edited) copied into their views."""
+    res = {}
     for role in ("q", "k", "v"):
         op = cfg[role]
         key = f"{'pack' if op.get('packed') else role}"
@@ -623,6 +629,16 @@ def _attention(cfg, ins):
             if v.base_numel and all(v.shape):
                 base[v.positions()] = ops[role][1]
             res[f"{key}.codes_base"] = (base, "uint8")
+    return res
+
+
+def _attention_backward(cfg, ins):
+    """The inputs' buffers (dO's too) only: the gradients have no independent oracle here (the CPU
+    reference's are checked against a float64 emulation of SPEC §5 in tests/python/
+    test_attention_backward.py; the fuzzer compares the CUDA kernels with the reference)."""
+    res = _attention_bases(cfg, ins, attention_operands(cfg, ins))
+    if not cfg["do"]["mx"]:
+        res["do.base"] = (ins["do.x"].base, "bfloat16")
     return res
 
 
@@ -700,6 +716,7 @@ ORACLES = {
     "rope_backward_quantize": _rope_backward_quantize,
     "fused_q_uproj_rope_quant": _fused,
     "attention": _attention,
+    "attention_backward": _attention_backward,
     "gemm": _gemm,
 }
 

@@ -339,7 +339,9 @@ def _mx_operand(cfg, op, ins, name: str, read_rowwise: bool, dev, mx, store: dic
     return t, bases
 
 
-def _attention(cfg, ins, dev, mx):
+def _attention_args(cfg, ins, dev, mx) -> tuple:
+    """(operands {q, k, v}, {output name: base tensor to read back}, attention's keyword arguments,
+    the format argument) of an attention config on `dev`."""
     torch = _torch()
     store, bases, ops = {}, {}, {}
     for role in ("q", "k", "v"):
@@ -370,6 +372,11 @@ def _attention(cfg, ins, dev, mx):
             extra = cfg["max_extra"] if cfg["max_seqlen"] == "bound" else 0
             kw["max_seqlen_q"] = max(cfg["seqlens_q"]) + extra
             kw["max_seqlen_kv"] = max(cfg["seqlens_kv"]) + extra
+    return ops, bases, kw, fmt
+
+
+def _attention(cfg, ins, dev, mx):
+    ops, bases, kw, fmt = _attention_args(cfg, ins, dev, mx)
     name = np.frombuffer(mx.qkv_layout(ops["q"], ops["k"], ops["v"], fmt).encode(), np.uint8).copy()
     out = {"layout": Out(name, (name.size,), "uint8", 1)}  # TransformerEngine's name of the memory
     r = mx.attention(ops["q"], ops["k"], ops["v"], **kw)
@@ -378,6 +385,35 @@ def _attention(cfg, ins, dev, mx):
     if lse is not None:
         out["lse"] = out_of(lse)
     for k, b in bases.items():  # the inputs' buffers: what the op read must be unchanged
+        out[k] = out_of(b)
+    return out
+
+
+def _attention_backward(cfg, ins, dev, mx):
+    """dQ, dK, dV of (dO, Q, K, V, O, LSE) on `dev`, with O and LSE from the CPU reference forward of
+    the same operands (so both devices' backwards get the same inputs), and the inputs' buffers."""
+    torch = _torch()
+    ops, bases, kw, _ = _attention_args(cfg, ins, dev, mx)
+    cpu_ops, _, cpu_kw, _ = (ops, None, kw, None) if dev == "cpu" else _attention_args(cfg, ins, "cpu", mx)
+    o, lse = mx.attention(cpu_ops["q"], cpu_ops["k"], cpu_ops["v"], **cpu_kw)
+    o, lse = o.to(dev), lse.to(dev)
+    do = cfg["do"]
+    if do["mx"]:
+        x, _ = to_tensor(ins["do.src"], dev)
+        d_o = mx.quantize_attention(x, layout=cfg["q_format"], rowwise=True, columnwise=True,
+                                    fp8_format=cfg["fp8_format"])
+    else:
+        from .data import View
+
+        v = View.from_json(do["view"])
+        base = _shared({}, "do.base", ins["do.x"].base, "bfloat16", dev)
+        d_o = torch.as_strided(base, v.shape, v.strides, v.offset)
+        bases["do.base"] = base
+    bkw = {k: x for k, x in kw.items() if k not in ("return_lse", "p_format")}
+    dq, dk, dv = mx.attention_backward(d_o, ops["q"], ops["k"], ops["v"], o, lse, deterministic=cfg["deterministic"],
+                                       **bkw)
+    out = {"dq": out_of(dq), "dk": out_of(dk), "dv": out_of(dv)}
+    for k, b in bases.items():
         out[k] = out_of(b)
     return out
 
@@ -425,6 +461,7 @@ RUNNERS = {
     "rope_backward_quantize": _rope_backward_quantize,
     "fused_q_uproj_rope_quant": _fused,
     "attention": _attention,
+    "attention_backward": _attention_backward,
     "gemm": _gemm,
 }
 

@@ -827,6 +827,33 @@ def test_cuda_large_scores_keep_each_rows_maximum_at_p_one(p_format, log2_peak):
         assert not ((o - o_r).abs() > 0.02 + 0.02 * o_r.abs()).any()
 
 
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["thd", "bshd"])
+def test_cuda_extent_one_dims_take_any_stride(fmt):
+    """A one-token, one-head K and V (and, in bshd, one sequence) whose extent-1 dims carry stride 0 or
+    strides that are not multiples of 16 bytes, as PyTorch views may: such a stride is never stepped
+    over, so the CUDA path takes the view (the check ignores it, and the TMA map gets the packed
+    value). The GPU fuzzer found the failure (attention seed 491: K [1, 1, 192] with strides
+    [0, 192, 1] made cuTensorMapEncodeTiled fail)."""
+    torch.manual_seed(11)
+    store = torch.randn(3, 32768, dtype=torch.bfloat16)
+    if fmt == "thd":  # (shape, strides, storage offset) of q, k, v over store[0], store[1], store[2]
+        views = (((23, 5, 192), (960, 192, 1), 0), ((1, 1, 192), (0, 192, 1), 0), ((1, 1, 128), (3, 5, 1), 8))
+        kw = dict(cu_seqlens_q=[0, 23], cu_seqlens_kv=[0, 1])
+    else:
+        views = (((1, 10, 3, 192), (7, 576, 192, 1), 0), ((1, 1, 1, 192), (5, 0, 3, 1), 0),
+                 ((1, 1, 1, 128), (0, 1, 9, 1), 16))
+        kw = dict(layout="bshd")
+    for causal in (False, True):
+        for dev in ("cpu", "cuda"):
+            st = store.to(dev)
+            q, k, v = (st[i].clone().as_strided(*views[i]) for i in range(3))
+            o, lse = mxmla.attention(q, k, v, causal=causal, bottom_right=causal, return_lse=True, **kw)
+            if dev == "cpu":
+                o_ref, lse_ref = o, lse
+        _gpu_check(o, lse, o_ref, lse_ref)
+
+
 def test_default_format_reads_mxfp8_codes_not_the_quantized_shape():
     """thd operands quantized token-major as [t, h*d] with codes viewed [t, h, d]: layout=None takes
     the format from the codes (3-D: thd), as layout="thd" does."""

@@ -380,6 +380,11 @@ DET_CASES = [
     ("bshd", 1, 700, 1000, 4, 4, 192, True, True),
     ("bshd", 2, 300, 500, 4, 1, 128, False, False),
     ("thd", 1, 0, 0, 4, 2, 192, True, False),
+    # top-left causal with s_kv > s_q: a key block starts past the last query row but within the last
+    # (partial) query tile's 64 rows, so it has no tile and publishes no flag; the blocks below must
+    # not wait for it (the GPU fuzzer's hang: s_q 65, s_kv 151)
+    ("bshd", 1, 65, 151, 2, 2, 192, True, False),
+    ("bshd", 2, 270, 400, 2, 1, 128, True, False),
 ]
 
 

@@ -42,6 +42,7 @@ CI_COUNTS = {  # configs per op in CI, half from each profile (seeds 0 .. n/2 - 
     "rope_backward_quantize": 100,
     "fused_q_uproj_rope_quant": 200,
     "attention": 600,
+    "attention_backward": 120,
     "gemm": 400,
 }
 GPU_COUNT = 100  # per op, when a GPU is visible (about 50 s in all at the H200's rates; the full run: the command above)
@@ -596,6 +597,69 @@ def test_attention_and_gemm_generators_cover_the_axes():
     assert "event=scale_max" in tags("gemm") and "event=inf" in tags("attention")
 
 
+def test_attention_backward_bounds_see_wrong_gradients_and_keep_the_exact_zeros():
+    """The backward's GPU comparison on CPU stand-ins: the reference against itself passes; its
+    largest element 10 % off, a whole head of a gradient zeroed, or a nonzero where SPEC §5 makes the
+    gradient exactly zero (dQ of a row without keys) each fail (the last also as an invariant)."""
+    from tests.fuzz.oracle import _from_bshd, _to_bshd
+
+    def vals(o):
+        return fp.to_f64(o.elements(), "bfloat16").reshape(o.shape)
+
+    def with_values(outs, name, v):
+        got = dict(outs)
+        o = outs[name]
+        got[name] = runner.Out(fp.from_f64(v.reshape(-1), "bfloat16").view(np.uint8).copy(), o.shape, o.dtype, o.itemsize)
+        return got
+
+    n_checked = n_zero = 0
+    for seed in range(24):
+        cfg = gen.generate("attention_backward", seed, "cuda")
+        ins = gen.materialize(cfg)
+        ref = runner.run(cfg, ins, "cpu")
+        assert check.compare_pair(cfg, ins, "cuda vs cpu", ref, ref) == [], seed
+        for name, role in (("dq", "q"), ("dk", "k"), ("dv", "v")):
+            v = vals(ref[name])
+            if v.size == 0 or not np.abs(v).max():
+                continue
+            w = v.copy()
+            w.reshape(-1)[np.argmax(np.abs(w))] *= 1.1
+            assert check.compare_pair(cfg, ins, "cuda vs cpu", with_values(ref, name, w), ref), (seed, name)
+            b = _to_bshd(v.copy(), cfg[role]["fmt"])
+            h = np.argmax(np.abs(b).max(axis=(0, 1, 3)))
+            b[:, :, h] = 0.0
+            assert check.compare_pair(cfg, ins, "cuda vs cpu", with_values(ref, name, _from_bshd(b, cfg[role]["fmt"])),
+                                      ref), (seed, name)
+            n_checked += 1
+        nokey, _ = check.attention_visibility(cfg, ins)
+        if nokey.any() and ref["dq"].raw.size:
+            b = _to_bshd(vals(ref["dq"]).copy(), cfg["q"]["fmt"])
+            i = np.argwhere(nokey)[0]
+            b[i[0], i[1], 0, 0] = 1e-3
+            got = with_values(ref, "dq", _from_bshd(b, cfg["q"]["fmt"]).copy())
+            assert any("0 exactly" in m.expected for m in check.compare_pair(cfg, ins, "cuda vs cpu", got, ref))
+            assert any("not 0" in m.note for m in check.invariants(cfg, ins, got))
+            n_zero += 1
+    assert n_checked >= 40 and n_zero >= 2, (n_checked, n_zero)
+
+
+def test_attention_backward_configs_keep_the_scores_moderate_and_cover_the_axes():
+    t = _tags("attention_backward", 200, "cuda")
+    for want in ("format=sbhd", "format=bshd", "format=bhsd", "format=thd", "format=mixed", "pack=3hd", "gqa",
+                 "causal=top_left", "causal=bottom_right", "prec=mxfp8", "prec=bf16", "thd_empty_seq",
+                 "thd_one_token_seq", "thd_tail", "s_tail", "strided", "deterministic", "do_mxfp8", "do_event=zero_row",
+                 "event=scale_zero", "event=zero_key"):
+        assert want in t, want
+    for seed in range(200):
+        c = gen.generate("attention_backward", seed, "cuda")
+        assert all(set(c[r]["events"]) <= set(gen.ATTN_BWD_EVENTS) for r in "qkv")
+        assert c["softmax_scale"] is None or c["softmax_scale"] <= 0.5
+        assert c["return_lse"] and all(c[r]["data"]["mult"] <= 1 for r in "qk")
+        if not c["do"]["mx"]:
+            v = data.View.from_json(c["do"]["view"])
+            assert v.offset % 8 == 0 and all(s % 8 == 0 for s, n in zip(v.strides[:-1], v.shape[:-1]) if n > 1)
+
+
 # ----------------------------------------------------------------------------- the CI subset
 @pytest.mark.parametrize("profile", gen.PROFILES)
 @pytest.mark.parametrize("op", gen.OPS)
@@ -614,7 +678,8 @@ def test_dry_run_of_the_gpu_check_path():
     byte for byte, invariants on the device outputs) with the CPU standing in for the GPU."""
     pool = driver._pool(2)
     try:
-        for op in ("quantize", "to_bhsd", "rope_backward_quantize", "fused_q_uproj_rope_quant", "attention", "gemm"):
+        for op in ("quantize", "to_bhsd", "rope_backward_quantize", "fused_q_uproj_rope_quant", "attention",
+                   "attention_backward", "gemm"):
             res = driver.run_seeds(op, list(range(3)), "cpu", "cuda", pool, pair=True)
             assert len(res) == 3 and all(r.status in ("pass", "known") for r in res), \
                 [m.line() for r in res for m in r.mismatches]
