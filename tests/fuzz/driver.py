@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import faulthandler
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -111,8 +114,43 @@ def check_cpu(op: str, seed: int, profile: str, use_oracle: bool = True) -> Resu
     return res.classify(cfg)
 
 
+def seed_timeout() -> float:
+    """Seconds a device run may take before the run counts it as a hang (MXMLA_FUZZ_SEED_TIMEOUT,
+    default 300: a config takes well under 10 s on the H200)."""
+    return float(os.environ.get("MXMLA_FUZZ_SEED_TIMEOUT", "300"))
+
+
+@contextlib.contextmanager
+def watchdog(op: str, seed: int, profile: str, device: str):
+    """A device run that does not return (a kernel that never finishes) ends the process after
+    seed_timeout() seconds, saying which seed hung and how to replay it, instead of stalling the
+    run without a word (the backward's deterministic order once hung so). A timer thread reports
+    it: it runs while the device call waits with the GIL released (torch's synchronize, a copy to the
+    host); faulthandler's watchdog, 30 s later, ends a process whose GIL stays held (exit status 1,
+    with every thread's traceback)."""
+    limit = seed_timeout()
+
+    def fire():
+        print(f"HANG {op} seed {seed}: the {device} run did not return within {limit:g} s; stopping the run; "
+              f"replay: {replay_command(op, seed, device, profile)}", flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(limit, fire)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(limit + 30, exit=True)
+    try:
+        yield
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+
+
 def device_side(op: str, seed: int, profile: str, device: str) -> tuple:
-    """The device half of a pair check (in the parent: the GPU's process): (outputs, error)."""
+    """The device half of a pair check (in the parent: the GPU's process): (outputs, error).
+    MXMLA_FUZZ_STALL=op:seed makes that run stall (tests of the watchdog)."""
+    if os.environ.get("MXMLA_FUZZ_STALL") == f"{op}:{seed}":
+        time.sleep(seed_timeout() + 60)
     try:
         cfg = gen.generate(op, seed, profile)
         ins = gen.materialize(cfg)
@@ -250,7 +288,8 @@ def run_seeds(op: str, seeds: list, device: str, profile: str, pool=None, use_or
     # the reference on the same inputs and compares (a bounded number in flight)
     pending = collections.deque()
     for s in seeds:
-        dev = device_side(op, s, profile, device)
+        with watchdog(op, s, profile, device):
+            dev = device_side(op, s, profile, device)
         if context_lost(dev):
             print(f"FATAL {op} seed {s}: {dev[1]}\n      the CUDA context is lost: stopping here; replay: "
                   f"{replay_command(op, s, device, profile)}", flush=True)
@@ -351,12 +390,13 @@ def replay(a) -> int:
         cfg = gen.generate(op, a.seed, a.profile)
         print(f"== {op} seed {a.seed} profile {a.profile} device {a.device}"
               + (" (pair: device run vs reference run)" if a.pair else ""))
-        print("config: " + gen.config_json(cfg))
+        print("config: " + gen.config_json(cfg), flush=True)
         if not pair:
             res = check_cpu(op, a.seed, a.profile, not a.no_oracle)
         else:
-            res = check_pair(op, a.seed, a.profile, a.device, device_side(op, a.seed, a.profile, a.device),
-                             not a.no_oracle)
+            with watchdog(op, a.seed, a.profile, a.device):
+                dev = device_side(op, a.seed, a.profile, a.device)
+            res = check_pair(op, a.seed, a.profile, a.device, dev, not a.no_oracle)
         if res.ok:
             print(f"PASS ({res.seconds:.2f} s)")
             continue

@@ -741,6 +741,21 @@ def test_command_line_replay_count_and_failures(tmp_path, monkeypatch, capsys):
     assert "first failing seed 7" in out and "--op apply_rope --seed 7 --device cpu" in out
 
 
+def test_a_hung_device_run_ends_the_run_with_its_seed():
+    """A device run that never returns (a kernel that hangs) ends the process after
+    MXMLA_FUZZ_SEED_TIMEOUT seconds with the seed and its replay command (exit status 3), in a range
+    and in a replay; the seeds before it ran."""
+    env = {"MXMLA_FUZZ_SEED_TIMEOUT": "2", "MXMLA_FUZZ_STALL": "swizzle_scales:2"}
+    r = _cli("--op", "swizzle_scales", "--count", "4", "--jobs", "0", "--pair", env_extra=env)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "HANG swizzle_scales seed 2: the cpu run did not return within 2 s" in r.stdout
+    assert "--op swizzle_scales --seed 2 --device cpu" in r.stdout
+    r = _cli("--op", "swizzle_scales", "--seed", "2", "--pair", env_extra=env)
+    assert r.returncode == 3 and '"seed":2' in r.stdout and "HANG swizzle_scales seed 2" in r.stdout, r.stdout
+    r = _cli("--op", "swizzle_scales", "--count", "2", "--jobs", "0", "--pair", env_extra=env)  # seeds 0, 1: no stall
+    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout + r.stderr
+
+
 def test_known_issues_are_reported_not_failed(monkeypatch, capsys):
     monkeypatch.setenv("MXMLA_FUZZ_INJECT", "swizzle_scales:out")
     monkeypatch.setitem(check.KNOWN_ISSUES, "KI-T", ("an injected fault", lambda cfg, m: m.output == "out"))
