@@ -107,9 +107,6 @@ def expected_outs(exp: dict) -> dict:
 # their float outputs are checked against intervals (oracle.Tol), on a GPU against the reference with
 # the kernels' bounds. Everything else they write (buffers, the layout name) stays byte-exact.
 TOLERANCE_OUTPUTS = {"attention": ("o", "lse"), "attention_backward": ("dq", "dk", "dv"), "gemm": ("d",)}
-# outputs without an independent oracle (the CPU side checks their invariants; a device run is
-# compared with the CPU reference)
-NO_ORACLE = {"attention_backward": ("dq", "dk", "dv")}
 
 # True: mxmla.gemm on CUDA runs the SM90 MXFP8 kernel, compared with the CPU reference (gemm_pair
 # below); bf16 operands on CUDA raise GEMM_CUDA_ERROR (the kernel takes MXFP8 operands). False (a build
@@ -267,11 +264,9 @@ def attention_visibility(cfg: dict, ins: dict) -> tuple:
     tok = lambda sh, f: (1, sh[0]) if f == "thd" else {"sbhd": (sh[1], sh[0]), "bshd": (sh[0], sh[1]),  # noqa: E731
                                                         "bhsd": (sh[0], sh[2])}[f]
     nokey, unseen = np.ones(tok(qs, cfg["q_format"]), bool), np.ones(tok(ks, cfg["kv_format"]), bool)
-    if cfg["q_format"] == "thd":
-        cq, ckv = ins["cu_q"], ins["cu_kv"]
-        seqs = [(0, int(cq[b]), int(cq[b + 1]), int(ckv[b]), int(ckv[b + 1])) for b in range(len(cq) - 1)]
-    else:
-        seqs = [(b, 0, nokey.shape[1], 0, unseen.shape[1]) for b in range(nokey.shape[0])]
+    from .oracle import attention_seqs
+
+    seqs = attention_seqs(cfg, ins, nokey.shape[0], nokey.shape[1], unseen.shape[1])
     causal, br = cfg["causal"] != "none", cfg["causal"] == "bottom_right"
     for b, q0, q1, k0, k1 in seqs:
         sq, skv = q1 - q0, k1 - k0

@@ -47,8 +47,10 @@ def to_f32(bits: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def from_f64(v: np.ndarray, dtype: str) -> np.ndarray:
-    """float64 values -> bits of `dtype`, one round-to-nearest-even (overflow -> Inf), NaN -> the
-    canonical pattern (bf16 0x7FC0, fp16 0x7E00, fp32 0x7FC00000)."""
+    """float64 values -> bits of `dtype`, round-to-nearest-even (overflow -> Inf), NaN -> the
+    canonical pattern (bf16 0x7FC0, fp16 0x7E00, fp32 0x7FC00000). bfloat16 goes through float32
+    (ml_dtypes): a double rounding, exact for values that fit float32 (inputs, fp32 results);
+    bits_f64 rounds a float64 result once."""
     v = np.asarray(v, dtype=np.float64)
     with np.errstate(all="ignore"):
         if dtype == "bfloat16":

@@ -681,7 +681,7 @@ def gen_attention_backward(r: random.Random, cuda: bool) -> dict:
     """attention's configs (formats, packing, views, thd sequences, GQA, MXFP8 sources, causal
     alignments) with moderate scores, plus dO (bf16 in q's format with d_v; MXFP8 from
     quantize_attention for sbhd / bshd sometimes) and the deterministic flag. O and LSE come from the
-    CPU reference forward of the same operands (runner), the same inputs for both devices."""
+    oracle's forward of the same operands (oracle.backward_inputs), the same inputs everywhere."""
     cfg = gen_attention(r, cuda, ATTN_BWD_WORK)
     for role in ("q", "k", "v"):
         op = cfg[role]

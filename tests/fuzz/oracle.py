@@ -536,6 +536,15 @@ def _from_bshd(a: np.ndarray, fmt: str) -> np.ndarray:
             "thd": lambda x: x[0]}[fmt](a)
 
 
+def attention_seqs(cfg: dict, ins: dict, B: int, Tq: int, Tkv: int) -> list:
+    """The sequences of a config as (batch index, first query, end, first key, end) in the bshd order
+    of the operands ([B, Tq, ...] queries, [B, Tkv, ...] keys; thd: batch 0, cu_seqlens' spans)."""
+    if cfg["q_format"] == "thd":
+        cq, ckv = ins["cu_q"], ins["cu_kv"]
+        return [(0, int(cq[b]), int(cq[b + 1]), int(ckv[b]), int(ckv[b + 1])) for b in range(len(cq) - 1)]
+    return [(b, 0, Tq, 0, Tkv) for b in range(B)]
+
+
 def attention_softmax_scale(cfg: dict) -> float:
     """The scale the op uses: the argument (None: d_qk^-0.5) as fp32 (AttentionProblem::softmax_scale)."""
     s = cfg["softmax_scale"]
@@ -560,11 +569,7 @@ def attention_rows(cfg: dict, ins: dict, ops: dict = None, flip_eps: float = Non
     nokey = np.ones((Bq, Tq, H), bool)  # thd tokens after the last sequence: O = 0, LSE = -inf
     vmax, cmax = np.zeros((Bq, Tq, H)), np.zeros((Bq, Tq, H))
     flip = np.zeros((Bq, Tq, H, Dv))
-    if qf == "thd":
-        cq, ckv = ins["cu_q"], ins["cu_kv"]
-        seqs = [(0, int(cq[b]), int(cq[b + 1]), int(ckv[b]), int(ckv[b + 1])) for b in range(len(cq) - 1)]
-    else:
-        seqs = [(b, 0, Q.shape[1], 0, K.shape[1]) for b in range(Q.shape[0])]
+    seqs = attention_seqs(cfg, ins, Q.shape[0], Q.shape[1], K.shape[1])
     causal, br = cfg["causal"] != "none", cfg["causal"] == "bottom_right"
     with np.errstate(all="ignore"):
         for bb, q0, q1, k0, k1 in seqs:
@@ -632,11 +637,112 @@ def _attention_bases(cfg: dict, ins: dict, ops: dict) -> dict:
     return res
 
 
+def _bwd_copies(cfg: dict, ins: dict, ops: dict) -> dict:
+    """{role: (values through the rowwise copy, values through the columnwise copy)} of q, k, v, do in
+    their format shapes: an MXFP8 operand's second copy exists where it was quantized in both
+    directions and kept as quantized; a missing copy falls back to the other (README: the backward)."""
+    out = {}
+    for role in ("q", "k", "v"):
+        op = cfg[role]
+        read = ops[role][0]
+        if op["prec"] == "bf16":
+            out[role] = (read, read)
+            continue
+        read_row = role != "v"
+        other = read
+        if op["dirs"] == "both" and op["place"] != "view":
+            other = _mx_values(cfg, ins, role, op, not read_row, op["fmt"] if op["kind"] == "attn" else None)[0]
+            other = other.reshape(op["shape"])
+        out[role] = (read, other) if read_row else (other, read)
+    do = cfg["do"]
+    if do["mx"]:
+        x32 = fp.to_f32(ins["do.src"].logical(), "bfloat16")
+        shape, qf = tuple(do["shape"]), cfg["q_format"]
+        q = quantize_attention(x32, shape, qf, cfg["fp8_format"], True, True, False)
+        out["do"] = tuple(fp.fp8_to_f64(q[f"{d}_data"], cfg["fp8_format"]) * fp.e8m0_to_f64(
+            element_scales(q[f"{d}_scale_inv"], shape, qf, "compact", d == "rowwise")) for d in ("rowwise", "columnwise"))
+    else:
+        v = fp.to_f64(ins["do.x"].logical(), "bfloat16")
+        out["do"] = (v, v)
+    return out
+
+
+def backward_inputs(cfg: dict, ins: dict, ops: dict = None) -> tuple:
+    """(O as bf16 bits in q's format shape, LSE float32 [b, h, s_q] / [h, t]) a backward config gets:
+    this oracle's float64 forward rounded once (runner passes the same to every device)."""
+    a = attention_rows(cfg, ins, ops)
+    with np.errstate(all="ignore"):
+        return fp.bits_f64(a["o"], "bfloat16"), np.float32(a["lse"])
+
+
+def attention_backward_grads(cfg: dict, ins: dict) -> dict:
+    """SPEC §5's backward in float64 (README: the backward), from the oracle's own operands and the
+    inputs O, LSE of backward_inputs: per sequence and kv head,
+    S = Q_row·K_rowᵀ·scale, P = exp(S − LSE) on the visible keys, dP = dO_row·V_rowᵀ,
+    D = rowsum(O ⊙ dO_row), dS = bf16(P ⊙ (dP − D)·scale), dV = bf16(P)ᵀ·dO_col, dQ = dS·K_col,
+    dK = dSᵀ·Q_col, the query heads of a kv head summed. Returns float64 dq, dk, dv (unrounded, in the
+    operands' format shapes) and per gradient the largest |term|·count bound of its (batch, head)."""
+    ops = attention_operands(cfg, ins)
+    cp = {r: tuple(_to_bshd(x, cfg[r]["fmt"] if r != "do" else cfg["q_format"]) for x in v)
+          for r, v in _bwd_copies(cfg, ins, ops).items()}
+    qf = cfg["q_format"]
+    o_bits, lse32 = backward_inputs(cfg, ins, ops)
+    O = _to_bshd(fp.to_f64(o_bits, "bfloat16"), qf)
+    lse32 = lse32.astype(np.float64)  # [b, h, s] / [h, t]
+    L = lse32[None].transpose(0, 2, 1) if qf == "thd" else lse32.transpose(0, 2, 1)  # [B, T, H]
+    H, Hkv = cfg["H"], cfg["H_kv"]
+    grp = H // Hkv
+    scale = attention_softmax_scale(cfg)
+    (qr, qc), (kr, kc), (vr, _), (dor, doc) = cp["q"], cp["k"], cp["v"], cp["do"]
+    dq, dk, dv = np.zeros(qr.shape), np.zeros(kr.shape), np.zeros((kr.shape[0], kr.shape[1], Hkv, cfg["d_v"]))
+    aq, ak, av = np.zeros(dq.shape), np.zeros(dk.shape), np.zeros(dv.shape)  # the same sums of |terms|
+    seqs = attention_seqs(cfg, ins, qr.shape[0], qr.shape[1], kr.shape[1])
+    causal, br = cfg["causal"] != "none", cfg["causal"] == "bottom_right"
+    bf = lambda x: fp.round_f64(x, "bfloat16")  # noqa: E731  (one rounding: not from_f64's, via fp32)
+    with np.errstate(all="ignore"):
+        for bb, q0, q1, k0, k1 in seqs:
+            sq, skv = q1 - q0, k1 - k0
+            if sq == 0 or skv == 0:
+                continue
+            i = np.arange(sq)
+            n = np.clip(i + 1 + (skv - sq if br else 0), 0, skv) if causal else np.full(sq, skv)
+            vis = np.arange(skv)[None, :] < n[:, None]  # [sq, skv]
+            for hk in range(Hkv):
+                for h in range(hk * grp, (hk + 1) * grp):
+                    S = qr[bb, q0:q1, h] @ kr[bb, k0:k1, hk].T * scale
+                    P = np.where(vis, np.exp(S - L[bb, q0:q1, h][:, None]), 0.0)
+                    dP = dor[bb, q0:q1, h] @ vr[bb, k0:k1, hk].T
+                    D = (O[bb, q0:q1, h] * dor[bb, q0:q1, h]).sum(-1)[:, None]
+                    dS = bf(np.where(vis, P * (dP - D) * scale, 0.0))
+                    dv[bb, k0:k1, hk] += bf(P).T @ doc[bb, q0:q1, h]
+                    dk[bb, k0:k1, hk] += dS.T @ qc[bb, q0:q1, h]
+                    dq[bb, q0:q1, h] = dS @ kc[bb, k0:k1, hk]
+                    Da = (np.abs(O[bb, q0:q1, h]) * np.abs(dor[bb, q0:q1, h])).sum(-1)[:, None]
+                    Sa = P * (np.abs(dor[bb, q0:q1, h]) @ np.abs(vr[bb, k0:k1, hk]).T + Da) * scale
+                    av[bb, k0:k1, hk] += P.T @ np.abs(doc[bb, q0:q1, h])
+                    ak[bb, k0:k1, hk] += Sa.T @ np.abs(qc[bb, q0:q1, h])
+                    aq[bb, q0:q1, h] = Sa @ np.abs(kc[bb, k0:k1, hk])
+    f = {n: cfg[r]["fmt"] for n, r in (("q", "q"), ("k", "k"), ("v", "v"))}
+    return dict(dq=_from_bshd(dq, f["q"]), dk=_from_bshd(dk, f["k"]), dv=_from_bshd(dv, f["v"]),
+                abs_dq=_from_bshd(aq, f["q"]), abs_dk=_from_bshd(ak, f["k"]), abs_dv=_from_bshd(av, f["v"]), ops=ops)
+
+
+# float64 evaluation slack per unit of Σ|terms|: the reference's sequential sums and this
+# emulation's BLAS ones (up to ~2^17 terms a gradient element, 2^-53 each, with margin)
+BWD_EPS = 2.0 ** -32
+
+
 def _attention_backward(cfg, ins):
-    """The inputs' buffers (dO's too) only: the gradients have no independent oracle here (the CPU
-    reference's are checked against a float64 emulation of SPEC §5 in tests/python/
-    test_attention_backward.py; the fuzzer compares the CUDA kernels with the reference)."""
-    res = _attention_bases(cfg, ins, attention_operands(cfg, ins))
+    """dQ, dK, dV within float64 slack of the emulation above (BWD_EPS·Σ|terms|; a bf16 rounding of
+    P or dS can flip only where the two float64 evaluations straddle its boundary, which the slack
+    does not cover: far rarer than the configs run), and the inputs' buffers (dO's too)."""
+    g = attention_backward_grads(cfg, ins)
+    res = {}
+    for name in ("dq", "dk", "dv"):
+        x = g[name]
+        res[name] = Tol("bfloat16", x, BWD_EPS * g["abs_" + name], np.zeros(x.shape, bool), fp.CANON_NAN["bfloat16"],
+                        name)
+    res.update(_attention_bases(cfg, ins, g["ops"]))
     if not cfg["do"]["mx"]:
         res["do.base"] = (ins["do.x"].base, "bfloat16")
     return res
