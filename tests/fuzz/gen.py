@@ -1063,11 +1063,10 @@ def _mx_edits(g, events, qshape, layout, scale_layout: str, read_rowwise: bool, 
     return np.array(se, np.int64).reshape(-1, 3), np.array(ce, np.int64).reshape(-1, 2)
 
 
-def _attn_values(g, cfg: dict, role: str, cuda: bool) -> np.ndarray:
-    """float64 values of one operand in its format's shape: a base distribution times a power of two
-    per (token, head) row, then the operand's value-level events (zero / scaled blocks of 32 along
-    d, for V also along the keys; NaN, Inf)."""
-    op = cfg[role]
+def _attn_values(g, op: dict, role: str, cuda: bool) -> np.ndarray:
+    """float64 values of one operand (q, k, v, or a backward's do) in its format's shape: a base
+    distribution times a power of two per (token, head) row, then the operand's value-level events
+    (zero / scaled blocks of 32 along d, for V also along the keys; NaN, Inf)."""
     shape, fmt, d = op["shape"], op["fmt"], op["data"]
     n = int(np.prod(shape))
     Dh = shape[-1]
@@ -1122,7 +1121,7 @@ def _attn_inputs(g, cfg: dict, ins: dict) -> None:
     packed_base = None
     for role in ("q", "k", "v"):
         op = cfg[role]
-        vals = _attn_values(g, cfg, role, cuda)
+        vals = _attn_values(g, op, role, cuda)
         if op["prec"] == "bf16":
             bits = _bits_of(g, vals, "bfloat16")
             view = D.View.from_json(op["view"])
@@ -1156,20 +1155,11 @@ def _attn_inputs(g, cfg: dict, ins: dict) -> None:
 
 
 def _attn_do(g, cfg: dict, ins: dict) -> None:
-    """dO of a backward config: values per (token, head) row as _attn_values, zero or tiny blocks of
-    32 along d_v; bf16 bits in its view, or (MXFP8) contiguous bf16 source values."""
+    """dO of a backward config (values as an operand's, in q's format): bf16 bits in its view, or
+    (MXFP8) contiguous bf16 source values."""
     do = cfg["do"]
-    shape = do["shape"]
-    Dv = shape[-1]
-    rows = int(np.prod(shape[:-1]))
-    d = do["data"]
-    v = D.base_values(g, d["dist"], (rows, Dv), imax=8, pow2=(-4, 2))
-    v = v * d["mult"] * np.exp2(g.integers(-d["row_exp"], d["row_exp"] + 1, (rows, 1)))
-    for ev in do["events"]:
-        if rows:
-            c = int(g.integers(Dv // 32)) * 32
-            v[int(g.integers(rows)), c:c + 32] *= 0.0 if ev == "zero_row" else 2.0 ** -int(g.integers(8, 131))
-    bits = _bits_of(g, v.reshape(shape), "bfloat16")
+    v = _attn_values(g, dict(do, fmt=cfg["q_format"]), "do", cfg["profile"] == "cuda")
+    bits = _bits_of(g, v, "bfloat16")
     if do["mx"]:
         ins["do.src"] = Arr.contiguous(bits, "bfloat16")
     else:

@@ -406,12 +406,7 @@ def _attention_backward(cfg, ins, dev, mx):
         d_o = mx.quantize_attention(x, layout=cfg["q_format"], rowwise=True, columnwise=True,
                                     fp8_format=cfg["fp8_format"])
     else:
-        from .data import View
-
-        v = View.from_json(do["view"])
-        base = _shared({}, "do.base", ins["do.x"].base, "bfloat16", dev)
-        d_o = torch.as_strided(base, v.shape, v.strides, v.offset)
-        bases["do.base"] = base
+        d_o, bases["do.base"] = to_tensor(ins["do.x"], dev)  # (its view into its whole buffer)
     bkw = {k: x for k, x in kw.items() if k not in ("return_lse", "p_format")}
     dq, dk, dv = mx.attention_backward(d_o, ops["q"], ops["k"], ops["v"], o, lse, deterministic=cfg["deterministic"],
                                        **bkw)
