@@ -361,9 +361,14 @@ void check_cuda(const detail::AttentionProblem& p, const std::vector<const Opera
     fail("v", "its columnwise scale blocks run across heads or sequences (quantized as a tensor whose rows are not "
               "the keys of one head); the CUDA kernel needs blocks of 32 consecutive keys: quantize V with "
               "quantize_attention, or as [tokens, h*d] (bshd, thd) or [b, h, s, d] (bhsd); the CPU reference reads any layout");
-  const int64_t tiles = p.B * p.H * detail::ceil_div(p.Sq, 128);
-  if (p.B >= (int64_t{1} << 31) || p.Sq >= (int64_t{1} << 31) || p.Skv >= (int64_t{1} << 31) || tiles >= (int64_t{1} << 31))
-    fail("q", "is too large for the kernel's 32-bit tile indices");
+  // the kernels' 32-bit tile arithmetic: a length rounded up to whole 128-row tiles, tile indices and
+  // the dynamic order's claims (up to the tiles + the grid)
+  const int64_t tiles = p.B * p.H * detail::ceil_div(p.Sq, 128), max_len = (int64_t{1} << 31) - 256;
+  if (p.Sq > max_len || p.Skv > max_len)
+    fail(p.Sq > max_len ? "q" : "k", "has sequences of " + std::to_string(std::max(p.Sq, p.Skv)) +
+                                         " tokens: the CUDA kernels take at most 2^31 - 256 (32-bit tile indices)");
+  if (p.B >= (int64_t{1} << 31) || tiles > (int64_t{1} << 30))
+    fail("q", "has " + std::to_string(tiles) + " (sequence, head, 128-row) tiles: the CUDA kernels take at most 2^30");
 }
 
 // cu_seqlens copied to the host (stream-ordered: they may be written on `stream`).

@@ -117,6 +117,9 @@ void check_cuda(const detail::QProjProblem& p, const TensorDesc& cos, const Tens
   const int64_t T = p.B * p.S;
   if (T >= (int64_t{1} << 31) || (p.S + 127) / 128 * p.B * p.NH >= (int64_t{1} << 31))
     fail("x", "has too many tokens x heads for the kernel's 32-bit tile indices");
+  if (p.NH * p.D > (int64_t{1} << 31) - 256)  // the W map's row coordinate h·d_head, a 32-bit number
+    fail("w", "N = " + std::to_string(p.NH * p.D) + " rows: the SM90 kernel takes at most 2^31 - 256 (32-bit tile "
+              "coordinates)");
   for (const TensorDesc* t : {&cos, &sin}) {
     const char* n = t == &cos ? "cos" : "sin";
     if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0 || (t->stride(0) * dtype_size(t->dtype)) % 16 != 0)

@@ -152,6 +152,8 @@ detail::RopeKernelParams cuda_rope_params(const char* op, const char* xn, const 
   if (out != nullptr && out->dtype != x.dtype) fail(op, on, "must have the input's dtype on the CUDA path");
   if (p.rope_dim % 16 != 0) fail(op, "rope_dim", "must be a multiple of 16 on the CUDA path");
   if ((p.D - p.rope_dim) % 8 != 0) fail(op, xn, "head dimension minus rope_dim must be a multiple of 8 on the CUDA path");
+  if (p.D > (int64_t{1} << 28))  // the kernel's offsets within a head, byte counts included, are 32-bit numbers
+    fail(op, xn, "head dimension " + std::to_string(p.D) + " is too large for the CUDA path (at most 2^28)");
   const int64_t es = dtype_size(x.dtype), ts = dtype_size(cos.dtype);
   for (const TensorDesc* t : {&x, out}) {
     if (t == nullptr) continue;

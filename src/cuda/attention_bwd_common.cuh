@@ -81,6 +81,14 @@ __device__ __forceinline__ void write_bf16(uint16_t* base, const AttnTensorView&
   base[b * v.st_b + tok * v.st_s + h * v.st_h + d] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
+// Sequences b0 .. b0 + n − 1 of p (for_sequence_chunks: thd's cu_seqlens advanced to b0).
+inline AttentionBwdProblem sequence_chunk(const AttentionBwdProblem& p, int64_t b0, unsigned n) {
+  AttentionBwdProblem c = p;
+  if (c.thd) c.cu_q += b0, c.cu_kv += b0;
+  c.B = n;
+  return c;
+}
+
 // Queues the thd zero tail (dq, dk, dv of the tokens after the last sequence) and, when there are
 // rows (B, H > 0), D [rows] fp32 in stream-ordered scratch, which it returns (null: nothing more to
 // compute). Defined in attention_bwd_simt.cu.

@@ -475,21 +475,25 @@ void launch(const Params& prm, cudaStream_t s) {
   constexpr size_t kKvSmem = sizeof(SmemKV<C>), kQSmem = sizeof(SmemQ<C>);
   static_assert(kKvSmem <= 227 * 1024 && kQSmem <= 227 * 1024, "an SM's shared memory (sm_90: 227 KB per CTA)");
   const AttentionBwdProblem& p = prm.p;
-  const unsigned B = grid_dim(kOp, p.B, false, "sequences"), H = grid_dim(kOp, p.H, false, "heads"),
-                 Hkv = grid_dim(kOp, p.Hkv, false, "heads");
-  if (p.Skv > 0) {
-    MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_dkdv_mma<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(kKvSmem)));
-    bwd_dkdv_mma<C><<<dim3(grid_dim(kOp, (p.Skv + kTile - 1) / kTile, true, "keys"), Hkv, B), kThreads, kKvSmem, s>>>(
-        prm);
-    MXMLA_CUDA_CHECK(cudaGetLastError());
-  }
-  if (p.Sq > 0) {
-    MXMLA_CUDA_CHECK(
-        cudaFuncSetAttribute(bwd_dq_mma<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kQSmem)));
-    bwd_dq_mma<C><<<dim3(grid_dim(kOp, (p.Sq + kTile - 1) / kTile, true, "rows"), H, B), kThreads, kQSmem, s>>>(prm);
-    MXMLA_CUDA_CHECK(cudaGetLastError());
-  }
+  const unsigned H = grid_dim(kOp, p.H, false, "heads"), Hkv = grid_dim(kOp, p.Hkv, false, "heads");
+  const unsigned key_blocks = grid_dim(kOp, (p.Skv + kTile - 1) / kTile, true, "keys"),
+                 row_blocks = grid_dim(kOp, (p.Sq + kTile - 1) / kTile, true, "rows");
+  MXMLA_CUDA_CHECK(
+      cudaFuncSetAttribute(bwd_dkdv_mma<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kKvSmem)));
+  MXMLA_CUDA_CHECK(
+      cudaFuncSetAttribute(bwd_dq_mma<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kQSmem)));
+  for_sequence_chunks(kOp, p.B, p.thd, [&](int64_t b0, unsigned n) {
+    Params c = prm;
+    c.p = sequence_chunk(p, b0, n);
+    if (p.Skv > 0) {
+      bwd_dkdv_mma<C><<<dim3(key_blocks, Hkv, n), kThreads, kKvSmem, s>>>(c);
+      MXMLA_CUDA_CHECK(cudaGetLastError());
+    }
+    if (p.Sq > 0) {
+      bwd_dq_mma<C><<<dim3(row_blocks, H, n), kThreads, kQSmem, s>>>(c);
+      MXMLA_CUDA_CHECK(cudaGetLastError());
+    }
+  });
 }
 
 // Two reads that give the same values (bf16: the same tensor; FP8: the same copy).

@@ -248,7 +248,7 @@ std::unique_ptr<StreamScratch> attn_bwd::attention_bwd_prologue(const AttentionB
     MXMLA_CUDA_CHECK(cudaGetLastError());
   }
   if (p.B == 0 || p.H == 0) return nullptr;
-  const unsigned B = grid_dim(kOp, p.B, false, "sequences"), H = grid_dim(kOp, p.H, false, "heads");
+  const unsigned H = grid_dim(kOp, p.H, false, "heads");
   const int64_t rows = p.thd ? p.H * p.total_q : p.B * p.H * p.Sq;
   auto D = std::make_unique<StreamScratch>(std::max<int64_t>(rows, 1) * 4, s);
   if (p.Sq > 0) {
@@ -260,16 +260,15 @@ std::unique_ptr<StreamScratch> attn_bwd::attention_bwd_prologue(const AttentionB
              reinterpret_cast<uintptr_t>(g.data) % (2 * n) == 0 && p.o_st_b % n == 0 && p.o_st_s % n == 0 &&
              p.o_st_h % n == 0 && g.st_b % n == 0 && g.st_s % n == 0 && g.st_h % n == 0;
     };
-    if (p.Dv == 128 && vec_ok(8)) {
-      bwd_preprocess_d128<<<dim3(grid_dim(kOp, (p.Sq + kPreRows - 1) / kPreRows, true, "rows"), H, B), kThreads, 0,
-                            s>>>(p, reinterpret_cast<float*>(D->ptr));
+    const bool d128 = p.Dv == 128 && vec_ok(8), vec = p.Dv % 4 == 0 && vec_ok(4);
+    const unsigned blocks = grid_dim(kOp, (p.Sq + (d128 ? kPreRows : kWarps) - 1) / (d128 ? kPreRows : kWarps), true, "rows");
+    float* const Dp = reinterpret_cast<float*>(D->ptr);
+    for_sequence_chunks(kOp, p.B, p.thd, [&](int64_t b0, unsigned n) {
+      const AttentionBwdProblem c = sequence_chunk(p, b0, n);
+      if (d128) bwd_preprocess_d128<<<dim3(blocks, H, n), kThreads, 0, s>>>(c, Dp);
+      else bwd_preprocess<<<dim3(blocks, H, n), kThreads, 0, s>>>(c, Dp, vec);
       MXMLA_CUDA_CHECK(cudaGetLastError());
-      return D;
-    }
-    const bool vec = p.Dv % 4 == 0 && vec_ok(4);
-    bwd_preprocess<<<dim3(grid_dim(kOp, (p.Sq + kWarps - 1) / kWarps, true, "rows"), H, B), kThreads, 0, s>>>(
-        p, reinterpret_cast<float*>(D->ptr), vec);
-    MXMLA_CUDA_CHECK(cudaGetLastError());
+    });
   }
   return D;
 }
@@ -278,20 +277,24 @@ void attention_bwd_simt_cuda(const AttentionBwdProblem& p, Stream stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const std::unique_ptr<StreamScratch> D = attn_bwd::attention_bwd_prologue(p, s);
   if (D == nullptr) return;
-  const unsigned B = grid_dim(kOp, p.B, false, "sequences"), H = grid_dim(kOp, p.H, false, "heads"),
-                 Hkv = grid_dim(kOp, p.Hkv, false, "heads");
+  const unsigned H = grid_dim(kOp, p.H, false, "heads"), Hkv = grid_dim(kOp, p.Hkv, false, "heads");
+  const unsigned key_blocks = grid_dim(kOp, (p.Skv + kBlk - 1) / kBlk, true, "keys"),
+                 row_blocks = grid_dim(kOp, (p.Sq + kBlk - 1) / kBlk, true, "rows");
   float* Dp = reinterpret_cast<float*>(D->ptr);
   const size_t kv_smem = dkdv_smem(p), q_smem = dq_smem(p);
   MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kv_smem)));
   MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(q_smem)));
-  if (p.Skv > 0) {
-    bwd_dkdv<<<dim3(grid_dim(kOp, (p.Skv + kBlk - 1) / kBlk, true, "keys"), Hkv, B), kThreads, kv_smem, s>>>(p, Dp);
-    MXMLA_CUDA_CHECK(cudaGetLastError());
-  }
-  if (p.Sq > 0) {
-    bwd_dq<<<dim3(grid_dim(kOp, (p.Sq + kBlk - 1) / kBlk, true, "rows"), H, B), kThreads, q_smem, s>>>(p, Dp);
-    MXMLA_CUDA_CHECK(cudaGetLastError());
-  }
+  for_sequence_chunks(kOp, p.B, p.thd, [&](int64_t b0, unsigned n) {
+    const AttentionBwdProblem c = sequence_chunk(p, b0, n);
+    if (p.Skv > 0) {
+      bwd_dkdv<<<dim3(key_blocks, Hkv, n), kThreads, kv_smem, s>>>(c, Dp);
+      MXMLA_CUDA_CHECK(cudaGetLastError());
+    }
+    if (p.Sq > 0) {
+      bwd_dq<<<dim3(row_blocks, H, n), kThreads, q_smem, s>>>(c, Dp);
+      MXMLA_CUDA_CHECK(cudaGetLastError());
+    }
+  });
 }
 
 }  // namespace mxmla::detail

@@ -260,11 +260,15 @@ void stage_attn_reads(const char* op, const StageSeqs& g, const StageRequest* re
     x += job.blocks * q.heads;
     jobs.job[jobs.n++] = job;
   }
-  if (jobs.n > 0 && g.B > 0) {
-    attn_stage<<<dim3(grid_dim(op, x, true, "rows"), 1, grid_dim(op, g.B, false, "sequences")), kThreads, 0, s>>>(
-        g, jobs);
+  if (jobs.n == 0 || g.B == 0) return;
+  const unsigned blocks = grid_dim(op, x, true, "rows");
+  for_sequence_chunks(op, g.B, g.thd, [&](int64_t b0, unsigned n) {
+    StageSeqs c = g;
+    if (c.thd) c.cu_q += b0, c.cu_kv += b0;
+    c.B = n;
+    attn_stage<<<dim3(blocks, 1, n), kThreads, 0, s>>>(c, jobs);
     MXMLA_CUDA_CHECK(cudaGetLastError());
-  }
+  });
 }
 
 }  // namespace mxmla::detail

@@ -30,6 +30,23 @@ inline unsigned grid_dim(const char* op, int64_t n, bool x, const char* what) {
   return static_cast<unsigned>(n);
 }
 
+// Sequences on a grid's z (at most 65535 a launch). thd launches run over chunks of sequences, each
+// seeing cu_seqlens from its first sequence on (`launch(b0, n)` for sequences b0 .. b0 + n − 1): a
+// thd operand's addresses, its scales' and the LSE / D rows' come from the token index alone (the
+// views' and scale geometries' sequence strides are 0), so the chunks compute what one launch of
+// all would. Other formats address by the sequence index: refused past 65535 (an error naming q).
+constexpr int64_t kMaxGridSequences = 65535;
+template <class Launch>
+void for_sequence_chunks(const char* op, int64_t B, bool thd, Launch&& launch) {
+  if (!thd && B > kMaxGridSequences)
+    throw Error(op, "q", "has a batch of " + std::to_string(B) + " sequences: the CUDA kernels take at most " +
+                             std::to_string(kMaxGridSequences) +
+                             " in the sbhd / bshd / bhsd formats (a grid dimension); pack them as thd "
+                             "(cu_seqlens), which has no such limit");
+  for (int64_t b0 = 0; b0 < B; b0 += kMaxGridSequences)
+    launch(b0, static_cast<unsigned>(B - b0 < kMaxGridSequences ? B - b0 : kMaxGridSequences));
+}
+
 // The sequences a read's tokens belong to (thd: cu_q / cu_kv in device memory, [B + 1]).
 struct StageSeqs {
   int64_t B = 1, Sq = 0, Skv = 0;  // thd: the max lengths (the grid's extent)

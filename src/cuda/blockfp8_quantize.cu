@@ -215,9 +215,10 @@ void block_quantize_cuda(const BlockQuantizeProblem& p, Stream s) {
     a.codes = p.codes, a.scale_inv = p.scale_inv, a.s_st = p.s_st;
     a.codes_t = p.codes_t, a.scale_inv_t = p.scale_inv_t, a.s_st_t = p.s_st_t;
   }
-  const dim3 grid(unsigned((p.rows + kTile - 1) / kTile), unsigned((p.cols + kTile - 1) / kTile));
-  if ((p.rows + kTile - 1) / kTile > 0x7FFFFFFF || grid.y > 65535u)
+  const int64_t gx = (p.rows + kTile - 1) / kTile, gy = (p.cols + kTile - 1) / kTile;
+  if (gx > 0x7FFFFFFF || gy > 65535)
     throw Error("mxmla.quantize_blockwise", "input", "has more than 65535 * 128 columns or 2^31 * 128 rows");
+  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
   if (row && col)
     quantize_tile<true, true><<<grid, kThreads, 0, stream>>>(a);
   else if (col)

@@ -722,17 +722,21 @@ void launch(const Params& prm, int64_t n_kv, cudaStream_t s) {
                                         static_cast<int>(kSmem)));
   // key blocks fastest: the CTAs in flight share a head's Q, dO (and LSE, D) in L2; within a head the
   // first key blocks (causal: the most query tiles) start first (kDet: the last, see the kernel)
-  const dim3 grid(grid_dim(kOp, (p.Skv + C::kBN - 1) / C::kBN, true, "keys"), grid_dim(kOp, n_kv, false, "heads"),
-                  grid_dim(kOp, p.B, false, "sequences"));
-  bwd_sm90<kDqk, kDv, kDet, kFp8Kv><<<grid, C::kThreads, kSmem, s>>>(prm);
-  MXMLA_CUDA_CHECK(cudaGetLastError());
+  const unsigned key_blocks = grid_dim(kOp, (p.Skv + C::kBN - 1) / C::kBN, true, "keys"),
+                 heads = grid_dim(kOp, n_kv, false, "heads");
+  for_sequence_chunks(kOp, p.B, p.thd, [&](int64_t b0, unsigned n) {
+    Params c = prm;
+    c.p = attn_bwd::sequence_chunk(p, b0, n);
+    bwd_sm90<kDqk, kDv, kDet, kFp8Kv><<<dim3(key_blocks, heads, n), C::kThreads, kSmem, s>>>(c);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  });
 }
 
 }  // namespace
 
 bool sm90_attention_bwd_supported(const AttentionBwdProblem& p, bool do_once) {
   if (!do_once || p.Dv != 128 || (p.Dqk != 192 && p.Dqk != 128)) return false;
-  if (p.Hkv > 65535 || p.B > 65535) return false;  // grid y, z
+  if (p.Hkv > 65535 || (!p.thd && p.B > kMaxGridSequences)) return false;  // grid y, z (thd: in chunks)
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
     return false;

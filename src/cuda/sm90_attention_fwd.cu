@@ -125,7 +125,7 @@ void launch(const AttentionProblem& pr, bool q_codes, cudaStream_t stream) {
 bool staged_applies(const AttentionProblem& p, const AttnRead (&r)[3]) {
   const char* env = std::getenv("MXMLA_ATTN_FWD");
   if (env != nullptr && std::strcmp(env, "fused") == 0) return false;
-  bool ok = p.fp8;
+  bool ok = p.fp8 && (p.thd || p.B <= kMaxGridSequences);  // (the pass's grid; the kernel's is persistent)
   for (const AttnRead& x : r) ok = ok && attn_read_chunk_scales_ok(x);
   if (!ok && p.fp8 && env != nullptr && std::strcmp(env, "staged") == 0)
     throw Error(kOp, "q", "MXMLA_ATTN_FWD=staged: the staged path does not apply (scale lookups that do not go per "

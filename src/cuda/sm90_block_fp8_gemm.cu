@@ -269,8 +269,7 @@ void block_gemm_cuda(const BlockGemmProblem& pr, Stream stream) {
     }
     return;
   }
-  if (pr.M > 0x7FFFFFFF - 256 || pr.N > 0x7FFFFFFF - 256)
-    throw Error(kOp, "out", "has more than 2^31 - 256 rows or columns (32-bit tile coordinates)");
+  check_cuda_gemm_extents(kOp, pr.M, pr.N, pr.K);
   blockgemm::Params p{};
   mxgemm::Params& o = p.o;
   o.M = static_cast<int>(pr.M), o.N = static_cast<int>(pr.N), o.K = static_cast<int>(pr.K);

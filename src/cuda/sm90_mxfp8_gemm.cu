@@ -491,6 +491,7 @@ CUtensorMap prepared_map(const uint16_t* x16, int64_t ld, int64_t R, int64_t K, 
 void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* prep) {
   if (!pr.fp8) throw Error(kOp, "a", "bf16 operands: the SM90 kernel takes MXFP8 operands");
   if (pr.M == 0 || pr.N == 0) return;
+  check_cuda_gemm_extents(kOp, pr.M, pr.N, pr.K);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (pr.K == 0) {  // D = 0 (+ D)
     if (!pr.accumulate) {
@@ -564,6 +565,7 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
 }
 
 void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operands& o) {
+  check_cuda_gemm_extents(kOp, pr.M, pr.N, pr.K);
   const bool e4m3 = pr.fmt == Fp8Format::kE4M3;
   o.keep[0] = std::make_unique<StreamScratch>(4, s);
   uint32_t* flag = reinterpret_cast<uint32_t*>(o.keep[0]->ptr);

@@ -36,18 +36,23 @@ namespace {
 // The kernel reads W K-major ([N, K], the TMA box of one head). A [K, N] weight is first transposed
 // into a stream-ordered scratch buffer (one extra read + write of W: ~2 % of the op at T 16384,
 // NH 128). 32 x 32 tiles through shared memory; dst [N, K] contiguous.
+// Grid (ceil(N / 32), min(ceil(K / 32), 65535)): a block walks the 32 x 32 tiles of its 32 columns of
+// N, gridDim.y tiles of K apart (K may take more tiles than a grid's y).
 __global__ void __launch_bounds__(256) transpose_kn_to_nk(const uint16_t* __restrict__ src, int64_t src_st,
                                                           uint16_t* __restrict__ dst, int64_t K, int64_t N) {
   __shared__ uint16_t t[32][33];
-  const int64_t k0 = int64_t{blockIdx.y} * 32, n0 = int64_t{blockIdx.x} * 32;
-  for (int i = threadIdx.y; i < 32; i += 8) {
-    const int64_t k = k0 + i, n = n0 + threadIdx.x;
-    if (k < K && n < N) t[i][threadIdx.x] = src[k * src_st + n];
-  }
-  __syncthreads();
-  for (int i = threadIdx.y; i < 32; i += 8) {
-    const int64_t n = n0 + i, k = k0 + threadIdx.x;
-    if (k < K && n < N) dst[n * K + k] = t[threadIdx.x][i];
+  const int64_t n0 = int64_t{blockIdx.x} * 32;
+  for (int64_t k0 = int64_t{blockIdx.y} * 32; k0 < K; k0 += int64_t{gridDim.y} * 32) {
+    for (int i = threadIdx.y; i < 32; i += 8) {
+      const int64_t k = k0 + i, n = n0 + threadIdx.x;
+      if (k < K && n < N) t[i][threadIdx.x] = src[k * src_st + n];
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += 8) {
+      const int64_t n = n0 + i, k = k0 + threadIdx.x;
+      if (k < K && n < N) dst[n * K + k] = t[threadIdx.x][i];
+    }
+    __syncthreads();
   }
 }
 
@@ -107,7 +112,7 @@ void qproj_prepare(const QProjProblem& p, cudaStream_t stream, StreamScratch& sc
   int64_t w_st = p.w_st;
   if (p.w_kn) {  // (bf16 only)
     const int64_t N = p.NH * p.D;
-    const dim3 grid(unsigned((N + 31) / 32), unsigned((p.K + 31) / 32)), block(32, 8);
+    const dim3 grid(unsigned((N + 31) / 32), unsigned(std::min<int64_t>((p.K + 31) / 32, 65535))), block(32, 8);
     transpose_kn_to_nk<<<grid, block, 0, stream>>>(static_cast<const uint16_t*>(p.w), p.w_st,
                                                    reinterpret_cast<uint16_t*>(scratch_w.ptr), p.K, N);
     MXMLA_CUDA_CHECK(cudaGetLastError());

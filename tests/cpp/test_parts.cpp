@@ -13,6 +13,11 @@
 
 #include "cuda/heuristics.h"
 #include "cuda/tile_scheduler.h"
+#include "test_util.h"
+#if MXMLA_WITH_CUDA
+#include "common/gemm_ops.h"
+#include "cuda/attention_stage.h"
+#endif
 
 namespace mxmla::test {
 namespace {
@@ -162,6 +167,51 @@ TEST(Heuristics, AttnBwdHeadGroups) {
   EXPECT_EQ(attn_bwd_head_groups(0, acc * 4, 128), 1);           // nothing converted (bf16 inputs)
   EXPECT_EQ(attn_bwd_head_groups(int64_t{1} << 40, 0, 3), 3);    // never more groups than heads
 }
+
+#if MXMLA_WITH_CUDA
+// The attention kernels put the sequences on a grid's z (at most 65535): thd launches run over
+// chunks that take every sequence once, in order; the other formats are refused past 65535 with an
+// error naming q that says how (pack as thd). Host code: no GPU needed.
+TEST(SequenceChunks, ThdTakesEverySequenceOnceOthersStopAt65535) {
+  for (const int64_t B : {int64_t{0}, int64_t{1}, int64_t{65534}, int64_t{65535}, int64_t{65536}, int64_t{131070},
+                          int64_t{131071}, int64_t{200000}}) {
+    std::vector<std::pair<int64_t, unsigned>> chunks;
+    detail::for_sequence_chunks("mxmla.attention", B, true, [&](int64_t b0, unsigned n) { chunks.emplace_back(b0, n); });
+    int64_t next = 0;
+    for (const auto& [b0, n] : chunks) {
+      EXPECT_EQ(b0, next) << "B " << B;
+      EXPECT_GE(n, 1u) << "B " << B;
+      EXPECT_LE(n, 65535u) << "B " << B;
+      next = b0 + n;
+    }
+    EXPECT_EQ(next, B);
+    EXPECT_EQ(static_cast<int64_t>(chunks.size()), (B + 65534) / 65535) << "B " << B;
+  }
+  int calls = 0;
+  detail::for_sequence_chunks("mxmla.attention", 65535, false, [&](int64_t b0, unsigned n) {
+    EXPECT_EQ(b0, 0);
+    EXPECT_EQ(n, 65535u);
+    ++calls;
+  });
+  EXPECT_EQ(calls, 1);
+  expect_error("mxmla.attention_backward",
+               [&] { detail::for_sequence_chunks("mxmla.attention_backward", 65536, false, [&](int64_t, unsigned) { ++calls; }); },
+               "q", "pack them as thd");
+  EXPECT_EQ(calls, 1);  // refused before any launch
+}
+
+// The CUDA GEMMs' extents: M, N, K up to 2^31 - 256 (32-bit tile and TMA coordinates), an error
+// naming out (M, N) or b (K) past it.
+TEST(GemmExtents, CudaKernelsTakeUpTo2To31Minus256) {
+  constexpr int64_t kMax = (int64_t{1} << 31) - 256;
+  detail::check_cuda_gemm_extents("mxmla.gemm", kMax, kMax, kMax);
+  detail::check_cuda_gemm_extents("mxmla.gemm", 1, 1, 32);
+  expect_error("mxmla.gemm", [] { detail::check_cuda_gemm_extents("mxmla.gemm", kMax + 1, 1, 32); }, "out", "2^31 - 256");
+  expect_error("mxmla.gemm", [] { detail::check_cuda_gemm_extents("mxmla.gemm", 1, kMax + 1, 32); }, "out", "2^31 - 256");
+  expect_error("mxmla.gemm", [] { detail::check_cuda_gemm_extents("mxmla.gemm", 1, 1, kMax + 32); }, "b",
+               "contraction length K = 2147483424");
+}
+#endif
 
 }  // namespace
 }  // namespace mxmla::test

@@ -382,6 +382,29 @@ TEST(QProjErrors, BadInputsNameTheArgument) {
   hq.t.rowwise_data = bad_out;
 }
 
+// The kernel's row coordinate into W (head h at row h·192) is a 32-bit number: N past 2^31 − 256 is
+// refused, naming w, before any pointer is dereferenced (descriptors only, no 4 GB of W; the output
+// checks before it ask for a CUDA device).
+TEST(QProjGpuErrors, CudaWeightRowsLimit) {
+  MXMLA_REQUIRE_GPU();
+#if MXMLA_WITH_CUDA
+  const Device dev{DeviceType::kCUDA, 0};
+  void* fake = reinterpret_cast<void*>(uintptr_t{1} << 40);  // never dereferenced
+  const int64_t T = 1, K = 64, NH = 11184811, N = NH * 192;  // N = 2^31 + 64
+  QProjOptions o;
+  const MXFP8Shapes sh = qproj_shapes(T, NH, o);
+  MXFP8Tensor t;
+  t.rowwise_data = TensorDesc(fake, DType::kUInt8, sh.data, dev);
+  t.rowwise_scale_inv = TensorDesc(fake, DType::kUInt8, sh.rowwise_scale, dev);
+  t.columnwise_data = TensorDesc(fake, DType::kUInt8, sh.data, dev);
+  t.columnwise_scale_inv = TensorDesc(fake, DType::kUInt8, sh.columnwise_scale, dev);
+  const TensorDesc x(fake, DType::kBFloat16, {T, K}, dev), w(fake, DType::kBFloat16, {N, K}, dev),
+      c(fake, DType::kFloat32, {T, 64}, dev), sn(fake, DType::kFloat32, {T, 64}, dev);
+  test::expect_error("mxmla.fused_q_uproj_rope_quant", [&] { fused_q_uproj_rope_quant(x, w, c, sn, t, nullptr, o); },
+                     "w", "at most 2^31 - 256");
+#endif
+}
+
 // The CUDA path's own rules (TMA, the compiled head shape) name the argument; never a crash.
 TEST(QProjGpuErrors, CudaRulesNameTheArgument) {
   MXMLA_REQUIRE_GPU();

@@ -110,6 +110,23 @@ TEST(RopeCpu, Errors) {
   EXPECT_THROW(apply_rope(fx, t.cd(), t.sd(), y, ok), Error);  // devices differ / CUDA not implemented
 }
 
+// The CUDA path's offsets within a head are 32-bit numbers: a head dim past 2^28 is refused, naming
+// x, before anything touches the device (descriptors only: the check runs without a GPU).
+TEST(RopeCpu, CudaHeadDimLimit) {
+#if MXMLA_WITH_CUDA
+  const Device dev{DeviceType::kCUDA, 0};
+  void* fake = reinterpret_cast<void*>(uintptr_t{1} << 40);  // never dereferenced
+  const int64_t D = (int64_t{1} << 28) + 64;
+  TensorDesc x(fake, DType::kBFloat16, {1, 1, 1, D}, dev), y(fake, DType::kBFloat16, {1, 1, 1, D}, dev);
+  TensorDesc c(fake, DType::kFloat32, {1, 64}, dev), sn(fake, DType::kFloat32, {1, 64}, dev);
+  RopeOptions o;
+  o.rope_dim = 64;
+  test::expect_error("mxmla.apply_rope", [&] { apply_rope(x, c, sn, y, o); }, "x", "at most 2^28");
+#else
+  GTEST_SKIP() << "a CPU-only build: no CUDA path to check";
+#endif
+}
+
 TEST(RopeCpu, PositionsAndYarn) {
   const auto p = positions_context_parallel(8, 4, 1);
   EXPECT_EQ(p, (std::vector<double>{4, 5, 6, 7, 24, 25, 26, 27}));

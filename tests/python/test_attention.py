@@ -854,6 +854,43 @@ def test_cuda_extent_one_dims_take_any_stride(fmt):
         _gpu_check(o, lse, o_ref, lse_ref)
 
 
+@needs_gpu
+def test_cuda_sequences_past_the_kernels_32_bit_tile_indices_are_refused():
+    """The kernels round a sequence's length up to whole 128-row tiles in 32-bit numbers: s_q or s_kv
+    past 2^31 - 256 is refused, naming the operand, before anything runs (K and V here are stride-0 views
+    over one token, so 2^31 keys take no memory; before the check, such a length made the tile count
+    negative and the forward hang)."""
+    s = 2**31 - 200
+    q = torch.randn(1, 1, 1, 192, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 1, 192, device="cuda", dtype=torch.bfloat16).expand(1, s, 1, 192)
+    v = torch.randn(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16).expand(1, s, 1, 128)
+    with pytest.raises(ValueError, match=r"argument 'k': has sequences of 2147483448 tokens: the CUDA kernels take "
+                                         r"at most 2\^31 - 256"):
+        mxmla.attention(q, k, v, layout="bshd")
+
+
+@needs_gpu
+@pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp8"])
+def test_cuda_batch_past_a_grid_dimension(mx):
+    """bshd with b = 65 536 (one token, one head each): the forward's kernel is persistent (any b), and
+    MXFP8 inputs take its fused path there (the staged path's conversion pass puts b on a grid
+    dimension, at most 65 535); it matches the CPU reference. The backward's kernels put b on a grid
+    dimension: it refuses such a batch, naming q, and says to pack the sequences as thd, which has no
+    such limit."""
+    b = 65536
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(b, 1, 1, 192, generator=g).to(torch.bfloat16) for _ in range(2))
+    v, do = (torch.randn(b, 1, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    if mx:
+        q, k, v = (mxmla.quantize_attention(x, "bshd") for x in (q, k, v))
+    o_ref, lse_ref = mxmla.attention(q, k, v, layout="bshd", return_lse=True)
+    qc, kc, vc = (mx_map(x, lambda t: t.cuda()) if mx else x.cuda() for x in (q, k, v))
+    o, lse = mxmla.attention(qc, kc, vc, layout="bshd", return_lse=True)
+    _gpu_check(o, lse, o_ref, lse_ref)
+    with pytest.raises(ValueError, match=r"argument 'q': has a batch of 65536 sequences: .*pack them as thd"):
+        mxmla.attention_backward(do.cuda(), qc, kc, vc, o, lse, layout="bshd")
+
+
 def test_default_format_reads_mxfp8_codes_not_the_quantized_shape():
     """thd operands quantized token-major as [t, h*d] with codes viewed [t, h, d]: layout=None takes
     the format from the codes (3-D: thd), as layout="thd" does."""

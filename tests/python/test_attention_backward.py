@@ -474,6 +474,47 @@ def _thd_cuda_inputs(mx, seed):
     return q, k, v, do
 
 
+MANY_SEQUENCES = 70000  # past a grid dimension's 65 535
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+@pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp8"])
+def test_cuda_thd_with_more_sequences_than_a_grid_dimension(mx, monkeypatch):
+    """thd with 70 000 sequences of 0-3 tokens (2 heads, 1 KV head, DeepSeek-V3 head dims, causal): the
+    kernels that put the sequences on a grid dimension (at most 65 535: the MXFP8 forward's conversion
+    pass, every backward kernel) run them in chunks. The forward, and the backward on each of its
+    kernels (the SM90 one in both orders, the mma.sync and the CUDA-core ones), against the CPU reference
+    on the same inputs. Before, every backward and the staged forward refused the call."""
+    from mxmla.attention_autograd import quantize_for_attention
+    g = torch.Generator().manual_seed(21)
+    lens = torch.randint(0, 4, (MANY_SEQUENCES,), generator=g)
+    cu = torch.zeros(MANY_SEQUENCES + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    t = int(cu[-1])
+    q, k = torch.randn(t, 2, 192, generator=g).to(torch.bfloat16), torch.randn(t, 1, 192, generator=g).to(torch.bfloat16)
+    v, do = torch.randn(t, 1, 128, generator=g).to(torch.bfloat16), torch.randn(t, 2, 128, generator=g).to(torch.bfloat16)
+    if mx:
+        q, k, v = (quantize_for_attention(x, "thd") for x in (q, k, v))
+    kw = dict(causal=True, layout="thd")
+    o_ref, lse_ref = mxmla.attention(q, k, v, return_lse=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, **kw)
+    ref = mxmla.attention_backward(do, q, k, v, o_ref, lse_ref, cu_seqlens_q=cu, cu_seqlens_kv=cu, **kw)
+    cc = cu.cuda()
+    kw.update(cu_seqlens_q=cc, cu_seqlens_kv=cc)
+    qc, kc, vc, doc = (_cuda(x) for x in (q, k, v, do))
+    o, lse = mxmla.attention(qc, kc, vc, return_lse=True, **kw)
+    _near(o, o_ref, "o")
+    assert (lse.cpu().double() - lse_ref.double()).abs().max() <= 1e-4, "lse"
+    oc, lsec = o_ref.cuda(), lse_ref.cuda()  # the backward's O and LSE: the reference's, on both devices
+    for kernel, det in ((None, False), (None, True), ("mma", True), ("simt", True)):
+        if kernel is None:
+            monkeypatch.delenv("MXMLA_ATTN_BWD", raising=False)
+        else:
+            monkeypatch.setenv("MXMLA_ATTN_BWD", kernel)
+        got = mxmla.attention_backward(doc, qc, kc, vc, oc, lsec, deterministic=det, **kw)
+        for name, x, y in zip(("dq", "dk", "dv"), got, ref):
+            _near(x, y, f"{name} ({kernel or 'sm90'}, deterministic={det})")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
 @pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp8"])
 def test_cuda_thd_with_max_seqlen_reads_cu_seqlens_on_the_device_only(mx):

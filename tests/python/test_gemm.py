@@ -416,6 +416,26 @@ def test_cuda_bf16_out_view_keeps_the_bytes_between_its_rows(M, N, ld, splits, m
     assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
 
 
+@needs_gpu
+def test_cuda_contraction_up_to_the_32_bit_limit():
+    """K is a 32-bit number in the CUDA kernels' tile coordinates (TMA's included). K = 2^31 - 256 runs:
+    a [1, K] operand whose codes are zero but the last block of 32 (ones) against itself gives exactly
+    32, so the last k-block is read from its place (about 5 s: one 1 x 1 output over 2^31 products).
+    K past it is refused, naming b; before, the wrapped coordinate made TMA read zeros, silently."""
+    def operand(K):
+        codes = torch.zeros(1, K, dtype=torch.uint8, device="cuda")
+        codes[0, -32:] = 0x38  # E4M3 1.0
+        scales = torch.full((1, K // 32), 127, dtype=torch.uint8, device="cuda")  # 2^0
+        return mxmla.MXFP8Tensor((1, K), "e4m3", "compact", codes, scales)
+    a = operand(2**31 - 256)
+    assert mxmla.gemm(a, a, out_dtype="float32").item() == 32.0
+    del a
+    b = operand(2**31 - 224)
+    with pytest.raises(ValueError, match=r"argument 'b': contraction length K = 2147483424: the CUDA GEMM kernels "
+                                         r"take at most 2\^31 - 256"):
+        mxmla.gemm(b, b)
+
+
 # ----------------------------------------------------------------------------- custom ops, torch.compile
 @needs_torch
 def test_custom_ops_are_registered_with_fakes():

@@ -151,6 +151,31 @@ def test_torch_custom_op_traces_under_compile():
 
 
 @pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible (or a CPU-only build): GPU comparison skipped")
+def test_cuda_kn_weight_with_more_k_tiles_than_a_grid_dimension():
+    """W given as [K, N] is transposed first by a pass that walks K in 32-row tiles, at most 65 535 of
+    them on a grid dimension: K = 2^21 + 96 takes 65 539 (before, the launch failed). x and W are zero
+    but for six rows of K spread over the range (the first, the last, some past 2^21) of small integers,
+    so every fp32 sum is exact and equals the CPU reference's on those six rows alone: bit for bit."""
+    T, H, K = 8, 1, 2**21 + 96
+    rows = np.array([0, 1, 777, 2**20 + 5, 2**21 + 3, K - 1])
+    xs, ws = inputs(T, H, len(rows), seed=9)  # x [T, 6], W [192, 6]
+    c, s = mxmla.rope_tables(mxmla.positions_arange(T), 64)
+    ref, qref = mxmla.fused_q_uproj_rope_quant(xs, ws, c, s, return_q=True)
+    dev = torch.device("cuda")
+    x = torch.zeros(T, K, dtype=torch.int16, device=dev)
+    w = torch.zeros(K, H * 192, dtype=torch.int16, device=dev)  # [K, N]
+    idx = torch.from_numpy(rows).to(dev)
+    x[:, idx] = torch.from_numpy(xs.astype(np.int16)).to(dev)
+    w[idx, :] = torch.from_numpy(np.ascontiguousarray(ws.T).astype(np.int16)).to(dev)
+    q, qb = mxmla.fused_q_uproj_rope_quant(x.view(torch.bfloat16), w.view(torch.bfloat16), torch.from_numpy(c).to(dev),
+                                           torch.from_numpy(s).to(dev), weight_layout="kn", return_q=True)
+    torch.cuda.synchronize()
+    for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        np.testing.assert_array_equal(getattr(q, name).cpu().numpy(), getattr(ref, name), err_msg=name)
+    np.testing.assert_array_equal(qb.cpu().view(torch.int16).numpy().astype(np.uint16), qref)
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible (or a CPU-only build): GPU comparison skipped")
 @pytest.mark.parametrize("style", STYLES)
 def test_cuda_matches_numpy_bit_exact(style):
     T, H, K = 97, 3, 96
