@@ -69,6 +69,12 @@ detail::QProjProblem common_problem(int64_t T, int64_t K, int64_t N, const Devic
   if (N < D || N % D != 0)
     fail("w", "N = " + std::to_string(N) + " must be a positive multiple of the head dim " + std::to_string(D));
   const int64_t NH = N / D;
+  // the SM90 kernel's tile coordinates into x and W (K, and W's row h·d_head) are 32-bit numbers
+  // (checked before the outputs' pointers are)
+  if (dev.type == DeviceType::kCUDA && N > (int64_t{1} << 31) - 256)
+    fail("w", "N = " + std::to_string(N) + " rows: the SM90 kernel takes at most 2^31 - 256 (32-bit tile coordinates)");
+  if (dev.type == DeviceType::kCUDA && K > (int64_t{1} << 31) - 256)
+    fail("x", "K = " + std::to_string(K) + ": the SM90 kernel takes at most 2^31 - 256 (32-bit tile coordinates)");
   const std::vector<int64_t> qshape = qproj_q_shape(T, NH, o);
   const int64_t S = T / o.batch;
   for (const TensorDesc* t : {&cos, &sin}) {
@@ -117,9 +123,6 @@ void check_cuda(const detail::QProjProblem& p, const TensorDesc& cos, const Tens
   const int64_t T = p.B * p.S;
   if (T >= (int64_t{1} << 31) || (p.S + 127) / 128 * p.B * p.NH >= (int64_t{1} << 31))
     fail("x", "has too many tokens x heads for the kernel's 32-bit tile indices");
-  if (p.NH * p.D > (int64_t{1} << 31) - 256)  // the W map's row coordinate h·d_head, a 32-bit number
-    fail("w", "N = " + std::to_string(p.NH * p.D) + " rows: the SM90 kernel takes at most 2^31 - 256 (32-bit tile "
-              "coordinates)");
   for (const TensorDesc* t : {&cos, &sin}) {
     const char* n = t == &cos ? "cos" : "sin";
     if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0 || (t->stride(0) * dtype_size(t->dtype)) % 16 != 0)

@@ -129,7 +129,7 @@ bool staged_applies(const AttentionProblem& p, const AttnRead (&r)[3]) {
   for (const AttnRead& x : r) ok = ok && attn_read_chunk_scales_ok(x);
   if (!ok && p.fp8 && env != nullptr && std::strcmp(env, "staged") == 0)
     throw Error(kOp, "q", "MXMLA_ATTN_FWD=staged: the staged path does not apply (scale lookups that do not go per "
-                          "16-value chunk)");
+                          "16-value chunk, or more than 65535 sequences outside thd)");
   return ok;
 }
 

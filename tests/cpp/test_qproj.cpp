@@ -382,27 +382,30 @@ TEST(QProjErrors, BadInputsNameTheArgument) {
   hq.t.rowwise_data = bad_out;
 }
 
-// The kernel's row coordinate into W (head h at row h·192) is a 32-bit number: N past 2^31 − 256 is
-// refused, naming w, before any pointer is dereferenced (descriptors only, no 4 GB of W; the output
-// checks before it ask for a CUDA device).
-TEST(QProjGpuErrors, CudaWeightRowsLimit) {
-  MXMLA_REQUIRE_GPU();
-#if MXMLA_WITH_CUDA
+// The kernel's tile coordinates are 32-bit numbers: on the CUDA path N (W's row h·192) or K past
+// 2^31 − 256 is refused, naming w or x, before any pointer is looked at (descriptors only: runs
+// without a GPU, and without gigabytes of W).
+TEST(QProjErrors, CudaTileCoordinateLimits) {
   const Device dev{DeviceType::kCUDA, 0};
   void* fake = reinterpret_cast<void*>(uintptr_t{1} << 40);  // never dereferenced
-  const int64_t T = 1, K = 64, NH = 11184811, N = NH * 192;  // N = 2^31 + 64
   QProjOptions o;
-  const MXFP8Shapes sh = qproj_shapes(T, NH, o);
-  MXFP8Tensor t;
-  t.rowwise_data = TensorDesc(fake, DType::kUInt8, sh.data, dev);
-  t.rowwise_scale_inv = TensorDesc(fake, DType::kUInt8, sh.rowwise_scale, dev);
-  t.columnwise_data = TensorDesc(fake, DType::kUInt8, sh.data, dev);
-  t.columnwise_scale_inv = TensorDesc(fake, DType::kUInt8, sh.columnwise_scale, dev);
-  const TensorDesc x(fake, DType::kBFloat16, {T, K}, dev), w(fake, DType::kBFloat16, {N, K}, dev),
-      c(fake, DType::kFloat32, {T, 64}, dev), sn(fake, DType::kFloat32, {T, 64}, dev);
-  test::expect_error("mxmla.fused_q_uproj_rope_quant", [&] { fused_q_uproj_rope_quant(x, w, c, sn, t, nullptr, o); },
-                     "w", "at most 2^31 - 256");
-#endif
+  auto call = [&](int64_t T, int64_t K, int64_t NH) {
+    return [=] {
+      const MXFP8Shapes sh = qproj_shapes(T, NH, o);
+      MXFP8Tensor t;
+      t.rowwise_data = TensorDesc(fake, DType::kUInt8, sh.data, dev);
+      t.rowwise_scale_inv = TensorDesc(fake, DType::kUInt8, sh.rowwise_scale, dev);
+      t.columnwise_data = TensorDesc(fake, DType::kUInt8, sh.data, dev);
+      t.columnwise_scale_inv = TensorDesc(fake, DType::kUInt8, sh.columnwise_scale, dev);
+      const TensorDesc x(fake, DType::kBFloat16, {T, K}, dev), w(fake, DType::kBFloat16, {NH * 192, K}, dev),
+          c(fake, DType::kFloat32, {T, 64}, dev), sn(fake, DType::kFloat32, {T, 64}, dev);
+      fused_q_uproj_rope_quant(x, w, c, sn, t, nullptr, o);
+    };
+  };
+  test::expect_error("mxmla.fused_q_uproj_rope_quant", call(1, 64, 11184811), "w",  // N = 2^31 + 64
+                     "N = 2147483712 rows: the SM90 kernel takes at most 2^31 - 256");
+  test::expect_error("mxmla.fused_q_uproj_rope_quant", call(1, (int64_t{1} << 31) - 224, 1), "x",
+                     "K = 2147483424: the SM90 kernel takes at most 2^31 - 256");
 }
 
 // The CUDA path's own rules (TMA, the compiled head shape) name the argument; never a crash.
