@@ -6,12 +6,18 @@
 // A [M, K] and B [N, K], both K-major FP8 (E4M3 or E5M2), with F8_128x4-swizzled E8M0 scales (one
 // per row and 32 of K). The FP8 tensor cores take K = 32 per instruction: exactly one MX block. So
 // every 32 of K runs one wgmma into a temporary accumulator, and the consumer folds it into the fp32
-// accumulator with the product of the two block scales: acc += tmp · (fa_row · fb_col), two fp32
-// operations per output element and 32 of K (DeepGEMM's `sm90_mxfp8_fp8_gemm_1d2d` idea, with
-// per-column B scales). The factors 2^(e − 127) are exact fp32 numbers (e = 0: 2^−127, e = 255:
-// NaN); their product is exact unless it leaves fp32's range. Precision: the 32 products of one block
-// are exact, but the FP8 tensor cores add them with an adder of about 14 bits (DeepSeek-V3 §3.3.2);
-// across blocks the sums are fp32. Integer data whose partial sums fit 14 bits come out exactly.
+// accumulator with the two block scales: acc += (tmp · fb_col) · fa_row, two fp32 operations per
+// output element and 32 of K (DeepGEMM's `sm90_mxfp8_fp8_gemm_1d2d` idea, with per-column B
+// scales). The factors 2^(e − 127) are exact fp32 numbers (e = 0: 2^−127, e = 255: NaN). tmp · fb_col
+// is exact unless it leaves the normal range: below it only where |tmp| < 2^(1 − eb) (B's scale byte
+// eb at the bottom of the range against a small block sum; then at most 2^-150 · fa_row off), above
+// it only where |tmp| ≥ 2^(255 − eb) (eb above 218). The factors' product fa_row · fb_col, which the
+// fold formed first before, leaves fp32's range (0 or Inf) wherever ea + eb < 105 or > 381, though the
+// block's contribution may be in range (KI-3 of the fuzzer); elsewhere both forms give the same bits.
+// (The column factor first: with the row factor first, ptxas spills 64 bytes in the consumers.)
+// Precision: the 32 products of one block are exact, but the FP8 tensor cores add them with an adder
+// of about 14 bits (DeepSeek-V3 §3.3.2); across blocks the sums are fp32. Integer data whose partial
+// sums fit 14 bits come out exactly.
 //
 // Roles: warp 0 of warpgroup 0 issues the TMA loads (A and B tiles of 128 x 128 bytes with the
 // 128-byte swizzle, and each tile's two 512-byte scale tiles by bulk copy) into a kStages ring;
@@ -231,7 +237,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
     Op::mma(T, da0 + s.index * kStep + 2 * c, db0 + s.index * kStep + 2 * c, false);
     ptx::wgmma_commit();
   };
-  // acc += T * (fa_row * fb_col) with block c's factors of stage s, once T's wgmma has completed
+  // acc += (T * fb_col) * fa_row with block c's factors of stage s, once T's wgmma has completed
   // (wgmma_wait<kPending>: the other temporary's wgmma may still run)
   const auto fold = [&](auto pending, float(&T)[64], const sm90::PipelineState<C::kStages>& s, int c,
                         float(&acc)[64]) {
@@ -244,10 +250,10 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
 #pragma unroll
     for (int jj = 0; jj < 16; ++jj) {
       const float2 fb = *reinterpret_cast<const float2*>(fbc + 8 * jj);
-      acc[4 * jj + 0] = fmaf(T[4 * jj + 0], fa0 * fb.x, acc[4 * jj + 0]);
-      acc[4 * jj + 1] = fmaf(T[4 * jj + 1], fa0 * fb.y, acc[4 * jj + 1]);
-      acc[4 * jj + 2] = fmaf(T[4 * jj + 2], fa1 * fb.x, acc[4 * jj + 2]);
-      acc[4 * jj + 3] = fmaf(T[4 * jj + 3], fa1 * fb.y, acc[4 * jj + 3]);
+      acc[4 * jj + 0] = fmaf(T[4 * jj + 0] * fb.x, fa0, acc[4 * jj + 0]);
+      acc[4 * jj + 1] = fmaf(T[4 * jj + 1] * fb.y, fa0, acc[4 * jj + 1]);
+      acc[4 * jj + 2] = fmaf(T[4 * jj + 2] * fb.x, fa1, acc[4 * jj + 2]);
+      acc[4 * jj + 3] = fmaf(T[4 * jj + 3] * fb.y, fa1, acc[4 * jj + 3]);
     }
   };
   using One = std::integral_constant<int, 1>;
