@@ -858,8 +858,8 @@ def test_cuda_extent_one_dims_take_any_stride(fmt):
 def test_cuda_sequences_past_the_kernels_32_bit_tile_indices_are_refused():
     """The kernels round a sequence's length up to whole 128-row tiles in 32-bit numbers: s_q or s_kv
     past 2^31 - 256 is refused, naming the operand, before anything runs (K and V here are stride-0 views
-    over one token, so 2^31 keys take no memory; before the check, such a length made the tile count
-    negative and the forward hang)."""
+    over one token, so 2^31 keys take no memory; without the check, such a length makes the kernel's
+    tile count negative: by the code, the forward's producer then waits forever)."""
     s = 2**31 - 200
     q = torch.randn(1, 1, 1, 192, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 1, 1, 192, device="cuda", dtype=torch.bfloat16).expand(1, s, 1, 192)
