@@ -427,13 +427,16 @@ def test_cuda_contraction_up_to_the_32_bit_limit():
         codes[0, -32:] = 0x38  # E4M3 1.0
         scales = torch.full((1, K // 32), 127, dtype=torch.uint8, device="cuda")  # 2^0
         return mxmla.MXFP8Tensor((1, K), "e4m3", "compact", codes, scales)
-    a = operand(2**31 - 256)
-    assert mxmla.gemm(a, a, out_dtype="float32").item() == 32.0
-    del a
-    b = operand(2**31 - 224)
-    with pytest.raises(ValueError, match=r"argument 'b': contraction length K = 2147483424: the CUDA GEMM kernels "
-                                         r"take at most 2\^31 - 256"):
-        mxmla.gemm(b, b)
+    try:
+        a = operand(2**31 - 256)
+        assert mxmla.gemm(a, a, out_dtype="float32").item() == 32.0
+        del a
+        b = operand(2**31 - 224)
+        with pytest.raises(ValueError, match=r"argument 'b': contraction length K = 2147483424: the CUDA GEMM "
+                                             r"kernels take at most 2\^31 - 256"):
+            mxmla.gemm(b, b)
+    finally:
+        mxmla.release_scratch()  # (the call's ~26 GB of scratch back to the driver for the tests after)
 
 
 @needs_gpu
