@@ -363,7 +363,7 @@ void check_cuda(const detail::AttentionProblem& p, const std::vector<const Opera
               "quantize_attention, or as [tokens, h*d] (bshd, thd) or [b, h, s, d] (bhsd); the CPU reference reads any layout");
   // the kernels' 32-bit tile arithmetic: a length rounded up to whole 128-row tiles, tile indices and
   // the dynamic order's claims (up to the tiles + the grid)
-  const int64_t tiles = p.B * p.H * detail::ceil_div(p.Sq, 128), max_len = (int64_t{1} << 31) - 256;
+  const int64_t tiles = p.B * p.H * detail::ceil_div(p.Sq, 128), max_len = detail::kMaxCudaExtent;
   if (p.Sq > max_len || p.Skv > max_len)
     fail(p.Sq > max_len ? "q" : "k", "has sequences of " + std::to_string(std::max(p.Sq, p.Skv)) +
                                          " tokens: the CUDA kernels take at most 2^31 - 256 (32-bit tile indices)");

@@ -71,9 +71,9 @@ detail::QProjProblem common_problem(int64_t T, int64_t K, int64_t N, const Devic
   const int64_t NH = N / D;
   // the SM90 kernel's tile coordinates into x and W (K, and W's row h·d_head) are 32-bit numbers
   // (checked before the outputs' pointers are)
-  if (dev.type == DeviceType::kCUDA && N > (int64_t{1} << 31) - 256)
+  if (dev.type == DeviceType::kCUDA && N > detail::kMaxCudaExtent)
     fail("w", "N = " + std::to_string(N) + " rows: the SM90 kernel takes at most 2^31 - 256 (32-bit tile coordinates)");
-  if (dev.type == DeviceType::kCUDA && K > (int64_t{1} << 31) - 256)
+  if (dev.type == DeviceType::kCUDA && K > detail::kMaxCudaExtent)
     fail("x", "K = " + std::to_string(K) + ": the SM90 kernel takes at most 2^31 - 256 (32-bit tile coordinates)");
   const std::vector<int64_t> qshape = qproj_q_shape(T, NH, o);
   const int64_t S = T / o.batch;

@@ -29,12 +29,11 @@ struct GemmOperandView {
 // The CUDA GEMM kernels' extents: M, N and K at most 2^31 − 256 (their tile coordinates, TMA's
 // included, are 32-bit numbers); an error naming out (M, N) or b (K) beyond.
 inline void check_cuda_gemm_extents(const char* op, int64_t M, int64_t N, int64_t K) {
-  constexpr int64_t kMax = (int64_t{1} << 31) - 256;
-  if (M > kMax || N > kMax)
+  if (M > kMaxCudaExtent || N > kMaxCudaExtent)
     throw Error(op, "out", "is [" + std::to_string(M) + ", " + std::to_string(N) +
                                "]: the CUDA GEMM kernels take at most 2^31 - 256 rows and columns "
                                "(32-bit tile coordinates)");
-  if (K > kMax)
+  if (K > kMaxCudaExtent)
     throw Error(op, "b", "contraction length K = " + std::to_string(K) +
                              ": the CUDA GEMM kernels take at most 2^31 - 256 (32-bit tile coordinates)");
 }

@@ -83,6 +83,9 @@ MXMLA_HD constexpr uint32_t min_exact_e(bool e4m3) { return e4m3 ? 10u : 17u; }
 
 MXMLA_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 MXMLA_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+// The largest extent (rows, columns, K, a sequence's tokens) the SM90 kernels take: their tile
+// coordinates, TMA's included, are 32-bit numbers, and a tile rounded up past it must stay below 2^31.
+constexpr int64_t kMaxCudaExtent = (int64_t{1} << 31) - 256;
 
 // F8_128x4 swizzle (SPEC §2.1): i indexes the 128-row axis, j the 4-column axis.
 MXMLA_HD int64_t swizzle_offset(int64_t i, int64_t j, int64_t tiles_x) {

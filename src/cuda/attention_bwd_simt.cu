@@ -261,7 +261,8 @@ std::unique_ptr<StreamScratch> attn_bwd::attention_bwd_prologue(const AttentionB
              p.o_st_h % n == 0 && g.st_b % n == 0 && g.st_s % n == 0 && g.st_h % n == 0;
     };
     const bool d128 = p.Dv == 128 && vec_ok(8), vec = p.Dv % 4 == 0 && vec_ok(4);
-    const unsigned blocks = grid_dim(kOp, (p.Sq + (d128 ? kPreRows : kWarps) - 1) / (d128 ? kPreRows : kWarps), true, "rows");
+    const int64_t rows_per_block = d128 ? kPreRows : kWarps;
+    const unsigned blocks = grid_dim(kOp, (p.Sq + rows_per_block - 1) / rows_per_block, true, "rows");
     float* const Dp = reinterpret_cast<float*>(D->ptr);
     for_sequence_chunks(kOp, p.B, p.thd, [&](int64_t b0, unsigned n) {
       const AttentionBwdProblem c = sequence_chunk(p, b0, n);
