@@ -40,8 +40,7 @@ KEYS = ["dtype", "tile_hdim", "tile_hdimv", "tile_m", "tile_n", "num_stages", "n
         # bwd
         "num_stages_Q", "num_stages_dO", "num_stages_PdS", "SdP_swapAB", "dKV_swapAB", "dQ_swapAB",
         "AtomLayoutMSdP", "AtomLayoutNdKV", "AtomLayoutMdQ", "num_wg", "dQ_single_wg",
-        "num_mma_warp_groups", "num_threads_per_warp_group", "Mma_dKV_is_RS", "Mma_dQ_is_RS",
-        "tile_hdim", "tile_hdimv", "is_persistent", "shuffle_LSE", "shuffle_dPsum",
+        "num_mma_warp_groups", "num_threads_per_warp_group", "Mma_dKV_is_RS", "Mma_dQ_is_RS", "is_persistent", "shuffle_LSE", "shuffle_dPsum",
         "ptxas_options", "cluster_shape_mn"]
 
 def dump_cfg(tag):
