@@ -6,15 +6,15 @@
 // A [M, K] and B [N, K], both K-major FP8 (E4M3 or E5M2), with F8_128x4-swizzled E8M0 scales (one
 // per row and 32 of K). The FP8 tensor cores take K = 32 per instruction: exactly one MX block. So
 // every 32 of K runs one wgmma into a temporary accumulator, and the consumer folds it into the fp32
-// accumulator with the two block scales: acc += (tmp · fb_col) · fa_row, two fp32 operations per
+// accumulator with the two block scales: acc += tmp · (fa_row · fb_col), two fp32 operations per
 // output element and 32 of K (DeepGEMM's `sm90_mxfp8_fp8_gemm_1d2d` idea, with per-column B
-// scales). The factors 2^(e − 127) are exact fp32 numbers (e = 0: 2^−127, e = 255: NaN). tmp · fb_col
-// is exact unless it leaves the normal range: below it only where |tmp| < 2^(1 − eb) (B's scale byte
-// eb at the bottom of the range against a small block sum; then at most 2^-150 · fa_row off), above
-// it only where |tmp| ≥ 2^(255 − eb) (eb above 218). The factors' product fa_row · fb_col, which the
-// fold formed first before, leaves fp32's range (0 or Inf) wherever ea + eb < 105 or > 381, though the
-// block's contribution may be in range (KI-3 of the fuzzer); elsewhere both forms give the same bits.
-// (The column factor first: with the row factor first, ptxas spills 64 bytes in the consumers.)
+// scales). The factors 2^(e − 127) are exact fp32 numbers (e = 0: 2^−127, e = 255: NaN); their
+// product is an exact power of two (normal or subnormal) wherever ea + eb lies in [105, 381], and the
+// fold rounds once. Outside it (0 or Inf, though the block's contribution may be in range) both
+// factors lie on the same side of 1, and acc += (tmp · fb_col) · fa_row leaves fp32's range no earlier
+// than the result does (below it: rounding in the subnormals only). The scale converter marks each
+// block whose every row-column pair of the tile is inside; only the other blocks take the per-element
+// choice (fold_pair).
 // Precision: the 32 products of one block are exact, but the FP8 tensor cores add them with an adder
 // of about 14 bits (DeepSeek-V3 §3.3.2); across blocks the sums are fp32. Integer data whose partial
 // sums fit 14 bits come out exactly.
@@ -91,6 +91,7 @@ struct Kernel {
     float fb[C::kStages][C::kChunks][C::kBN];  // ... and per block and column of B
     Barriers bars;
     uint64_t ready[C::kStages];                // the factor tables of a stage are written
+    uint32_t product_ok[C::kStages];           // bit c: block c's every fa · fb is exact (ea + eb in [105, 381])
   };
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
@@ -99,6 +100,18 @@ struct Kernel {
 // 2^(e - 127) as fp32: exact for every scale byte (e = 0: the subnormal 2^-127), NaN for e = 255.
 __device__ __forceinline__ float scale_factor(uint32_t e) {
   return e == 255 ? __uint_as_float(0x7FC00000u) : (e == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
+}
+
+// Scale bytes ea, eb whose factors' product 2^(ea + eb − 254) is an exact fp32 (normal or subnormal).
+constexpr uint32_t kProductLo = 105, kProductHi = 381;
+
+// acc + t · fa · fb for one element of a block whose product_ok bit is clear: one rounding where
+// fa · fb is in fp32's range; elsewhere (0, Inf; NaN factors too) both factors lie on the same side of
+// 1, so t · fb passes out of the range only where the result does.
+__device__ __forceinline__ float fold_pair(float t, float fa, float fb, float acc) {
+  const float f = fa * fb;
+  const uint32_t mag = __float_as_uint(f) & 0x7FFFFFFFu;
+  return mag - 1u < 0x7F7FFFFFu ? fmaf(t, f, acc) : fmaf(t * fb, fa, acc);
 }
 
 // Whether the scales' check picked the other design for this call (the launcher runs both kernels;
@@ -179,6 +192,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
           sm.bars.consumer_wait(st);     // and the stage's bytes have landed
           // lane L: bytes [16L, 16L + 16) of the A tile and of the B tile; byte o of a tile is
           // (row (o / 16) + 32 ((o % 16) / 4), block o % 4)
+          uint32_t lo[2][4], hi[2][4];  // [A, B][block]: the tile's smallest and largest scale byte
 #pragma unroll
           for (int side = 0; side < 2; ++side) {
             const uint4 w = *reinterpret_cast<const uint4*>((side ? sm.sb[st.index] : sm.sa[st.index]) + 16 * lane);
@@ -188,6 +202,23 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
             for (int q = 0; q < 4; ++q)
 #pragma unroll
               for (int j = 0; j < 4; ++j) tab[j][lane + 32 * q] = scale_factor((words[q] >> (8 * j)) & 0xFFu);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              uint32_t l = 255, h = 0;
+#pragma unroll
+              for (int q = 0; q < 4; ++q) {
+                const uint32_t e = (words[q] >> (8 * j)) & 0xFFu;
+                l = min(l, e), h = max(h, e);
+              }
+              lo[side][j] = __reduce_min_sync(0xFFFFFFFFu, l), hi[side][j] = __reduce_max_sync(0xFFFFFFFFu, h);
+            }
+          }
+          if (lane == 0) {
+            uint32_t ok = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              ok |= uint32_t{lo[0][j] + lo[1][j] >= kProductLo && hi[0][j] + hi[1][j] <= kProductHi} << j;
+            sm.product_ok[st.index] = ok;
           }
           ptx::mbar_arrive(&sm.ready[st.index]);
           st.advance();
@@ -237,23 +268,36 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
     Op::mma(T, da0 + s.index * kStep + 2 * c, db0 + s.index * kStep + 2 * c, false);
     ptx::wgmma_commit();
   };
-  // acc += (T * fb_col) * fa_row with block c's factors of stage s, once T's wgmma has completed
-  // (wgmma_wait<kPending>: the other temporary's wgmma may still run)
+  // acc += T * (fa_row * fb_col) with block c's factors of stage s, once T's wgmma has completed
+  // (wgmma_wait<kPending>: the other temporary's wgmma may still run); a block with a factor product
+  // out of fp32's range somewhere in the tile element by element (fold_pair)
   const auto fold = [&](auto pending, float(&T)[64], const sm90::PipelineState<C::kStages>& s, int c,
                         float(&acc)[64]) {
     // this thread's factors of block c: its two rows, its 32 columns 8jj + 2 (lane % 4) + e
     const float fa0 = sm.fa[s.index][c][r0], fa1 = sm.fa[s.index][c][r0 + 8];
     const float* fbc = &sm.fb[s.index][c][2 * (lane % 4)];
+    const bool product_ok = (sm.product_ok[s.index] >> c) & 1u;  // the same in the whole CTA
     ptx::wgmma_wait<decltype(pending)::value>();
 #pragma unroll
     for (int i = 0; i < 64; ++i) ptx::fence_reg(T[i]);
+    if (product_ok) {
 #pragma unroll
-    for (int jj = 0; jj < 16; ++jj) {
-      const float2 fb = *reinterpret_cast<const float2*>(fbc + 8 * jj);
-      acc[4 * jj + 0] = fmaf(T[4 * jj + 0] * fb.x, fa0, acc[4 * jj + 0]);
-      acc[4 * jj + 1] = fmaf(T[4 * jj + 1] * fb.y, fa0, acc[4 * jj + 1]);
-      acc[4 * jj + 2] = fmaf(T[4 * jj + 2] * fb.x, fa1, acc[4 * jj + 2]);
-      acc[4 * jj + 3] = fmaf(T[4 * jj + 3] * fb.y, fa1, acc[4 * jj + 3]);
+      for (int jj = 0; jj < 16; ++jj) {
+        const float2 fb = *reinterpret_cast<const float2*>(fbc + 8 * jj);
+        acc[4 * jj + 0] = fmaf(T[4 * jj + 0], fa0 * fb.x, acc[4 * jj + 0]);
+        acc[4 * jj + 1] = fmaf(T[4 * jj + 1], fa0 * fb.y, acc[4 * jj + 1]);
+        acc[4 * jj + 2] = fmaf(T[4 * jj + 2], fa1 * fb.x, acc[4 * jj + 2]);
+        acc[4 * jj + 3] = fmaf(T[4 * jj + 3], fa1 * fb.y, acc[4 * jj + 3]);
+      }
+    } else {
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        const float2 fb = *reinterpret_cast<const float2*>(fbc + 8 * jj);
+        acc[4 * jj + 0] = fold_pair(T[4 * jj + 0], fa0, fb.x, acc[4 * jj + 0]);
+        acc[4 * jj + 1] = fold_pair(T[4 * jj + 1], fa0, fb.y, acc[4 * jj + 1]);
+        acc[4 * jj + 2] = fold_pair(T[4 * jj + 2], fa1, fb.x, acc[4 * jj + 2]);
+        acc[4 * jj + 3] = fold_pair(T[4 * jj + 3], fa1, fb.y, acc[4 * jj + 3]);
+      }
     }
   };
   using One = std::integral_constant<int, 1>;

@@ -765,14 +765,6 @@ KNOWN_ISSUES = {
              "reading the kernel; confirmed on the H200 (README: attention caveats)",
              lambda cfg, m: cfg["op"] == "attention" and m.what == "cuda vs cpu"
              and "v_nonfinite_causal" in cfg.get("tags", ())),
-    "KI-3": ("gemm on CUDA, design B (picked per call for scale bytes too small for bf16 copies): a block's fp32 "
-             "sum is multiplied by b's scale factor 2^(eb-127), then by a's; where that first product leaves fp32's "
-             "normal range (a block sum below 2^(1-eb), or at least 2^(255-eb)) it loses bits or overflows though "
-             "the contribution may be in range (README: the GEMM's range). What is left of the fuzzer's gemm seed "
-             "168 (the factors' product formed first, fixed and passing on the H200 since 2026-12-05); configs "
-             "with edited scale bytes in b only",
-             lambda cfg, m: cfg["op"] == "gemm" and m.what == "cuda vs cpu" and m.output == "d"
-             and any(e in ("scale_zero", "scale_one", "scale_big") for e in cfg.get("b", {}).get("events", ()))),
 }
 
 

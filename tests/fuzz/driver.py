@@ -365,7 +365,15 @@ def _parse(argv):
 
 
 def _check_device(device: str) -> str:
+    """Why `device` cannot run, or "". Imports mxmla and torch (where installed) in every case, before
+    any seed's watchdog starts: the first import of a CUDA build of torch takes seconds on the GPU
+    machine, which a short MXMLA_FUZZ_SEED_TIMEOUT counted as the first seed hanging."""
     if device == "cpu":
+        for name in ("torch", "mxmla"):
+            try:
+                __import__(name)
+            except Exception:  # noqa: BLE001 — torch is optional; a broken mxmla fails each run, reported there
+                pass
         return ""
     if not device.startswith("cuda"):
         return f"unknown device {device!r} (cpu or cuda[:i])"

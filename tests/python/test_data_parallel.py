@@ -37,6 +37,7 @@ def _rel(a, b):
 
 def _case(rank, world, device, backend, recipe, wrapper, *_):
     import mxmla.nn as mnn
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
@@ -44,9 +45,12 @@ def _case(rank, world, device, backend, recipe, wrapper, *_):
     first = mnn.Block(**KW, recipe=recipe, seed=3)  # the initial weights, never trained
     m = mnn.Block(**KW, recipe=recipe, seed=3)
     if wrapper == "fsdp2":
-        fully_shard(m.attn)
-        fully_shard(m.ffn)
-        fully_shard(m)
+        # a CPU mesh named: fully_shard's default mesh is CUDA's wherever a GPU is visible (it then
+        # moves the parameters there), and this test trains on the CPU
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(m.attn, mesh=mesh)
+        fully_shard(m.ffn, mesh=mesh)
+        fully_shard(m, mesh=mesh)
         whole = lambda g: g.full_tensor()  # noqa: E731
     else:
         m = DistributedDataParallel(m, bucket_cap_mb=1)  # several buckets: reductions during the backward

@@ -440,22 +440,25 @@ def test_cuda_contraction_up_to_the_32_bit_limit():
 
 
 @needs_gpu
-def test_cuda_design_b_keeps_a_block_whose_scale_product_underflows():
+@pytest.mark.parametrize("eb, want", [(100, 49 * 2.0**-123), (254, 49 * 2.0**31)], ids=["product_underflows",
+                                                                                     "column_factor_overflows"])
+def test_cuda_design_b_keeps_a_block_at_the_ends_of_the_scale_range(eb, want):
     """Design B (the FP8 tensor-core kernel, picked per call when a scale byte is too small for bf16
-    copies) folds each block as (sum · 2^(eb-127)) · 2^(ea-127). One E5M2 block of the largest codes
-    (57344 = 7·2^13) with ea = 0 against eb = 100: the block's sum 32 · 57344² = 49 · 2^31 times
-    2^-154 is 49 · 2^-123, a normal fp32 number, which the reference gives exactly; the factors'
-    product 2^-154 alone is below fp32's range, and the kernel that formed it first gave 0 (the
-    fuzzer's KI-3, gemm seed 168)."""
+    copies) folds each block's sum with the factors 2^(ea-127), 2^(eb-127). One E5M2 block of the
+    largest codes (57344 = 7·2^13, sum 32 · 57344² = 49 · 2^31) with ea = 0 against
+    - eb = 100: times 2^-154 is 49 · 2^-123, a normal fp32 number; the factors' product 2^-154 alone is
+      below fp32's range, and the kernel that formed it first gave 0 (the fuzzer's KI-3, gemm seed 168);
+    - eb = 254: times 2^0 is 49 · 2^31; the sum times b's factor 2^127 alone is above fp32's range, and
+      the kernel that multiplied by it first gave Inf.
+    The reference gives both exactly, and so must the kernel."""
     def operand(e):
         codes = torch.full((1, 32), 0x7B, dtype=torch.uint8)  # E5M2 57344
         return mxmla.MXFP8Tensor((1, 32), "e5m2", "compact", codes, torch.full((1, 1), e, dtype=torch.uint8))
-    a, b = operand(0), operand(100)
-    want = mxmla.gemm(a, b, out_dtype="float32")
-    assert want.item() == 49 * 2.0**-123
+    a, b = operand(0), operand(eb)
+    assert mxmla.gemm(a, b, out_dtype="float32").item() == want
     got = mxmla.gemm(*(mxmla.MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout, t.rowwise_data.cuda(),
                                          t.rowwise_scale_inv.cuda()) for t in (a, b)), out_dtype="float32")
-    assert got.item() == 49 * 2.0**-123
+    assert got.item() == want
 
 
 # ----------------------------------------------------------------------------- custom ops, torch.compile
