@@ -4,6 +4,7 @@
 // software (float64), the kernels with PTX cvt.rn.satfinite, and the tests compare the two.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -80,6 +81,38 @@ MXMLA_HD uint8_t block_scale_from_amax_bits(uint32_t amax_bits, uint32_t rcp_max
 // 2^-9 · 2^(e−127) >= 2^-126; E5M2: 2^-16 · ...). A block below it with non-zero codes sends a GEMM
 // to the FP8 design B.
 MXMLA_HD constexpr uint32_t min_exact_e(bool e4m3) { return e4m3 ? 10u : 17u; }
+
+// A block's scale byte as its factor 2^(e − 127) in fp32 (e = 0: 2^-127, a subnormal; e = 255: NaN,
+// 0x7FC00000): what dequantization multiplies a code by.
+MXMLA_HD float e8m0_factor(uint32_t e) {
+  return e == 255u ? u32_as_f32(0x7FC00000u) : (e == 0u ? u32_as_f32(0x00400000u) : u32_as_f32(e << 23));
+}
+// a · b + c rounded once (fp32 FMA)
+MXMLA_HD float fma_f32(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return fmaf(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// Design B's fold (SPEC §7): a block's fp32 sum t (FP8 tensor cores) times the block's two scale
+// factors fa = 2^(ea − 127), fb = 2^(eb − 127), added to acc.
+// Scale bytes ea, eb whose factors' product 2^(ea + eb − 254) is an exact fp32 (normal or subnormal).
+constexpr uint32_t kFactorProductLo = 105, kFactorProductHi = 381;
+// acc + t · fa · fb where fa · fb is known to be exact (ea + eb in [kFactorProductLo, kFactorProductHi]):
+// one rounding.
+MXMLA_HD float fold_block_product(float t, float fa, float fb, float acc) { return fma_f32(t, fa * fb, acc); }
+// acc + t · fa · fb at any scale bytes: the product where it is a finite non-zero fp32 (exact: one
+// rounding); elsewhere (0, Inf, and NaN factors) both factors lie on the same side of 1, and t · fb
+// leaves fp32's normal range only where the result does: one rounding too, but where t · fb falls
+// below 2^-126 (then |t · fa · fb| < 2^-148 and the result may be one subnormal step, 2^-149, off).
+// Test: GemmFold.* (every pair of scale bytes).
+MXMLA_HD float fold_block_scales(float t, float fa, float fb, float acc) {
+  const float f = fa * fb;
+  const uint32_t mag = f32_as_u32(f) & 0x7FFFFFFFu;
+  return mag - 1u < 0x7F7FFFFFu ? fma_f32(t, f, acc) : fma_f32(t * fb, fa, acc);
+}
 
 MXMLA_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 MXMLA_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }

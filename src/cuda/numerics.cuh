@@ -19,11 +19,7 @@
 namespace mxmla::detail {
 
 // ---------------------------------------------------------------- MXFP8
-// A block's scale byte as its factor 2^(e − 127) in fp32 (e = 0: 2^-127, a subnormal; e = 255: NaN,
-// 0x7FC00000): what dequantization multiplies a code by.
-__device__ __forceinline__ float e8m0_factor(uint32_t e) {
-  return e == 255u ? __uint_as_float(0x7FC00000u) : (e == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
-}
+// (A block's scale byte as its factor, e8m0_factor, and design B's fold: common/mxfp8_common.h.)
 template <bool kE4M3>
 __device__ __forceinline__ constexpr uint32_t rcp_max_bits() {
   return kE4M3 ? kRcpMaxE4M3Bits : kRcpMaxE5M2Bits;

@@ -10,11 +10,10 @@
 // output element and 32 of K (DeepGEMM's `sm90_mxfp8_fp8_gemm_1d2d` idea, with per-column B
 // scales). The factors 2^(e − 127) are exact fp32 numbers (e = 0: 2^−127, e = 255: NaN); their
 // product is an exact power of two (normal or subnormal) wherever ea + eb lies in [105, 381], and the
-// fold rounds once. Outside it (0 or Inf, though the block's contribution may be in range) both
-// factors lie on the same side of 1, and acc += (tmp · fb_col) · fa_row leaves fp32's range no earlier
-// than the result does (below it: rounding in the subnormals only). The scale converter marks each
-// block whose every row-column pair of the tile is inside; only the other blocks take the per-element
-// choice (fold_pair).
+// fold rounds once. The scale converter marks each block whose every row-column pair of the tile is
+// inside; the other blocks fold element by element (fold_block_scales, common/mxfp8_common.h:
+// outside, both factors lie on the same side of 1, and the sum times b's factor, then a's, leaves
+// fp32's range no earlier than the result does).
 // Precision: the 32 products of one block are exact, but the FP8 tensor cores add them with an adder
 // of about 14 bits (DeepSeek-V3 §3.3.2); across blocks the sums are fp32. Integer data whose partial
 // sums fit 14 bits come out exactly.
@@ -96,23 +95,6 @@ struct Kernel {
   static constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
 };
-
-// 2^(e - 127) as fp32: exact for every scale byte (e = 0: the subnormal 2^-127), NaN for e = 255.
-__device__ __forceinline__ float scale_factor(uint32_t e) {
-  return e == 255 ? __uint_as_float(0x7FC00000u) : (e == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
-}
-
-// Scale bytes ea, eb whose factors' product 2^(ea + eb − 254) is an exact fp32 (normal or subnormal).
-constexpr uint32_t kProductLo = 105, kProductHi = 381;
-
-// acc + t · fa · fb for one element of a block whose product_ok bit is clear: one rounding where
-// fa · fb is in fp32's range; elsewhere (0, Inf; NaN factors too) both factors lie on the same side of
-// 1, so t · fb passes out of the range only where the result does.
-__device__ __forceinline__ float fold_pair(float t, float fa, float fb, float acc) {
-  const float f = fa * fb;
-  const uint32_t mag = __float_as_uint(f) & 0x7FFFFFFFu;
-  return mag - 1u < 0x7F7FFFFFu ? fmaf(t, f, acc) : fmaf(t * fb, fa, acc);
-}
 
 // Whether the scales' check picked the other design for this call (the launcher runs both kernels;
 // the one not picked returns at once).
@@ -201,7 +183,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
 #pragma unroll
             for (int q = 0; q < 4; ++q)
 #pragma unroll
-              for (int j = 0; j < 4; ++j) tab[j][lane + 32 * q] = scale_factor((words[q] >> (8 * j)) & 0xFFu);
+              for (int j = 0; j < 4; ++j) tab[j][lane + 32 * q] = e8m0_factor((words[q] >> (8 * j)) & 0xFFu);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               uint32_t l = 255, h = 0;
@@ -217,7 +199,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
             uint32_t ok = 0;
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-              ok |= uint32_t{lo[0][j] + lo[1][j] >= kProductLo && hi[0][j] + hi[1][j] <= kProductHi} << j;
+              ok |= uint32_t{lo[0][j] + lo[1][j] >= kFactorProductLo && hi[0][j] + hi[1][j] <= kFactorProductHi} << j;
             sm.product_ok[st.index] = ok;
           }
           ptx::mbar_arrive(&sm.ready[st.index]);
@@ -270,7 +252,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   };
   // acc += T * (fa_row * fb_col) with block c's factors of stage s, once T's wgmma has completed
   // (wgmma_wait<kPending>: the other temporary's wgmma may still run); a block with a factor product
-  // out of fp32's range somewhere in the tile element by element (fold_pair)
+  // out of fp32's range somewhere in the tile element by element (fold_block_scales)
   const auto fold = [&](auto pending, float(&T)[64], const sm90::PipelineState<C::kStages>& s, int c,
                         float(&acc)[64]) {
     // this thread's factors of block c: its two rows, its 32 columns 8jj + 2 (lane % 4) + e
@@ -284,19 +266,19 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
 #pragma unroll
       for (int jj = 0; jj < 16; ++jj) {
         const float2 fb = *reinterpret_cast<const float2*>(fbc + 8 * jj);
-        acc[4 * jj + 0] = fmaf(T[4 * jj + 0], fa0 * fb.x, acc[4 * jj + 0]);
-        acc[4 * jj + 1] = fmaf(T[4 * jj + 1], fa0 * fb.y, acc[4 * jj + 1]);
-        acc[4 * jj + 2] = fmaf(T[4 * jj + 2], fa1 * fb.x, acc[4 * jj + 2]);
-        acc[4 * jj + 3] = fmaf(T[4 * jj + 3], fa1 * fb.y, acc[4 * jj + 3]);
+        acc[4 * jj + 0] = fold_block_product(T[4 * jj + 0], fa0, fb.x, acc[4 * jj + 0]);
+        acc[4 * jj + 1] = fold_block_product(T[4 * jj + 1], fa0, fb.y, acc[4 * jj + 1]);
+        acc[4 * jj + 2] = fold_block_product(T[4 * jj + 2], fa1, fb.x, acc[4 * jj + 2]);
+        acc[4 * jj + 3] = fold_block_product(T[4 * jj + 3], fa1, fb.y, acc[4 * jj + 3]);
       }
     } else {
 #pragma unroll
       for (int jj = 0; jj < 16; ++jj) {
         const float2 fb = *reinterpret_cast<const float2*>(fbc + 8 * jj);
-        acc[4 * jj + 0] = fold_pair(T[4 * jj + 0], fa0, fb.x, acc[4 * jj + 0]);
-        acc[4 * jj + 1] = fold_pair(T[4 * jj + 1], fa0, fb.y, acc[4 * jj + 1]);
-        acc[4 * jj + 2] = fold_pair(T[4 * jj + 2], fa1, fb.x, acc[4 * jj + 2]);
-        acc[4 * jj + 3] = fold_pair(T[4 * jj + 3], fa1, fb.y, acc[4 * jj + 3]);
+        acc[4 * jj + 0] = fold_block_scales(T[4 * jj + 0], fa0, fb.x, acc[4 * jj + 0]);
+        acc[4 * jj + 1] = fold_block_scales(T[4 * jj + 1], fa0, fb.y, acc[4 * jj + 1]);
+        acc[4 * jj + 2] = fold_block_scales(T[4 * jj + 2], fa1, fb.x, acc[4 * jj + 2]);
+        acc[4 * jj + 3] = fold_block_scales(T[4 * jj + 3], fa1, fb.y, acc[4 * jj + 3]);
       }
     }
   };

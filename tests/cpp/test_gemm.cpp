@@ -434,6 +434,57 @@ TEST(GemmScaleIndex, EqualsTheMapsOffsetsForEveryBlock) {
   EXPECT_GT(checked, 10000);
 }
 
+// Design B's fold of a block (common/mxfp8_common.h: the function the kernel calls, here on the
+// host): acc + t · 2^(ea − 127) · 2^(eb − 127) against the exactly rounded value, for every pair of
+// scale bytes and block sums across both FP8 formats' range (zero, ±Inf, NaN, full mantissas, the
+// largest E5M2 block 49 · 2^31). One rounding everywhere, but where |t · fa · fb| < 2^-148: there
+// one subnormal step (2^-149) at most. And the converter's fast path (the product alone, for blocks
+// whose every pair has ea + eb in [105, 381]) gives the same bits there.
+TEST(GemmFold, RoundsOnceAtEveryPairOfScaleBytes) {
+  using namespace detail;
+  std::vector<float> ts = {0.f, -0.f, 1.f, -1.f, 0x1.fffffep0f, 0x1p-32f, -0x1.000002p-18f, 49.f * 0x1p31f,
+                           -0x1.234566p37f, 0x1.800002p10f, 3.f, 0x1.fffffep23f, std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  util::Rng rng(7);
+  for (int i = 0; i < 40; ++i)  // random 24-bit mantissas, exponents -32 .. 37, both signs
+    ts.push_back(static_cast<float>(std::ldexp((rng.uniform() < 0.5 ? -1 : 1) * (1 + rng.uniform()),
+                                               static_cast<int>(rng.uniform() * 70) - 32)));
+  int64_t checked = 0, off_by_a_step = 0, bad = 0;
+  std::string first;
+  for (uint32_t ea = 0; ea < 256; ++ea)
+    for (uint32_t eb = 0; eb < 256; ++eb)
+      for (float t : ts) {
+        const float fa = e8m0_factor(ea), fb = e8m0_factor(eb);
+        const float got = fold_block_scales(t, fa, fb, 0.f);
+        ++checked;
+        // + 0.0: acc = +0 turns an exact -0 into +0, as the fold's addition does
+        const double x = std::ldexp(static_cast<double>(t), static_cast<int>(ea + eb) - 254) + 0.0;
+        const bool nan = ea == 255 || eb == 255 || std::isnan(t);
+        float want;
+        if (nan || std::isnan(x)) want = std::numeric_limits<float>::quiet_NaN();
+        else if (std::fabs(x) >= 0x1.ffffffp127)  // rounds past FLT_MAX: an infinity of its sign
+          want = x > 0 ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity();
+        else want = static_cast<float>(x);
+        bool ok = std::isnan(want) ? std::isnan(got) : f32_as_u32(got) == f32_as_u32(want);
+        if (!ok && !std::isnan(want) && std::fabs(x) < 0x1p-148 && std::fabs(double(got) - double(want)) <= 0x1p-149) {
+          ok = true;
+          ++off_by_a_step;
+        }
+        if (ok && ea + eb >= kFactorProductLo && ea + eb <= kFactorProductHi) {
+          const float fast = fold_block_product(t, fa, fb, 0.f);
+          ok = std::isnan(got) ? std::isnan(fast) : f32_as_u32(fast) == f32_as_u32(got);
+        }
+        if (!ok && bad++ == 0) {
+          std::ostringstream e;
+          e << "ea " << ea << " eb " << eb << " t " << t << ": got " << got << ", want " << want;
+          first = e.str();
+        }
+      }
+  EXPECT_EQ(bad, 0) << bad << " of " << checked << "; first: " << first;
+  EXPECT_LT(off_by_a_step, checked / 1000) << "subnormal double roundings";
+  EXPECT_GT(checked, 3000000);
+}
+
 TEST(GemmCpuSpecial, NanScaleReachesExactlyItsRowAndLargeScalesOverflow) {
   // x [4, 64] of ones (rowwise scale 127 - 8 = 119 for E4M3: 1 = 256 * 2^-8), W [3, 64] of ones
   auto x = make_op(4, 64, Fill::kRandom, Fp8Format::kE4M3, false, 1);
