@@ -1,0 +1,278 @@
+// Experiment 06 — a floor for a "design D" of the MXFP8 GEMM: A's FP8 codes go to shared memory as
+// they are (no dequantizing pass over A) and each consumer thread dequantizes its own A fragment into
+// registers for a bf16 wgmma that reads A from registers (RS); B is a bf16 copy in shared memory, as
+// design C's. Design C pays a pass over both operands first (dgrad T 16384: 0.336 ms of its 1.75 ms,
+// almost all of it over dY, the A operand); this times the kernel that would not, against cuBLAS's
+// bf16 GEMM on the dequantized operands in the same run (L2 flushed before each call, medians of 30),
+// and checks its result against cuBLAS's.
+//
+//   D[M, N] = deq(A) · Bᵀ,   A [M, K] E4M3 codes, K-major, F8_128x4-swizzled E8M0 scales (one per row
+//   and 32 of K); B [N, K] bf16, K-major, its K permuted inside every 64 (below); D bf16.
+//
+// The A fragment of an RS m64nNk16 wgmma: thread (warp w, lane l) holds rows 16w + l/4 (+ 8) and the K
+// columns 2q, 2q + 1 and 2q + 8, 2q + 9 (q = l % 4) of each 16. Reading those from a K-major tile takes
+// four 2-byte loads a row and step; instead each thread reads 16 contiguous bytes of a row (LDS.128,
+// bytes 16q .. 16q + 15 of a 64-byte k-block), and byte 16q + 4s + i is taken as logical column
+// 16s + {2q, 2q+1, 2q+8, 2q+9}[i] of step s. The contraction is over K, so B's copy is permuted the
+// same way (B_perm[n][64g + σ(p)] = B[n][64g + p]): a dequantizing pass that writes B's copy can
+// write it in any order. Dequantization: code -> f16 (cvt e4m3x2) -> fp32 · 2^(e − 127) -> bf16
+// (numerics.cuh dequant_pair: exact for the scale bytes used here, 120 .. 134).
+//
+// Design D was built once (dev/patches/gemm_d_fp8a_regs.patch, 2026-12-02: 1.18x design C's time on
+// fprop): there ptxas serialized every wgmma (C7513: other instructions wrote the next fragments while
+// wgmmas were in flight), so each k-block's wgmmas drained before the next issue. Here the stage loop
+// is unrolled twice, each stage's fragments in their own registers, written only after the wait that
+// retires the wgmmas which read them last: ptxas reports no serialization, and a k-block's fragments
+// are converted while the previous k-block's wgmmas run.
+//
+// 128 x 256 tiles, 64 of K a stage (A 8 KB with the 64-byte swizzle, B 32 KB with the 128-byte one,
+// the stage's 512-byte scale tile), 5 stages, one producer thread, two consumer warpgroups (64 rows
+// each), persistent CTAs over grouped tiles, no split of K (so T 4096's 192 tiles leave a wave
+// part-empty, where design C splits K). Epilogue: bf16 stores from registers.
+// Usage (GPU machine): build/dev/06_sm90_rs_dequant_floor [rounds]   (default 2)
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "cuda/numerics.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm90/pipeline.cuh"
+#include "cuda/sm90_mxfp8_gemm.cuh"  // Params, store_accumulators
+#include "cuda/tile_scheduler.h"
+#include "cuda/tma_desc.h"
+#include "cpu/reference.h"
+#include "dev/cuda/dev_util.h"
+
+namespace mxmla::dev {
+
+struct RsCfg {
+  static constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 5, kGroupM = 8, kThreads = 384;
+  static constexpr int kRegsProducer = 40, kRegsConsumer = 232;
+  static constexpr uint32_t kABytes = kBM * kBK, kBBytes = kBN * kBK * 2, kScaleBytes = 512;
+};
+struct alignas(1024) RsSmem {
+  uint8_t a[RsCfg::kStages][RsCfg::kABytes];  // [128 rows][64 B] codes, 64-byte swizzle
+  uint8_t b[RsCfg::kStages][RsCfg::kBBytes];  // [256 rows][64] bf16, 128-byte swizzle
+  uint8_t sa[RsCfg::kStages][RsCfg::kScaleBytes];  // the F8_128x4 tile of the stage's 128 of K
+  sm90::StageBarriers<RsCfg::kStages> bars;
+};
+constexpr size_t kRsSmemBytes = sizeof(RsSmem) + 1024;
+static_assert(kRsSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
+
+__global__ void __launch_bounds__(RsCfg::kThreads, 1)
+    rs_dequant_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                           const detail::mxgemm::Params p) {
+  using C = RsCfg;
+  using Op = ptx::WgmmaOp<256, ptx::MmaDtype::kBF16, ptx::MmaDtype::kBF16, true>;
+  extern __shared__ uint8_t smem_raw[];
+  auto& sm = sm90::aligned_shared<RsSmem>(smem_raw);
+  const int wg = ptx::warpgroup_index();
+  sm90::init_barriers_once([&] { sm.bars.init(8); });  // lane 0 of every consumer warp releases a stage
+  const detail::StaticPersistent sched{p.num_tiles};
+  sm90::PipelineState<C::kStages> st;
+
+  if (wg == 0) {  // ---------------------------------------------------------------- TMA producer
+    ptx::setmaxnreg_dec<C::kRegsProducer>();
+    if (threadIdx.x != 0) return;
+    for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
+      int mt, nt;
+      detail::grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
+      for (int kb = 0; kb < p.kblocks; ++kb) {
+        sm.bars.producer_acquire(st);
+        uint64_t* full = sm.bars.producer_expect(st, C::kABytes + C::kBBytes + C::kScaleBytes);
+        ptx::tma_load_2d(sm.a[st.index], &tmap_a, full, kb * C::kBK, mt * C::kBM);
+        ptx::tma_load_2d(sm.b[st.index], &tmap_b, full, kb * C::kBK, nt * C::kBN);
+        ptx::bulk_load_g2s(sm.sa[st.index], p.sa + (mt * p.tiles_x + kb / 2) * C::kScaleBytes, C::kScaleBytes, full);
+        st.advance();
+      }
+    }
+    return;
+  }
+
+  // ---------------------------------------------------------------- consumers: 64 rows each
+  ptx::setmaxnreg_inc<C::kRegsConsumer>();
+  const int cw = wg - 1, warp = ptx::warp_in_warpgroup(), lane = threadIdx.x % 32, q = lane % 4;
+  const int r0 = 64 * cw + 16 * warp + lane / 4;  // tile rows r0 and r0 + 8
+  const int r1 = r0 + 8;
+  // this thread's 16 bytes of rows r0, r1 in a stage (64-byte swizzle: chunk c of row r at c ^ (r / 2 % 4))
+  const uint32_t off0 = r0 * 64 + ((q ^ ((r0 >> 1) & 3)) * 16), off1 = r1 * 64 + ((q ^ ((r1 >> 1) & 3)) * 16);
+  // its rows' scale bytes in the F8_128x4 tile: byte 16 (r % 32) + 4 (r / 32) + block
+  const uint32_t so0 = 16 * (r0 % 32) + 4 * (r0 / 32), so1 = 16 * (r1 % 32) + 4 * (r1 / 32);
+  const uint64_t db0 = ptx::wgmma_desc_k_sw128(sm.b[0]);
+  constexpr uint32_t kBStep = C::kBBytes / 16;
+  for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
+    int mt, nt;
+    detail::grouped_tile<C::kGroupM>(t, p.m_tiles, p.n_tiles, mt, nt);
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    uint32_t prev = 0;
+    // A fragments in two register sets, stage by stage in turn: a set is written again only after the
+    // wait that retires the wgmmas reading it (PTX: an A register of a wgmma in flight must not change)
+    uint32_t frag[2][4][4];
+    const auto stage = [&](int kb, uint32_t(&a)[4][4]) {
+      sm.bars.consumer_wait(st);
+      const uint4 w0 = *reinterpret_cast<const uint4*>(sm.a[st.index] + off0);
+      const uint4 w1 = *reinterpret_cast<const uint4*>(sm.a[st.index] + off1);
+      // the thread's 16 bytes lie in one 32-block of K: block 2 (kb % 2) + q / 2 of the 128-of-K scale tile
+      const uint32_t j = 2 * (kb % 2) + q / 2;
+      const float fa = detail::e8m0_factor(sm.sa[st.index][so0 + j]), fb = detail::e8m0_factor(sm.sa[st.index][so1 + j]);
+      const uint32_t x0[4] = {w0.x, w0.y, w0.z, w0.w}, x1[4] = {w1.x, w1.y, w1.z, w1.w};
+      const uint64_t db = db0 + st.index * kBStep;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {  // k16 step s: bytes 4s .. 4s + 3 of each row's 16
+        a[s][0] = detail::dequant_pair<true>(x0[s] & 0xFFFFu, fa), a[s][1] = detail::dequant_pair<true>(x1[s] & 0xFFFFu, fb);
+        a[s][2] = detail::dequant_pair<true>(x0[s] >> 16, fa), a[s][3] = detail::dequant_pair<true>(x1[s] >> 16, fb);
+#pragma unroll
+        for (int i = 0; i < 128; ++i) ptx::fence_reg(acc[i]);
+        ptx::wgmma_fence();
+        Op::mma(acc, a[s], db + 2 * s, true);
+      }
+      ptx::wgmma_commit();
+      if (kb > 0) {
+        ptx::wgmma_wait<1>();  // the previous stage's wgmmas are done: hand it back
+        if (lane == 0) sm.bars.consumer_release(prev);
+      }
+      prev = st.index;
+      st.advance();
+    };
+    for (int kb = 0; kb < p.kblocks; kb += 2) {
+      stage(kb, frag[0]);
+      if (kb + 1 < p.kblocks) stage(kb + 1, frag[1]);
+    }
+    ptx::wgmma_wait<0>();
+    if (lane == 0) sm.bars.consumer_release(prev);
+#pragma unroll
+    for (int i = 0; i < 128; ++i) ptx::fence_reg(acc[i]);
+    detail::mxgemm::store_accumulators<256>(p, acc, mt * C::kBM, nt * C::kBN, r0, lane);
+  }
+}
+
+// ---------------------------------------------------------------- inputs (device, hashed)
+__device__ __forceinline__ uint32_t hash32(uint64_t i, uint32_t seed) {
+  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
+  x ^= x >> 31, x *= 0xBF58476D1CE4E5B9ull, x ^= x >> 29;
+  return static_cast<uint32_t>(x >> 16);
+}
+// E4M3 codes without NaN (0x7F, 0xFF)
+__global__ void fill_codes(uint8_t* c, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    uint32_t v = hash32(i, seed) & 0xFFu;
+    c[i] = static_cast<uint8_t>((v & 0x7Fu) == 0x7Fu ? v ^ 1u : v);
+  }
+}
+__global__ void fill_scales(uint8_t* s, int64_t n, uint32_t seed) {  // 120 .. 134
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    s[i] = static_cast<uint8_t>(120 + hash32(i, seed) % 15);
+}
+__global__ void fill_bf16(uint16_t* b, int64_t n, uint32_t seed) {  // a random E4M3 value / 64, as bf16
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    uint32_t v = hash32(i, seed) & 0xFFu;
+    v = (v & 0x7Fu) == 0x7Fu ? v ^ 1u : v;
+    b[i] = static_cast<uint16_t>(detail::dequant_pair<true>(v, 0x1p-6f) & 0xFFFFu);
+  }
+}
+// B_perm[n][64g + σ(p)] = B[n][64g + p], p = 16q + 4s + i -> σ(p) = 16s + 2q + {0, 1, 8, 9}[i]
+__global__ void permute_b(const uint16_t* b, uint16_t* bp, int64_t N, int64_t K) {
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < N * K; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t n = e / K, k = e % K, g = k / 64;
+    const int p = static_cast<int>(k % 64), qq = p / 16, s = (p % 16) / 4, i = p % 4;
+    const int sigma = 16 * s + 2 * qq + (i < 2 ? i : 8 + i - 2);
+    bp[n * K + 64 * g + sigma] = b[e];
+  }
+}
+// A dequantized to bf16 [M][K] (the peer's operand)
+__global__ void dequant_a(const uint8_t* c, const uint8_t* s, uint16_t* a, int64_t M, int64_t K, int64_t tiles_x) {
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < M * K; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = e / K, k = e % K;
+    const uint8_t sb = s[((r / 128) * tiles_x + k / 128) * 512 + 16 * (r % 32) + 4 * ((r % 128) / 32) + (k / 32) % 4];
+    a[e] = static_cast<uint16_t>(detail::dequant_pair<true>(c[e], detail::e8m0_factor(sb)) & 0xFFFFu);
+  }
+}
+
+}  // namespace mxmla::dev
+
+using namespace mxmla;
+using namespace mxmla::dev;
+
+static void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+int main(int argc, char** argv) {
+  const int rounds = argc > 1 ? std::atoi(argv[1]) : 2;
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device");
+  check_cuda(cudaFuncSetAttribute(rs_dequant_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(kRsSmemBytes)),
+             "smem attribute");
+  cublasHandle_t h{};
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return 1;
+  struct Shape {
+    const char* name;
+    int64_t M, N, K;
+  };
+  const Shape shapes[] = {{"dgrad T 16384", 16384, 1536, 24576}, {"dgrad T 4096", 4096, 1536, 24576},
+                          {"fprop T 16384", 16384, 24576, 1536}, {"8192^3", 8192, 8192, 8192}};
+  std::printf("%-14s %-6s %10s %10s %8s %8s   %s\n", "case", "round", "cuBLAS ms", "RS ms", "TFLOP/s", "ratio",
+              "check: max|ours - cuBLAS| / max|cuBLAS|");
+  for (const Shape& sh : shapes) {
+    const int64_t M = sh.M, N = sh.N, K = sh.K, tiles_x = (K + 127) / 128, mpad = (M + 127) / 128 * 128;
+    util::DeviceBuffer codes(M * K), scales(mpad / 128 * tiles_x * 512), b(N * K * 2), bp(N * K * 2), adeq(M * K * 2),
+        d(M * N * 2), dref(M * N * 2);
+    fill_codes<<<1024, 256>>>(static_cast<uint8_t*>(codes.ptr), M * K, 1);
+    fill_scales<<<256, 256>>>(static_cast<uint8_t*>(scales.ptr), mpad / 128 * tiles_x * 512, 2);
+    fill_bf16<<<1024, 256>>>(static_cast<uint16_t*>(b.ptr), N * K, 3);
+    permute_b<<<1024, 256>>>(static_cast<const uint16_t*>(b.ptr), static_cast<uint16_t*>(bp.ptr), N, K);
+    dequant_a<<<1024, 256>>>(static_cast<const uint8_t*>(codes.ptr), static_cast<const uint8_t*>(scales.ptr),
+                             static_cast<uint16_t*>(adeq.ptr), M, K, tiles_x);
+    check_cuda(cudaDeviceSynchronize(), "inputs");
+
+    const cuuint64_t adims[2] = {cuuint64_t(K), cuuint64_t(M)}, ast[1] = {cuuint64_t(K)};
+    const cuuint32_t abox[2] = {64, 128};
+    const CUtensorMap ta = detail::make_tma_desc(codes.ptr, DType::kUInt8, 2, adims, ast, abox, CU_TENSOR_MAP_SWIZZLE_64B);
+    const cuuint64_t bdims[2] = {cuuint64_t(K), cuuint64_t(N)}, bst[1] = {cuuint64_t(K * 2)};
+    const cuuint32_t bbox[2] = {64, 256};
+    const CUtensorMap tb = detail::make_tma_desc(bp.ptr, DType::kBFloat16, 2, bdims, bst, bbox, CU_TENSOR_MAP_SWIZZLE_128B);
+    detail::mxgemm::Params p{};
+    p.M = int(M), p.N = int(N), p.K = int(K), p.kblocks = int(K / 64);
+    p.m_tiles = int(mpad / 128), p.n_tiles = int((N + 255) / 256), p.num_tiles = p.m_tiles * p.n_tiles;
+    p.sa = static_cast<const uint8_t*>(scales.ptr), p.tiles_x = tiles_x;
+    p.out = d.ptr, p.ld_out = N, p.out_f32 = false, p.accumulate = false, p.alpha = 1.f;
+    p.design_flag = nullptr, p.k_splits = 1, p.kb_per_split = p.kblocks;
+    const int grid = std::min(p.num_tiles, sms);
+    const auto ours = [&] { rs_dequant_gemm_kernel<<<grid, RsCfg::kThreads, kRsSmemBytes>>>(ta, tb, p); };
+    const float one = 1.f, zero = 0.f;
+    const auto peer = [&] {  // column-major: D^T [N, M] = B [N, K] . deq(A)^T
+      if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, b.ptr, CUDA_R_16BF, int(K), adeq.ptr,
+                       CUDA_R_16BF, int(K), &zero, dref.ptr, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F,
+                       CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+        std::fprintf(stderr, "cublasGemmEx failed\n");
+    };
+    ours(), peer();
+    check_cuda(cudaDeviceSynchronize(), "first calls");
+    // check: every row of a sample (every 7th), all columns
+    const std::vector<uint16_t> hd = d.download<uint16_t>(), hr = dref.download<uint16_t>();
+    double maxdiff = 0, maxref = 0;
+    for (int64_t m = 0; m < M; m += 7)
+      for (int64_t n = 0; n < N; ++n) {
+        const double x = ref::bf16_to_double(hd[m * N + n]), y = ref::bf16_to_double(hr[m * N + n]);
+        maxdiff = std::max(maxdiff, std::fabs(x - y)), maxref = std::max(maxref, std::fabs(y));
+      }
+    const double rel = maxdiff / (maxref + 1e-30);
+    for (int r = 0; r < rounds; ++r) {
+      const float tp = time_ms(peer), to = time_ms(ours);
+      std::printf("%-14s %-6d %10.4f %10.4f %8.1f %8.3f   %.2e%s\n", sh.name, r, tp, to, 2.0 * M * N * K / to / 1e9,
+                  to / tp, rel, rel <= 0x1p-7 ? "" : "  FAIL (bound 2^-7)");
+    }
+  }
+  cublasDestroy(h);
+  return 0;
+}
