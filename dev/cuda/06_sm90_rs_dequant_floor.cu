@@ -5,7 +5,8 @@
 // almost all of it over dY, the A operand); this times the kernel that would not, against cuBLAS's
 // bf16 GEMM on the dequantized operands and the library's own GEMM on them (design C's kernel without
 // its passes) in the same run (L2 flushed before each call, medians of 30), and checks its result
-// against cuBLAS's.
+// against cuBLAS's; "RS raw" is the same kernel without the conversion (raw code bits into the
+// wgmmas: a wrong product, timed only).
 //
 //   D[M, N] = deq(A) · Bᵀ,   A [M, K] E4M3 codes, K-major, F8_128x4-swizzled E8M0 scales (one per row
 //   and 32 of K); B [N, K] bf16, K-major, its K permuted inside every 64 (below); D bf16.
@@ -65,6 +66,9 @@ struct alignas(1024) RsSmem {
 constexpr size_t kRsSmemBytes = sizeof(RsSmem) + 1024;
 static_assert(kRsSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
 
+// kConvert false: the same kernel feeding the codes' raw bits to the wgmmas (a wrong product; it times
+// what the conversion's instructions cost against the rest)
+template <bool kConvert>
 __global__ void __launch_bounds__(RsCfg::kThreads, 1)
     rs_dequant_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                            const detail::mxgemm::Params p) {
@@ -127,8 +131,12 @@ __global__ void __launch_bounds__(RsCfg::kThreads, 1)
       const uint64_t db = db0 + st.index * kBStep;
 #pragma unroll
       for (int s = 0; s < 4; ++s) {  // k16 step s: bytes 4s .. 4s + 3 of each row's 16
-        a[s][0] = detail::dequant_pair<true>(x0[s] & 0xFFFFu, fa), a[s][1] = detail::dequant_pair<true>(x1[s] & 0xFFFFu, fb);
-        a[s][2] = detail::dequant_pair<true>(x0[s] >> 16, fa), a[s][3] = detail::dequant_pair<true>(x1[s] >> 16, fb);
+        if constexpr (kConvert) {
+          a[s][0] = detail::dequant_pair<true>(x0[s] & 0xFFFFu, fa), a[s][1] = detail::dequant_pair<true>(x1[s] & 0xFFFFu, fb);
+          a[s][2] = detail::dequant_pair<true>(x0[s] >> 16, fa), a[s][3] = detail::dequant_pair<true>(x1[s] >> 16, fb);
+        } else {
+          a[s][0] = x0[s], a[s][1] = x1[s], a[s][2] = x0[s] ^ __float_as_uint(fa), a[s][3] = x1[s] ^ __float_as_uint(fb);
+        }
 #pragma unroll
         for (int i = 0; i < 128; ++i) ptx::fence_reg(acc[i]);
         ptx::wgmma_fence();
@@ -212,9 +220,10 @@ int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 2;
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device");
-  check_cuda(cudaFuncSetAttribute(rs_dequant_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(kRsSmemBytes)),
-             "smem attribute");
+  for (const void* k : {reinterpret_cast<const void*>(&rs_dequant_gemm_kernel<true>),
+                        reinterpret_cast<const void*>(&rs_dequant_gemm_kernel<false>)})
+    check_cuda(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kRsSmemBytes)),
+               "smem attribute");
   cublasHandle_t h{};
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return 1;
   struct Shape {
@@ -223,8 +232,8 @@ int main(int argc, char** argv) {
   };
   const Shape shapes[] = {{"dgrad T 16384", 16384, 1536, 24576}, {"dgrad T 4096", 4096, 1536, 24576},
                           {"fprop T 16384", 16384, 24576, 1536}, {"8192^3", 8192, 8192, 8192}};
-  std::printf("%-14s %-6s %10s %10s %10s %8s %8s %8s   %s\n", "case", "round", "cuBLAS ms", "lib bf16", "RS ms",
-              "TFLOP/s", "RS/cuBLAS", "RS/lib", "check: max|ours - cuBLAS| / max|cuBLAS|");
+  std::printf("%-14s %-6s %10s %10s %10s %10s %8s %8s %8s   %s\n", "case", "round", "cuBLAS ms", "lib bf16", "RS ms",
+              "RS raw ms", "TFLOP/s", "RS/cuBLAS", "RS/lib", "check (RS): max|ours - cuBLAS| / max|cuBLAS|");
   for (const Shape& sh : shapes) {
     const int64_t M = sh.M, N = sh.N, K = sh.K, tiles_x = (K + 127) / 128, mpad = (M + 127) / 128 * 128;
     util::DeviceBuffer codes(M * K), scales(mpad / 128 * tiles_x * 512), b(N * K * 2), bp(N * K * 2), adeq(M * K * 2),
@@ -250,7 +259,8 @@ int main(int argc, char** argv) {
     p.out = d.ptr, p.ld_out = N, p.out_f32 = false, p.accumulate = false, p.alpha = 1.f;
     p.design_flag = nullptr, p.k_splits = 1, p.kb_per_split = p.kblocks;
     const int grid = std::min(p.num_tiles, sms);
-    const auto ours = [&] { rs_dequant_gemm_kernel<<<grid, RsCfg::kThreads, kRsSmemBytes>>>(ta, tb, p); };
+    const auto ours = [&] { rs_dequant_gemm_kernel<true><<<grid, RsCfg::kThreads, kRsSmemBytes>>>(ta, tb, p); };
+    const auto raw = [&] { rs_dequant_gemm_kernel<false><<<grid, RsCfg::kThreads, kRsSmemBytes>>>(ta, tb, p); };
     const float one = 1.f, zero = 0.f;
     const auto peer = [&] {  // column-major: D^T [N, M] = B [N, K] . deq(A)^T
       if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, b.ptr, CUDA_R_16BF, int(K), adeq.ptr,
@@ -277,8 +287,8 @@ int main(int argc, char** argv) {
       }
     const double rel = maxdiff / (maxref + 1e-30);
     for (int r = 0; r < rounds; ++r) {
-      const float tp = time_ms(peer), to = time_ms(ours), tl = time_ms(lib);
-      std::printf("%-14s %-6d %10.4f %10.4f %10.4f %8.1f %8.3f %8.3f   %.2e%s\n", sh.name, r, tp, tl, to,
+      const float tp = time_ms(peer), to = time_ms(ours), tl = time_ms(lib), tr = time_ms(raw);
+      std::printf("%-14s %-6d %10.4f %10.4f %10.4f %10.4f %8.1f %8.3f %8.3f   %.2e%s\n", sh.name, r, tp, tl, to, tr,
                   2.0 * M * N * K / to / 1e9, to / tp, to / tl, rel, rel <= 0x1p-7 ? "" : "  FAIL (bound 2^-7)");
     }
   }
