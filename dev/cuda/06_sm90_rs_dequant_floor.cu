@@ -106,8 +106,9 @@ __global__ void __launch_bounds__(RsCfg::kThreads, 1)
   const int r1 = r0 + 8;
   // this thread's 16 bytes of rows r0, r1 in a stage (64-byte swizzle: chunk c of row r at c ^ (r / 2 % 4))
   const uint32_t off0 = r0 * 64 + ((q ^ ((r0 >> 1) & 3)) * 16), off1 = r1 * 64 + ((q ^ ((r1 >> 1) & 3)) * 16);
-  // its rows' scale bytes in the F8_128x4 tile: byte 16 (r % 32) + 4 (r / 32) + block
-  const uint32_t so0 = 16 * (r0 % 32) + 4 * (r0 / 32), so1 = 16 * (r1 % 32) + 4 * (r1 / 32);
+  // its rows' scale bytes in the stage's F8_128x4 tile (+ the block, 0 .. 3)
+  const uint32_t so0 = static_cast<uint32_t>(detail::swizzle_offset(r0, 0, 1)),
+                 so1 = static_cast<uint32_t>(detail::swizzle_offset(r1, 0, 1));
   const uint64_t db0 = ptx::wgmma_desc_k_sw128(sm.b[0]);
   constexpr uint32_t kBStep = C::kBBytes / 16;
   for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
@@ -168,23 +169,22 @@ __device__ __forceinline__ uint32_t hash32(uint64_t i, uint32_t seed) {
   x ^= x >> 31, x *= 0xBF58476D1CE4E5B9ull, x ^= x >> 29;
   return static_cast<uint32_t>(x >> 16);
 }
-// E4M3 codes without NaN (0x7F, 0xFF)
+// a random E4M3 code, never NaN (0x7F, 0xFF)
+__device__ __forceinline__ uint32_t e4m3_code(uint64_t i, uint32_t seed) {
+  const uint32_t v = hash32(i, seed) & 0xFFu;
+  return (v & 0x7Fu) == 0x7Fu ? v ^ 1u : v;
+}
 __global__ void fill_codes(uint8_t* c, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t v = hash32(i, seed) & 0xFFu;
-    c[i] = static_cast<uint8_t>((v & 0x7Fu) == 0x7Fu ? v ^ 1u : v);
-  }
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    c[i] = static_cast<uint8_t>(e4m3_code(i, seed));
 }
 __global__ void fill_scales(uint8_t* s, int64_t n, uint32_t seed) {  // 120 .. 134
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     s[i] = static_cast<uint8_t>(120 + hash32(i, seed) % 15);
 }
 __global__ void fill_bf16(uint16_t* b, int64_t n, uint32_t seed) {  // a random E4M3 value / 64, as bf16
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t v = hash32(i, seed) & 0xFFu;
-    v = (v & 0x7Fu) == 0x7Fu ? v ^ 1u : v;
-    b[i] = static_cast<uint16_t>(detail::dequant_pair<true>(v, 0x1p-6f) & 0xFFFFu);
-  }
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    b[i] = static_cast<uint16_t>(detail::dequant_pair<true>(e4m3_code(i, seed), 0x1p-6f) & 0xFFFFu);
 }
 // B_perm[n][64g + σ(p)] = B[n][64g + p], p = 16q + 4s + i -> σ(p) = 16s + 2q + {0, 1, 8, 9}[i]
 __global__ void permute_b(const uint16_t* b, uint16_t* bp, int64_t N, int64_t K) {
@@ -199,7 +199,7 @@ __global__ void permute_b(const uint16_t* b, uint16_t* bp, int64_t N, int64_t K)
 __global__ void dequant_a(const uint8_t* c, const uint8_t* s, uint16_t* a, int64_t M, int64_t K, int64_t tiles_x) {
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < M * K; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = e / K, k = e % K;
-    const uint8_t sb = s[((r / 128) * tiles_x + k / 128) * 512 + 16 * (r % 32) + 4 * ((r % 128) / 32) + (k / 32) % 4];
+    const uint8_t sb = s[detail::swizzle_offset(r, k / 32, tiles_x)];
     a[e] = static_cast<uint16_t>(detail::dequant_pair<true>(c[e], detail::e8m0_factor(sb)) & 0xFFFFu);
   }
 }

@@ -262,25 +262,21 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
     ptx::wgmma_wait<decltype(pending)::value>();
 #pragma unroll
     for (int i = 0; i < 64; ++i) ptx::fence_reg(T[i]);
-    if (product_ok) {
+    // acc[4jj + e] = rule(T[4jj + e], row factor, column factor, acc[4jj + e])
+    const auto fold_all = [&](auto rule) {
 #pragma unroll
       for (int jj = 0; jj < 16; ++jj) {
         const float2 fb = *reinterpret_cast<const float2*>(fbc + 8 * jj);
-        acc[4 * jj + 0] = fold_block_product(T[4 * jj + 0], fa0, fb.x, acc[4 * jj + 0]);
-        acc[4 * jj + 1] = fold_block_product(T[4 * jj + 1], fa0, fb.y, acc[4 * jj + 1]);
-        acc[4 * jj + 2] = fold_block_product(T[4 * jj + 2], fa1, fb.x, acc[4 * jj + 2]);
-        acc[4 * jj + 3] = fold_block_product(T[4 * jj + 3], fa1, fb.y, acc[4 * jj + 3]);
+        acc[4 * jj + 0] = rule(T[4 * jj + 0], fa0, fb.x, acc[4 * jj + 0]);
+        acc[4 * jj + 1] = rule(T[4 * jj + 1], fa0, fb.y, acc[4 * jj + 1]);
+        acc[4 * jj + 2] = rule(T[4 * jj + 2], fa1, fb.x, acc[4 * jj + 2]);
+        acc[4 * jj + 3] = rule(T[4 * jj + 3], fa1, fb.y, acc[4 * jj + 3]);
       }
-    } else {
-#pragma unroll
-      for (int jj = 0; jj < 16; ++jj) {
-        const float2 fb = *reinterpret_cast<const float2*>(fbc + 8 * jj);
-        acc[4 * jj + 0] = fold_block_scales(T[4 * jj + 0], fa0, fb.x, acc[4 * jj + 0]);
-        acc[4 * jj + 1] = fold_block_scales(T[4 * jj + 1], fa0, fb.y, acc[4 * jj + 1]);
-        acc[4 * jj + 2] = fold_block_scales(T[4 * jj + 2], fa1, fb.x, acc[4 * jj + 2]);
-        acc[4 * jj + 3] = fold_block_scales(T[4 * jj + 3], fa1, fb.y, acc[4 * jj + 3]);
-      }
-    }
+    };
+    if (product_ok)
+      fold_all([](float t, float fa, float fb, float a) { return fold_block_product(t, fa, fb, a); });
+    else
+      fold_all([](float t, float fa, float fb, float a) { return fold_block_scales(t, fa, fb, a); });
   };
   using One = std::integral_constant<int, 1>;
   using Zero = std::integral_constant<int, 0>;
