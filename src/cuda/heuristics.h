@@ -83,6 +83,15 @@ inline int gemm_k_splits(int64_t tiles, int64_t kblocks, int64_t mn, int64_t res
   return best;
 }
 
+// The MXFP8 GEMM's design D (A's codes dequantized in registers by the GEMM, no pass over A) or
+// design C (a dequantizing pass over A, then the bf16 GEMM): D converts A's codes once per 256-column
+// output tile, about a tenth of the GEMM's time at any N (experiment 06, H100: 0.157 ms of 1.572 at
+// dgrad T 16384, 0.13 of 1.48 at 8192³); C's pass moves 3 bytes a value of A once (0.3 to 0.4 ms
+// for dgrad T 16384's 402 M values). They cross near N = 4800 (H100: C's pass 1.2e-12 s · M K
+// against D's conversion 0.1 · 2 M N K / 800 TFLOP/s): D where N <= kGemmDesignDMaxN (dgrad T 16384,
+// N 1536: D 1.57 ms + B's pass, C 1.47 + 0.4 ms; 8192³: D 1.48, C 1.35 + 0.08).
+inline constexpr int64_t kGemmDesignDMaxN = 3072;
+
 // The block-FP8 GEMM's tile width, 256 or 128 columns (128 rows either way): a persistent grid
 // takes waves of one tile per SM, so the time goes as the waves times a tile's time. A 128-column
 // tile takes kNarrow of a wide tile's time (measured on an H200 in full waves: 0.54 at fprop

@@ -3,16 +3,22 @@
 //            copy in stream-ordered scratch, then a TMA + bf16 wgmma GEMM on the copies;
 //   design A (sm90_mxfp8_gemm_bf16.cuh): the codes dequantized to bf16 in shared memory for every
 //            tile that reads them, bf16 wgmma;
-//   design B (sm90_mxfp8_gemm.cuh): FP8 wgmma per 32-wide block, an fp32 rescale per block.
+//   design B (sm90_mxfp8_gemm.cuh): FP8 wgmma per 32-wide block, an fp32 rescale per block;
+//   design D (sm90_mxfp8_gemm_rs.cuh): A's K-major codes dequantized in registers (RS bf16 wgmma),
+//            B design C's bf16 copy; the same sums as design C's, bit for bit.
 // C is the default (measured fastest: A converts each code once per tile that reads it, N / 256
-// times for A's rows, and its conversion does not hide behind the tensor cores; docs/notes-gemm.md).
+// times for A's rows, and its conversion does not hide behind the tensor cores; docs/notes-gemm.md)
+// except where A's codes are K-major and N is small (heuristics::kGemmDesignDMaxN): there D, whose
+// register conversion (also N / 256 times) overlaps the previous stage's wgmmas and costs less than
+// C's pass over A. D checks A's scales itself (in the kernel, setting the same flag, design B queued
+// after it then redoing all of D); it is not used to accumulate into D, nor with a prepared A.
 // C and A hold every dequantized value exactly as a bf16 number unless a block with non-zero codes
 // has a scale byte below min_exact_e (its smallest codes fall below bf16's normal range). Design
 // C's dequantizing passes, which every call runs, check for such blocks as they convert (reading
 // each operand's scales as stored, compact or swizzled) and set a flag in device memory; both the
 // bf16 design and B are launched and the one the flag does not pick returns at once (no host
-// synchronisation). MXMLA_GEMM_DESIGN=A, B or C in the environment forces one design (A/B
-// measurements; A and C then round such values to bf16).
+// synchronisation). MXMLA_GEMM_DESIGN=A, B, C or D in the environment forces one design (A/B
+// measurements; A, C and D then round such values to bf16).
 // Designs A and B read the operands K-major with F8_128x4-swizzled scales (gathered into the
 // swizzled rowwise layout of op(X) = [R, K]); per call those gathers, like B's K-major copies,
 // return at once unless the flag is set. An operand given the other way (a columnwise copy:
@@ -41,6 +47,7 @@
 #include "cuda/ptx/convert.cuh"
 #include "cuda/sm90_bf16_gemm.cuh"
 #include "cuda/sm90_mxfp8_gemm_bf16.cuh"
+#include "cuda/sm90_mxfp8_gemm_rs.cuh"
 #include "cuda/stream_scratch.h"
 #include "cuda/tma_desc.h"
 
@@ -339,7 +346,7 @@ void repack(const GemmOperandView& v, int64_t R, int64_t K, KMajor& x, cudaStrea
 void for_design_b(const GemmOperandView& v, int64_t R, int64_t K, KMajor& x, cudaStream_t s,
                   std::unique_ptr<StreamScratch>& scales, std::unique_ptr<StreamScratch>& codes,
                   const uint32_t* run_if) {
-  x.scales = gather(v, R, K, s, scales, run_if);
+  if (x.scales == nullptr) x.scales = gather(v, R, K, s, scales, run_if);  // (design D gathered A's)
   if (x.codes == nullptr) repack(v, R, K, x, s, codes, run_if);
 }
 
@@ -417,28 +424,41 @@ __global__ void __launch_bounds__(256) reduce_splits(const mxgemm::Params p) {
   }
 }
 
-// Design C's GEMM. K is split in parts when that fills the SMs better (heuristics::gemm_k_splits;
-// fp32 partials in stream-ordered scratch, then reduce_splits). Unsplit, its epilogue stores by TMA
-// (box [64 rows][64 columns], 128-byte swizzle) when D is bf16 without accumulation and its rows
-// can be described (data and row stride multiples of 16 bytes); else from the registers.
-void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
-  using K = mxgemm_c::Kernel;
-  const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);
-  const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
+// Designs C's and D's K split: K in p.k_splits parts when that fills the SMs better
+// (heuristics::gemm_k_splits; MXMLA_GEMM_SPLITS=1..4 in the environment forces it, for tests), the
+// fp32 partials in stream-ordered scratch `part` (freed on the stream after the reduction). Sets
+// k_splits, kb_per_split, num_tiles (p.m_tiles · p.n_tiles output tiles times the split) and partial.
+void split_k(mxgemm::Params& p, int64_t resident, cudaStream_t s, std::unique_ptr<StreamScratch>& part) {
   const int64_t tiles = int64_t{p.m_tiles} * p.n_tiles;
-  // MXMLA_GEMM_SPLITS=1..4 in the environment forces the K split (tests)
   const int forced = static_cast<int>(heuristics::env_forced("MXMLA_GEMM_SPLITS", 4));
   p.k_splits = forced != 0 ? std::min(forced, p.kblocks)
-                           : heuristics::gemm_k_splits(tiles, p.kblocks, int64_t{p.M} * p.N, fit.resident());
+                           : heuristics::gemm_k_splits(tiles, p.kblocks, int64_t{p.M} * p.N, resident);
   p.kb_per_split = (p.kblocks + p.k_splits - 1) / p.k_splits;
   p.k_splits = (p.kblocks + p.kb_per_split - 1) / p.kb_per_split;  // no empty part
   if (tiles * p.k_splits > 0x7FFFFFFF) throw Error(kOp, "out", "has too many 128 x 256 output tiles");
   p.num_tiles = static_cast<int>(tiles * p.k_splits);
-  std::unique_ptr<StreamScratch> part;  // freed on the stream after the reduction
   if (p.k_splits > 1) {
     part = std::make_unique<StreamScratch>(int64_t{p.k_splits} * p.M * p.N * 4, s);
     p.partial = reinterpret_cast<float*>(part->ptr);
   }
+}
+// ... and the reduction of the parts into D (none unsplit).
+void reduce_parts(const mxgemm::Params& p, cudaStream_t s) {
+  if (p.k_splits <= 1) return;
+  const int64_t blocks = std::min<int64_t>(heuristics::elementwise_grid(int64_t{p.M} * p.N, 256), 4096);
+  reduce_splits<<<static_cast<unsigned>(blocks), 256, 0, s>>>(p);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+}
+
+// Design C's GEMM (K split as split_k says). Unsplit, its epilogue stores by TMA (box [64 rows][64
+// columns], 128-byte swizzle) when D is bf16 without accumulation and its rows can be described
+// (data and row stride multiples of 16 bytes); else from the registers.
+void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
+  using K = mxgemm_c::Kernel;
+  const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);
+  const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
+  std::unique_ptr<StreamScratch> part;
+  split_k(p, fit.resident(), s, part);
   // TMA stores whole 16-byte chunks of a row: a row whose end (N columns) falls inside a chunk would
   // get the chunk's last columns written past N, i.e. into a strided view's gap (found by the GPU
   // fuzzer: zeros between N and the row stride). So N · 2 bytes must be a multiple of 16 too.
@@ -454,11 +474,22 @@ void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cu
   const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
   mxgemm_c::sm90_bf16_gemm_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, to, p);
   MXMLA_CUDA_CHECK(cudaGetLastError());
-  if (p.k_splits > 1) {
-    const int64_t blocks = std::min<int64_t>(heuristics::elementwise_grid(int64_t{p.M} * p.N, 256), 4096);
-    reduce_splits<<<static_cast<unsigned>(blocks), 256, 0, s>>>(p);
-    MXMLA_CUDA_CHECK(cudaGetLastError());
-  }
+  reduce_parts(p, s);
+}
+
+// Design D's GEMM (sm90_mxfp8_gemm_rs.cuh; K split as design C's): ta A's K-major codes, box
+// [128 rows][64 codes] with the 64-byte swizzle; tb B's permuted bf16 copy, [256 rows][64], 128-byte.
+template <bool kE4M3>
+void launch_d(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
+  using K = mxgemm_d::Kernel;
+  const void* kernel = reinterpret_cast<const void*>(&mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3>);
+  const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
+  std::unique_ptr<StreamScratch> part;
+  split_k(p, fit.resident(), s, part);
+  const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
+  mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, p);
+  MXMLA_CUDA_CHECK(cudaGetLastError());
+  reduce_parts(p, s);
 }
 
 template <bool kE4M3>
@@ -471,11 +502,11 @@ void launch_a(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
-// MXMLA_GEMM_DESIGN: 'A', 'B' or 'C' forces a design; anything else (or unset): chosen per call.
+// MXMLA_GEMM_DESIGN: 'A', 'B', 'C' or 'D' forces a design; anything else (or unset): chosen per call.
 // Read at every call (a test can switch it).
 char forced_design() {
   const char* e = std::getenv("MXMLA_GEMM_DESIGN");
-  return (e != nullptr && (e[0] == 'A' || e[0] == 'B' || e[0] == 'C')) ? e[0] : '\0';
+  return (e != nullptr && (e[0] == 'A' || e[0] == 'B' || e[0] == 'C' || e[0] == 'D')) ? e[0] : '\0';
 }
 
 // A prepared bf16 copy's TMA map (as bf16_copy's).
@@ -523,7 +554,27 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
   p.alpha = static_cast<float>(pr.alpha);
   p.m_tiles = static_cast<int>((pr.M + 127) / 128);
   p.design_flag = forced != 0 ? nullptr : small;
-  if (forced == 0 || forced == 'C') {  // design C: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
+  // design D where A's codes are K-major and N is small (heuristics::kGemmDesignDMaxN), unless D is
+  // to be accumulated into (its output may be overwritten by design B's, after its own check) or a
+  // prepared call (the Linear's: A's bf16 copy exists) -- or when forced
+  const bool design_d = forced == 'D' || (forced == 0 && prep == nullptr && a.codes != nullptr && !pr.accumulate &&
+                                          pr.N <= heuristics::kGemmDesignDMaxN);
+  if (design_d) {  // design D: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
+    if (a.codes == nullptr) repack(pr.a, pr.M, pr.K, a, s, ca, nullptr);  // (forced, on a columnwise A)
+    a.scales = gather(pr.a, pr.M, pr.K, s, sa, nullptr);
+    const uint32_t min_e = forced == 0 ? min_exact_e(e4m3) : 0u;  // B's pass checks B, the kernel A
+    mxgemm::Params pd = p;
+    pd.kblocks = static_cast<int>((pr.K + 63) / 64);
+    pd.n_tiles = static_cast<int>((pr.N + 255) / 256);  // num_tiles: launch_d (times the K split)
+    pd.run_on_flag = false;
+    pd.sa = a.scales;
+    pd.check_flag = forced == 0 ? small : nullptr;
+    std::unique_ptr<StreamScratch> b16;  // freed on the stream after the kernel
+    const CUtensorMap tb = bf16_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, small, 256, s, b16);
+    const CUtensorMap ta = operand_map(a, pr.M, pr.K, true, 128);
+    if (e4m3) launch_d<true>(ta, tb, pd, s);
+    else launch_d<false>(ta, tb, pd, s);
+  } else if (forced == 0 || forced == 'C') {  // design C: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
     // per call the dequantizing passes run the scale check (forced: none)
     const uint32_t min_e = forced == 0 ? min_exact_e(e4m3) : 0u;
     mxgemm::Params pc = p;
@@ -536,7 +587,7 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
     const CUtensorMap tb = bf16_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, small, 256, s, b16);
     launch_c(ta, tb, pc, s);
   }
-  if (forced == 'C') return;
+  if (forced == 'C' || forced == 'D') return;
   if (prep != nullptr && prep->a_codes) prep->a_codes();  // A's codes (every check has run: A's and B's)
   // designs A and B: gathered scales and K-major codes; per call (design B behind the flag, set by
   // the check above) these passes return at once unless the flag is set

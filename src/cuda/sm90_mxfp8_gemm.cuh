@@ -76,6 +76,9 @@ struct Params {
   // go to partial + s · M · N ([M][N]), and a reduction pass writes D from them
   int k_splits, kb_per_split;
   float* partial;
+  // design D (sm90_mxfp8_gemm_rs.cuh), null elsewhere: set when A has a block its bf16 conversion
+  // cannot hold exactly (design B, queued after it, then takes the call)
+  uint32_t* check_flag;
 };
 
 struct Kernel {

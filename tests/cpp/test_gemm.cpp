@@ -813,11 +813,11 @@ TEST_P(GemmGpuRandom, WithinTheFp32AccumulationBound) {
   const auto x = make_op(c.T, c.K, c.fill, c.fmt, c.swz, 11);
   const auto w = make_op(c.N, c.K, c.fill, c.fmt, !c.swz, 12);
   const auto dy = make_op(c.T, c.N, c.fill, c.fmt, c.swz, 13);
-  // MXMLA_GEMM_DESIGN=A or C forces a bf16 design for every call: it multiplies each dequantized
+  // MXMLA_GEMM_DESIGN=A, C or D forces a bf16 design for every call: it multiplies each dequantized
   // value rounded to bf16 (README: tiny values lose bits), so the bound is about those values;
   // per call (and with B forced) the products are of the exact values
   const char* forced = std::getenv("MXMLA_GEMM_DESIGN");
-  const bool bf16_values = forced != nullptr && (forced[0] == 'A' || forced[0] == 'C');
+  const bool bf16_values = forced != nullptr && (forced[0] == 'A' || forced[0] == 'C' || forced[0] == 'D');
   const auto held = [&](double v) {
     return bf16_values ? ref::bf16_to_double(util::to_bf16(static_cast<float>(v))) : v;
   };

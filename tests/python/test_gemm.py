@@ -461,6 +461,48 @@ def test_cuda_design_b_keeps_a_block_at_the_ends_of_the_scale_range(eb, want):
     assert got.item() == want
 
 
+@needs_gpu
+@pytest.mark.parametrize("M,N,K", [(1000, 300, 1536), (257, 1536, 576), (256, 256, 8192), (33, 1, 96)])
+def test_cuda_design_d_gives_design_c_bits(M, N, K, monkeypatch):
+    """Design D (A's codes converted to bf16 in the GEMM's registers; chosen per call for these shapes:
+    A rowwise, N small) makes design C's sums (A's bf16 copy in memory) in design C's order: per call,
+    forced D and forced C give the same bits, fp32 and bf16 out, with K split (256 x 256 x 8192) or
+    not, tails in M, N and K."""
+    rng = np.random.default_rng(M + N + K)
+    a, b = (mxmla.quantize(torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda()) for s in ((M, K), (N, K)))
+    outs = {}
+    for design in ("", "C", "D"):
+        monkeypatch.setenv("MXMLA_GEMM_DESIGN", design)
+        outs[design] = [mxmla.gemm(a, b, out_dtype=dt).cpu() for dt in ("float32", "bfloat16")]
+    for design in ("C", "D"):
+        for got, want in zip(outs[design], outs[""]):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), design
+
+
+@needs_gpu
+def test_cuda_design_d_hands_a_tiny_scale_block_to_design_b(monkeypatch):
+    """Design D (A's codes dequantized in the GEMM's registers; chosen per call where A is rowwise and N
+    small) checks A's scales itself: a block of non-zero codes under a scale byte below the bf16-exact
+    bound (E4M3 2^-9 under e = 1: 2^-135, which bf16 rounds to 0) sets the flag, and design B, queued
+    after it, recomputes the output exactly. Forced (MXMLA_GEMM_DESIGN=D), the block is lost to bf16."""
+    M, N, K = 3, 5, 64
+    codes = torch.full((M, K), 0x38, dtype=torch.uint8)  # E4M3 1.0
+    scales = torch.full((M, K // 32), 127, dtype=torch.uint8)
+    codes[1, :32], scales[1, 0] = 0x01, 1                  # 2^-9 · 2^-126
+    codes[1, 32:] = 0
+    a = mxmla.MXFP8Tensor((M, K), "e4m3", "compact", codes, scales)
+    b = mxmla.MXFP8Tensor((N, K), "e4m3", "compact", torch.full((N, K), 0x38, dtype=torch.uint8),
+                          torch.full((N, K // 32), 127, dtype=torch.uint8))
+    want = mxmla.gemm(a, b, out_dtype="float32")
+    assert want[1].tolist() == [2.0**-130] * N and want[0].tolist() == [64.0] * N
+    ga, gb = (mxmla.MXFP8Tensor(t.shape, "e4m3", "compact", t.rowwise_data.cuda(), t.rowwise_scale_inv.cuda())
+              for t in (a, b))
+    assert torch.equal(mxmla.gemm(ga, gb, out_dtype="float32").cpu(), want)
+    monkeypatch.setenv("MXMLA_GEMM_DESIGN", "D")
+    forced = mxmla.gemm(ga, gb, out_dtype="float32").cpu()
+    assert forced[1].tolist() == [0.0] * N and torch.equal(forced[0::2], want[0::2])
+
+
 # ----------------------------------------------------------------------------- custom ops, torch.compile
 @needs_torch
 def test_custom_ops_are_registered_with_fakes():
