@@ -559,7 +559,10 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
   // prepared call (the Linear's: A's bf16 copy exists) -- or when forced
   const bool design_d = forced == 'D' || (forced == 0 && prep == nullptr && a.codes != nullptr && !pr.accumulate &&
                                           pr.N <= heuristics::kGemmDesignDMaxN);
+  bool a_codes_done = false;
   if (design_d) {  // design D: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
+    // (forced on a prepared call: A's codes first, which the caller then always writes)
+    if (prep != nullptr && prep->a_codes) prep->a_codes(), a_codes_done = true;
     if (a.codes == nullptr) repack(pr.a, pr.M, pr.K, a, s, ca, nullptr);  // (forced, on a columnwise A)
     a.scales = gather(pr.a, pr.M, pr.K, s, sa, nullptr);
     const uint32_t min_e = forced == 0 ? min_exact_e(e4m3) : 0u;  // B's pass checks B, the kernel A
@@ -588,7 +591,7 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
     launch_c(ta, tb, pc, s);
   }
   if (forced == 'C' || forced == 'D') return;
-  if (prep != nullptr && prep->a_codes) prep->a_codes();  // A's codes (every check has run: A's and B's)
+  if (prep != nullptr && prep->a_codes && !a_codes_done) prep->a_codes();  // A's codes (every check has run)
   // designs A and B: gathered scales and K-major codes; per call (design B behind the flag, set by
   // the check above) these passes return at once unless the flag is set
   const uint32_t* run_if = forced == 0 ? small : nullptr;
@@ -646,7 +649,7 @@ void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operand
 // columnwise codes for the backward) or of dy (both directions, no codes), exactly the values that
 // design C's dequantizing passes would make from the codes, and flags a block that bf16 cannot hold
 // exactly (a flag per direction); a second quantize launch per direction, which returns at once
-// unless that direction's flag is set, writes the codes design B then reads (with MXMLA_GEMM_DESIGN=A or B it always writes them). So the common
+// unless that direction's flag is set, writes the codes design B then reads (with MXMLA_GEMM_DESIGN=A, B or D it always writes them). So the common
 // case moves 2 bytes a value for each copy instead of 1 for the codes plus 3 for their dequantizing
 // pass, and a call gives the bits of quantize + gemm in every case.
 namespace {
@@ -663,7 +666,7 @@ int64_t fallback_bytes(int64_t T, int64_t C, bool rowwise) {
 }
 bool codes_always() {
   const char d = forced_design();
-  return d == 'A' || d == 'B';
+  return d == 'A' || d == 'B' || d == 'D';
 }
 }  // namespace
 

@@ -170,10 +170,10 @@ def test_cuda_other_operands_blocks_bf16_cannot_hold_take_the_fp8_path():
 
 
 @needs_gpu
-@pytest.mark.parametrize("design", ["A", "B", "C"])
+@pytest.mark.parametrize("design", ["A", "B", "C", "D"])
 def test_cuda_forced_designs(design, monkeypatch):
-    """With MXMLA_GEMM_DESIGN forcing a design (A and B read the codes, which the fused path then always
-    writes): the bits of the unfused calls under the same setting."""
+    """With MXMLA_GEMM_DESIGN forcing a design (A, B and D read the codes, which the fused path then
+    always writes): the bits of the unfused calls under the same setting."""
     monkeypatch.setenv("MXMLA_GEMM_DESIGN", design)
     check_against_composition(65, 128, 96, "cuda", seed=5)
 

@@ -159,7 +159,7 @@ def test_cuda_blocks_bf16_cannot_hold_take_the_fp8_path(which):
 
 
 @needs_gpu
-@pytest.mark.parametrize("design", ["A", "B", "C"])
+@pytest.mark.parametrize("design", ["A", "B", "C", "D"])
 def test_cuda_forced_designs(design, monkeypatch):
     monkeypatch.setenv("MXMLA_GEMM_DESIGN", design)
     check(*case("bshd", 65, 2, 2, 192, 64, 64, "cuda", seed=17))
