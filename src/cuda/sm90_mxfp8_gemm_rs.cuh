@@ -160,7 +160,9 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < C::kBN / 2; ++i) ptx::fence_reg(acc[i]);
         ptx::wgmma_fence();
-        Op::mma(acc, a[s], db + 2 * s, true);  // + 2 descriptor units = 32 bytes = the next 16 of K
+        // + 2 descriptor units = 32 bytes = the next 16 of K; the unit's first wgmma writes acc
+        // rather than adding to zeros, as design C's first does (so even a zero sum's sign is C's)
+        Op::mma(acc, a[s], db + 2 * s, j > 0 || s > 0);
       }
       ptx::wgmma_commit();
       if (j > 0) {
