@@ -478,7 +478,7 @@ void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cu
 }
 
 // Design D's GEMM (sm90_mxfp8_gemm_rs.cuh; K split as design C's): ta A's K-major codes, box
-// [128 rows][64 codes] with the 64-byte swizzle; tb B's permuted bf16 copy, [256 rows][64], 128-byte.
+// [128 rows][64 codes] with the 64-byte swizzle; tb design C's bf16 copy of B, [256 rows][64], 128-byte.
 template <bool kE4M3>
 void launch_d(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
   using K = mxgemm_d::Kernel;
