@@ -89,8 +89,15 @@ inline int gemm_k_splits(int64_t tiles, int64_t kblocks, int64_t mn, int64_t res
 // dgrad T 16384, 0.13 of 1.48 at 8192³); C's pass moves 3 bytes a value of A once (0.3 to 0.4 ms
 // for dgrad T 16384's 402 M values). They cross near N = 4800 (H100: C's pass 1.2e-12 s · M K
 // against D's conversion 0.1 · 2 M N K / 800 TFLOP/s): D where N <= kGemmDesignDMaxN (dgrad T 16384,
-// N 1536: D 1.57 ms + B's pass, C 1.47 + 0.4 ms; 8192³: D 1.48, C 1.35 + 0.08).
+// N 1536: D 1.57 ms + B's pass, C 1.47 + 0.4 ms; 8192³: D 1.48, C 1.35 + 0.08). The same for a
+// columnwise A (wgrad's dY, N = in features): C's pass over it also transposes.
 inline constexpr int64_t kGemmDesignDMaxN = 3072;
+// ... and only where K >= kGemmDesignDMinK: D's tile has a fixed cost that C's has not (its epilogue
+// stores from registers, not overlapped with loads), so a short K loop loses what the saved pass
+// gains. Forced D against forced C at N 1536 (dev/bench/gemm_d_crossover.py, H100, 2026-12-05),
+// D / C time by K: A columnwise, M 24576: 1.090 (2048), 0.995 (4096), 0.960 (6144), 0.943 (8192),
+// 0.918 (16384); A rowwise, M 16384: 1.105, 1.016, 0.978, 0.958, 0.930.
+inline constexpr int64_t kGemmDesignDMinK = 6144;
 
 // The block-FP8 GEMM's tile width, 256 or 128 columns (128 rows either way): a persistent grid
 // takes waves of one tile per SM, so the time goes as the waves times a tile's time. A 128-column

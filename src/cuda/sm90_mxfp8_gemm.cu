@@ -4,11 +4,12 @@
 //   design A (sm90_mxfp8_gemm_bf16.cuh): the codes dequantized to bf16 in shared memory for every
 //            tile that reads them, bf16 wgmma;
 //   design B (sm90_mxfp8_gemm.cuh): FP8 wgmma per 32-wide block, an fp32 rescale per block;
-//   design D (sm90_mxfp8_gemm_rs.cuh): A's K-major codes dequantized in registers (RS bf16 wgmma),
-//            B design C's bf16 copy; the same sums as design C's, bit for bit.
+//   design D (sm90_mxfp8_gemm_rs.cuh): A's codes (K-major, or a columnwise copy's) dequantized in
+//            registers (RS bf16 wgmma), B design C's bf16 copy; the same sums as design C's, bit for bit.
 // C is the default (measured fastest: A converts each code once per tile that reads it, N / 256
 // times for A's rows, and its conversion does not hide behind the tensor cores; docs/notes-gemm.md)
-// except where A's codes are K-major and N is small (heuristics::kGemmDesignDMaxN): there D, whose
+// except where TMA can read A's codes, N is small and K long (heuristics::kGemmDesignDMaxN,
+// kGemmDesignDMinK: the Q up-projection's dgrad and wgrad): there D, whose
 // register conversion (also N / 256 times) overlaps the previous stage's wgmmas and costs less than
 // C's pass over A. D checks A's scales itself (in the kernel, setting the same flag, design B queued
 // after it then redoing all of D); it is not used to accumulate into D, nor with a prepared A.
@@ -478,16 +479,17 @@ void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cu
 }
 
 // Design D's GEMM (sm90_mxfp8_gemm_rs.cuh; K split as design C's): ta A's K-major codes, box
-// [128 rows][64 codes] with the 64-byte swizzle; tb design C's bf16 copy of B, [256 rows][64], 128-byte.
-template <bool kE4M3>
+// [128 rows][64 codes] with the 64-byte swizzle, or (kColsA) a columnwise A's codes [K, M], box
+// [64 of K][128 rows] with the 128-byte one; tb design C's bf16 copy of B, [256 rows][64], 128-byte.
+template <bool kE4M3, bool kColsA>
 void launch_d(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
   using K = mxgemm_d::Kernel;
-  const void* kernel = reinterpret_cast<const void*>(&mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3>);
+  const void* kernel = reinterpret_cast<const void*>(&mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3, kColsA>);
   const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
   std::unique_ptr<StreamScratch> part;
   split_k(p, fit.resident(), s, part);
   const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
-  mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, p);
+  mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3, kColsA><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, p);
   MXMLA_CUDA_CHECK(cudaGetLastError());
   reduce_parts(p, s);
 }
@@ -554,16 +556,17 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
   p.alpha = static_cast<float>(pr.alpha);
   p.m_tiles = static_cast<int>((pr.M + 127) / 128);
   p.design_flag = forced != 0 ? nullptr : small;
-  // design D where A's codes are K-major and N is small (heuristics::kGemmDesignDMaxN), unless D is
-  // to be accumulated into (its output may be overwritten by design B's, after its own check) or a
-  // prepared call (the Linear's: A's bf16 copy exists) -- or when forced
-  const bool design_d = forced == 'D' || (forced == 0 && prep == nullptr && a.codes != nullptr && !pr.accumulate &&
-                                          pr.N <= heuristics::kGemmDesignDMaxN);
+  // design D where TMA can read A's codes (K-major, or a columnwise copy's), N is small and K long
+  // (heuristics::kGemmDesignDMaxN, kGemmDesignDMinK), unless D is to be accumulated into (its output
+  // may be overwritten by design B's, after its own check) or a prepared call (the Linear's: A's bf16
+  // copy exists) -- or when forced
+  const bool design_d = forced == 'D' || (forced == 0 && prep == nullptr && (a.codes != nullptr || a.cols != nullptr) &&
+                                          !pr.accumulate && pr.N <= heuristics::kGemmDesignDMaxN &&
+                                          pr.K >= heuristics::kGemmDesignDMinK);
   bool a_codes_done = false;
   if (design_d) {  // design D: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
     // (forced on a prepared call: A's codes first, which the caller then always writes)
     if (prep != nullptr && prep->a_codes) prep->a_codes(), a_codes_done = true;
-    if (a.codes == nullptr) repack(pr.a, pr.M, pr.K, a, s, ca, nullptr);  // (forced, on a columnwise A)
     a.scales = gather(pr.a, pr.M, pr.K, s, sa, nullptr);
     const uint32_t min_e = forced == 0 ? min_exact_e(e4m3) : 0u;  // B's pass checks B, the kernel A
     mxgemm::Params pd = p;
@@ -574,9 +577,18 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
     pd.check_flag = forced == 0 ? small : nullptr;
     std::unique_ptr<StreamScratch> b16;  // freed on the stream after the kernel
     const CUtensorMap tb = bf16_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, small, 256, s, b16);
-    const CUtensorMap ta = operand_map(a, pr.M, pr.K, true, 128);
-    if (e4m3) launch_d<true>(ta, tb, pd, s);
-    else launch_d<false>(ta, tb, pd, s);
+    if (a.codes != nullptr) {
+      const CUtensorMap ta = operand_map(a, pr.M, pr.K, true, 128);
+      if (e4m3) launch_d<true, false>(ta, tb, pd, s);
+      else launch_d<false, false>(ta, tb, pd, s);
+    } else {  // a columnwise A's own codes [K, M]
+      const cuuint64_t dims[2] = {static_cast<cuuint64_t>(pr.M), static_cast<cuuint64_t>(pr.K)};
+      const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.cols_ld)};
+      const cuuint32_t box[2] = {128u, 64u};
+      const CUtensorMap ta = make_tma_desc(a.cols, DType::kUInt8, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+      if (e4m3) launch_d<true, true>(ta, tb, pd, s);
+      else launch_d<false, true>(ta, tb, pd, s);
+    }
   } else if (forced == 0 || forced == 'C') {  // design C: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
     // per call the dequantizing passes run the scale check (forced: none)
     const uint32_t min_e = forced == 0 ? min_exact_e(e4m3) : 0u;

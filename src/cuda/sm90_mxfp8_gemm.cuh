@@ -106,17 +106,18 @@ __device__ __forceinline__ bool other_design(const Params& p) {
 }
 
 // Both designs' epilogue: alpha, (+ D), bf16 or fp32 straight from the registers of an m64nN
-// accumulator (its rows r0 and r0 + 8 of the tile at m0; columns n0 + 8 jj + 2 (lane % 4) + {0, 1}).
+// accumulator (its rows r0 and r0 + row1 of the tile at m0 -- row1 8, or 1 where the fragment's rows
+// are permuted as design D's kColsA permutes them; columns n0 + 8 jj + 2 (lane % 4) + {0, 1}).
 // A thread's two columns are adjacent: one 4-byte (bf16x2) or 8-byte (fp32 pair) store when the
 // output's pointer and row stride allow it, element by element otherwise (and at column N − 1).
 template <int kN>
 __device__ __forceinline__ void store_accumulators(const Params& p, const float (&acc)[kN / 2], int m0, int n0, int r0,
-                                                   int lane) {
+                                                   int lane, int row1 = 8) {
   const uint32_t pair_bytes = p.out_f32 ? 8u : 4u;  // the column (even) pair's alignment
   const bool pairs = p.ld_out % 2 == 0 && reinterpret_cast<uintptr_t>(p.out) % pair_bytes == 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = m0 + r0 + 8 * h;
+    const int row = m0 + r0 + row1 * h;
     if (row >= p.M) continue;
 #pragma unroll
     for (int jj = 0; jj < kN / 8; ++jj) {

@@ -1,12 +1,14 @@
 // mxmla internal — design D of the SM90 MXFP8 GEMM (SPEC §7; launcher: sm90_mxfp8_gemm.cu): A's
 // FP8 codes dequantized in registers for a bf16 wgmma that reads A from registers (RS), B design C's
 // bf16 copy in shared memory. It saves design C's dequantizing pass over A (the large operand of a
-// dgrad: dY [T, 24576]) at the price of converting A's codes once per output tile that reads them
-// (N / 256 times): the launcher picks it where N is small (heuristics::kGemmDesignDMaxN).
+// dgrad or a wgrad: dY [T, 24576]) at the price of converting A's codes once per output tile that
+// reads them (N / 256 times) and of an epilogue from registers: the launcher picks it where N is
+// small and K long (heuristics::kGemmDesignDMaxN, kGemmDesignDMinK).
 //
-//   D[M, N] = alpha · deq(A) · Bᵀ,   A [M, K] E4M3 or E5M2 codes, K-major, F8_128x4-swizzled E8M0
-//   scales (one per row and 32 of K); B [N, K] bf16, K-major (design C's copy); D bf16 or fp32 (no
-//   accumulation: the launcher's rule).
+//   D[M, N] = alpha · deq(A) · Bᵀ,   A [M, K] E4M3 or E5M2 codes, K-major, or (kColsA) a
+//   columnwise copy's codes [K, M], M contiguous (a wgrad's dY); F8_128x4-swizzled E8M0 scales (one
+//   per row of A and 32 of K, gathered by the launcher); B [N, K] bf16, K-major (design C's copy);
+//   D bf16 or fp32 (no accumulation: the launcher's rule).
 //
 // The same sums as design C's kernel (sm90_bf16_gemm.cuh), bit for bit: the same values (design C's
 // dequantization, dequant_pair: code -> f16 -> fp32 · 2^(e − 127) -> bf16, exact for a scale byte
@@ -18,7 +20,14 @@
 // each 16 of K, columns 2q, 2q + 1 (registers 0, 1) and 2q + 8, 2q + 9 (registers 2, 3), q = l % 4.
 // Each is 2 bytes of the row's codes (bytes 2q and 2q + 8 of the 16): 16 shared loads of 2 bytes a
 // stage per thread, which meet no bank conflict under the 64-byte swizzle (a warp's 8 rows x 2 words
-// fall in 16 distinct banks; lanes q = 2j, 2j + 1 read halves of one word). A block with non-zero codes under a scale byte below min_exact_e sets p.check_flag (when
+// fall in 16 distinct banks; lanes q = 2j, 2j + 1 read halves of one word). kColsA: the stage's
+// codes lie [64 of K][128 rows] (128-byte swizzle), and one ldmatrix.x4.trans per two 16s of K gives
+// lane l, of each 8 of K, the 2-byte pairs of rows 2g, 2g + 1 (g = l / 4) at K 2q and at 2q + 1
+// (bytes (2q, 2g), (2q, 2g + 1), (2q + 1, 2g), (2q + 1, 2g + 1)); one byte permute makes them the
+// K pairs of two rows. So the fragment's row g holds the warp's tile row 2g and row g + 8 holds
+// 2g + 1 (rows r0 and r1 = r0 + 1, which the epilogue writes): the products and their order are
+// the same, only the rows' places in the fragment differ. Eight rows of 16 bytes per ldmatrix phase,
+// 8 consecutive K at chunks XOR-ed by K % 8: no bank conflict. A block with non-zero codes under a scale byte below min_exact_e sets p.check_flag (when
 // given): the launcher's design B, queued after this kernel, then recomputes all of D from the codes
 // (this design's output is overwritten: hence no accumulation into D here).
 //
@@ -38,6 +47,8 @@
 
 #include "common/mxfp8_common.h"
 #include "cuda/numerics.cuh"
+#include "cuda/ptx/common.cuh"
+#include "cuda/ptx/mma_sync.cuh"  // ldmatrix_x4_trans
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
@@ -51,7 +62,8 @@ namespace mxmla::detail::mxgemm_d {
 struct Cfg {
   static constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 5, kThreads = 384;
   static constexpr int kRegsProducer = 40, kRegsConsumer = 232;
-  static constexpr uint32_t kABytes = kBM * kBK;      // codes [128 rows][64 B], 64-byte swizzle
+  static constexpr uint32_t kABytes = kBM * kBK;      // codes [128 rows][64 B], 64-byte swizzle (kColsA:
+                                                      // [64 of K][128 B], 128-byte swizzle)
   static constexpr uint32_t kBBytes = kBN * kBK * 2;  // bf16 [256 rows][64], 128-byte swizzle
   static constexpr uint32_t kScaleBytes = 512;        // the F8_128x4 tile of the stage's 128 of K
   static_assert(kBM == mxgemm_c::Cfg::kBM && kBN == mxgemm_c::Cfg::kBN && kBK == mxgemm_c::Cfg::kBK,
@@ -73,7 +85,7 @@ struct Kernel {
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on SM90");
 };
 
-template <class K, bool kE4M3>
+template <class K, bool kE4M3, bool kColsA>
 __global__ void __launch_bounds__(K::C::kThreads, 1)
     sm90_mxfp8_gemm_rs_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                               const mxgemm::Params p) {
@@ -83,7 +95,10 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   auto& sm = sm90::aligned_shared<typename K::Smem>(smem_raw);
   const int wg = ptx::warpgroup_index();
-  sm90::init_barriers_once([&] { sm.bars.init(8); });  // lane 0 of every consumer warp releases a stage
+  // every consumer thread releases a stage: each read its scale bytes (and codes) itself, and an
+  // arrival per reading thread is the order compute-sanitizer's racecheck follows through an mbarrier
+  // (lane 0 per warp after __syncwarp was reported as racing with the next bulk copy of the tile)
+  sm90::init_barriers_once([&] { sm.bars.init(2 * 128); });
   const StaticPersistent sched{p.num_tiles};
   sm90::PipelineState<C::kStages> st;
 
@@ -97,7 +112,8 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       for (int kb = w.kb0; kb < w.kb0 + w.nkb; ++kb) {
         sm.bars.producer_acquire(st);
         uint64_t* full = sm.bars.producer_expect(st, C::kABytes + C::kBBytes + C::kScaleBytes);
-        ptx::tma_load_2d(sm.a[st.index], &tmap_a, full, kb * C::kBK, w.mt * C::kBM);
+        if constexpr (kColsA) ptx::tma_load_2d(sm.a[st.index], &tmap_a, full, w.mt * C::kBM, kb * C::kBK);
+        else ptx::tma_load_2d(sm.a[st.index], &tmap_a, full, kb * C::kBK, w.mt * C::kBM);
         ptx::tma_load_2d(sm.b[st.index], &tmap_b, full, kb * C::kBK, w.nt * C::kBN);
         ptx::bulk_load_g2s(sm.sa[st.index], p.sa + (w.mt * p.tiles_x + kb / 2) * C::kScaleBytes, C::kScaleBytes,
                            full);
@@ -110,8 +126,12 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
   // ---------------------------------------------------------------- consumers: 64 rows each
   ptx::setmaxnreg_inc<C::kRegsConsumer>();
   const int cw = wg - 1, warp = ptx::warp_in_warpgroup(), lane = threadIdx.x % 32, q = lane % 4;
-  const int r0 = 64 * cw + 16 * warp + lane / 4;  // tile rows r0 and r1 = r0 + 8
-  const int r1 = r0 + 8;
+  // the tile rows of fragment rows lane / 4 and lane / 4 + 8: r0 and r1 = r0 + 8 (kColsA: r0 + 1)
+  const int r0 = 64 * cw + 16 * warp + (kColsA ? 2 : 1) * (lane / 4);
+  const int r1 = r0 + (kColsA ? 1 : 8);
+  // kColsA: this lane's ldmatrix row, K = lane (+ 32 for 16s of K 2, 3) of the stage, the warp's
+  // 16 rows at chunk (4 cw + warp) ^ (K % 8)
+  const uint32_t lds = lane * 128 + (((4 * cw + warp) ^ (lane % 8)) * 16);
   // its rows' code pairs in a stage: row r, 16 of K s at r * 64 + ((s ^ (r / 2 % 4)) * 16) (the 64-byte
   // swizzle), + 2q for columns 2q, 2q + 1 and + 8 more for 2q + 8, 2q + 9
   const uint32_t row0 = r0 * 64 + 2 * q, row1 = r1 * 64 + 2 * q;
@@ -134,11 +154,24 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       sm.bars.consumer_wait(st);
       const uint8_t* base = sm.a[st.index];
       uint32_t x[4][4];  // [16 of K s][row r0 cols 2q.., row r1 cols 2q.., row r0 cols 2q + 8.., row r1 ..]
+      if constexpr (kColsA) {
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint8_t *a0 = base + row0 + ((s ^ sw0) * 16), *a1 = base + row1 + ((s ^ sw1) * 16);
-        x[s][0] = *reinterpret_cast<const uint16_t*>(a0), x[s][1] = *reinterpret_cast<const uint16_t*>(a1);
-        x[s][2] = *reinterpret_cast<const uint16_t*>(a0 + 8), x[s][3] = *reinterpret_cast<const uint16_t*>(a1 + 8);
+        for (int h = 0; h < 2; ++h) {  // 16s of K 2h, 2h + 1: matrices of K 0-7, 8-15 of each
+          uint32_t m[4];
+          ptx::ldmatrix_x4_trans(ptx::smem_u32(base) + lds + 4096 * h, m[0], m[1], m[2], m[3]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const uint32_t t = ptx::prmt<0x3120>(m[i]);  // row r0's K pair (low half), row r1's (high)
+            x[2 * h + i / 2][2 * (i % 2)] = t & 0xFFFFu, x[2 * h + i / 2][2 * (i % 2) + 1] = t >> 16;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint8_t *a0 = base + row0 + ((s ^ sw0) * 16), *a1 = base + row1 + ((s ^ sw1) * 16);
+          x[s][0] = *reinterpret_cast<const uint16_t*>(a0), x[s][1] = *reinterpret_cast<const uint16_t*>(a1);
+          x[s][2] = *reinterpret_cast<const uint16_t*>(a0 + 8), x[s][3] = *reinterpret_cast<const uint16_t*>(a1 + 8);
+        }
       }
       // the stage's 64 of K are blocks 2 (kb % 2) and 2 (kb % 2) + 1 of the 128-of-K scale tile
       const uint32_t blk = 2 * ((w.kb0 + j) % 2);
@@ -167,7 +200,7 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       ptx::wgmma_commit();
       if (j > 0) {
         ptx::wgmma_wait<1>();  // the previous stage's wgmmas are done: hand it back
-        if (lane == 0) sm.bars.consumer_release(prev);
+        sm.bars.consumer_release(prev);
       }
       prev = st.index;
       st.advance();
@@ -177,16 +210,16 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       if (j + 1 < w.nkb) stage(j + 1, frag[1]);
     }
     ptx::wgmma_wait<0>();
-    if (lane == 0) sm.bars.consumer_release(prev);
+    sm.bars.consumer_release(prev);
 #pragma unroll
     for (int i = 0; i < C::kBN / 2; ++i) ptx::fence_reg(acc[i]);
     if (p.k_splits > 1) {  // this part's fp32 sums -> partial[split] ([M][N])
       mxgemm::Params q2 = p;
       q2.out = p.partial + int64_t{w.split} * p.M * p.N, q2.ld_out = p.N;
       q2.out_f32 = true, q2.accumulate = false, q2.alpha = 1.f;
-      mxgemm::store_accumulators<C::kBN>(q2, acc, w.mt * C::kBM, w.nt * C::kBN, r0, lane);
+      mxgemm::store_accumulators<C::kBN>(q2, acc, w.mt * C::kBM, w.nt * C::kBN, r0, lane, r1 - r0);
     } else {
-      mxgemm::store_accumulators<C::kBN>(p, acc, w.mt * C::kBM, w.nt * C::kBN, r0, lane);
+      mxgemm::store_accumulators<C::kBN>(p, acc, w.mt * C::kBM, w.nt * C::kBN, r0, lane, r1 - r0);
     }
   }
   if (inexact && p.check_flag != nullptr) atomicOr(p.check_flag, 1u);

@@ -462,12 +462,12 @@ def test_cuda_design_b_keeps_a_block_at_the_ends_of_the_scale_range(eb, want):
 
 
 @needs_gpu
-@pytest.mark.parametrize("M,N,K", [(1000, 300, 1536), (257, 1536, 576), (256, 256, 8192), (33, 1, 96)])
+@pytest.mark.parametrize("M,N,K", [(1000, 300, 6176), (257, 1536, 576), (256, 256, 8192), (33, 1, 6240)])
 def test_cuda_design_d_gives_design_c_bits(M, N, K, monkeypatch):
-    """Design D (A's codes converted to bf16 in the GEMM's registers; chosen per call for these shapes:
-    A rowwise, N small) makes design C's sums (A's bf16 copy in memory) in design C's order: per call,
-    forced D and forced C give the same bits, fp32 and bf16 out, with K split (256 x 256 x 8192) or
-    not, tails in M, N and K."""
+    """Design D (A's codes converted to bf16 in the GEMM's registers; chosen per call where A is
+    rowwise, N small and K long: all but 257 x 1536 x 576) makes design C's sums (A's bf16 copy in
+    memory) in design C's order: per call, forced D and forced C give the same bits, fp32 and bf16
+    out, with K split (256 x 256 x 8192) or not, tails in M, N and K."""
     rng = np.random.default_rng(M + N + K)
     a, b = (mxmla.quantize(torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda()) for s in ((M, K), (N, K)))
     outs = {}
@@ -480,12 +480,42 @@ def test_cuda_design_d_gives_design_c_bits(M, N, K, monkeypatch):
 
 
 @needs_gpu
+@pytest.mark.parametrize("M,N,K", [(1056, 320, 6244), (288, 1536, 576), (256, 256, 8192), (64, 32, 6177), (32, 96, 8193)])
+def test_cuda_design_d_on_a_columnwise_a_gives_design_c_bits(M, N, K, monkeypatch):
+    """Design D reading A's columnwise codes [K, M] (a wgrad's dY: ldmatrix.trans from the TMA tile,
+    the fragment's rows permuted) makes design C's sums: per call (D where N is small and K long: all
+    but 288 x 1536 x 576), forced D and forced C give the same bits, fp32 and bf16 out. B columnwise
+    [K, N] (a wgrad's x), K tails along both copies (6244, 6177, 8193: a partial last block), M and N
+    tails, a K split (256 x 256 x 8192); where K allows it, B rowwise [N + 3, K] too (an odd N)."""
+    rng = np.random.default_rng(M + N + K)
+    q = lambda *shape: mxmla.quantize(torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda())
+    a = q(K, M)
+    bs = [(q(K, N), False)] + ([(q(N + 3, K), True)] if K % 32 == 0 else [])
+    for b, trans_b in bs:
+        outs = {}
+        for design in ("", "C", "D"):
+            monkeypatch.setenv("MXMLA_GEMM_DESIGN", design)
+            outs[design] = [mxmla.gemm(a, b, trans_a=True, trans_b=trans_b, out_dtype=dt).cpu()
+                            for dt in ("float32", "bfloat16")]
+        for design in ("C", "D"):
+            for got, want in zip(outs[design], outs[""]):
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (design, trans_b)
+        # and the values, against float64 sums of the dequantized operands: within the
+        # fp32-accumulation bound K · 2^-24 · (|A| |B|)
+        A = mxmla.dequantize(a, columnwise=True).cpu().double().numpy().T
+        B = mxmla.dequantize(b, columnwise=not trans_b).cpu().double().numpy()
+        B = B if trans_b else B.T
+        got = outs["D"][0].double().numpy()
+        assert (np.abs(got - A @ B.T) <= K * 2.0 ** -24 * (np.abs(A) @ np.abs(B).T) + 1e-30).all()
+
+
+@needs_gpu
 def test_cuda_design_d_hands_a_tiny_scale_block_to_design_b(monkeypatch):
-    """Design D (A's codes dequantized in the GEMM's registers; chosen per call where A is rowwise and N
-    small) checks A's scales itself: a block of non-zero codes under a scale byte below the bf16-exact
+    """Design D (A's codes dequantized in the GEMM's registers; chosen per call where N is small and K
+    long) checks A's scales itself: a block of non-zero codes under a scale byte below the bf16-exact
     bound (E4M3 2^-9 under e = 1: 2^-135, which bf16 rounds to 0) sets the flag, and design B, queued
     after it, recomputes the output exactly. Forced (MXMLA_GEMM_DESIGN=D), the block is lost to bf16."""
-    M, N, K = 3, 5, 64
+    M, N, K = 3, 5, 6144  # (K long: the call picks design D)
     codes = torch.full((M, K), 0x38, dtype=torch.uint8)  # E4M3 1.0
     scales = torch.full((M, K // 32), 127, dtype=torch.uint8)
     codes[1, :32], scales[1, 0] = 0x01, 1                  # 2^-9 · 2^-126
@@ -494,7 +524,7 @@ def test_cuda_design_d_hands_a_tiny_scale_block_to_design_b(monkeypatch):
     b = mxmla.MXFP8Tensor((N, K), "e4m3", "compact", torch.full((N, K), 0x38, dtype=torch.uint8),
                           torch.full((N, K // 32), 127, dtype=torch.uint8))
     want = mxmla.gemm(a, b, out_dtype="float32")
-    assert want[1].tolist() == [2.0**-130] * N and want[0].tolist() == [64.0] * N
+    assert want[1].tolist() == [2.0**-130] * N and want[0].tolist() == [float(K)] * N
     ga, gb = (mxmla.MXFP8Tensor(t.shape, "e4m3", "compact", t.rowwise_data.cuda(), t.rowwise_scale_inv.cuda())
               for t in (a, b))
     assert torch.equal(mxmla.gemm(ga, gb, out_dtype="float32").cpu(), want)
@@ -502,6 +532,28 @@ def test_cuda_design_d_hands_a_tiny_scale_block_to_design_b(monkeypatch):
     forced = mxmla.gemm(ga, gb, out_dtype="float32").cpu()
     assert forced[1].tolist() == [0.0] * N and torch.equal(forced[0::2], want[0::2])
 
+
+
+@needs_gpu
+def test_cuda_design_d_on_a_columnwise_a_hands_a_tiny_scale_block_to_design_b(monkeypatch):
+    """The same check where design D reads A's columnwise codes [K, M] (a wgrad's dY): row 1 of op(A)
+    is column 1 of the codes, its first block 2^-9 under e = 1; design B recomputes it exactly."""
+    M, N, K = 32, 5, 6144  # (K long: the call picks design D)
+    codes = torch.full((K, M), 0x38, dtype=torch.uint8)  # E4M3 1.0
+    scales = torch.full((K // 32, M), 127, dtype=torch.uint8)
+    codes[:32, 1], scales[0, 1] = 0x01, 1                  # 2^-9 · 2^-126
+    codes[32:, 1] = 0
+    a = mxmla.MXFP8Tensor((K, M), "e4m3", "compact", None, None, codes, scales)
+    b = mxmla.MXFP8Tensor((N, K), "e4m3", "compact", torch.full((N, K), 0x38, dtype=torch.uint8),
+                          torch.full((N, K // 32), 127, dtype=torch.uint8))
+    want = mxmla.gemm(a, b, trans_a=True, out_dtype="float32")
+    assert want[1].tolist() == [2.0**-130] * N and want[0].tolist() == [float(K)] * N
+    ga = mxmla.MXFP8Tensor((K, M), "e4m3", "compact", None, None, codes.cuda(), scales.cuda())
+    gb = mxmla.MXFP8Tensor((N, K), "e4m3", "compact", b.rowwise_data.cuda(), b.rowwise_scale_inv.cuda())
+    assert torch.equal(mxmla.gemm(ga, gb, trans_a=True, out_dtype="float32").cpu(), want)
+    monkeypatch.setenv("MXMLA_GEMM_DESIGN", "D")
+    forced = mxmla.gemm(ga, gb, trans_a=True, out_dtype="float32").cpu()
+    assert forced[1].tolist() == [0.0] * N and torch.equal(forced[0], want[0]) and torch.equal(forced[2:], want[2:])
 
 # ----------------------------------------------------------------------------- custom ops, torch.compile
 @needs_torch
