@@ -27,9 +27,10 @@
 // K pairs of two rows. So the fragment's row g holds the warp's tile row 2g and row g + 8 holds
 // 2g + 1 (rows r0 and r1 = r0 + 1, which the epilogue writes): the products and their order are
 // the same, only the rows' places in the fragment differ. Eight rows of 16 bytes per ldmatrix phase,
-// 8 consecutive K at chunks XOR-ed by K % 8: no bank conflict. A block with non-zero codes under a scale byte below min_exact_e sets p.check_flag (when
-// given): the launcher's design B, queued after this kernel, then recomputes all of D from the codes
-// (this design's output is overwritten: hence no accumulation into D here).
+// 8 consecutive K at chunks XOR-ed by K % 8: no bank conflict.
+// A block with non-zero codes under a scale byte below min_exact_e sets p.check_flag (when given):
+// the launcher's design B, queued after this kernel, then recomputes all of D from the codes (this
+// design's output is overwritten: hence no accumulation into D here).
 //
 // 128 x 256 tiles, 64 of K a stage (A 8 KB with the 64-byte swizzle, B 32 KB with the 128-byte one,
 // the stage's 512-byte scale tile), 5 stages, one producer thread, two consumer warpgroups (64 rows
