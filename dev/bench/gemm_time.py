@@ -1,7 +1,7 @@
 """Timings of the SM90 MXFP8 GEMM: the Q up-projection's three GEMMs (T 16384 and 4096, N 24576,
 K 1536) as a Linear runs them, and 8192^3. Ours reads the copies each direction needs (fprop: x, W
-rowwise; dgrad: dy rowwise, W columnwise; wgrad: dy, x columnwise -- the last two through the
-kernel's repack of a columnwise copy). Peers in the same run: cuBLAS's bf16 GEMM on the dequantized
+rowwise; dgrad: dy rowwise, W columnwise; wgrad: dy, x columnwise -- a columnwise copy as stored:
+design C's transposing pass makes its bf16 copy, design D reads wgrad's dy codes directly). Peers in the same run: cuBLAS's bf16 GEMM on the dequantized
 operands in the same orientation, mxmla.dequantize of those copies + that GEMM (what a user runs
 today), and cuBLAS FP8 with per-tensor scales (torch._scaled_mm on an [M, K] x [K, N] problem of the
 same size) as the ceiling. TFLOP/s = 2 M N K / time; medians of 20, L2 flushed (bench/timing.py).
