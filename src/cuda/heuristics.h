@@ -92,12 +92,14 @@ inline int gemm_k_splits(int64_t tiles, int64_t kblocks, int64_t mn, int64_t res
 // N 1536: D 1.57 ms + B's pass, C 1.47 + 0.4 ms; 8192³: D 1.48, C 1.35 + 0.08). The same for a
 // columnwise A (wgrad's dY, N = in features): C's pass over it also transposes.
 inline constexpr int64_t kGemmDesignDMaxN = 3072;
-// ... and only where K >= kGemmDesignDMinK: D's tile has a fixed cost that C's has not (its epilogue
-// stores from registers, not overlapped with loads), so a short K loop loses what the saved pass
-// gains. Forced D against forced C at N 1536 (dev/bench/gemm_d_crossover.py, H100, 2026-12-05),
-// D / C time by K: A columnwise, M 24576: 1.090 (2048), 0.995 (4096), 0.960 (6144), 0.943 (8192),
-// 0.918 (16384); A rowwise, M 16384: 1.105, 1.016, 0.978, 0.958, 0.930.
-inline constexpr int64_t kGemmDesignDMinK = 6144;
+// (At N 1536 · 2: D / C 0.985 to 0.997 at K 8192; at 4608 and wider D loses, 1.03 to 1.11.)
+// ... and where K >= kGemmDesignDMinK, the shortest contraction measured: since D's epilogue stores
+// through shared memory by TMA, as C's does (the stores overlap the next tile's loads), D wins at
+// every K measured. Forced D against forced C (dev/bench/gemm_d_crossover.py, H100, 2026-12-05),
+// D / C time at N 1536 by K: A columnwise, M 24576: 0.967 (512), 0.933 (1024), 0.911 (2048), 0.893
+// (4096), 0.875 (16384); A rowwise, M 16384: 0.961, 0.931, 0.922, 0.914, 0.894. (With the epilogue
+// stored from registers D lost below K 4096: 1.09 to 1.11 at 2048.)
+inline constexpr int64_t kGemmDesignDMinK = 512;
 
 // The block-FP8 GEMM's tile width, 256 or 128 columns (128 rows either way): a persistent grid
 // takes waves of one tile per SM, so the time goes as the waves times a tile's time. A 128-column

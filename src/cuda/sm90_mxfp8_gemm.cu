@@ -8,7 +8,7 @@
 //            registers (RS bf16 wgmma), B design C's bf16 copy; the same sums as design C's, bit for bit.
 // C is the default (measured fastest: A converts each code once per tile that reads it, N / 256
 // times for A's rows, and its conversion does not hide behind the tensor cores; docs/notes-gemm.md)
-// except where TMA can read A's codes, N is small and K long (heuristics::kGemmDesignDMaxN,
+// except where TMA can read A's codes and N is small (heuristics::kGemmDesignDMaxN; K at least
 // kGemmDesignDMinK: the Q up-projection's dgrad and wgrad): there D, whose
 // register conversion (also N / 256 times) overlaps the previous stage's wgmmas and costs less than
 // C's pass over A. D checks A's scales itself (in the kernel, setting the same flag, design B queued
@@ -454,12 +454,9 @@ void reduce_parts(const mxgemm::Params& p, cudaStream_t s) {
 // Design C's GEMM (K split as split_k says). Unsplit, its epilogue stores by TMA (box [64 rows][64
 // columns], 128-byte swizzle) when D is bf16 without accumulation and its rows can be described
 // (data and row stride multiples of 16 bytes); else from the registers.
-void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
-  using K = mxgemm_c::Kernel;
-  const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);
-  const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
-  std::unique_ptr<StreamScratch> part;
-  split_k(p, fit.resident(), s, part);
+// Designs C's and D's bf16 output by TMA stores where it can (sets p.tma_out): [64 rows][64 columns]
+// boxes, 128-byte swizzle.
+CUtensorMap output_map(mxgemm::Params& p) {
   // TMA stores whole 16-byte chunks of a row: a row whose end (N columns) falls inside a chunk would
   // get the chunk's last columns written past N, i.e. into a strided view's gap (found by the GPU
   // fuzzer: zeros between N and the row stride). So N · 2 bytes must be a multiple of 16 too.
@@ -472,6 +469,16 @@ void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cu
     const cuuint32_t box[2] = {64u, 64u};
     to = make_tma_desc(p.out, DType::kBFloat16, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
   }
+  return to;
+}
+
+void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
+  using K = mxgemm_c::Kernel;
+  const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);
+  const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
+  std::unique_ptr<StreamScratch> part;
+  split_k(p, fit.resident(), s, part);
+  const CUtensorMap to = output_map(p);
   const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
   mxgemm_c::sm90_bf16_gemm_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, to, p);
   MXMLA_CUDA_CHECK(cudaGetLastError());
@@ -488,8 +495,9 @@ void launch_d(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cu
   const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
   std::unique_ptr<StreamScratch> part;
   split_k(p, fit.resident(), s, part);
+  const CUtensorMap to = output_map(p);
   const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
-  mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3, kColsA><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, p);
+  mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3, kColsA><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, to, p);
   MXMLA_CUDA_CHECK(cudaGetLastError());
   reduce_parts(p, s);
 }
@@ -556,8 +564,8 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
   p.alpha = static_cast<float>(pr.alpha);
   p.m_tiles = static_cast<int>((pr.M + 127) / 128);
   p.design_flag = forced != 0 ? nullptr : small;
-  // design D where TMA can read A's codes (K-major, or a columnwise copy's), N is small and K long
-  // (heuristics::kGemmDesignDMaxN, kGemmDesignDMinK), unless D is to be accumulated into (its output
+  // design D where TMA can read A's codes (K-major, or a columnwise copy's) and N is small
+  // (heuristics::kGemmDesignDMaxN; K at least kGemmDesignDMinK), unless D is to be accumulated into (its output
   // may be overwritten by design B's, after its own check) or a prepared call (the Linear's: A's bf16
   // copy exists) -- or when forced
   const bool design_d = forced == 'D' || (forced == 0 && prep == nullptr && (a.codes != nullptr || a.cols != nullptr) &&

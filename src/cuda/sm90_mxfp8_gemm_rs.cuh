@@ -2,8 +2,8 @@
 // FP8 codes dequantized in registers for a bf16 wgmma that reads A from registers (RS), B design C's
 // bf16 copy in shared memory. It saves design C's dequantizing pass over A (the large operand of a
 // dgrad or a wgrad: dY [T, 24576]) at the price of converting A's codes once per output tile that
-// reads them (N / 256 times) and of an epilogue from registers: the launcher picks it where N is
-// small and K long (heuristics::kGemmDesignDMaxN, kGemmDesignDMinK).
+// reads them (N / 256 times): the launcher picks it where N is small (heuristics::kGemmDesignDMaxN;
+// K at least kGemmDesignDMinK).
 //
 //   D[M, N] = alpha · deq(A) · Bᵀ,   A [M, K] E4M3 or E5M2 codes, K-major, or (kColsA) a
 //   columnwise copy's codes [K, M], M contiguous (a wgrad's dY); F8_128x4-swizzled E8M0 scales (one
@@ -33,13 +33,16 @@
 // design's output is overwritten: hence no accumulation into D here).
 //
 // 128 x 256 tiles, 64 of K a stage (A 8 KB with the 64-byte swizzle, B 32 KB with the 128-byte one,
-// the stage's 512-byte scale tile), 5 stages, one producer thread, two consumer warpgroups (64 rows
+// the stage's 512-byte scale tile), 4 stages, one producer thread, two consumer warpgroups (64 rows
 // each), persistent CTAs over grouped tiles. The stage loop is unrolled twice, each stage's fragments
 // in their own registers, written only after the wait that retires the wgmmas which read them last
 // (PTX: a wgmma's A registers must not change while it runs; ptxas would otherwise serialize every
-// wgmma, C7513): a stage's fragments are converted while the previous stage's wgmmas run. Epilogue
-// from the registers (mxgemm::store_accumulators; the ring leaves no room for design C's TMA-store
-// buffer). Measured against design C: docs/notes-gemm.md (design D).
+// wgmma, C7513): a stage's fragments are converted while the previous stage's wgmmas run. Epilogue:
+// a bf16 output without accumulation whose rows TMA can describe goes through shared memory by TMA
+// stores (design C's store_tma, per consumer two [64 rows][128 B] blocks: four stages leave room for
+// them), so that a tile's stores overlap the next tile's loads and wgmmas; an fp32 output, a K
+// split's partial sums or an unaligned view from the registers (mxgemm::store_accumulators).
+// Measured against design C: docs/notes-gemm.md (design D).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (types only)
@@ -61,7 +64,7 @@
 namespace mxmla::detail::mxgemm_d {
 
 struct Cfg {
-  static constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 5, kThreads = 384;
+  static constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kThreads = 384;
   static constexpr int kRegsProducer = 40, kRegsConsumer = 232;
   static constexpr uint32_t kABytes = kBM * kBK;      // codes [128 rows][64 B], 64-byte swizzle (kColsA:
                                                       // [64 of K][128 B], 128-byte swizzle)
@@ -79,6 +82,7 @@ struct Kernel {
   struct alignas(1024) Smem {
     uint8_t a[C::kStages][C::kABytes];
     uint8_t b[C::kStages][C::kBBytes];
+    uint8_t epi[2][2][64 * 128];  // per consumer: half a tile's results, 64-column blocks [64 rows][128 B] (TMA store)
     uint8_t sa[C::kStages][C::kScaleBytes];
     sm90::StageBarriers<C::kStages> bars;
   };
@@ -89,7 +93,7 @@ struct Kernel {
 template <class K, bool kE4M3, bool kColsA>
 __global__ void __launch_bounds__(K::C::kThreads, 1)
     sm90_mxfp8_gemm_rs_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                              const mxgemm::Params p) {
+                              const __grid_constant__ CUtensorMap tmap_out, const mxgemm::Params p) {
   using C = typename K::C;
   using Op = ptx::WgmmaOp<C::kBN, ptx::MmaDtype::kBF16, ptx::MmaDtype::kBF16, true>;
   if (mxgemm::other_design(p)) return;
@@ -219,10 +223,14 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       q2.out = p.partial + int64_t{w.split} * p.M * p.N, q2.ld_out = p.N;
       q2.out_f32 = true, q2.accumulate = false, q2.alpha = 1.f;
       mxgemm::store_accumulators<C::kBN>(q2, acc, w.mt * C::kBM, w.nt * C::kBN, r0, lane, r1 - r0);
+    } else if (p.tma_out) {  // bf16 through shared memory, TMA stores overlapping the next tile
+      mxgemm_c::store_tma<C::kBN, 128>(p, acc, sm.epi[cw][0], &tmap_out, w.mt * C::kBM + 64 * cw, w.nt * C::kBN, cw,
+                                      threadIdx.x % 128, lane, r1 - r0);
     } else {
       mxgemm::store_accumulators<C::kBN>(p, acc, w.mt * C::kBM, w.nt * C::kBN, r0, lane, r1 - r0);
     }
   }
+  if (p.tma_out && threadIdx.x % 128 == 0) ptx::bulk_wait_all();
   if (inexact && p.check_flag != nullptr) atomicOr(p.check_flag, 1u);
 }
 

@@ -462,11 +462,11 @@ def test_cuda_design_b_keeps_a_block_at_the_ends_of_the_scale_range(eb, want):
 
 
 @needs_gpu
-@pytest.mark.parametrize("M,N,K", [(1000, 300, 6176), (257, 1536, 576), (256, 256, 8192), (33, 1, 6240)])
+@pytest.mark.parametrize("M,N,K", [(1000, 300, 6176), (257, 1536, 480), (256, 256, 8192), (33, 1, 6240)])
 def test_cuda_design_d_gives_design_c_bits(M, N, K, monkeypatch):
     """Design D (A's codes converted to bf16 in the GEMM's registers; chosen per call where A is
-    rowwise, N small and K long: all but 257 x 1536 x 576) makes design C's sums (A's bf16 copy in
-    memory) in design C's order: per call, forced D and forced C give the same bits, fp32 and bf16
+    rowwise, N small and K not short: all but 257 x 1536 x 480) makes design C's sums (A's bf16
+    copy in memory) in design C's order: per call, forced D and forced C give the same bits, fp32 and bf16
     out, with K split (256 x 256 x 8192) or not, tails in M, N and K."""
     rng = np.random.default_rng(M + N + K)
     a, b = (mxmla.quantize(torch.from_numpy(rng.standard_normal(s).astype(np.float32)).cuda()) for s in ((M, K), (N, K)))
@@ -480,11 +480,11 @@ def test_cuda_design_d_gives_design_c_bits(M, N, K, monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("M,N,K", [(1056, 320, 6244), (288, 1536, 576), (256, 256, 8192), (64, 32, 6177), (32, 96, 8193)])
+@pytest.mark.parametrize("M,N,K", [(1056, 320, 6244), (288, 1536, 480), (256, 256, 8192), (64, 32, 6177), (32, 96, 8193)])
 def test_cuda_design_d_on_a_columnwise_a_gives_design_c_bits(M, N, K, monkeypatch):
     """Design D reading A's columnwise codes [K, M] (a wgrad's dY: ldmatrix.trans from the TMA tile,
-    the fragment's rows permuted) makes design C's sums: per call (D where N is small and K long: all
-    but 288 x 1536 x 576), forced D and forced C give the same bits, fp32 and bf16 out. B columnwise
+    the fragment's rows permuted) makes design C's sums: per call (D where N is small and K not
+    short: all but 288 x 1536 x 480), forced D and forced C give the same bits, fp32 and bf16 out. B columnwise
     [K, N] (a wgrad's x), K tails along both copies (6244, 6177, 8193: a partial last block), M and N
     tails, a K split (256 x 256 x 8192); where K allows it, B rowwise [N + 3, K] too (an odd N)."""
     rng = np.random.default_rng(M + N + K)
