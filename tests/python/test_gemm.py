@@ -510,6 +510,36 @@ def test_cuda_design_d_on_a_columnwise_a_gives_design_c_bits(M, N, K, monkeypatc
 
 
 @needs_gpu
+@pytest.mark.parametrize("splits", ["2", "3", "4"])
+@pytest.mark.parametrize("M,N,K,cols", [(300, 200, 1056, False), (288, 520, 2080, True), (33, 1, 4096, False)])
+def test_cuda_design_d_with_a_k_split_gives_design_c_bits(M, N, K, cols, splits, monkeypatch):
+    """Design D with K split in 2, 3, 4 parts (MXMLA_GEMM_SPLITS; design C's reduction pass adds the
+    parts' fp32 sums): forced D gives forced C's bits, fp32 out, bf16 out, and a bf16 view with a
+    row gap whose gap bytes stay as they were; integer inputs give the CPU reference's sums exactly.
+    A rowwise A with M and N tails, a columnwise A (a wgrad's dy) with a partial tile, one column."""
+    monkeypatch.setenv("MXMLA_GEMM_SPLITS", splits)
+    a = mxmla.quantize(torch.from_numpy(integers((K, M) if cols else (M, K), M)))
+    b = mxmla.quantize(torch.from_numpy(integers((N, K), N + 1)))
+    want = mxmla.gemm(a, b, trans_a=cols, out_dtype="float32")
+    ga, gb = (mxmla.MXFP8Tensor(t.shape, t.fp8_format, t.scale_layout,
+                                *(None if x is None else x.cuda() for x in (t.rowwise_data, t.rowwise_scale_inv,
+                                                                          t.columnwise_data, t.columnwise_scale_inv)))
+              for t in (a, b))
+    ld = (N + 15) // 8 * 8  # a gap of 8 to 15 columns, rows 16-byte aligned
+    outs = {}
+    for design in ("C", "D"):
+        monkeypatch.setenv("MXMLA_GEMM_DESIGN", design)
+        buf = torch.full((M * ld,), -1.0, dtype=torch.bfloat16, device="cuda")
+        mxmla.gemm(ga, gb, trans_a=cols, out=buf.view(M, ld)[:, :N])
+        outs[design] = [mxmla.gemm(ga, gb, trans_a=cols, out_dtype=dt).cpu() for dt in ("float32", "bfloat16")]
+        outs[design].append(buf.cpu())
+        assert (buf.view(M, ld)[:, N:] == -1).all(), design
+    for got, ref in zip(outs["D"], outs["C"]):
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    assert torch.equal(outs["D"][0], torch.as_tensor(np.asarray(want)))
+
+
+@needs_gpu
 def test_cuda_design_d_hands_a_tiny_scale_block_to_design_b(monkeypatch):
     """Design D (A's codes dequantized in the GEMM's registers; chosen per call where N is small and K
     long) checks A's scales itself: a block of non-zero codes under a scale byte below the bf16-exact
