@@ -16,10 +16,12 @@
 // 128 x 256 tiles, 64 of K a stage: the codes (8 KB, 64-byte swizzle), their bf16 tile (16 KB), B
 // (32 KB) and the stage's 512-byte scale tile: 56.5 KB a stage, so 3 stages (4 would pass the 227 KB
 // by a few hundred bytes). Warpgroup 0: warp 0's lane 0 issues the copies, warps 1–3 (96 threads)
-// convert, 16 codes a thread and step (one 16-byte load, two 16-byte stores, no bank conflict),
-// then fence the async proxy and arrive on the stage's conversion barrier (96 arrivals); the two
-// consumer warpgroups (64 rows each) wait on it, and release the stage (256 arrivals) once their
-// wgmmas have read it. Registers: 56 for warpgroup 0, 224 for the consumers.
+// convert, 16 codes a piece (one 16-byte load, two 16-byte stores, no bank conflict; a thread's
+// pieces two at a time, their loads first),
+// then fence the async proxy and arrive on the stage's conversion barrier (96 arrivals) and its
+// release; the two consumer warpgroups (64 rows each) wait on the first, and release the stage
+// (256 more arrivals) once their wgmmas have read it. Registers: 88 for warpgroup 0, 208 for the
+// consumers.
 // Usage (GPU machine): build/dev/07_sm90_dequant_wg_floor [rounds] [small]   (rounds: default 2;
 // "small": one 1000 x 512 x 1024 case, a tail in M, for compute-sanitizer)
 #include <cuda.h>
@@ -49,7 +51,7 @@ namespace mxmla::dev {
 
 struct ECfg {
   static constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3, kGroupM = 8, kThreads = 384;
-  static constexpr int kRegsProducer = 56, kRegsConsumer = 224;
+  static constexpr int kRegsProducer = 88, kRegsConsumer = 208;
   static constexpr int kConverters = 96;  // warps 1..3 of warpgroup 0
   static constexpr uint32_t kCodeBytes = kBM * kBK, kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2,
                             kScaleBytes = 512;
@@ -61,7 +63,7 @@ struct alignas(1024) ESmem {
   uint8_t b[ECfg::kStages][ECfg::kBBytes];         // [256 rows][64] bf16, 128-byte swizzle
   uint8_t codes[ECfg::kStages][ECfg::kCodeBytes];  // [128 rows][64 B] codes, 64-byte swizzle
   uint8_t sa[ECfg::kStages][ECfg::kScaleBytes];    // the F8_128x4 tile of the stage's 128 of K
-  sm90::StageBarriers<ECfg::kStages> bars;         // full: the copies; empty: the consumers (256)
+  sm90::StageBarriers<ECfg::kStages> bars;         // full: the copies; empty: consumers and converters (352)
   uint64_t conv[ECfg::kStages];                    // the stage's bf16 A is written (96 arrivals)
 };
 constexpr size_t kESmemBytes = sizeof(ESmem) + 1024;
@@ -76,7 +78,7 @@ __global__ void __launch_bounds__(ECfg::kThreads, 1)
   auto& sm = sm90::aligned_shared<ESmem>(smem_raw);
   const int wg = ptx::warpgroup_index();
   sm90::init_barriers_once([&] {
-    sm.bars.init(2 * 128);
+    sm.bars.init(2 * 128 + C::kConverters);
     for (int s = 0; s < C::kStages; ++s) ptx::mbar_init(&sm.conv[s], C::kConverters);
   });
   const detail::StaticPersistent sched{p.num_tiles};
@@ -108,22 +110,43 @@ __global__ void __launch_bounds__(ECfg::kThreads, 1)
         sm.bars.consumer_wait(st);  // the copies have landed
         const uint8_t* codes = sm.codes[st.index];
         uint8_t* a16 = sm.a16[st.index];
-        for (int c = tid; c < C::kBM * 4; c += C::kConverters) {  // row r, 16 codes q (K 16q .. 16q + 15)
-          const int r = c / 4, q = c % 4;
-          const uint4 w = *reinterpret_cast<const uint4*>(codes + r * 64 + ((q ^ ((r >> 1) & 3)) * 16));
-          const uint32_t e = sm.sa[st.index][detail::swizzle_offset(r, 0, 1) + 2 * (kb % 2) + q / 2];
-          const float f = detail::e8m0_factor(e);
-          // bf16 chunks 2q (K 16q .. 16q + 7) and 2q + 1 of row r, at chunk ^ (r % 8) (128-byte swizzle)
-          const uint32_t base = ptx::smem_u32(a16 + r * 128);
-          ptx::st_shared_v4(base + (((2 * q) ^ (r % 8)) * 16), detail::dequant_pair<true>(w.x & 0xFFFFu, f),
-                            detail::dequant_pair<true>(w.x >> 16, f), detail::dequant_pair<true>(w.y & 0xFFFFu, f),
-                            detail::dequant_pair<true>(w.y >> 16, f));
-          ptx::st_shared_v4(base + (((2 * q + 1) ^ (r % 8)) * 16), detail::dequant_pair<true>(w.z & 0xFFFFu, f),
-                            detail::dequant_pair<true>(w.z >> 16, f), detail::dequant_pair<true>(w.w & 0xFFFFu, f),
-                            detail::dequant_pair<true>(w.w >> 16, f));
+        // a thread's 5 or 6 pieces (row r, 16 codes q: K 16q .. 16q + 15), kBatch at a time: their
+        // loads first, then the conversions and stores (three warps hide little latency by switching)
+        constexpr int kPer = (C::kBM * 4 + C::kConverters - 1) / C::kConverters, kBatch = 2;
+        static_assert(kPer % kBatch == 0, "whole batches");
+#pragma unroll
+        for (int i0 = 0; i0 < kPer; i0 += kBatch) {
+          uint4 words[kBatch];
+          uint32_t ebytes[kBatch];
+#pragma unroll
+          for (int i = 0; i < kBatch; ++i) {
+            const int c = tid + C::kConverters * (i0 + i), r = c / 4, q = c % 4;
+            if (c < C::kBM * 4) {
+              words[i] = *reinterpret_cast<const uint4*>(codes + r * 64 + ((q ^ ((r >> 1) & 3)) * 16));
+              ebytes[i] = sm.sa[st.index][detail::swizzle_offset(r, 0, 1) + 2 * (kb % 2) + q / 2];
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kBatch; ++i) {
+            const int c = tid + C::kConverters * (i0 + i), r = c / 4, q = c % 4;
+            if (c >= C::kBM * 4) break;
+            const uint4 w = words[i];
+            const float f = detail::e8m0_factor(ebytes[i]);
+            // bf16 chunks 2q (K 16q .. 16q + 7) and 2q + 1 of row r, at chunk ^ (r % 8) (128-byte swizzle)
+            const uint32_t base = ptx::smem_u32(a16 + r * 128);
+            ptx::st_shared_v4(base + (((2 * q) ^ (r % 8)) * 16), detail::dequant_pair<true>(w.x & 0xFFFFu, f),
+                              detail::dequant_pair<true>(w.x >> 16, f), detail::dequant_pair<true>(w.y & 0xFFFFu, f),
+                              detail::dequant_pair<true>(w.y >> 16, f));
+            ptx::st_shared_v4(base + (((2 * q + 1) ^ (r % 8)) * 16), detail::dequant_pair<true>(w.z & 0xFFFFu, f),
+                              detail::dequant_pair<true>(w.z >> 16, f), detail::dequant_pair<true>(w.w & 0xFFFFu, f),
+                              detail::dequant_pair<true>(w.w >> 16, f));
+          }
         }
         ptx::fence_proxy_async();  // the generic-proxy stores, before the wgmmas (async proxy) read them
         ptx::mbar_arrive(&sm.conv[st.index]);
+        // and this thread's part of releasing the stage (its reads of the codes: racecheck follows an
+        // mbarrier's order only from the threads that arrive on it themselves)
+        sm.bars.consumer_release(st.index);
         st.advance();
       }
     }
