@@ -55,6 +55,7 @@
 #include "cuda/tma_desc.h"
 #include "cpu/reference.h"
 #include "dev/cuda/dev_util.h"
+#include "dev/cuda/gemm_inputs.cuh"
 
 namespace mxmla::dev {
 
@@ -169,29 +170,6 @@ __global__ void __launch_bounds__(RsCfg::kThreads, 1)
   }
 }
 
-// ---------------------------------------------------------------- inputs (device, hashed)
-__device__ __forceinline__ uint32_t hash32(uint64_t i, uint32_t seed) {
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
-  x ^= x >> 31, x *= 0xBF58476D1CE4E5B9ull, x ^= x >> 29;
-  return static_cast<uint32_t>(x >> 16);
-}
-// a random E4M3 code, never NaN (0x7F, 0xFF)
-__device__ __forceinline__ uint32_t e4m3_code(uint64_t i, uint32_t seed) {
-  const uint32_t v = hash32(i, seed) & 0xFFu;
-  return (v & 0x7Fu) == 0x7Fu ? v ^ 1u : v;
-}
-__global__ void fill_codes(uint8_t* c, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    c[i] = static_cast<uint8_t>(e4m3_code(i, seed));
-}
-__global__ void fill_scales(uint8_t* s, int64_t n, uint32_t seed) {  // 120 .. 134
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    s[i] = static_cast<uint8_t>(120 + hash32(i, seed) % 15);
-}
-__global__ void fill_bf16(uint16_t* b, int64_t n, uint32_t seed) {  // a random E4M3 value / 64, as bf16
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    b[i] = static_cast<uint16_t>(detail::dequant_pair<true>(e4m3_code(i, seed), 0x1p-6f) & 0xFFFFu);
-}
 // B_perm[n][64g + σ(p)] = B[n][64g + p], p = 16q + 4s + i -> σ(p) = 16s + 2q + {0, 1, 8, 9}[i]
 __global__ void permute_b(const uint16_t* b, uint16_t* bp, int64_t N, int64_t K) {
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < N * K; e += int64_t{gridDim.x} * blockDim.x) {
@@ -201,26 +179,10 @@ __global__ void permute_b(const uint16_t* b, uint16_t* bp, int64_t N, int64_t K)
     bp[n * K + 64 * g + sigma] = b[e];
   }
 }
-// A dequantized to bf16 [M][K] (the peer's operand)
-__global__ void dequant_a(const uint8_t* c, const uint8_t* s, uint16_t* a, int64_t M, int64_t K, int64_t tiles_x) {
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < M * K; e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = e / K, k = e % K;
-    const uint8_t sb = s[detail::swizzle_offset(r, k / 32, tiles_x)];
-    a[e] = static_cast<uint16_t>(detail::dequant_pair<true>(c[e], detail::e8m0_factor(sb)) & 0xFFFFu);
-  }
-}
-
 }  // namespace mxmla::dev
 
 using namespace mxmla;
 using namespace mxmla::dev;
-
-static void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 2;
