@@ -40,8 +40,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <iterator>
-#include <string>
 #include <vector>
 
 #include "cuda/numerics.cuh"
@@ -194,81 +192,32 @@ int main(int argc, char** argv) {
                "smem attribute");
   cublasHandle_t h{};
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return 1;
-  struct Shape {
-    const char* name;
-    int64_t M, N, K;
-  };
-  // argv[2] == "small": one small shape, with a tail in M (for compute-sanitizer)
-  const Shape full[] = {{"dgrad T 16384", 16384, 1536, 24576}, {"dgrad T 4096", 4096, 1536, 24576},
-                        {"fprop T 16384", 16384, 24576, 1536}, {"8192^3", 8192, 8192, 8192}};
-  const Shape small[] = {{"small", 1000, 512, 1024}};
-  const bool is_small = argc > 2 && std::string(argv[2]) == "small";
-  const std::vector<Shape> shapes = is_small ? std::vector<Shape>(std::begin(small), std::end(small))
-                                             : std::vector<Shape>(std::begin(full), std::end(full));
+  const std::vector<GemmShape> shapes =
+      gemm_shapes(argc, argv, {{"dgrad T 16384", 16384, 1536, 24576}, {"dgrad T 4096", 4096, 1536, 24576},
+                               {"fprop T 16384", 16384, 24576, 1536}, {"8192^3", 8192, 8192, 8192}});
   std::printf("%-14s %-6s %10s %10s %10s %10s %8s %8s %8s   %s\n", "case", "round", "cuBLAS ms", "lib bf16", "RS ms",
               "RS raw ms", "TFLOP/s", "RS/cuBLAS", "RS/lib", "check: max|RS or lib - cuBLAS| / max|cuBLAS|");
-  for (const Shape& sh : shapes) {
-    const int64_t M = sh.M, N = sh.N, K = sh.K, tiles_x = (K + 127) / 128, mpad = (M + 127) / 128 * 128;
-    util::DeviceBuffer codes(M * K), scales(mpad / 128 * tiles_x * 512), b(N * K * 2), bp(N * K * 2), adeq(M * K * 2),
-        d(M * N * 2), dref(M * N * 2);
-    fill_codes<<<1024, 256>>>(static_cast<uint8_t*>(codes.ptr), M * K, 1);
-    fill_scales<<<256, 256>>>(static_cast<uint8_t*>(scales.ptr), mpad / 128 * tiles_x * 512, 2);
-    fill_bf16<<<1024, 256>>>(static_cast<uint16_t*>(b.ptr), N * K, 3);
-    permute_b<<<1024, 256>>>(static_cast<const uint16_t*>(b.ptr), static_cast<uint16_t*>(bp.ptr), N, K);
-    dequant_a<<<1024, 256>>>(static_cast<const uint8_t*>(codes.ptr), static_cast<const uint8_t*>(scales.ptr),
-                             static_cast<uint16_t*>(adeq.ptr), M, K, tiles_x);
-    check_cuda(cudaDeviceSynchronize(), "inputs");
-
-    const cuuint64_t adims[2] = {cuuint64_t(K), cuuint64_t(M)}, ast[1] = {cuuint64_t(K)};
-    const cuuint32_t abox[2] = {64, 128};
-    const CUtensorMap ta = detail::make_tma_desc(codes.ptr, DType::kUInt8, 2, adims, ast, abox, CU_TENSOR_MAP_SWIZZLE_64B);
-    const cuuint64_t bdims[2] = {cuuint64_t(K), cuuint64_t(N)}, bst[1] = {cuuint64_t(K * 2)};
-    const cuuint32_t bbox[2] = {64, 256};
-    const CUtensorMap tb = detail::make_tma_desc(bp.ptr, DType::kBFloat16, 2, bdims, bst, bbox, CU_TENSOR_MAP_SWIZZLE_128B);
-    detail::mxgemm::Params p{};
-    p.M = int(M), p.N = int(N), p.K = int(K), p.kblocks = int(K / 64);
-    p.m_tiles = int(mpad / 128), p.n_tiles = int((N + 255) / 256), p.num_tiles = p.m_tiles * p.n_tiles;
-    p.sa = static_cast<const uint8_t*>(scales.ptr), p.tiles_x = tiles_x;
-    p.out = d.ptr, p.ld_out = N, p.out_f32 = false, p.accumulate = false, p.alpha = 1.f;
-    p.design_flag = nullptr, p.k_splits = 1, p.kb_per_split = p.kblocks;
+  for (const GemmShape& sh : shapes) {
+    GemmCase g(sh.M, sh.N, sh.K);
+    const int64_t M = g.M, N = g.N, K = g.K;
+    util::DeviceBuffer bp(N * K * 2), d(M * N * 2);
+    permute_b<<<1024, 256>>>(g.b.as<const uint16_t>(), bp.as<uint16_t>(), N, K);
+    check_cuda(cudaDeviceSynchronize(), "permuted B");
+    const CUtensorMap tb = g.bf16_map(bp.ptr, N, 256);
+    detail::mxgemm::Params p = g.p;
+    p.out = d.ptr;
     const int grid = std::min(p.num_tiles, sms);
-    const auto ours = [&] { rs_dequant_gemm_kernel<true><<<grid, RsCfg::kThreads, kRsSmemBytes>>>(ta, tb, p); };
-    const auto raw = [&] { rs_dequant_gemm_kernel<false><<<grid, RsCfg::kThreads, kRsSmemBytes>>>(ta, tb, p); };
-    const float one = 1.f, zero = 0.f;
-    const auto peer = [&] {  // column-major: D^T [N, M] = B [N, K] . deq(A)^T
-      if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, b.ptr, CUDA_R_16BF, int(K), adeq.ptr,
-                       CUDA_R_16BF, int(K), &zero, dref.ptr, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F,
-                       CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
-        std::fprintf(stderr, "cublasGemmEx failed\n");
-    };
+    const auto ours = [&] { rs_dequant_gemm_kernel<true><<<grid, RsCfg::kThreads, kRsSmemBytes>>>(g.ta, tb, p); };
+    const auto raw = [&] { rs_dequant_gemm_kernel<false><<<grid, RsCfg::kThreads, kRsSmemBytes>>>(g.ta, tb, p); };
+    const auto peer = [&] { g.cublas(h); };
     // the library's GEMM on the same bf16 operands: design C's GEMM kernel without its passes (the
-    // shared-memory A this design replaces), launched as the library launches it unsplit (TMA store)
-    using CK = detail::mxgemm_c::Kernel;
-    util::DeviceBuffer dlib(M * N * 2);
-    const cuuint32_t cabox[2] = {64, 128}, cbbox[2] = {64, 256}, cobox[2] = {64, 64};
-    const cuuint64_t cadims[2] = {cuuint64_t(K), cuuint64_t(M)}, cbdims[2] = {cuuint64_t(K), cuuint64_t(N)};
-    const cuuint64_t castr[1] = {cuuint64_t(K * 2)}, codims[2] = {cuuint64_t(N), cuuint64_t(M)},
-                     costr[1] = {cuuint64_t(N * 2)};
-    const CUtensorMap cta = detail::make_tma_desc(adeq.ptr, DType::kBFloat16, 2, cadims, castr, cabox,
-                                                  CU_TENSOR_MAP_SWIZZLE_128B);
-    const CUtensorMap ctb = detail::make_tma_desc(b.ptr, DType::kBFloat16, 2, cbdims, castr, cbbox,
-                                                  CU_TENSOR_MAP_SWIZZLE_128B);
-    const CUtensorMap cto = detail::make_tma_desc(dlib.ptr, DType::kBFloat16, 2, codims, costr, cobox,
-                                                  CU_TENSOR_MAP_SWIZZLE_128B);
-    detail::mxgemm::Params pc = p;
-    pc.out = dlib.ptr, pc.tma_out = true, pc.run_on_flag = false;
-    check_cuda(cudaFuncSetAttribute(detail::mxgemm_c::sm90_bf16_gemm_kernel<CK>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(CK::kSmemBytes)),
-               "smem attribute (design C)");
-    const auto lib = [&] {
-      detail::mxgemm_c::sm90_bf16_gemm_kernel<CK><<<std::min(pc.num_tiles, sms), CK::C::kThreads, CK::kSmemBytes>>>(
-          cta, ctb, cto, pc);
-    };
+    // shared-memory A this design replaces)
+    const auto lib = [&] { g.design_c(sms); };
     ours(), peer(), lib();
     check_cuda(cudaDeviceSynchronize(), "first calls");
     // check: every row of a sample (every 7th), all columns
-    const std::vector<uint16_t> hd = d.download<uint16_t>(), hr = dref.download<uint16_t>(),
-                                hl = dlib.download<uint16_t>();
+    const std::vector<uint16_t> hd = d.download<uint16_t>(), hr = g.dref.download<uint16_t>(),
+                                hl = g.dlib.download<uint16_t>();
     double maxdiff = 0, maxlib = 0, maxref = 0;
     for (int64_t m = 0; m < M; m += 7)
       for (int64_t n = 0; n < N; ++n) {

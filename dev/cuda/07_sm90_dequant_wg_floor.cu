@@ -29,8 +29,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <iterator>
-#include <string>
 #include <vector>
 
 #include "cuda/numerics.cuh"
@@ -57,7 +55,8 @@ struct ECfg {
   static constexpr uint32_t kCodeBytes = kBM * kBK, kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2,
                             kScaleBytes = 512;
 };
-static_assert(ECfg::kRegsProducer * 128 + 2 * ECfg::kRegsConsumer * 128 <= (65536 / ECfg::kThreads / 8 * 8) * ECfg::kThreads,
+static_assert(ECfg::kRegsProducer * 128 + 2 * ECfg::kRegsConsumer * 128 <=
+                  (65536 / ECfg::kThreads / 8 * 8) * ECfg::kThreads,
               "setmaxnreg moves registers inside the CTA's launch allocation");
 struct alignas(1024) ESmem {
   uint8_t a16[ECfg::kStages][ECfg::kABytes];       // [128 rows][64] bf16, 128-byte swizzle (written here)
@@ -200,86 +199,39 @@ int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 2;
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device");
-  using CK = detail::mxgemm_c::Kernel;
   using DK = detail::mxgemm_d::Kernel;
   const auto d_kernel = &detail::mxgemm_d::sm90_mxfp8_gemm_rs_kernel<DK, true, false>;
   check_cuda(cudaFuncSetAttribute(dequant_wg_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(kESmemBytes)),
              "smem attribute (E)");
-  check_cuda(cudaFuncSetAttribute(detail::mxgemm_c::sm90_bf16_gemm_kernel<CK>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(CK::kSmemBytes)),
-             "smem attribute (design C)");
   check_cuda(cudaFuncSetAttribute(d_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(DK::kSmemBytes)),
              "smem attribute (design D)");
   cublasHandle_t h{};
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return 1;
-  struct Shape {
-    const char* name;
-    int64_t M, N, K;
-  };
-  const Shape full[] = {{"dgrad T 16384", 16384, 1536, 24576}, {"dgrad T 4096", 4096, 1536, 24576},
-                        {"wgrad T 4096", 24576, 1536, 4096}, {"8192^3", 8192, 8192, 8192}};
-  const Shape small[] = {{"small", 1000, 512, 1024}};
-  const bool is_small = argc > 2 && std::string(argv[2]) == "small";
-  const std::vector<Shape> shapes = is_small ? std::vector<Shape>(std::begin(small), std::end(small))
-                                             : std::vector<Shape>(std::begin(full), std::end(full));
+  const std::vector<GemmShape> shapes =
+      gemm_shapes(argc, argv, {{"dgrad T 16384", 16384, 1536, 24576}, {"dgrad T 4096", 4096, 1536, 24576},
+                               {"wgrad T 4096", 24576, 1536, 4096}, {"8192^3", 8192, 8192, 8192}});
   std::printf("%-14s %-6s %10s %10s %10s %10s %8s %8s %8s   %s\n", "case", "round", "cuBLAS ms", "C ms", "D ms", "E ms",
               "E/cuBLAS", "E/C", "E/D", "check: E and D against C (bits), C against cuBLAS");
-  for (const Shape& sh : shapes) {
-    const int64_t M = sh.M, N = sh.N, K = sh.K, tiles_x = (K + 127) / 128, mpad = (M + 127) / 128 * 128;
-    util::DeviceBuffer codes(M * K), scales(mpad / 128 * tiles_x * 512), b(N * K * 2), adeq(M * K * 2), de(M * N * 2),
-        dd(M * N * 2), dc(M * N * 2), dref(M * N * 2);
-    fill_codes<<<1024, 256>>>(static_cast<uint8_t*>(codes.ptr), M * K, 1);
-    fill_scales<<<256, 256>>>(static_cast<uint8_t*>(scales.ptr), mpad / 128 * tiles_x * 512, 2);
-    fill_bf16<<<1024, 256>>>(static_cast<uint16_t*>(b.ptr), N * K, 3);
-    dequant_a<<<1024, 256>>>(static_cast<const uint8_t*>(codes.ptr), static_cast<const uint8_t*>(scales.ptr),
-                             static_cast<uint16_t*>(adeq.ptr), M, K, tiles_x);
-    check_cuda(cudaDeviceSynchronize(), "inputs");
-
-    const cuuint64_t adims[2] = {cuuint64_t(K), cuuint64_t(M)}, ast[1] = {cuuint64_t(K)};
-    const cuuint32_t abox[2] = {64, 128};
-    const CUtensorMap ta = detail::make_tma_desc(codes.ptr, DType::kUInt8, 2, adims, ast, abox, CU_TENSOR_MAP_SWIZZLE_64B);
-    const cuuint64_t bdims[2] = {cuuint64_t(K), cuuint64_t(N)}, bst[1] = {cuuint64_t(K * 2)};
-    const cuuint32_t bbox[2] = {64, 256};
-    const CUtensorMap tb = detail::make_tma_desc(b.ptr, DType::kBFloat16, 2, bdims, bst, bbox, CU_TENSOR_MAP_SWIZZLE_128B);
-    detail::mxgemm::Params p{};
-    p.M = int(M), p.N = int(N), p.K = int(K), p.kblocks = int(K / 64);
-    p.m_tiles = int(mpad / 128), p.n_tiles = int((N + 255) / 256), p.num_tiles = p.m_tiles * p.n_tiles;
-    p.sa = static_cast<const uint8_t*>(scales.ptr), p.tiles_x = tiles_x;
-    p.out = de.ptr, p.ld_out = N, p.out_f32 = false, p.accumulate = false, p.alpha = 1.f;
-    p.design_flag = nullptr, p.k_splits = 1, p.kb_per_split = p.kblocks, p.check_flag = nullptr;
+  for (const GemmShape& sh : shapes) {
+    GemmCase g(sh.M, sh.N, sh.K);
+    const int64_t M = g.M, N = g.N;
+    util::DeviceBuffer de(M * N * 2), dd(M * N * 2);
+    detail::mxgemm::Params p = g.p;
+    p.out = de.ptr;
     const int grid = std::min(p.num_tiles, sms);
-    const auto ours = [&] { dequant_wg_gemm_kernel<<<grid, ECfg::kThreads, kESmemBytes>>>(ta, tb, p); };
+    const auto ours = [&] { dequant_wg_gemm_kernel<<<grid, ECfg::kThreads, kESmemBytes>>>(g.ta, g.tb, p); };
     // design D's kernel as the library launches it unsplit, its output from the registers
-    detail::mxgemm::Params pd = p;
+    detail::mxgemm::Params pd = g.p;
     pd.out = dd.ptr, pd.tma_out = false;
     const CUtensorMap no_out{};
-    const auto dk = [&] { d_kernel<<<grid, DK::C::kThreads, DK::kSmemBytes>>>(ta, tb, no_out, pd); };
-    const float one = 1.f, zero = 0.f;
-    const auto peer = [&] {  // column-major: D^T [N, M] = B [N, K] . deq(A)^T
-      if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, b.ptr, CUDA_R_16BF, int(K), adeq.ptr,
-                       CUDA_R_16BF, int(K), &zero, dref.ptr, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F,
-                       CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
-        std::fprintf(stderr, "cublasGemmEx failed\n");
-    };
-    // design C's GEMM kernel on the bf16 operands, launched as the library launches it unsplit (TMA store)
-    const cuuint32_t cabox[2] = {64, 128}, cobox[2] = {64, 64};
-    const cuuint64_t cadims[2] = {cuuint64_t(K), cuuint64_t(M)}, castr[1] = {cuuint64_t(K * 2)},
-                     codims[2] = {cuuint64_t(N), cuuint64_t(M)}, costr[1] = {cuuint64_t(N * 2)};
-    const CUtensorMap cta = detail::make_tma_desc(adeq.ptr, DType::kBFloat16, 2, cadims, castr, cabox,
-                                                  CU_TENSOR_MAP_SWIZZLE_128B);
-    const CUtensorMap cto = detail::make_tma_desc(dc.ptr, DType::kBFloat16, 2, codims, costr, cobox,
-                                                  CU_TENSOR_MAP_SWIZZLE_128B);
-    detail::mxgemm::Params pc = p;
-    pc.out = dc.ptr, pc.tma_out = N * 2 % 16 == 0, pc.run_on_flag = false;
-    const auto lib = [&] {
-      detail::mxgemm_c::sm90_bf16_gemm_kernel<CK><<<std::min(pc.num_tiles, sms), CK::C::kThreads, CK::kSmemBytes>>>(
-          cta, tb, cto, pc);
-    };
+    const auto dk = [&] { d_kernel<<<grid, DK::C::kThreads, DK::kSmemBytes>>>(g.ta, g.tb, no_out, pd); };
+    const auto peer = [&] { g.cublas(h); };
+    const auto lib = [&] { g.design_c(sms); };
     ours(), dk(), peer(), lib();
     check_cuda(cudaDeviceSynchronize(), "first calls");
-    const std::vector<uint16_t> he = de.download<uint16_t>(), hd = dd.download<uint16_t>(), hc = dc.download<uint16_t>(),
-                                hr = dref.download<uint16_t>();
+    const std::vector<uint16_t> he = de.download<uint16_t>(), hd = dd.download<uint16_t>(),
+                                hc = g.dlib.download<uint16_t>(), hr = g.dref.download<uint16_t>();
     int64_t e_diff = 0, d_diff = 0;
     for (int64_t i = 0; i < M * N; ++i) e_diff += he[i] != hc[i], d_diff += hd[i] != hc[i];
     double maxdiff = 0, maxref = 0;

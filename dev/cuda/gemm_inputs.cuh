@@ -1,16 +1,26 @@
 // The GEMM experiments' inputs (06, 07), made on the device from a hash of the index: E4M3 codes
 // (never NaN), E8M0 scale bytes 120 .. 134 (every dequantized value exact in bf16), bf16 values;
-// A dequantized to bf16 for the peers; and a CUDA error check that ends the driver.
+// A dequantized to bf16 for the peers; one shape's operands, tensor maps and peers (GemmCase); and a
+// CUDA error check that ends the driver.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
+#include <string>
+#include <vector>
 
-#include "cuda/numerics.cuh"
 #include "common/mxfp8_common.h"  // swizzle_offset (the F8_128x4 scale layout), e8m0_factor
+#include "cuda/numerics.cuh"
+#include "cuda/sm90_bf16_gemm.cuh"    // design C's bf16 GEMM kernel
+#include "cuda/sm90_mxfp8_gemm.cuh"  // Params
+#include "cuda/tma_desc.h"
+#include "dev/cuda/dev_util.h"
 
 namespace mxmla::dev {
 
@@ -51,5 +61,77 @@ inline void check_cuda(cudaError_t e, const char* what) {
     std::exit(1);
   }
 }
+
+// The shapes a driver runs: `full`, or with argv[2] == "small" one 1000 x 512 x 1024 case (a tail in
+// M) for compute-sanitizer.
+struct GemmShape {
+  const char* name;
+  int64_t M, N, K;
+};
+inline std::vector<GemmShape> gemm_shapes(int argc, char** argv, std::initializer_list<GemmShape> full) {
+  if (argc > 2 && std::string(argv[2]) == "small") return {{"small", 1000, 512, 1024}};
+  return full;
+}
+
+// One shape's operands on the device: A's E4M3 codes [M][K] with F8_128x4 scales, B bf16 [N][K],
+// A dequantized to bf16 [M][K]; A's codes' tensor map (box [128 rows][64 B], 64-byte swizzle) and
+// B's (box [256 rows][64], 128-byte swizzle); the unsplit 128 x 256 problem (the caller sets out);
+// and the peers on the dequantized operands: cuBLAS's bf16 GEMM into dref, design C's GEMM kernel
+// launched as the library launches it unsplit (TMA store) into dlib.
+struct GemmCase {
+  int64_t M, N, K, tiles_x, mpad;
+  util::DeviceBuffer codes, scales, b, adeq, dref, dlib;
+  CUtensorMap ta{}, tb{}, cta{}, cto{};
+  detail::mxgemm::Params p{};
+
+  GemmCase(int64_t m, int64_t n, int64_t k)
+      : M(m), N(n), K(k), tiles_x((k + 127) / 128), mpad((m + 127) / 128 * 128), codes(m * k),
+        scales(mpad / 128 * tiles_x * 512), b(n * k * 2), adeq(m * k * 2), dref(m * n * 2), dlib(m * n * 2) {
+    fill_codes<<<1024, 256>>>(codes.as<uint8_t>(), M * K, 1);
+    fill_scales<<<256, 256>>>(scales.as<uint8_t>(), mpad / 128 * tiles_x * 512, 2);
+    fill_bf16<<<1024, 256>>>(b.as<uint16_t>(), N * K, 3);
+    dequant_a<<<1024, 256>>>(codes.as<uint8_t>(), scales.as<uint8_t>(), adeq.as<uint16_t>(), M, K, tiles_x);
+    check_cuda(cudaDeviceSynchronize(), "inputs");
+    const cuuint64_t adims[2] = {cuuint64_t(K), cuuint64_t(M)}, ast[1] = {cuuint64_t(K)};
+    const cuuint32_t abox[2] = {64, 128};
+    ta = detail::make_tma_desc(codes.ptr, DType::kUInt8, 2, adims, ast, abox, CU_TENSOR_MAP_SWIZZLE_64B);
+    tb = bf16_map(b.ptr, N, 256);
+    cta = bf16_map(adeq.ptr, M, 128);
+    const cuuint64_t odims[2] = {cuuint64_t(N), cuuint64_t(M)}, ost[1] = {cuuint64_t(N * 2)};
+    const cuuint32_t obox[2] = {64, 64};
+    cto = detail::make_tma_desc(dlib.ptr, DType::kBFloat16, 2, odims, ost, obox, CU_TENSOR_MAP_SWIZZLE_128B);
+    p.M = int(M), p.N = int(N), p.K = int(K), p.kblocks = int(K / 64);
+    p.m_tiles = int(mpad / 128), p.n_tiles = int((N + 255) / 256), p.num_tiles = p.m_tiles * p.n_tiles;
+    p.sa = scales.as<const uint8_t>(), p.tiles_x = tiles_x;
+    p.ld_out = N, p.out_f32 = false, p.accumulate = false, p.alpha = 1.f;
+    p.design_flag = nullptr, p.k_splits = 1, p.kb_per_split = p.kblocks, p.check_flag = nullptr;
+  }
+  // a bf16 [rows][K] operand's map: box [box_rows][64], 128-byte swizzle
+  CUtensorMap bf16_map(void* x, int64_t rows, uint32_t box_rows) const {
+    const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(rows)}, st[1] = {cuuint64_t(K * 2)};
+    const cuuint32_t box[2] = {64, box_rows};
+    return detail::make_tma_desc(x, DType::kBFloat16, 2, dims, st, box, CU_TENSOR_MAP_SWIZZLE_128B);
+  }
+  void cublas(cublasHandle_t h) const {  // column-major: D^T [N, M] = B [N, K] . deq(A)^T
+    const float one = 1.f, zero = 0.f;
+    if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(M), int(K), &one, b.ptr, CUDA_R_16BF, int(K), adeq.ptr,
+                     CUDA_R_16BF, int(K), &zero, dref.ptr, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+      std::fprintf(stderr, "cublasGemmEx failed\n");
+  }
+  void design_c(int sms) const {
+    using CK = detail::mxgemm_c::Kernel;
+    static const bool attr = (check_cuda(cudaFuncSetAttribute(detail::mxgemm_c::sm90_bf16_gemm_kernel<CK>,
+                                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                              int(CK::kSmemBytes)),
+                                         "smem attribute (design C)"),
+                              true);
+    (void)attr;
+    detail::mxgemm::Params pc = p;
+    pc.out = dlib.ptr, pc.tma_out = N * 2 % 16 == 0, pc.run_on_flag = false;
+    detail::mxgemm_c::sm90_bf16_gemm_kernel<CK><<<std::min(pc.num_tiles, sms), CK::C::kThreads, CK::kSmemBytes>>>(
+        cta, tb, cto, pc);
+  }
+};
 
 }  // namespace mxmla::dev

@@ -79,21 +79,21 @@ __device__ __forceinline__ Work work_at(const mxgemm::Params& p, int t) {
 // Thread 0 of the warpgroup (r == 0) waits until the previous store has read the buffer, issues the
 // stores (blocks wholly past M or N are skipped; TMA clips the rest, in whole 16-byte chunks of a row:
 // the launchers take this path only when N · 2 bytes is a multiple of 16) and commits them.
-// kChunk 64: rounds of one 64-column block (buf [64 rows][128 B]). row_step 1: the fragment's rows
-// permuted as design D's kColsA permutes them (its rows r0 and r0 + 1 instead of r0 and r0 + 8).
-template <int kN = 256, int kChunk = 128>
+// row_step 1: the fragment's rows permuted as design D's kColsA permutes them (its rows r0 and
+// r0 + 1 instead of r0 and r0 + 8).
+template <int kN = 256>
 __device__ __forceinline__ void store_tma(const mxgemm::Params& p, const float (&acc)[kN / 2], uint8_t* buf,
                                           const CUtensorMap* tmap_out, int m0, int n0, int cw, int r, int lane,
                                           int row_step = 8) {
-  static_assert((kChunk == 128 || kChunk == 64) && kN % kChunk == 0, "rounds of 128 or 64 columns");
+  static_assert(kN % 128 == 0, "128-column halves");
   const int rl = 16 * (r / 32) + (row_step == 8 ? 1 : 2) * (lane / 4);  // local row of half 0 (half 1: + row_step)
 #pragma unroll
-  for (int half = 0; half < kN / kChunk; ++half) {
+  for (int half = 0; half < kN / 128; ++half) {
     if (r == 0) ptx::bulk_wait_read_all();
     ptx::named_barrier(2 + cw, 128);
 #pragma unroll
-    for (int jj = 0; jj < kChunk / 8; ++jj) {
-      const int J = kChunk / 8 * half + jj, c = 8 * jj + 2 * (lane % 4);  // column in the round
+    for (int jj = 0; jj < 16; ++jj) {
+      const int J = 16 * half + jj, c = 8 * jj + 2 * (lane % 4);  // column in the half
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = rl + row_step * h;
@@ -104,10 +104,10 @@ __device__ __forceinline__ void store_tma(const mxgemm::Params& p, const float (
     ptx::fence_proxy_async();
     ptx::named_barrier(2 + cw, 128);
     if (r == 0) {
-      const int n = n0 + kChunk * half;
+      const int n = n0 + 128 * half;
       if (m0 < p.M) {
         if (n < p.N) ptx::tma_store_2d(tmap_out, buf, n, m0);
-        if (kChunk == 128 && n + 64 < p.N) ptx::tma_store_2d(tmap_out, buf + 64 * 128, n + 64, m0);
+        if (n + 64 < p.N) ptx::tma_store_2d(tmap_out, buf + 64 * 128, n + 64, m0);
       }
       ptx::bulk_commit();
     }

@@ -451,9 +451,6 @@ void reduce_parts(const mxgemm::Params& p, cudaStream_t s) {
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
-// Design C's GEMM (K split as split_k says). Unsplit, its epilogue stores by TMA (box [64 rows][64
-// columns], 128-byte swizzle) when D is bf16 without accumulation and its rows can be described
-// (data and row stride multiples of 16 bytes); else from the registers.
 // Designs C's and D's bf16 output by TMA stores where it can (sets p.tma_out): [64 rows][64 columns]
 // boxes, 128-byte swizzle.
 CUtensorMap output_map(mxgemm::Params& p) {
@@ -472,6 +469,9 @@ CUtensorMap output_map(mxgemm::Params& p) {
   return to;
 }
 
+// Design C's GEMM (K split as split_k says). Unsplit, its epilogue stores by TMA (box [64 rows][64
+// columns], 128-byte swizzle) when D is bf16 without accumulation and its rows can be described
+// (data and row stride multiples of 16 bytes); else from the registers.
 void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
   using K = mxgemm_c::Kernel;
   const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);

@@ -224,8 +224,8 @@ __global__ void __launch_bounds__(K::C::kThreads, 1)
       q2.out_f32 = true, q2.accumulate = false, q2.alpha = 1.f;
       mxgemm::store_accumulators<C::kBN>(q2, acc, w.mt * C::kBM, w.nt * C::kBN, r0, lane, r1 - r0);
     } else if (p.tma_out) {  // bf16 through shared memory, TMA stores overlapping the next tile
-      mxgemm_c::store_tma<C::kBN, 128>(p, acc, sm.epi[cw][0], &tmap_out, w.mt * C::kBM + 64 * cw, w.nt * C::kBN, cw,
-                                      threadIdx.x % 128, lane, r1 - r0);
+      mxgemm_c::store_tma<C::kBN>(p, acc, sm.epi[cw][0], &tmap_out, w.mt * C::kBM + 64 * cw, w.nt * C::kBN, cw,
+                                  threadIdx.x % 128, lane, r1 - r0);
     } else {
       mxgemm::store_accumulators<C::kBN>(p, acc, w.mt * C::kBM, w.nt * C::kBN, r0, lane, r1 - r0);
     }
