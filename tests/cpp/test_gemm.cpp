@@ -573,8 +573,9 @@ std::vector<ECase> exact_cases() {
   // hold no data (fprop N = 544 = 2 * 256 + 32; dgrad N = K = 288 = 256 + 32)
   v.push_back({300, 288, 544, Fp8Format::kE4M3, true, {}, 0, 0});
   // long contractions with a narrow output, which the GPU launcher gives design D per call (its
-  // stage ring wraps many times): wgrad over T 6200 (A = dy's columnwise codes, read as stored; a partial last block of 24
-  // tokens), dgrad over N 6176 (A = dy rowwise); sums up to 6200 · 64 < 2^24, still exact
+  // stage ring wraps many times): wgrad over T 6200 (A = dy's columnwise codes, read as stored; a
+  // partial last block of 24 tokens), dgrad over N 6176 (A = dy rowwise); sums up to 6200 · 64 <
+  // 2^24, still exact
   v.push_back({6200, 96, 64, Fp8Format::kE4M3, false, {}, 0, 0});
   v.push_back({40, 64, 6176, Fp8Format::kE5M2, true, {DType::kFloat32, false, 1.0, 0}, 0, 0});
   return v;
