@@ -6,14 +6,17 @@ inputs, DeepSeek-V3 head dims, causal, bshd, b 1, H heads, s tokens, and prints 
 each phase per tile for both consumers, the tile period, and the producer's lead (how long before a
 consumer asks for a stage its copies had landed; negative: the consumer waited).
 Usage: PYTHONPATH=<probe build>/python python3 dev/bench/attn_bwd_phases.py [H s]   (default 128 4096)"""
-import os
 import sys
-import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
 
-import mxmla
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from parts import probe_stamps  # noqa: E402
+
+import mxmla  # noqa: E402
 
 HEADS, KB, ROLES, T, S = 2, 128, 3, 64, 24  # the patch's kProbe* constants (slots 16-23: sub-phases)
 PHASES = ["wait stage (loads)", "issue S, dP", "wait S", "P math, store P^T", "WG barrier, issue dV", "wait dP",
@@ -27,19 +30,7 @@ SUB_NAMES = ["P math", "store P^T (stmatrix)", "fence", "row index", "dq_stage s
 def stamps(fn):
     """fn run once to warm up, then once with MXMLA_BWD_PROBE set: the probe build's stamps,
     [head][key block][role][tile][slot] (int64 cycles, 0 where none was written)."""
-    with tempfile.NamedTemporaryFile(suffix=".probe", delete=False) as f:  # (the launcher appends to it)
-        path = f.name
-    fn()
-    torch.cuda.synchronize()
-    os.environ["MXMLA_BWD_PROBE"] = path
-    try:
-        fn()
-        torch.cuda.synchronize()
-    finally:
-        del os.environ["MXMLA_BWD_PROBE"]
-    raw = np.fromfile(path, dtype=np.uint64)
-    os.unlink(path)
-    return raw[: HEADS * KB * ROLES * T * S].reshape(HEADS, KB, ROLES, T, S).astype(np.int64)
+    return probe_stamps(fn, "MXMLA_BWD_PROBE", HEADS * KB * ROLES * T * S).reshape(HEADS, KB, ROLES, T, S)
 
 
 def run(label, fn):

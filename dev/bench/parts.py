@@ -1,16 +1,41 @@
 """What the parts scripts (attn_fwd_parts.py, attn_bwd_parts.py, gemm_parts.py) and ab_kernels.py
 share: per-kernel GPU times of a call under torch.profiler, their printout, and the DeepSeek-V3
 attention inputs (b 1, h 128, d_qk 192, d_v 128, bshd, MXFP8 from quantize_attention and their
-dequantized bf16 tensors)."""
+dequantized bf16 tensors); and (the phase scripts attn_bwd_phases.py, attn_fwd_tiles.py) a probe
+build's clock64 stamps of one call."""
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 from collections import defaultdict
 
 import torch
 
 import mxmla
 from timing import timer
+
+
+def probe_stamps(fn, env: str, count: int):
+    """fn run once to warm up, then once with the environment variable `env` naming a file: the first
+    `count` uint64 stamps that a probe build's launcher appended to it, as int64 (a 1-D numpy array)."""
+    import numpy as np
+
+    with tempfile.NamedTemporaryFile(suffix=".probe", delete=False) as f:  # (the launcher appends to it)
+        path = f.name
+    fn()
+    torch.cuda.synchronize()
+    os.environ[env] = path
+    try:
+        fn()
+        torch.cuda.synchronize()
+    finally:
+        del os.environ[env]
+    raw = np.fromfile(path, dtype=np.uint64)
+    os.unlink(path)
+    if raw.size < count:
+        raise SystemExit(f"no stamps in {env}'s file (is this the probe build?)")
+    return raw[:count].astype(np.int64)
 
 
 def profiled_calls(fn, iters, flush):
