@@ -376,6 +376,11 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
   // (not ptx::warpgroup_index(): with it the consumer loop is 17 % shorter, but neither instantiation
   // timed faster beyond the run-to-run spread: docs/notes-sm90-parts.md, the warp-uniform index's A/B)
   const int wg = static_cast<int>(threadIdx.x) / 128;
+  // dV's GEMM issued after dŜ's math (FlashAttention-4's order: one warpgroup barrier a tile fewer)
+  // or before it, under that math. The same MMAs in the same order either way: the same bits. Chosen
+  // per instantiation by a same-run A/B (docs/notes-attention.md): after, with FP8 K / V reads
+  // (MXFP8 inputs 1.8-2.7 % faster), before without them (bf16 inputs 0.9-2.6 % slower after).
+  constexpr bool kDvAfterDs = kFp8Kv;
 
   if (threadIdx.x == 0) {
     ptx::mbar_init(&sm.kv_full, 128);
@@ -526,23 +531,29 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
                                pair[4 * jp + 2], pair[4 * jp + 3]);
       }
     };
+    // dV_cᵀ += dOᵀ·P̂_c: A M-major (rows of 64 d_v, 8-row groups 1024 bytes apart)
+    const auto issue_dv = [&] {
+#pragma unroll
+      for (int m = 0; m < C::kVBlocks; ++m) fence_acc(dv[m]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int m = 0; m < C::kVBlocks; ++m) {
+        const uint64_t da = ptx::wgmma_desc(sm.dos[st][m], ptx::SmemSwizzle::k128B, 8192, 1024);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          ptx::wgmma_m64n48k16_f32_bf16_bf16_ss<1, 0>(dv[m], da + kk * 128, dpt + 2 * kk, true);
+      }
+      ptx::wgmma_commit();
+    };
     store_t(pt);
-    ptx::fence_proxy_async();
-    ptx::named_barrier(2 + c, 128);  // this consumer's P̂ᵀ is complete
-
-    // dV_cᵀ += dOᵀ·P̂_c: A M-major (rows of 64 d_v, 8-row groups 1024 bytes apart), under dŜ's math
-#pragma unroll
-    for (int m = 0; m < C::kVBlocks; ++m) fence_acc(dv[m]);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int m = 0; m < C::kVBlocks; ++m) {
-      const uint64_t da = ptx::wgmma_desc(sm.dos[st][m], ptx::SmemSwizzle::k128B, 8192, 1024);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        ptx::wgmma_m64n48k16_f32_bf16_bf16_ss<1, 0>(dv[m], da + kk * 128, dpt + 2 * kk, true);
+    if constexpr (kDvAfterDs) {
+      ptx::wgmma_wait<0>();  // dP (P̂ᵀ reaches dV's GEMM through the pair barrier below)
+    } else {  // dV under dŜ's math, behind this consumer's own barrier
+      ptx::fence_proxy_async();
+      ptx::named_barrier(2 + c, 128);  // this consumer's P̂ᵀ is complete
+      issue_dv();
+      ptx::wgmma_wait<1>();  // dP
     }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<1>();  // dP
     fence_acc(dpacc);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -567,7 +578,8 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
     }
     store_t(dst);  // (this consumer's dK GEMM and the other's dQ GEMM of the previous tile are done)
     ptx::fence_proxy_async();
-    ptx::named_barrier(C::kBarPair, 256);  // both consumers' dŜᵀ are complete
+    ptx::named_barrier(C::kBarPair, 256);  // both consumers' dŜᵀ (kDvAfterDs: and P̂ᵀ) are complete
+    if constexpr (kDvAfterDs) issue_dv();
 
     // dQ[:, cols_c] = dŜ·K_g[:, cols_c] (consumer c the columns c · d_qk / 2 ..), then dK_cᵀ += Q_gᵀ·dŜ_c
     // (A M-major as dV's): the dQ fragment is staged and its reductions issued while dK's GEMM runs
