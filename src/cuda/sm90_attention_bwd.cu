@@ -378,8 +378,9 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
   const int wg = static_cast<int>(threadIdx.x) / 128;
   // dV's GEMM issued after dŜ's math (FlashAttention-4's order: one warpgroup barrier a tile fewer)
   // or before it, under that math. The same MMAs in the same order either way: the same bits. Chosen
-  // per instantiation by a same-run A/B (docs/notes-attention.md): after, with FP8 K / V reads
-  // (MXFP8 inputs 1.8-2.7 % faster), before without them (bf16 inputs 0.9-2.6 % slower after).
+  // per instantiation by a same-run A/B (H100, docs/notes-attention.md): after, with FP8 K / V reads
+  // (MXFP8 inputs 0.967 / 0.986x the time at s 4096 / 8192), before without them (bf16 inputs
+  // 1.009 / 1.026x with it after).
   constexpr bool kDvAfterDs = kFp8Kv;
 
   if (threadIdx.x == 0) {
