@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "common/mxfp8_common.h"  // swizzle_offset (the F8_128x4 scale layout), e8m0_factor
+#include "cpu/reference.h"        // bf16_to_double
 #include "cuda/numerics.cuh"
 #include "cuda/sm90_bf16_gemm.cuh"    // design C's bf16 GEMM kernel
 #include "cuda/sm90_mxfp8_gemm.cuh"  // Params
@@ -60,6 +62,18 @@ inline void check_cuda(cudaError_t e, const char* what) {
     std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
     std::exit(1);
   }
+}
+
+// max |got - want| / max |want| over a sample of two bf16 [M][N] outputs: every 7th row, all columns.
+inline double sampled_rel_diff(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want, int64_t M,
+                               int64_t N) {
+  double maxdiff = 0, maxwant = 0;
+  for (int64_t m = 0; m < M; m += 7)
+    for (int64_t n = 0; n < N; ++n) {
+      const double x = ref::bf16_to_double(got[m * N + n]), y = ref::bf16_to_double(want[m * N + n]);
+      maxdiff = std::max(maxdiff, std::fabs(x - y)), maxwant = std::max(maxwant, std::fabs(y));
+    }
+  return maxdiff / (maxwant + 1e-30);
 }
 
 // The shapes a driver runs: `full`, or with argv[2] == "small" one 1000 x 512 x 1024 case (a tail in
