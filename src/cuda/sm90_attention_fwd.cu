@@ -85,6 +85,20 @@ void launch(const AttentionProblem& pr, bool q_codes, cudaStream_t stream) {
 
   const int64_t q_tokens = pr.thd ? pr.total_q : pr.Sq, kv_tokens = pr.thd ? pr.total_kv : pr.Skv;
   const int64_t batch = pr.thd ? 1 : pr.B;
+  // O by TMA stores (boxes of [64 rows][64 columns], 128-byte swizzle) where the kernel has bf16 K / V
+  // slots to stage it in (not the fused path) and TMA can describe O
+  AttnTensorView ov;
+  ov.data = pr.o, ov.st_b = pr.o_st_b, ov.st_s = pr.o_st_s, ov.st_h = pr.o_st_h;
+  p.tma_o = !pr.fp8 && q_tokens > 0 && tma_aligned(ov, false, pr.H, q_tokens, batch);
+  CUtensorMap to{};
+  if (p.tma_o) {
+    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(pr.Dv), static_cast<cuuint64_t>(pr.H),
+                                static_cast<cuuint64_t>(q_tokens), static_cast<cuuint64_t>(batch)};
+    const cuuint64_t strides[3] = {static_cast<cuuint64_t>(ov.st_h * 2), static_cast<cuuint64_t>(ov.st_s * 2),
+                                   static_cast<cuuint64_t>(ov.st_b * 2)};
+    const cuuint32_t box[4] = {64, 1, 64, 1};
+    to = make_tma_desc(pr.o, DType::kBFloat16, 4, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+  }
   const CUtensorMap tq = operand_map("q", pr.q, pr.fp8 || q_codes, pr.Dqk, pr.H, q_tokens, batch);
   // no keys at all (s_kv = 0, or thd with every KV sequence empty): every tile has n_blocks = 0 and the
   // kernel never reads K or V, but TMA cannot describe an empty tensor (zero extents and strides): K's
@@ -108,7 +122,7 @@ void launch(const AttentionProblem& pr, bool q_codes, cudaStream_t stream) {
   StreamScratch counter(dynamic ? static_cast<int64_t>(sizeof(int)) : 0, stream);
   if (dynamic) MXMLA_CUDA_CHECK(cudaMemsetAsync(counter.ptr, 0, sizeof(int), stream));
   p.tile_counter = reinterpret_cast<int*>(counter.ptr);
-  attn::sm90_attention_fwd_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, stream>>>(tq, tk, tv, p);
+  attn::sm90_attention_fwd_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, stream>>>(tq, tk, tv, to, p);
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 

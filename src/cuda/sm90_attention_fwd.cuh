@@ -11,7 +11,9 @@
 //   WG2, WG3    consumers: 64 query rows each; S = Q·Kᵀ (wgmma bf16, Q and K from shared memory),
 //               online softmax in fp32, O += P·V (P from registers, V from shared memory N-major);
 //               the softmax of S_j runs while O += P_{j-1}·V_{j-1} is on the tensor cores
-//               (FlashAttention-3's intra-warpgroup overlap).
+//               (FlashAttention-3's intra-warpgroup overlap). O / l as bf16: staged in the V slot of
+//               the tile's last P·V and stored by TMA (FlashAttention-3's epilogue; bf16 slots, tiles
+//               whose rows TMA may write), else stored from the registers.
 // Shared memory (d_qk 192, d_v 128): Q bf16 48 KB, K and V bf16 (48 + 32 KB), and either two FP8
 // stages (K codes 24 KB, also Q's, + V codes 16 KB; FP8 inputs) or second K / V slots (bf16 inputs),
 // the V scale factors. bf16 tiles are 64-column blocks of
@@ -56,6 +58,8 @@ struct Cfg {
 
 // Named barriers (0 is __syncthreads'): the dequantizer warpgroup's, the two consumer warpgroups'.
 constexpr uint32_t kDequantBarrier = 1, kConsumerBarrier = 2;
+// ... and each consumer warpgroup's own (O staged for its TMA store): kOStagedBarrier + its index.
+constexpr uint32_t kOStagedBarrier = 3;
 
 // The softmax's exponent folds the scale into one FFMA while every |row maximum of S·scale·log2 e|
 // of a warp stays below this (the consumers' softmax says why).
@@ -79,6 +83,7 @@ struct Params {
   OperandParams q, k, v;
   uint16_t* o;
   int64_t o_st_b, o_st_s, o_st_h;
+  bool tma_o;  // O by TMA stores (tmap_o) where a tile's rows allow it (bf16 K / V slots only)
   float* lse;
   int* tile_counter;  // non-null: tiles claimed from this counter (zero at launch), else t = b, b + G, ...
 };
@@ -367,7 +372,8 @@ struct TileFeed {
 template <class K>
 __global__ void __launch_bounds__(512, 1)
     sm90_attention_fwd_kernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
-                              const __grid_constant__ CUtensorMap tmap_v, const Params p) {
+                              const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_o,
+                              const Params p) {
   using C = typename K::C;
   constexpr int kDqk = C::kDqk, kDv = C::kDv;
   extern __shared__ uint8_t smem_raw[];
@@ -596,9 +602,24 @@ __global__ void __launch_bounds__(512, 1)
   const bool pos_scale = p.scale_log2 > 0.f;
   const float c = pos_scale ? p.scale_log2 : 1.f;
   TileFeed<typename K::Smem> feed{sm, p};
+  // O staged for a TMA store in the V slot of its tile's last P·V: the warpgroup's thread 0 issues
+  // the store and releases the slot (for its warpgroup's 4 warps) once the store has read it, at
+  // the next tile's start (the producer refills that slot with the next tile's second V tile)
+  int o_pending = -1;
+  const auto release_o_slot = [&]() {
+    if (o_pending >= 0) {
+      ptx::bulk_wait_read<0>();
+      for (int i = 0; i < 4; ++i) sm.v_tile[o_pending].consumer_release();
+      o_pending = -1;
+    }
+  };
   for (int t = feed.next(-1); t < p.num_tiles; t = feed.next(t)) {
     const Tile w = tile_at(p, t);
+    release_o_slot();
     if (!w.valid) continue;
+    // this tile's O by TMA: bf16 slots, keys to visit, and (thd) every row of the tile in its sequence
+    const bool stage_o = p.tma_o && !fp8() && w.n_blocks > 0 && (!p.thd || (w.m + 1) * 128 <= w.len_q);
+    int o_slot = 0;
     float o[kDv / 2];
     float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
 #pragma unroll
@@ -794,31 +815,58 @@ __global__ void __launch_bounds__(512, 1)
       if (zero_v_tail && w.n_blocks * 128 > w.len_kv) zero_v_rows(vslot, w.len_kv - (w.n_blocks - 1) * 128);
       issue_pv(pa, vslot);
       ptx::wgmma_wait<0>();
-      pv_landed(vslot);
+      if (stage_o) {
+#pragma unroll
+        for (int i = 0; i < kDv / 2; ++i) ptx::fence_reg(o[i]);
+        o_slot = vslot;  // kept: O goes through it
+      } else {
+        pv_landed(vslot);
+      }
     }
-    // epilogue: O / l -> bf16, LSE
+    // epilogue: O / l -> bf16 (staged: into the last V slot, rows as V's, [64 columns][128 B] blocks
+    // with the 128-byte swizzle, once both warpgroups' last P·V has read it), LSE
+    uint8_t* const o_stage = K::v_slot(sm, o_slot);
+    if (stage_o) ptx::named_barrier(kConsumerBarrier, 256);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = lrow[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int row = w.m * 128 + r_in + 8 * h;
-      if (row >= w.len_q) continue;
+      if (!stage_o && row >= w.len_q) continue;  // (staged: TMA leaves rows past the tensor unwritten)
       const float inv = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : l);  // l NaN stays NaN
       uint16_t* orow = p.o + w.b * p.o_st_b + (w.q0 + row) * p.o_st_s + w.h * p.o_st_h;
+      const int rt = r_in + 8 * h;  // row in the tile
 #pragma unroll
       for (int jj = 0; jj < kDv / 8; ++jj) {
         const int col = 8 * jj + 2 * (lane % 4);
         const uint32_t v = bf16_out(o[4 * jj + 2 * h] * inv) | (uint32_t{bf16_out(o[4 * jj + 2 * h + 1] * inv)} << 16);
-        *reinterpret_cast<uint32_t*>(orow + col) = v;
+        if (stage_o)
+          *reinterpret_cast<uint32_t*>(o_stage + (jj / 8) * C::kBN * 128 + rt * 128 + (((jj % 8) ^ (rt & 7)) * 16) +
+                                       4 * (lane % 4)) = v;
+        else
+          *reinterpret_cast<uint32_t*>(orow + col) = v;
       }
-      if (p.lse != nullptr && lane % 4 == 0) {
+      if (p.lse != nullptr && lane % 4 == 0 && row < w.len_q) {
         const float lse = l == 0.f ? -INFINITY : (mrow[h] + log2f(l)) * 0.69314718055994531f;
         const int64_t idx = p.thd ? int64_t{w.h} * p.total_q + w.q0 + row : (int64_t{w.b} * p.H + w.h) * p.Sq + row;
         p.lse[idx] = lse;
       }
     }
+    if (stage_o) {  // this warpgroup's 64 rows, one box per 64 columns
+      ptx::fence_proxy_async();
+      ptx::named_barrier(kOStagedBarrier + cw, 128);
+      if (threadIdx.x % 128 == 0) {
+#pragma unroll
+        for (int cb = 0; cb < C::kVBlocks; ++cb)
+          ptx::tma_store_4d(&tmap_o, o_stage + cb * C::kBN * 128 + 64 * cw * 128, cb * 64, w.h,
+                            w.q0 + w.m * 128 + 64 * cw, p.thd ? 0 : w.b);
+        ptx::bulk_commit();
+        o_pending = o_slot;
+      }
+    }
   }
+  release_o_slot();  // (the CTA's shared memory stays until the last store has read it)
 }
 
 }  // namespace mxmla::detail::attn
