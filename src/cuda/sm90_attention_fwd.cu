@@ -28,8 +28,9 @@ namespace {
 
 constexpr const char* kOp = "mxmla.attention";
 
-// A 4-D map over an operand: dims {d, heads, tokens, batch}, box {64, 1, 128, 1}; FP8 codes with the
-// 64-byte swizzle (the dequantizer's staging), bf16 with the 128-byte swizzle (the wgmma layout).
+// A 4-D map over an operand: dims {d, heads, tokens, batch}, box {64, 1, rows, 1}; FP8 codes with the
+// 64-byte swizzle (the dequantizer's staging), bf16 with the 128-byte swizzle (the wgmma layout; O's
+// stores from its staging, 64 rows a box).
 // TMA reads an operand when its data pointer and its head, token and batch strides are multiples of
 // 16 bytes; the stride of a dim of extent 1 (one head, one token, one sequence) is never stepped
 // over and does not count (make_tma_desc gives it the packed value).
@@ -41,7 +42,7 @@ bool tma_aligned(const AttnTensorView& v, bool fp8, int64_t heads, int64_t token
 }
 
 CUtensorMap operand_map(const char* arg, const AttnTensorView& v, bool fp8, int64_t d, int64_t heads, int64_t tokens,
-                        int64_t batch) {
+                        int64_t batch, uint32_t rows = 128) {
   tokens = std::max<int64_t>(tokens, 1);
   if (!tma_aligned(v, fp8, heads, tokens, batch))
     throw Error(kOp, arg,
@@ -52,7 +53,7 @@ CUtensorMap operand_map(const char* arg, const AttnTensorView& v, bool fp8, int6
                               static_cast<cuuint64_t>(tokens), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(v.st_h * esz), static_cast<cuuint64_t>(v.st_s * esz),
                                  static_cast<cuuint64_t>(v.st_b * esz)};  // (extent-1 dims': replaced)
-  const cuuint32_t box[4] = {64, 1, 128, 1};
+  const cuuint32_t box[4] = {64, 1, rows, 1};
   return make_tma_desc(v.data, fp8 ? DType::kUInt8 : DType::kBFloat16, 4, dims, strides, box,
                        fp8 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
 }
@@ -85,20 +86,12 @@ void launch(const AttentionProblem& pr, bool q_codes, cudaStream_t stream) {
 
   const int64_t q_tokens = pr.thd ? pr.total_q : pr.Sq, kv_tokens = pr.thd ? pr.total_kv : pr.Skv;
   const int64_t batch = pr.thd ? 1 : pr.B;
-  // O by TMA stores (boxes of [64 rows][64 columns], 128-byte swizzle) where the kernel has bf16 K / V
-  // slots to stage it in (not the fused path) and TMA can describe O
+  // O by TMA stores where the kernel has bf16 K / V slots to stage it in (not the fused path); the
+  // API has checked that TMA can write O (attention.cpp)
   AttnTensorView ov;
   ov.data = pr.o, ov.st_b = pr.o_st_b, ov.st_s = pr.o_st_s, ov.st_h = pr.o_st_h;
-  p.tma_o = !pr.fp8 && q_tokens > 0 && tma_aligned(ov, false, pr.H, q_tokens, batch);
-  CUtensorMap to{};
-  if (p.tma_o) {
-    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(pr.Dv), static_cast<cuuint64_t>(pr.H),
-                                static_cast<cuuint64_t>(q_tokens), static_cast<cuuint64_t>(batch)};
-    const cuuint64_t strides[3] = {static_cast<cuuint64_t>(ov.st_h * 2), static_cast<cuuint64_t>(ov.st_s * 2),
-                                   static_cast<cuuint64_t>(ov.st_b * 2)};
-    const cuuint32_t box[4] = {64, 1, 64, 1};
-    to = make_tma_desc(pr.o, DType::kBFloat16, 4, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
-  }
+  p.tma_o = !pr.fp8 && q_tokens > 0;  // (no query rows: no tile stores O)
+  const CUtensorMap to = p.tma_o ? operand_map("o", ov, false, pr.Dv, pr.H, q_tokens, batch, 64) : CUtensorMap{};
   const CUtensorMap tq = operand_map("q", pr.q, pr.fp8 || q_codes, pr.Dqk, pr.H, q_tokens, batch);
   // no keys at all (s_kv = 0, or thd with every KV sequence empty): every tile has n_blocks = 0 and the
   // kernel never reads K or V, but TMA cannot describe an empty tensor (zero extents and strides): K's
