@@ -826,31 +826,45 @@ __global__ void __launch_bounds__(512, 1)
     // epilogue: O / l -> bf16 (staged: into the last V slot, rows as V's, [64 columns][128 B] blocks
     // with the 128-byte swizzle, once both warpgroups' last P·V has read it), LSE
     uint8_t* const o_stage = K::v_slot(sm, o_slot);
-    if (stage_o) ptx::named_barrier(kConsumerBarrier, 256);
+    float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = lrow[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
+      inv[h] = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : l);  // l NaN stays NaN
       const int row = w.m * 128 + r_in + 8 * h;
-      if (!stage_o && row >= w.len_q) continue;  // (staged: TMA leaves rows past the tensor unwritten)
-      const float inv = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : l);  // l NaN stays NaN
-      uint16_t* orow = p.o + w.b * p.o_st_b + (w.q0 + row) * p.o_st_s + w.h * p.o_st_h;
-      const int rt = r_in + 8 * h;  // row in the tile
+      if (row >= w.len_q) continue;
+      if (!stage_o) {
+        uint16_t* orow = p.o + w.b * p.o_st_b + (w.q0 + row) * p.o_st_s + w.h * p.o_st_h;
 #pragma unroll
-      for (int jj = 0; jj < kDv / 8; ++jj) {
-        const int col = 8 * jj + 2 * (lane % 4);
-        const uint32_t v = bf16_out(o[4 * jj + 2 * h] * inv) | (uint32_t{bf16_out(o[4 * jj + 2 * h + 1] * inv)} << 16);
-        if (stage_o)
-          *reinterpret_cast<uint32_t*>(o_stage + (jj / 8) * C::kBN * 128 + rt * 128 + (((jj % 8) ^ (rt & 7)) * 16) +
-                                       4 * (lane % 4)) = v;
-        else
+        for (int jj = 0; jj < kDv / 8; ++jj) {
+          const int col = 8 * jj + 2 * (lane % 4);
+          const uint32_t v =
+              bf16_out(o[4 * jj + 2 * h] * inv[h]) | (uint32_t{bf16_out(o[4 * jj + 2 * h + 1] * inv[h])} << 16);
           *reinterpret_cast<uint32_t*>(orow + col) = v;
+        }
       }
-      if (p.lse != nullptr && lane % 4 == 0 && row < w.len_q) {
+      if (p.lse != nullptr && lane % 4 == 0) {
         const float lse = l == 0.f ? -INFINITY : (mrow[h] + log2f(l)) * 0.69314718055994531f;
         const int64_t idx = p.thd ? int64_t{w.h} * p.total_q + w.q0 + row : (int64_t{w.b} * p.H + w.h) * p.Sq + row;
         p.lse[idx] = lse;
+      }
+    }
+    if (stage_o) {
+      // O into the slot once both warpgroups' last P·V has read it (rows past the tensor too: TMA
+      // leaves them unwritten): 8x8 matrices (16 rows, 16 columns per stmatrix) of the accumulator
+      // layout, lane l giving row l % 8 (+ 8 for matrices 1, 3) of column block 2u (+ 1 for 2, 3)
+      ptx::named_barrier(kConsumerBarrier, 256);
+      const auto pk = [&](int jj, int h) {
+        return bf16_out(o[4 * jj + 2 * h] * inv[h]) | (uint32_t{bf16_out(o[4 * jj + 2 * h + 1] * inv[h])} << 16);
+      };
+      const int mi = lane / 8, rt = 64 * cw + 16 * warp + 8 * (mi % 2) + lane % 8;  // (rt & 7 = lane % 8)
+#pragma unroll
+      for (int u = 0; u < kDv / 16; ++u) {
+        const int jj = 2 * u + mi / 2;
+        ptx::stmatrix_x4(o_stage + (jj / 8) * C::kBN * 128 + rt * 128 + (((jj % 8) ^ (lane % 8)) * 16), pk(2 * u, 0),
+                         pk(2 * u, 1), pk(2 * u + 1, 0), pk(2 * u + 1, 1));
       }
     }
     if (stage_o) {  // this warpgroup's 64 rows, one box per 64 columns
