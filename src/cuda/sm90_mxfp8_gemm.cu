@@ -96,47 +96,61 @@ __device__ __forceinline__ void check_scale(uint32_t e, const uint32_t (&w)[4], 
 }
 
 // The swizzled rowwise scales of op(X) = [R, K] (every padded byte written; padding zero) for
-// designs A and B, from the operand's own (at index: OpScaleIndex, rowwise of [R, K] when
+// designs A, B and D, from the operand's own (at index: OpScaleIndex, rowwise of [R, K] when
 // contract_cols, else columnwise of [K, R]). Returns at once when run_if is given and *run_if is
-// clear (per call, only design B reads them, and only when the scale check set the flag). A block takes groups of 128 rows x 16
-// block columns (four 512-byte swizzle tiles, contiguous in dst) through shared memory: reads along
-// the source's contiguous direction (16 block columns of a row, or 128 rows of a block column),
-// 4-byte stores.
-constexpr int64_t kGatherBlocks = 4096;
-__global__ void __launch_bounds__(256) gather_scales(const uint8_t* __restrict__ src, OpScaleIndex index, bool contract_cols,
-                                                     uint8_t* __restrict__ dst, int64_t R, int64_t kb_count,
-                                                     int64_t rows_pad, int64_t cols_pad, const uint32_t* run_if) {
+// clear (per call, design B reads them only when the scale check set the flag; design D always).
+// A block of 128 threads takes groups of 128 rows x 16 block columns (four 512-byte swizzle tiles,
+// contiguous in dst) through shared memory. Loads: 16 bytes a thread along the source's contiguous
+// direction (one row's 16 block columns, or 16 rows of one block column), one 16-byte load where
+// the source is compact and those bytes are whole and aligned (vec16), else byte by byte.
+// Stores: one 16-byte chunk of the swizzle tiles a thread (chunk c of tile q: rows c, c + 32,
+// c + 64, c + 96, block columns 4q .. 4q + 3).
+constexpr int64_t kGatherBlocks = 8192;
+constexpr int kGatherThreads = 128;
+__global__ void __launch_bounds__(kGatherThreads) gather_scales(const uint8_t* __restrict__ src, OpScaleIndex index,
+                                                                bool contract_cols, bool vec16, uint8_t* __restrict__ dst,
+                                                                int64_t R, int64_t kb_count, int64_t rows_pad,
+                                                                int64_t cols_pad, const uint32_t* run_if) {
   if (run_if != nullptr && *run_if == 0) return;
-  __shared__ uint8_t t[128][20];  // [row][block column of the group]
+  // [row][block column of the group], rows 20 bytes apart: the 4-byte reads down a column of
+  // words (rows c + 32k) fall in distinct banks
+  __shared__ __align__(16) uint32_t t[128 * 5];
+  uint8_t* const tb = reinterpret_cast<uint8_t*>(t);
   const int64_t tiles_x = cols_pad / 4, groups_x = (cols_pad + 15) / 16, groups = rows_pad / 128 * groups_x;
   const int tid = threadIdx.x;
   for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
     const int64_t i0 = g / groups_x * 128, j0 = g % groups_x * 16;
     __syncthreads();  // the previous group's reads of t
-    // this thread's byte of pass `pass` (group row li, block column lj): rowwise source, 16 threads a
-    // row (consecutive block columns); columnwise, 128 a block column
-    const auto li = [&](int pass) { return contract_cols ? pass * 16 + tid / 16 : tid % 128; };
-    const auto lj = [&](int pass) { return contract_cols ? tid % 16 : pass * 2 + tid / 128; };
-    uint8_t v[8];
+    if (contract_cols) {  // row i0 + tid, block columns j0 .. j0 + 15 (contiguous in a compact source)
+      const int64_t i = i0 + tid;
+      uint32_t w[4] = {0, 0, 0, 0};
+      if (vec16 && i < R && j0 + 16 <= kb_count) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + index.at(i, j0)));
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+      } else if (i < R) {
 #pragma unroll
-    for (int pass = 0; pass < 8; ++pass) {
-      const int64_t i = i0 + li(pass), j = j0 + lj(pass);
-      v[pass] = (i < R && j < kb_count) ? src[index.at(i, j)] : uint8_t{0};
+        for (int b = 0; b < 16; ++b)
+          if (j0 + b < kb_count) w[b / 4] |= uint32_t{src[index.at(i, j0 + b)]} << (8 * (b % 4));
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) t[tid * 5 + k] = w[k];
+    } else {  // block column j0 + tid / 8, rows i0 + 16 (tid % 8) .. + 15 (contiguous in a compact source)
+      const int64_t j = j0 + tid / 8, r0 = i0 + 16 * (tid % 8);
+      uint8_t v[16];
+      if (vec16 && j < kb_count && r0 + 16 <= R) {
+        *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(src + index.at(r0, j)));
+      } else {
+#pragma unroll
+        for (int b = 0; b < 16; ++b) v[b] = (j < kb_count && r0 + b < R) ? src[index.at(r0 + b, j)] : uint8_t{0};
+      }
+#pragma unroll
+      for (int b = 0; b < 16; ++b) tb[(16 * (tid % 8) + b) * 20 + tid / 8] = v[b];
     }
-#pragma unroll
-    for (int pass = 0; pass < 8; ++pass) t[li(pass)][lj(pass)] = v[pass];
     __syncthreads();
-    // word w of the group (512 words): tile q = w / 128 (block columns j0 + 4q .. + 3), at byte
-    // 4·(w % 128) of the tile: swizzle_offset puts row i at (i % 32)·16 + ((i % 128) / 32)·4
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int w = h * 256 + tid, q = w / 128, o = 4 * (w % 128);
-      if (j0 + 4 * q >= cols_pad) continue;
-      const int li = (o % 512) / 16 + 32 * ((o % 16) / 4);
-      const uint32_t word = uint32_t{t[li][4 * q]} | (uint32_t{t[li][4 * q + 1]} << 8) |
-                            (uint32_t{t[li][4 * q + 2]} << 16) | (uint32_t{t[li][4 * q + 3]} << 24);
-      *reinterpret_cast<uint32_t*>(dst + (i0 / 128 * tiles_x + j0 / 4 + q) * 512 + o) = word;
-    }
+    const int q = tid / 32, c = tid % 32;
+    if (j0 + 4 * q < cols_pad)
+      *reinterpret_cast<uint4*>(dst + (i0 / 128 * tiles_x + j0 / 4 + q) * 512 + 16 * c) =
+          make_uint4(t[c * 5 + q], t[(c + 32) * 5 + q], t[(c + 64) * 5 + q], t[(c + 96) * 5 + q]);
   }
 }
 
@@ -308,8 +322,13 @@ const uint8_t* gather(const GemmOperandView& v, int64_t R, int64_t K, cudaStream
   // at most, so that the launch that returns costs little; the blocks stride over the groups
   const int64_t cap = run_if != nullptr ? device_sms() : kGatherBlocks;
   const int blocks = static_cast<int>(std::min<int64_t>(groups, cap));
-  gather_scales<<<blocks, 256, 0, s>>>(v.scales, scale_index(v), v.contract_cols, scales->ptr, R, kb, rows_pad, cols_pad,
-                                       run_if);
+  const OpScaleIndex index = scale_index(v);
+  // 16-byte loads: a compact source whose contiguous direction's stride and base are 16-byte multiples
+  const int64_t line = v.contract_cols ? index.sr : index.skb;
+  const bool vec16 = !index.swizzled && line % 16 == 0 && reinterpret_cast<uintptr_t>(v.scales) % 16 == 0 &&
+                     (v.contract_cols ? index.skb == 1 : index.sr == 1);
+  gather_scales<<<blocks, kGatherThreads, 0, s>>>(v.scales, index, v.contract_cols, vec16, scales->ptr, R, kb, rows_pad,
+                                                  cols_pad, run_if);
   MXMLA_CUDA_CHECK(cudaGetLastError());
   return scales->ptr;
 }
