@@ -55,30 +55,48 @@ inline int64_t queue_grid(int64_t resident, int64_t tiles, int64_t runs) {
   return std::min(persistent_grid(resident, tiles), std::max<int64_t>(1, runs));
 }
 
-// The MXFP8 GEMM's design C: how many parts to split K into. A GEMM with few output tiles and a long
-// K leaves SMs idle in its last wave (dgrad at T 4096: 192 tiles of 128 x 256 on 132 SMs); s splits
-// make s · tiles work units of about kblocks / s k-blocks, whose fp32 partial sums a reduction pass
-// adds. Estimated time (µs) for s = 1 .. 4: waves · (k-blocks per unit + kTileOverhead) · kKBlockUs,
-// plus for s > 1 the partials' traffic (M·N·(8s + 2) bytes: written, read, the result) at
-// kReduceBytesPerUs and kLaunchUs; the fastest wins (ties: fewer splits). A split keeps at least
-// kMinKBlocks k-blocks. tiles, kblocks, resident >= 1.
-inline int gemm_k_splits(int64_t tiles, int64_t kblocks, int64_t mn, int64_t resident) {
+// The MXFP8 GEMM's designs C and D with K split: how many m-tile rows (of m_tiles, each n_tiles
+// output tiles) run whole in a launch of their own before the split launch — the rows that the
+// complete waves hold (no partial sums, no reduction for them); m_tiles when no wave is partial.
+// m_tiles, n_tiles, resident >= 1.
+inline int64_t gemm_whole_rows(int64_t m_tiles, int64_t n_tiles, int64_t resident) {
+  const int64_t tiles = m_tiles * n_tiles;
+  return std::min(m_tiles, tiles / resident * resident / n_tiles);
+}
+
+// ... and how many parts to split K into. A GEMM whose last wave leaves SMs idle and whose K is
+// long (dgrad at T 4096: 192 tiles of 128 x 256 on 132 SMs) splits the tiles past the whole rows
+// (whole: their tiles): s splits make s units of about kblocks / s k-blocks of each, whose fp32
+// partial sums a reduction pass adds. Estimated time (µs) for s = 1 .. 4: the whole tiles' waves,
+// then the split tiles' waves, each (k-blocks per unit + kTileOverhead) · kKBlockUs, plus for s > 1
+// the split tiles' share of the partials' traffic (M·N·(8s + 2) bytes: written, read, the result)
+// at kReduceBytesPerUs and a kLaunchUs per launch; a split must beat the unsplit estimate by
+// kMinGain (the model is coarse; a split changes the output's rounding), the fastest wins (ties:
+// fewer splits). A split keeps at least kMinKBlocks k-blocks. tiles, kblocks, resident >= 1.
+inline int gemm_k_splits(int64_t tiles, int64_t whole, int64_t kblocks, int64_t mn, int64_t resident) {
   constexpr double kKBlockUs = 0.55;          // one 128 x 256 x 64 bf16 k-block on one SM (H200)
   constexpr double kTileOverhead = 2;         // a tile's prologue and epilogue, in k-blocks
   constexpr double kReduceBytesPerUs = 3e6;   // the reduction pass's bandwidth (3 TB/s)
   constexpr double kLaunchUs = 5;
+  constexpr double kMinGain = 0.02;
   constexpr int64_t kMinKBlocks = 8;
+  const auto waves_us = [&](int64_t units, int64_t per) {
+    return static_cast<double>((units + resident - 1) / resident) * (static_cast<double>(per) + kTileOverhead) * kKBlockUs;
+  };
+  const int64_t last = tiles - whole;
+  const double whole_us = whole > 0 ? waves_us(whole, kblocks) + kLaunchUs : 0;
   int best = 1;
-  double best_us = 0;
-  for (int s = 1; s <= 4; ++s) {
+  double best_us = waves_us(tiles, kblocks) * (1 - kMinGain);
+  for (int s = 2; s <= 4 && last > 0; ++s) {
     const int64_t per = (kblocks + s - 1) / s;
-    if (s > 1 && per < kMinKBlocks) break;
+    if (per < kMinKBlocks) break;
     const int64_t parts = (kblocks + per - 1) / per;  // no empty part
-    if (s > 1 && parts != s) continue;
-    const int64_t waves = (tiles * parts + resident - 1) / resident;
-    double us = static_cast<double>(waves) * (static_cast<double>(per) + kTileOverhead) * kKBlockUs;
-    if (s > 1) us += static_cast<double>(mn) * (8.0 * s + 2) / kReduceBytesPerUs + kLaunchUs;
-    if (s == 1 || us < best_us) best = s, best_us = us;
+    if (parts != s) continue;
+    const double us = whole_us + waves_us(last * parts, per) +
+                      static_cast<double>(mn) * static_cast<double>(last) / static_cast<double>(tiles) * (8.0 * s + 2) /
+                          kReduceBytesPerUs +
+                      kLaunchUs;
+    if (us < best_us) best = s, best_us = us;
   }
   return best;
 }

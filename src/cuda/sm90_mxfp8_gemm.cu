@@ -59,34 +59,42 @@ constexpr const char* kOp = "mxmla.gemm";
 
 // dst [R, Kp] (K contiguous, zero beyond K) from src: [R, K] row-major (!trans) or [K, R] (trans),
 // row stride ld. 32 x 32 byte tiles through shared memory, a block taking tiles blockIdx.x,
-// blockIdx.x + gridDim.x, … (a grid of at most kRepackBlocks, or one block per SM when gated: a
-// launch the flag turns away costs little). run_if: null, or the design flag (the copy only design
-// B reads: returns at once while the flag is clear).
+// blockIdx.x + gridDim.x, … (a grid of at most kRepackBlocks). The copy design B reads: per call in
+// gated_prep's launch (below), which the design flag gates.
 constexpr int64_t kRepackBlocks = 2048;
-__global__ void __launch_bounds__(256) repack_kmajor(const uint8_t* __restrict__ src, int64_t ld, bool trans,
-                                                     uint8_t* __restrict__ dst, int64_t R, int64_t K, int64_t Kp,
-                                                     const uint32_t* run_if) {
-  if (run_if != nullptr && *run_if == 0) return;
+struct RepackArgs {
+  const uint8_t* src;
+  int64_t ld;
+  bool trans;
+  uint8_t* dst;
+  int64_t R, K, Kp;
+  int64_t tiles() const { return (Kp + 31) / 32 * ((R + 31) / 32); }
+};
+// The tiles first, first + stride, ... of one copy; (tx, ty): the thread's place in a 32 x 8 block.
+__device__ __forceinline__ void repack_tiles(const RepackArgs& a, int64_t first, int64_t stride, int tx, int ty) {
   __shared__ uint8_t t[32][33];
-  const int64_t tiles_k = (Kp + 31) / 32, tiles = tiles_k * ((R + 31) / 32);
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  const int64_t tiles_k = (a.Kp + 31) / 32, tiles = tiles_k * ((a.R + 31) / 32);
+  for (int64_t tile = first; tile < tiles; tile += stride) {
     const int64_t r0 = tile / tiles_k * 32, k0 = tile % tiles_k * 32;
     __syncthreads();  // the previous tile's reads of t
-    for (int i = threadIdx.y; i < 32; i += 8) {  // load: rows of the source
-      if (trans) {
-        const int64_t k = k0 + i, r = r0 + threadIdx.x;
-        t[i][threadIdx.x] = (k < K && r < R) ? src[k * ld + r] : uint8_t{0};
+    for (int i = ty; i < 32; i += 8) {  // load: rows of the source
+      if (a.trans) {
+        const int64_t k = k0 + i, r = r0 + tx;
+        t[i][tx] = (k < a.K && r < a.R) ? a.src[k * a.ld + r] : uint8_t{0};
       } else {
-        const int64_t r = r0 + i, k = k0 + threadIdx.x;
-        t[threadIdx.x][i] = (k < K && r < R) ? src[r * ld + k] : uint8_t{0};
+        const int64_t r = r0 + i, k = k0 + tx;
+        t[tx][i] = (k < a.K && r < a.R) ? a.src[r * a.ld + k] : uint8_t{0};
       }
     }
     __syncthreads();
-    for (int i = threadIdx.y; i < 32; i += 8) {  // store: rows of dst (t[k][r])
-      const int64_t r = r0 + i, k = k0 + threadIdx.x;
-      if (r < R && k < Kp) dst[r * Kp + k] = t[threadIdx.x][i];
+    for (int i = ty; i < 32; i += 8) {  // store: rows of dst (t[k][r])
+      const int64_t r = r0 + i, k = k0 + tx;
+      if (r < a.R && k < a.Kp) a.dst[r * a.Kp + k] = t[tx][i];
     }
   }
+}
+__global__ void __launch_bounds__(256) repack_kmajor(const RepackArgs a) {
+  repack_tiles(a, blockIdx.x, gridDim.x, threadIdx.x, threadIdx.y);
 }
 
 // The scale check (the launcher's note): sets *small when a block with a non-zero code (w: codes of
@@ -97,8 +105,8 @@ __device__ __forceinline__ void check_scale(uint32_t e, const uint32_t (&w)[4], 
 
 // The swizzled rowwise scales of op(X) = [R, K] (every padded byte written; padding zero) for
 // designs A, B and D, from the operand's own (at index: OpScaleIndex, rowwise of [R, K] when
-// contract_cols, else columnwise of [K, R]). Returns at once when run_if is given and *run_if is
-// clear (per call, design B reads them only when the scale check set the flag; design D always).
+// contract_cols, else columnwise of [K, R]): design D's of A, at every call; designs A's and B's
+// when forced; per call design B's are in gated_prep's launch (below), which the flag gates.
 // A block of 128 threads takes groups of 128 rows x 16 block columns (four 512-byte swizzle tiles,
 // contiguous in dst) through shared memory. Loads: 16 bytes a thread along the source's contiguous
 // direction (one row's 16 block columns, or 16 rows of one block column), one 16-byte load where
@@ -107,51 +115,83 @@ __device__ __forceinline__ void check_scale(uint32_t e, const uint32_t (&w)[4], 
 // c + 64, c + 96, block columns 4q .. 4q + 3).
 constexpr int64_t kGatherBlocks = 8192;
 constexpr int kGatherThreads = 128;
-__global__ void __launch_bounds__(kGatherThreads) gather_scales(const uint8_t* __restrict__ src, OpScaleIndex index,
-                                                                bool contract_cols, bool vec16, uint8_t* __restrict__ dst,
-                                                                int64_t R, int64_t kb_count, int64_t rows_pad,
-                                                                int64_t cols_pad, const uint32_t* run_if) {
-  if (run_if != nullptr && *run_if == 0) return;
+struct GatherArgs {
+  const uint8_t* src;
+  OpScaleIndex index;
+  bool contract_cols, vec16;
+  uint8_t* dst;
+  int64_t R, kb_count, rows_pad, cols_pad;
+  int64_t groups() const { return rows_pad / 128 * ((cols_pad + 15) / 16); }
+};
+// The groups first, first + stride, ... of one gather; threads tid < kGatherThreads do the work, the
+// block's other threads (a wider block) only take part in its barriers.
+__device__ __forceinline__ void gather_groups(const GatherArgs& a, int64_t first, int64_t stride, int tid) {
   // [row][block column of the group], rows 20 bytes apart: the 4-byte reads down a column of
   // words (rows c + 32k) fall in distinct banks
   __shared__ __align__(16) uint32_t t[128 * 5];
   uint8_t* const tb = reinterpret_cast<uint8_t*>(t);
-  const int64_t tiles_x = cols_pad / 4, groups_x = (cols_pad + 15) / 16, groups = rows_pad / 128 * groups_x;
-  const int tid = threadIdx.x;
-  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+  const int64_t tiles_x = a.cols_pad / 4, groups_x = (a.cols_pad + 15) / 16, groups = a.rows_pad / 128 * groups_x;
+  const bool worker = tid < kGatherThreads;
+  for (int64_t g = first; g < groups; g += stride) {
     const int64_t i0 = g / groups_x * 128, j0 = g % groups_x * 16;
     __syncthreads();  // the previous group's reads of t
-    if (contract_cols) {  // row i0 + tid, block columns j0 .. j0 + 15 (contiguous in a compact source)
+    if (worker && a.contract_cols) {  // row i0 + tid, block columns j0 .. j0 + 15 (contiguous in a compact source)
       const int64_t i = i0 + tid;
       uint32_t w[4] = {0, 0, 0, 0};
-      if (vec16 && i < R && j0 + 16 <= kb_count) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + index.at(i, j0)));
+      if (a.vec16 && i < a.R && j0 + 16 <= a.kb_count) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(a.src + a.index.at(i, j0)));
         w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-      } else if (i < R) {
+      } else if (i < a.R) {
 #pragma unroll
         for (int b = 0; b < 16; ++b)
-          if (j0 + b < kb_count) w[b / 4] |= uint32_t{src[index.at(i, j0 + b)]} << (8 * (b % 4));
+          if (j0 + b < a.kb_count) w[b / 4] |= uint32_t{a.src[a.index.at(i, j0 + b)]} << (8 * (b % 4));
       }
 #pragma unroll
       for (int k = 0; k < 4; ++k) t[tid * 5 + k] = w[k];
-    } else {  // block column j0 + tid / 8, rows i0 + 16 (tid % 8) .. + 15 (contiguous in a compact source)
+    } else if (worker) {  // block column j0 + tid / 8, rows i0 + 16 (tid % 8) .. + 15 (contiguous in a compact source)
       const int64_t j = j0 + tid / 8, r0 = i0 + 16 * (tid % 8);
       uint8_t v[16];
-      if (vec16 && j < kb_count && r0 + 16 <= R) {
-        *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(src + index.at(r0, j)));
+      if (a.vec16 && j < a.kb_count && r0 + 16 <= a.R) {
+        *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(a.src + a.index.at(r0, j)));
       } else {
 #pragma unroll
-        for (int b = 0; b < 16; ++b) v[b] = (j < kb_count && r0 + b < R) ? src[index.at(r0 + b, j)] : uint8_t{0};
+        for (int b = 0; b < 16; ++b) v[b] = (j < a.kb_count && r0 + b < a.R) ? a.src[a.index.at(r0 + b, j)] : uint8_t{0};
       }
 #pragma unroll
       for (int b = 0; b < 16; ++b) tb[(16 * (tid % 8) + b) * 20 + tid / 8] = v[b];
     }
     __syncthreads();
     const int q = tid / 32, c = tid % 32;
-    if (j0 + 4 * q < cols_pad)
-      *reinterpret_cast<uint4*>(dst + (i0 / 128 * tiles_x + j0 / 4 + q) * 512 + 16 * c) =
+    if (worker && j0 + 4 * q < a.cols_pad)
+      *reinterpret_cast<uint4*>(a.dst + (i0 / 128 * tiles_x + j0 / 4 + q) * 512 + 16 * c) =
           make_uint4(t[c * 5 + q], t[(c + 32) * 5 + q], t[(c + 64) * 5 + q], t[(c + 96) * 5 + q]);
   }
+}
+// zero: null, or the call's design flag, which block 0 clears first (design D's call: its gather
+// of A's scales is the call's first launch, before any scale check can set the flag).
+__global__ void __launch_bounds__(kGatherThreads) gather_scales(const GatherArgs a, uint32_t* zero) {
+  if (zero != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *zero = 0;
+  gather_groups(a, blockIdx.x, gridDim.x, threadIdx.x);
+}
+
+// Design B's gathers and K-major copies of one call (at most four jobs: each operand's scales and
+// codes), in one launch that returns at once while the design flag is clear: block (x, j) takes
+// job j's work units x, x + gridDim.x, ... (256 threads: a repack's 32 x 8, a gather's 128 and 128
+// that only take part in its barriers).
+struct PrepJob {
+  bool gather;
+  GatherArgs g;
+  RepackArgs r;
+};
+struct PrepJobs {
+  PrepJob job[4];
+  int n;
+};
+__global__ void __launch_bounds__(256) gated_prep(const __grid_constant__ PrepJobs jobs, const uint32_t* run_if) {
+  if (*run_if == 0) return;
+  const PrepJob& j = jobs.job[blockIdx.y];
+  if (j.gather) gather_groups(j.g, blockIdx.x, gridDim.x, threadIdx.x);
+  else repack_tiles(j.r, blockIdx.x, gridDim.x, threadIdx.x % 32, threadIdx.x / 32);
 }
 
 // 4·kWords codes (byte i of w = value k0 + i) times the block's factor f -> as many bf16 (out[i]:
@@ -312,24 +352,40 @@ OpScaleIndex scale_index(const GemmOperandView& v) {
   return op_scale_index(v.map, v.contract_cols);
 }
 
-// op(X)'s swizzled scales for designs A and B (scratch); run_if: null, or the design flag (per call).
+// What designs A and B read besides design C's copies, launched per call (gated: at most four jobs
+// in one gated_prep launch, returning at once while the design flag is clear; the grid one block
+// per SM at most for each job, so that the launch that returns costs little) or at once (ungated).
+struct PrepBatch {
+  PrepJobs jobs{};
+  int64_t units = 0;  // the most work units of a job
+  void add(const PrepJob& j, int64_t n) { jobs.job[jobs.n++] = j, units = std::max(units, n); }
+  void launch(const uint32_t* run_if, cudaStream_t s) const {
+    if (jobs.n == 0) return;
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(units, device_sms())), static_cast<unsigned>(jobs.n));
+    gated_prep<<<grid, 256, 0, s>>>(jobs, run_if);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  }
+};
+
+// op(X)'s swizzled scales for designs A, B and D (scratch): into `batch` when given (design B's,
+// per call), else launched now; zero: as gather_scales'.
 const uint8_t* gather(const GemmOperandView& v, int64_t R, int64_t K, cudaStream_t s,
-                      std::unique_ptr<StreamScratch>& scales, const uint32_t* run_if) {
+                      std::unique_ptr<StreamScratch>& scales, PrepBatch* batch, uint32_t* zero = nullptr) {
   const int64_t kb = (K + 31) / 32, rows_pad = (R + 127) / 128 * 128, cols_pad = (kb + 3) / 4 * 4;
   scales = std::make_unique<StreamScratch>(rows_pad * cols_pad, s);
-  const int64_t groups = rows_pad / 128 * ((cols_pad + 15) / 16);
-  // gated (per call: returns at once unless the rare tiny-scale flag is set): one block per SM
-  // at most, so that the launch that returns costs little; the blocks stride over the groups
-  const int64_t cap = run_if != nullptr ? device_sms() : kGatherBlocks;
-  const int blocks = static_cast<int>(std::min<int64_t>(groups, cap));
   const OpScaleIndex index = scale_index(v);
   // 16-byte loads: a compact source whose contiguous direction's stride and base are 16-byte multiples
   const int64_t line = v.contract_cols ? index.sr : index.skb;
   const bool vec16 = !index.swizzled && line % 16 == 0 && reinterpret_cast<uintptr_t>(v.scales) % 16 == 0 &&
                      (v.contract_cols ? index.skb == 1 : index.sr == 1);
-  gather_scales<<<blocks, kGatherThreads, 0, s>>>(v.scales, index, v.contract_cols, vec16, scales->ptr, R, kb, rows_pad,
-                                                  cols_pad, run_if);
-  MXMLA_CUDA_CHECK(cudaGetLastError());
+  const GatherArgs a{static_cast<const uint8_t*>(v.scales), index, v.contract_cols, vec16, scales->ptr,
+                     R, kb, rows_pad, cols_pad};
+  if (batch != nullptr) {
+    batch->add(PrepJob{true, a, RepackArgs{}}, a.groups());
+  } else {
+    gather_scales<<<static_cast<unsigned>(std::min<int64_t>(a.groups(), kGatherBlocks)), kGatherThreads, 0, s>>>(a, zero);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  }
   return scales->ptr;
 }
 
@@ -347,27 +403,28 @@ KMajor kmajor(const GemmOperandView& v, int64_t R) {
   return out;
 }
 
-// op(X)'s K-major copy [R, round_up(K, 16)] into scratch (x.codes); run_if: null, or the design
-// flag (only design B reads the copy: it returns at once while the flag is clear).
+// op(X)'s K-major copy [R, round_up(K, 16)] into scratch (x.codes): into `batch` when given
+// (design B's, per call), else launched now.
 void repack(const GemmOperandView& v, int64_t R, int64_t K, KMajor& x, cudaStream_t s,
-            std::unique_ptr<StreamScratch>& codes, const uint32_t* run_if) {
+            std::unique_ptr<StreamScratch>& codes, PrepBatch* batch) {
   const int64_t Kp = (K + 15) / 16 * 16;
   codes = std::make_unique<StreamScratch>(R * Kp, s);
   x.codes = codes->ptr, x.ld = Kp;
-  const int64_t tiles = (Kp + 31) / 32 * ((R + 31) / 32);
-  const int64_t cap = run_if != nullptr ? device_sms() : kRepackBlocks;  // (gated: as gather())
-  repack_kmajor<<<static_cast<unsigned>(std::min(tiles, cap)), dim3(32, 8), 0, s>>>(
-      static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols, codes->ptr, R, K, Kp, run_if);
-  MXMLA_CUDA_CHECK(cudaGetLastError());
+  const RepackArgs a{static_cast<const uint8_t*>(v.data), v.ld, !v.contract_cols, codes->ptr, R, K, Kp};
+  if (batch != nullptr) {
+    batch->add(PrepJob{false, GatherArgs{}, a}, a.tiles());
+  } else {
+    repack_kmajor<<<static_cast<unsigned>(std::min(a.tiles(), kRepackBlocks)), dim3(32, 8), 0, s>>>(a);
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 // What designs A and B read of op(X) besides what design C made: its gathered scales and, where
-// its own codes are not K-major, their repacked copy (run_if: null, or the design flag).
+// its own codes are not K-major, their repacked copy (batch: as gather's).
 void for_design_b(const GemmOperandView& v, int64_t R, int64_t K, KMajor& x, cudaStream_t s,
-                  std::unique_ptr<StreamScratch>& scales, std::unique_ptr<StreamScratch>& codes,
-                  const uint32_t* run_if) {
-  if (x.scales == nullptr) x.scales = gather(v, R, K, s, scales, run_if);  // (design D gathered A's)
-  if (x.codes == nullptr) repack(v, R, K, x, s, codes, run_if);
+                  std::unique_ptr<StreamScratch>& scales, std::unique_ptr<StreamScratch>& codes, PrepBatch* batch) {
+  if (x.scales == nullptr) x.scales = gather(v, R, K, s, scales, batch);  // (design D gathered A's)
+  if (x.codes == nullptr) repack(v, R, K, x, s, codes, batch);
 }
 
 // Design B: [128 rows][128 codes] boxes, 128-byte swizzle; design A: [rows][64 codes], 64-byte swizzle.
@@ -378,6 +435,26 @@ CUtensorMap operand_map(const KMajor& x, int64_t R, int64_t K, bool design_a, in
   return make_tma_desc(x.codes, DType::kUInt8, 2, dims, strides, box,
                        design_a ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
 }
+
+// How designs C's and D's kernels read op(A)'s rows by TMA, so that a launch can take rows
+// [row0, row1) of it: 2-D, inner dimension first; rows along dims[1] (K-major: base + row · ld
+// bytes) or, for a columnwise A's own codes [K, M] (cols), along dims[0] (base + row bytes).
+struct RowsMap {
+  const uint8_t* base;
+  int64_t ld;  // bytes between consecutive K (cols) or rows (K-major)
+  int64_t K;
+  DType dtype;
+  bool cols;
+  cuuint32_t box_k, box_rows;
+  CUtensorMapSwizzle swizzle;
+  CUtensorMap at(int64_t row0, int64_t row1) const {
+    const int64_t esz = dtype == DType::kBFloat16 ? 2 : 1, R = row1 - row0;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols ? R : K), static_cast<cuuint64_t>(cols ? K : R)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld)};
+    const cuuint32_t box[2] = {cols ? box_rows : box_k, cols ? box_k : box_rows};
+    return make_tma_desc(base + (cols ? row0 * esz : row0 * ld), dtype, 2, dims, strides, box, swizzle);
+  }
+};
 
 template <ptx::MmaDtype kFmt>
 void launch_b(const CUtensorMap& ta, const CUtensorMap& tb, const mxgemm::Params& p, cudaStream_t s) {
@@ -413,15 +490,18 @@ void dequant_copy(const GemmOperandView& v, const KMajor& x, int64_t R, int64_t 
   MXMLA_CUDA_CHECK(cudaGetLastError());
 }
 
+// A bf16 copy [R, K] with row stride ld elements as designs C and D read it: box [rows][64 bf16],
+// 128-byte swizzle.
+RowsMap bf16_rows(const void* x16, int64_t ld, int64_t K, int rows) {
+  return RowsMap{static_cast<const uint8_t*>(x16), ld * 2, K, DType::kBFloat16, false, 64u,
+                 static_cast<cuuint32_t>(rows), CU_TENSOR_MAP_SWIZZLE_128B};
+}
+
 // The same and its TMA map, box [rows][64 bf16], 128-byte swizzle.
 CUtensorMap bf16_copy(const GemmOperandView& v, const KMajor& x, int64_t R, int64_t K, bool e4m3, uint32_t min_e,
                       uint32_t* small, int rows, cudaStream_t s, std::unique_ptr<StreamScratch>& keep) {
   dequant_copy(v, x, R, K, e4m3, min_e, small, s, keep);
-  const int64_t Kp = (K + 15) / 16 * 16;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(Kp * 2)};
-  const cuuint32_t box[2] = {64u, static_cast<cuuint32_t>(rows)};
-  return make_tma_desc(keep->ptr, DType::kBFloat16, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+  return bf16_rows(keep->ptr, (K + 15) / 16 * 16, K, rows).at(0, R);
 }
 
 // Design C's split-K reduction: D = alpha · (partial[0] + ... + partial[k_splits − 1]) (+ D for
@@ -444,15 +524,32 @@ __global__ void __launch_bounds__(256) reduce_splits(const mxgemm::Params p) {
   }
 }
 
-// Designs C's and D's K split: K in p.k_splits parts when that fills the SMs better
-// (heuristics::gemm_k_splits; MXMLA_GEMM_SPLITS=1..4 in the environment forces it, for tests), the
-// fp32 partials in stream-ordered scratch `part` (freed on the stream after the reduction). Sets
-// k_splits, kb_per_split, num_tiles (p.m_tiles · p.n_tiles output tiles times the split) and partial.
-void split_k(mxgemm::Params& p, int64_t resident, cudaStream_t s, std::unique_ptr<StreamScratch>& part) {
+// Designs C's and D's K split, decided per call: K in `splits` parts when that fills the SMs better
+// (heuristics::gemm_k_splits; MXMLA_GEMM_SPLITS=1..4 in the environment forces it, for tests), and
+// then only for the rows past whole_rows: the m-tile rows that the complete waves hold run whole in
+// a launch of their own (heuristics::gemm_whole_rows; no partial sums, no reduction for them).
+struct SplitPlan {
+  int splits;
+  int64_t whole_rows;  // rows [0, whole_rows) unsplit (a multiple of 128; 0: one launch)
+};
+SplitPlan split_plan(const mxgemm::Params& p, int64_t resident) {
   const int64_t tiles = int64_t{p.m_tiles} * p.n_tiles;
+  const int64_t whole_mt = heuristics::gemm_whole_rows(p.m_tiles, p.n_tiles, resident);
   const int forced = static_cast<int>(heuristics::env_forced("MXMLA_GEMM_SPLITS", 4));
-  p.k_splits = forced != 0 ? std::min(forced, p.kblocks)
-                           : heuristics::gemm_k_splits(tiles, p.kblocks, int64_t{p.M} * p.N, resident);
+  int splits = forced != 0 ? std::min(forced, p.kblocks)
+                           : heuristics::gemm_k_splits(tiles, whole_mt * p.n_tiles, p.kblocks, int64_t{p.M} * p.N,
+                                                       resident);
+  const int per = (p.kblocks + splits - 1) / splits;
+  splits = (p.kblocks + per - 1) / per;  // no empty part
+  if (splits <= 1 || whole_mt >= p.m_tiles) return {1, 0};
+  return {splits, whole_mt * mxgemm_c::Cfg::kBM};
+}
+// Sets a launch's k_splits, kb_per_split, num_tiles (p.m_tiles · p.n_tiles output tiles times the
+// split) and partial: the fp32 partials in stream-ordered scratch `part` (freed on the stream after
+// the reduction).
+void split_k(mxgemm::Params& p, int splits, cudaStream_t s, std::unique_ptr<StreamScratch>& part) {
+  const int64_t tiles = int64_t{p.m_tiles} * p.n_tiles;
+  p.k_splits = splits;
   p.kb_per_split = (p.kblocks + p.k_splits - 1) / p.k_splits;
   p.k_splits = (p.kblocks + p.kb_per_split - 1) / p.kb_per_split;  // no empty part
   if (tiles * p.k_splits > 0x7FFFFFFF) throw Error(kOp, "out", "has too many 128 x 256 output tiles");
@@ -488,37 +585,51 @@ CUtensorMap output_map(mxgemm::Params& p) {
   return to;
 }
 
-// Design C's GEMM (K split as split_k says). Unsplit, its epilogue stores by TMA (box [64 rows][64
-// columns], 128-byte swizzle) when D is bf16 without accumulation and its rows can be described
-// (data and row stride multiples of 16 bytes); else from the registers.
-void launch_c(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
+// Designs C's and D's launches over op(A)'s rows as split_plan says: one launch, or the whole rows
+// unsplit and then the other rows with K split; each launch with its own view of A (a.at), of A's
+// gathered scales (design D), of D and its reduction. launch(ta, to, q, grid) launches the kernel.
+template <typename Launch>
+void launch_rows(const RowsMap& a, const mxgemm::Params& p, int64_t resident, cudaStream_t s, Launch&& launch) {
+  const SplitPlan plan = split_plan(p, resident);
+  const auto rows = [&](int64_t row0, int64_t row1, int splits) {
+    mxgemm::Params q = p;
+    q.M = static_cast<int>(row1 - row0), q.m_tiles = static_cast<int>((row1 - row0 + 127) / 128);
+    q.out = static_cast<uint8_t*>(p.out) + row0 * p.ld_out * (p.out_f32 ? 4 : 2);
+    if (p.sa != nullptr) q.sa = p.sa + row0 / 128 * p.tiles_x * 512;  // whole 128-row scale tiles
+    std::unique_ptr<StreamScratch> part;
+    split_k(q, splits, s, part);
+    const CUtensorMap to = output_map(q);
+    launch(a.at(row0, row1), to, q, static_cast<int>(heuristics::persistent_grid(resident, q.num_tiles)));
+    MXMLA_CUDA_CHECK(cudaGetLastError());
+    reduce_parts(q, s);
+  };
+  if (plan.whole_rows > 0) rows(0, plan.whole_rows, 1);
+  rows(plan.whole_rows, p.M, plan.splits);
+}
+
+// Design C's GEMM (K split as split_plan says) on op(A)'s bf16 copy (a). Unsplit, its epilogue stores
+// by TMA (box [64 rows][64 columns], 128-byte swizzle) when D is bf16 without accumulation and its
+// rows can be described (data and row stride multiples of 16 bytes); else from the registers.
+void launch_c(const RowsMap& a, const CUtensorMap& tb, const mxgemm::Params& p, cudaStream_t s) {
   using K = mxgemm_c::Kernel;
   const void* kernel = reinterpret_cast<const void*>(&mxgemm_c::sm90_bf16_gemm_kernel<K>);
   const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
-  std::unique_ptr<StreamScratch> part;
-  split_k(p, fit.resident(), s, part);
-  const CUtensorMap to = output_map(p);
-  const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
-  mxgemm_c::sm90_bf16_gemm_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, to, p);
-  MXMLA_CUDA_CHECK(cudaGetLastError());
-  reduce_parts(p, s);
+  launch_rows(a, p, fit.resident(), s, [&](const CUtensorMap& ta, const CUtensorMap& to, const mxgemm::Params& q, int grid) {
+    mxgemm_c::sm90_bf16_gemm_kernel<K><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, to, q);
+  });
 }
 
-// Design D's GEMM (sm90_mxfp8_gemm_rs.cuh; K split as design C's): ta A's K-major codes, box
+// Design D's GEMM (sm90_mxfp8_gemm_rs.cuh; K split as design C's): a A's K-major codes, box
 // [128 rows][64 codes] with the 64-byte swizzle, or (kColsA) a columnwise A's codes [K, M], box
 // [64 of K][128 rows] with the 128-byte one; tb design C's bf16 copy of B, [256 rows][64], 128-byte.
 template <bool kE4M3, bool kColsA>
-void launch_d(const CUtensorMap& ta, const CUtensorMap& tb, mxgemm::Params p, cudaStream_t s) {
+void launch_d(const RowsMap& a, const CUtensorMap& tb, const mxgemm::Params& p, cudaStream_t s) {
   using K = mxgemm_d::Kernel;
   const void* kernel = reinterpret_cast<const void*>(&mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3, kColsA>);
   const KernelFit fit = kernel_fit(kernel, K::C::kThreads, K::kSmemBytes, K::kSmemBytes);
-  std::unique_ptr<StreamScratch> part;
-  split_k(p, fit.resident(), s, part);
-  const CUtensorMap to = output_map(p);
-  const int grid = static_cast<int>(heuristics::persistent_grid(fit.resident(), p.num_tiles));
-  mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3, kColsA><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, to, p);
-  MXMLA_CUDA_CHECK(cudaGetLastError());
-  reduce_parts(p, s);
+  launch_rows(a, p, fit.resident(), s, [&](const CUtensorMap& ta, const CUtensorMap& to, const mxgemm::Params& q, int grid) {
+    mxgemm_d::sm90_mxfp8_gemm_rs_kernel<K, kE4M3, kColsA><<<grid, K::C::kThreads, K::kSmemBytes, s>>>(ta, tb, to, q);
+  });
 }
 
 template <bool kE4M3>
@@ -538,13 +649,6 @@ char forced_design() {
   return (e != nullptr && (e[0] == 'A' || e[0] == 'B' || e[0] == 'C' || e[0] == 'D')) ? e[0] : '\0';
 }
 
-// A prepared bf16 copy's TMA map (as bf16_copy's).
-CUtensorMap prepared_map(const uint16_t* x16, int64_t ld, int64_t R, int64_t K, int rows) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * 2)};
-  const cuuint32_t box[2] = {64u, static_cast<cuuint32_t>(rows)};
-  return make_tma_desc(x16, DType::kBFloat16, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
-}
 
 }  // namespace
 
@@ -564,10 +668,10 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
   const char forced = forced_design();
   std::unique_ptr<StreamScratch> flag;  // set by the scale check: design B does the work
   uint32_t* small = prep != nullptr ? prep->flag : nullptr;
-  if (small == nullptr) {
+  const bool own_flag = small == nullptr;  // cleared below: by design D's gather, else a memset
+  if (own_flag) {
     flag = std::make_unique<StreamScratch>(4, s);
     small = reinterpret_cast<uint32_t*>(flag->ptr);
-    MXMLA_CUDA_CHECK(cudaMemsetAsync(small, 0, 4, s));
   }
   const bool a_ready = prep != nullptr && prep->a16 != nullptr;
   std::unique_ptr<StreamScratch> ca, sa, cb, sb;
@@ -591,10 +695,12 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
                                           !pr.accumulate && pr.N <= heuristics::kGemmDesignDMaxN &&
                                           pr.K >= heuristics::kGemmDesignDMinK);
   bool a_codes_done = false;
+  if (own_flag && !design_d) MXMLA_CUDA_CHECK(cudaMemsetAsync(small, 0, 4, s));
   if (design_d) {  // design D: 128 x 256 tiles, 64 of K per stage; runs unless the flag is set
     // (forced on a prepared call: A's codes first, which the caller then always writes)
     if (prep != nullptr && prep->a_codes) prep->a_codes(), a_codes_done = true;
-    a.scales = gather(pr.a, pr.M, pr.K, s, sa, nullptr);
+    // A's gathered scales, the call's first launch that knows the flag: it clears it
+    a.scales = gather(pr.a, pr.M, pr.K, s, sa, nullptr, own_flag ? small : nullptr);
     const uint32_t min_e = forced == 0 ? min_exact_e(e4m3) : 0u;  // B's pass checks B, the kernel A
     mxgemm::Params pd = p;
     pd.kblocks = static_cast<int>((pr.K + 63) / 64);
@@ -604,15 +710,12 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
     pd.check_flag = forced == 0 ? small : nullptr;
     std::unique_ptr<StreamScratch> b16;  // freed on the stream after the kernel
     const CUtensorMap tb = bf16_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, small, 256, s, b16);
-    if (a.codes != nullptr) {
-      const CUtensorMap ta = operand_map(a, pr.M, pr.K, true, 128);
+    if (a.codes != nullptr) {  // A's K-major codes: box [128 rows][64 codes], 64-byte swizzle (operand_map's)
+      const RowsMap ta{a.codes, a.ld, pr.K, DType::kUInt8, false, 64u, 128u, CU_TENSOR_MAP_SWIZZLE_64B};
       if (e4m3) launch_d<true, false>(ta, tb, pd, s);
       else launch_d<false, false>(ta, tb, pd, s);
-    } else {  // a columnwise A's own codes [K, M]
-      const cuuint64_t dims[2] = {static_cast<cuuint64_t>(pr.M), static_cast<cuuint64_t>(pr.K)};
-      const cuuint64_t strides[1] = {static_cast<cuuint64_t>(a.cols_ld)};
-      const cuuint32_t box[2] = {128u, 64u};
-      const CUtensorMap ta = make_tma_desc(a.cols, DType::kUInt8, 2, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+    } else {  // a columnwise A's own codes [K, M]: box [64 of K][128 rows], 128-byte swizzle
+      const RowsMap ta{a.cols, a.cols_ld, pr.K, DType::kUInt8, true, 64u, 128u, CU_TENSOR_MAP_SWIZZLE_128B};
       if (e4m3) launch_d<true, true>(ta, tb, pd, s);
       else launch_d<false, true>(ta, tb, pd, s);
     }
@@ -624,18 +727,21 @@ void mxfp8_gemm_cuda(const GemmProblem& pr, Stream stream, const GemmPrepared* p
     pc.n_tiles = static_cast<int>((pr.N + 255) / 256);  // num_tiles: launch_c (times the K split)
     pc.run_on_flag = false;
     std::unique_ptr<StreamScratch> a16, b16;  // freed on the stream after the kernels
-    const CUtensorMap ta = a_ready ? prepared_map(prep->a16, prep->a_ld, pr.M, pr.K, 128)
-                                   : bf16_copy(pr.a, a, pr.M, pr.K, e4m3, min_e, small, 128, s, a16);
+    if (!a_ready) dequant_copy(pr.a, a, pr.M, pr.K, e4m3, min_e, small, s, a16);
+    const RowsMap ta = a_ready ? bf16_rows(prep->a16, prep->a_ld, pr.K, 128)
+                               : bf16_rows(a16->ptr, (pr.K + 15) / 16 * 16, pr.K, 128);
     const CUtensorMap tb = bf16_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, small, 256, s, b16);
     launch_c(ta, tb, pc, s);
   }
   if (forced == 'C' || forced == 'D') return;
   if (prep != nullptr && prep->a_codes && !a_codes_done) prep->a_codes();  // A's codes (every check has run)
   // designs A and B: gathered scales and K-major codes; per call (design B behind the flag, set by
-  // the check above) these passes return at once unless the flag is set
+  // the check above) in one launch that returns at once unless the flag is set
   const uint32_t* run_if = forced == 0 ? small : nullptr;
-  for_design_b(pr.a, pr.M, pr.K, a, s, sa, ca, run_if);
-  for_design_b(pr.b, pr.N, pr.K, b, s, sb, cb, run_if);
+  PrepBatch batch;
+  for_design_b(pr.a, pr.M, pr.K, a, s, sa, ca, run_if != nullptr ? &batch : nullptr);
+  for_design_b(pr.b, pr.N, pr.K, b, s, sb, cb, run_if != nullptr ? &batch : nullptr);
+  batch.launch(run_if, s);
   p.sa = a.scales, p.sb = b.scales;
   if (forced == 'A') {  // design A: 128 x 256 tiles, 64 of K per stage
     mxgemm::Params pa = p;
@@ -672,9 +778,11 @@ void mxfp8_bf16_operands(const GemmProblem& pr, cudaStream_t s, Mxfp8Bf16Operand
   dequant_copy(pr.b, b, pr.N, pr.K, e4m3, min_e, flag, s, o.keep[6]);
   o.a16 = reinterpret_cast<const uint16_t*>(o.keep[5]->ptr), o.b16 = reinterpret_cast<const uint16_t*>(o.keep[6]->ptr);
   o.ld = (pr.K + 15) / 16 * 16;
-  // what the exact path reads, made only when the check set the flag
-  for_design_b(pr.a, pr.M, pr.K, a, s, o.keep[1], o.keep[3], flag);
-  for_design_b(pr.b, pr.N, pr.K, b, s, o.keep[2], o.keep[4], flag);
+  // what the exact path reads, made only when the check set the flag (one launch)
+  PrepBatch batch;
+  for_design_b(pr.a, pr.M, pr.K, a, s, o.keep[1], o.keep[3], &batch);
+  for_design_b(pr.b, pr.N, pr.K, b, s, o.keep[2], o.keep[4], &batch);
+  batch.launch(flag, s);
   const int64_t tiles_x = (pr.K + 127) / 128;
   o.exact.flag = flag;
   o.exact.a = {a.codes, a.ld, a.scales, tiles_x};

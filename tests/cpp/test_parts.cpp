@@ -96,14 +96,28 @@ TEST(Heuristics, PersistentAndQueueGrids) {
   EXPECT_EQ(balanced_grid(4096, 132), 128);
 }
 
-// The MXFP8 GEMM's K split (design C): only where the last wave leaves SMs idle and K is long.
+// The MXFP8 GEMM's K split (designs C and D): only where the last wave leaves SMs idle and K is
+// long, and then only past the rows that the complete waves hold.
 TEST(Heuristics, GemmKSplits) {
   using namespace detail::heuristics;
-  EXPECT_EQ(gemm_k_splits(192, 384, int64_t{4096} * 1536, 132), 2);     // dgrad T 4096: 2 waves -> 3 of half the K
-  EXPECT_EQ(gemm_k_splits(64, 512, int64_t{4096} * 512, 132), 2);       // 64 tiles, K 32768: one wave either way
-  EXPECT_EQ(gemm_k_splits(12288, 24, int64_t{16384} * 24576, 132), 1);  // fprop T 16384: 94 full waves
-  EXPECT_EQ(gemm_k_splits(2048, 128, int64_t{8192} * 8192, 132), 1);    // 8192^3
-  EXPECT_EQ(gemm_k_splits(1, 10, 128 * 256, 132), 1);                   // parts of K shorter than 8 k-blocks
+  // dgrad T 4096 (32 x 6 tiles): 22 rows (132 tiles) whole, then the other 60 tiles in halves
+  EXPECT_EQ(gemm_whole_rows(32, 6, 132), 22);
+  EXPECT_EQ(gemm_k_splits(192, 132, 384, int64_t{4096} * 1536, 132), 2);
+  EXPECT_EQ(gemm_whole_rows(32, 2, 132), 0);                                // 64 tiles: less than a wave
+  EXPECT_EQ(gemm_k_splits(64, 0, 512, int64_t{4096} * 512, 132), 2);       // K 32768: one wave either way
+  EXPECT_EQ(gemm_whole_rows(67, 2, 132), 66);                               // 134 tiles: 132 whole, 2 split
+  EXPECT_EQ(gemm_whole_rows(132, 1, 132), 132);                             // one complete wave: all whole
+  EXPECT_EQ(gemm_whole_rows(40, 5, 132), 26);                               // 130 of the 132 (whole rows only)
+  const auto splits = [](int64_t m_tiles, int64_t n_tiles, int64_t kblocks, int64_t mn) {
+    return gemm_k_splits(m_tiles * n_tiles, gemm_whole_rows(m_tiles, n_tiles, 132) * n_tiles, kblocks, mn, 132);
+  };
+  EXPECT_EQ(splits(128, 96, 24, int64_t{16384} * 24576), 1);   // fprop T 16384: 94 waves
+  EXPECT_EQ(splits(32, 96, 24, int64_t{4096} * 24576), 1);     // fprop T 4096
+  EXPECT_EQ(splits(128, 6, 384, int64_t{16384} * 1536), 1);    // dgrad T 16384: its last wave 108 of 132
+  EXPECT_EQ(splits(192, 6, 64, int64_t{24576} * 1536), 1);     // wgrad T 4096
+  EXPECT_EQ(splits(192, 6, 256, int64_t{24576} * 1536), 1);    // wgrad T 16384
+  EXPECT_EQ(splits(64, 32, 128, int64_t{8192} * 8192), 1);     // 8192^3
+  EXPECT_EQ(gemm_k_splits(1, 0, 10, 128 * 256, 132), 1);       // parts of K shorter than 8 k-blocks
 }
 
 // The block-FP8 GEMM's tile width: 128 columns where 256 leave the last wave's SMs idle.
