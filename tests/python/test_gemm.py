@@ -512,16 +512,17 @@ def test_cuda_design_d_on_a_columnwise_a_gives_design_c_bits(M, N, K, monkeypatc
 @needs_gpu
 @pytest.mark.parametrize("splits", ["2", "3", "4"])
 @pytest.mark.parametrize("M,N,K,cols", [(300, 200, 1056, False), (288, 520, 2080, True), (33, 1, 4096, False),
-                                        (8500, 300, 1056, False), (8500, 300, 1056, True), (16896, 256, 1056, False)])
+                                        (8500, 300, 1056, False), (8512, 300, 1056, True), (16896, 256, 1056, False)])
 def test_cuda_design_d_with_a_k_split_gives_design_c_bits(M, N, K, cols, splits, monkeypatch):
     """Design D with K split in 2, 3, 4 parts (MXMLA_GEMM_SPLITS; design C's reduction pass adds the
     parts' fp32 sums): forced D gives forced C's bits, fp32 out, bf16 out, and a bf16 view with a
     row gap whose gap bytes stay as they were; integer inputs give the CPU reference's sums exactly.
     A rowwise A with M and N tails, a columnwise A (a wgrad's dy) with a partial tile, one column.
-    On a GPU of 132 SMs (H100, H200): 8500 x 300 has 134 tiles, so its first 66 rows of tiles run
-    whole in a launch of their own and only the last row of tiles is split (M and N tails; rowwise
-    and columnwise A: a view of A's codes and scales from row 8448); 16896 x 256 is one complete
-    wave: nothing split."""
+    On a GPU of 132 SMs (H100, H200): 8500 x 300 and 8512 x 300 have 134 tiles, so their first 66
+    rows of tiles run whole in a launch of their own and only the last row of tiles is split (M and N
+    tails; a rowwise A, and a columnwise A, whose M is a multiple of 32 as quantizing it along its
+    rows requires: a view of A's codes and scales from row 8448); 16896 x 256 is one complete wave:
+    nothing split."""
     monkeypatch.setenv("MXMLA_GEMM_SPLITS", splits)
     a = mxmla.quantize(torch.from_numpy(integers((K, M) if cols else (M, K), M)))
     b = mxmla.quantize(torch.from_numpy(integers((N, K), N + 1)))
