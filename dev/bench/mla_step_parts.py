@@ -4,8 +4,9 @@ under torch.profiler, L2 flushed and a GPU sleep before each step (as bench/timi
 by kernel name, summed over its launches in a step, medians over the steps; then the sum of the
 kernels against the step's time by CUDA events (the difference: the GPU idle between kernels,
 waiting for the host to launch them). --thd: the T tokens as bench/mla_step.py --thd's four packed
-sequences; --recipes: which recipes (default both).
-Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_step_parts.py [T] [--top N] [--thd] [--recipes mxfp8]"""
+sequences; --recipes: which recipes (default both); --forward: the forward alone (bench/mla_step.py's
+"fwd ms": the block's forward with autograd recording, its output dropped).
+Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_step_parts.py [T] [--top N] [--thd] [--forward] [--recipes mxfp8]"""
 import argparse
 import os
 import statistics
@@ -51,6 +52,7 @@ def main():
     ap.add_argument("T", type=int, nargs="?", default=4096)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--thd", action="store_true")
+    ap.add_argument("--forward", action="store_true")
     ap.add_argument("--recipes", default="bf16,mxfp8")
     a = ap.parse_args()
     T, top = a.T, a.top
@@ -64,14 +66,16 @@ def main():
         def step():
             x.grad = None
             m.zero_grad(set_to_none=True)
-            m(x, cu_seqlens=cu).backward(dy)
+            y = m(x, cu_seqlens=cu)
+            if not a.forward:
+                y.backward(dy)
 
         iters = 10
         per, launches = step_kernels(step, iters, flush)
         t_step = timer(step, iters, flush)
         rows = sorted(((statistics.median(ts), n) for n, ts in per.items()), reverse=True)
         total = sum(statistics.median(ts) for ts in per.values())
-        print(f"== {recipe}, T {T}{' thd' if a.thd else ''}: step {t_step:.3f} ms (events), kernels {total:.3f} ms, "
+        print(f"== {recipe}, T {T}{' thd' if a.thd else ''}: {'forward' if a.forward else 'step'} {t_step:.3f} ms (events), kernels {total:.3f} ms, "
               f"{sum(launches.values()):.0f} launches a step; GPU idle between kernels {t_step - total:.3f} ms")
         for ms, n in rows[:top]:
             print(f"  {n:64s} {ms:8.4f} ms  x{launches[n]:g}")

@@ -434,7 +434,8 @@ def _check_bf16(op: str, name: str, t: Any) -> None:
 
 def _cu_arg(op: str, arg: str, cu: Any, like: Any) -> Any:
     """cu_seqlens as the core takes it: int32 [b + 1] of the data's kind, on the data's device (a list,
-    an int64 array or a tensor on another device is converted)."""
+    an int64 array or a tensor on another device is converted; host values reach a CUDA device
+    through pinned memory, without the stream synchronization of torch's copy from pageable memory)."""
     if isinstance(cu, (list, tuple)):
         vals = [integer(op, f"{arg}[{i}]", x) for i, x in enumerate(cu)]
         cu = np.asarray(vals, dtype=np.int64)
@@ -451,7 +452,11 @@ def _cu_arg(op: str, arg: str, cu: Any, like: Any) -> Any:
         if cu.dtype == torch.int64 and cu.numel() and cu.device.type == "cpu" and not _compiling() and (
                 int(cu.max()) > 2**31 - 1 or int(cu.min()) < -2**31):  # (a CUDA tensor is not read here)
             raise ValueError(f"{op}: argument '{arg}': values do not fit in int32")
-        return cu.to(device=like.device, dtype=torch.int32).contiguous()
+        cu = cu.to(dtype=torch.int32).contiguous()
+        if (cu.device.type == "cpu" and like.device.type == "cuda" and not _compiling()
+                and not torch.cuda.is_current_stream_capturing()):
+            return cu.pin_memory().to(like.device, non_blocking=True)  # (torch keeps the pinned block until the copy is done)
+        return cu.to(device=like.device)
     if cu.dtype not in (np.int32, np.int64):
         raise ValueError(f"{op}: argument '{arg}': dtype {cu.dtype} is not supported (int32 or int64)")
     if cu.size and (cu.max() > 2**31 - 1 or cu.min() < -2**31):
@@ -477,8 +482,9 @@ def _scale_and_sequences(op: str, d_qk: int, softmax_scale: Any, q_fmt: str, cu_
             if cu is None:
                 raise ValueError(f"{op}: argument '{arg}': is required for the thd format (int32 [b + 1], cumulative "
                                  "sequence lengths starting at 0)")
-        return scale, seqlens, _cu_arg(op, "cu_seqlens_q", cu_seqlens_q, like), _cu_arg(op, "cu_seqlens_kv",
-                                                                                         cu_seqlens_kv, like)
+        cu_q = _cu_arg(op, "cu_seqlens_q", cu_seqlens_q, like)
+        cu_kv = cu_q if cu_seqlens_kv is cu_seqlens_q else _cu_arg(op, "cu_seqlens_kv", cu_seqlens_kv, like)
+        return scale, seqlens, cu_q, cu_kv
     for arg, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
         if cu is not None:
             raise ValueError(f"{op}: argument '{arg}': is only for the thd format (layout {q_fmt!r} has a "
@@ -545,7 +551,9 @@ def attention(q: Operand, k: Operand, v: Operand, *, causal: bool = False, softm
     max_seqlen_q / max_seqlen_kv (thd): upper bounds of the sequence lengths; None reads
     cu_seqlens (on a GPU a synchronizing copy). On a GPU, given bounds are not checked against
     cu_seqlens (that would need the copy): a sequence longer than its bound gets undefined results,
-    and the kernels still stay inside the tensors.
+    and the kernels still stay inside the tensors. With both bounds, a CUDA call does not
+    synchronize the stream, also when cu_seqlens is a host list or a CPU tensor (it reaches the GPU
+    through pinned memory).
 
     Returns O (bf16, q's format and shape with d_v columns, contiguous; numpy: ml_dtypes.bfloat16
     for ml_dtypes inputs, else uint16 bits), and with return_lse also LSE = max + ln(sum) (float32,

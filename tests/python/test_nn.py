@@ -1134,3 +1134,16 @@ def test_packed_sequences_refuse_capture(monkeypatch):
 
     with pytest.raises(RuntimeError, match="cannot be captured"):
         packed_positions([0, 24, 40])
+
+
+def test_packed_positions_restart_at_every_sequence():
+    """Each packed token's position inside its own sequence, empty sequences included (the fused Q
+    path's RoPE rows), as mxmla.positions_from_cu_seqlens gives them."""
+    from mxmla.nn.qproj import packed_positions
+
+    for cu in ([0, 3, 3, 7, 8], [0, 5], [0, 0], [0]):
+        got = packed_positions(cu)
+        assert got.dtype == torch.int64
+        assert got.tolist() == [i - a for a, b in zip(cu, cu[1:]) for i in range(a, b)]
+        if len(cu) > 1:  # (positions_from_cu_seqlens takes at least one sequence)
+            assert got.tolist() == [int(p) for p in mxmla.positions_from_cu_seqlens(cu)]

@@ -467,6 +467,11 @@ def test_cuda_hot_path_does_not_synchronize():
     c, s = mxmla.rope_tables(torch.arange(1024, device="cuda"), yarn="deepseek_v3")
     xx = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4 * 192, 256, device="cuda", dtype=torch.bfloat16)
+    qt, kt = (torch.randn(300, 4, 192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    vt = torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16)
+    # packed sequences with host cu_seqlens and both bounds: the lists reach the GPU from pinned memory
+    # (torch's copy of a pageable tensor would synchronize), once when q's and kv's are the same list
+    cu, bounds = [0, 100, 300], dict(max_seqlen_q=200, max_seqlen_kv=200)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -478,6 +483,9 @@ def test_cuda_hot_path_does_not_synchronize():
         mxmla.rope_backward(y, c, s, out=y)
         mxmla.rope_backward_quantize(y, c, s, dx_copy="bfloat16")
         mxmla.fused_q_uproj_rope_quant(xx, w, c, s, return_q=True, bhsd_scales=True)
+        o, lse = mxmla.attention(qt, kt, vt, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, return_lse=True, **bounds)
+        mxmla.attention_backward(o, qt, kt, vt, o, lse, causal=True, cu_seqlens_q=cu, cu_seqlens_kv=[0, 100, 300],
+                                 **bounds)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -53,9 +54,8 @@ def packed_positions(cu, device: Any = None) -> torch.Tensor:
     sequence of cu_seqlens ``cu``, a host list), int64 [t] on ``device``; not under CUDA graph capture
     (refuse_thd_capture)."""
     refuse_thd_capture()
-    starts = torch.tensor(cu[:-1], dtype=torch.int64)
-    lengths = torch.tensor([b - a for a, b in zip(cu, cu[1:])], dtype=torch.int64)
-    pos = torch.arange(cu[-1], dtype=torch.int64) - torch.repeat_interleave(starts, lengths)
+    c = np.asarray(cu, dtype=np.int64)  # (numpy: torch's CPU repeat_interleave took 0.6 ms a call on the GPU machine)
+    pos = torch.from_numpy(np.arange(c[-1], dtype=np.int64) - np.repeat(c[:-1], np.diff(c)))
     dev = torch.device(device) if device is not None else pos.device
     if dev.type == "cuda":  # from pinned memory without waiting: a pageable copy would synchronize the stream
         return pos.pin_memory().to(dev, non_blocking=True)
