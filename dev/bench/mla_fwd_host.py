@@ -16,8 +16,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-from mla_step import packed, setup  # noqa: E402
-from timing import flush_buffer, timer  # noqa: E402
+from mla_step import measure, packed, setup  # noqa: E402
+from timing import flush_buffer  # noqa: E402
 
 
 def main():
@@ -44,15 +44,7 @@ def main():
     t_all = (time.perf_counter() - t0) * 1e3 / a.n
     print(f"{a.recipe}{' thd' if a.thd else ''} T {a.T}: host {t_host:.3f} ms a forward until the last launch, "
           f"{t_all:.3f} ms with the GPU done, events {e0.elapsed_time(e1) / a.n:.3f} ms")
-
-    def step():
-        x.grad = None
-        m.zero_grad(set_to_none=True)
-        m(x, cu_seqlens=cu).backward(dy)
-
-    flush = flush_buffer(torch.device("cuda"))
-    t_fwd = timer(lambda: m(x, cu_seqlens=cu), 10, flush)
-    t_step = timer(step, 10, flush)
+    t_step, t_fwd, _ = measure(m, x, dy, flush_buffer(torch.device("cuda")), cu)
     print(f"timed as bench/mla_step.py: forward {t_fwd:.3f} ms, step {t_step:.3f} ms")
     if a.top <= 0:
         return
