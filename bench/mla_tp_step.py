@@ -217,8 +217,10 @@ class Launch:
 
     def finish(self):
         dist.destroy_process_group()
-        if not self.cuda:  # gloo's transport threads can race the C++ static destructors at exit
-            # (tests/python/test_tp.py's workers leave the same way)
+        if not self.cuda:  # leave without the interpreter's teardown: a gloo worker thread can still be
+            # releasing a completed collective's tensors, which needs the GIL, and a thread that asks for it
+            # while the interpreter finalizes aborts the process (tests/python/test_tp.py's workers leave
+            # the same way)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)

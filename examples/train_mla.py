@@ -595,8 +595,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.tp > 1 or args.cp > 1:
         import torch.distributed as dist
 
+        gloo = dist.get_backend() == "gloo"
         dist.barrier()  # no rank tears the group down while another still reads its last message
         dist.destroy_process_group()
+        if gloo:
+            # leave without the interpreter's teardown (as bench/mla_tp_step.py does): a gloo worker thread
+            # can still be releasing the tensors of a collective that has completed, which needs the GIL,
+            # and a thread that asks for it while the interpreter finalizes aborts the process (SIGABRT,
+            # "terminate called without an active exception"); everything this script writes is closed
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     return 0
 
 

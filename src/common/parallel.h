@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -25,8 +26,8 @@ inline int threads_for(double work, int64_t tasks) {
   return static_cast<int>(std::min<int64_t>(cpu_threads(0), tasks));
 }
 
-// fn(i) for i in [0, n) on up to `threads` threads (the calling one included); the first
-// exception is rethrown after every thread has stopped.
+// fn(i) for i in [0, n) on up to `threads` threads (the calling one included; fewer when the system
+// starts fewer); the first exception is rethrown after every thread has stopped.
 template <typename Fn>
 void parallel_for(int64_t n, int threads, Fn&& fn) {
   std::atomic<int64_t> next{0};
@@ -44,7 +45,16 @@ void parallel_for(int64_t n, int threads, Fn&& fn) {
     }
   };
   std::vector<std::thread> pool;
-  for (int t = 1; t < std::min<int64_t>(threads, n); ++t) pool.emplace_back(work);
+  pool.reserve(static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(threads, n) - 1)));
+  for (int t = 1; t < std::min<int64_t>(threads, n); ++t) {
+    // a thread the system cannot start (std::system_error) leaves the work to those that did start:
+    // an exception escaping here would destroy the running ones unjoined (std::terminate)
+    try {
+      pool.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
   work();
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);

@@ -1,16 +1,20 @@
 // CPU tests of the host/device parts the persistent kernels share: the tile schedulers' orders
 // (cuda/tile_scheduler.h) and the launch-size rules (cuda/heuristics.h). The dynamic queue's own
-// tests are in test_rope.cpp (TileQueue), the fused kernel's grid in test_qproj.cpp.
+// tests are in test_rope.cpp (TileQueue), the fused kernel's grid in test_qproj.cpp. Also the CPU
+// references' thread loop (common/parallel.h).
 #include <gtest/gtest.h>
 
 #include <stdlib.h>  // setenv, unsetenv (POSIX)
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <stdexcept>
 #include <set>
 #include <utility>
 #include <vector>
 
+#include "common/parallel.h"
 #include "cuda/heuristics.h"
 #include "cuda/tile_scheduler.h"
 #include "test_util.h"
@@ -46,6 +50,26 @@ void check_grouped(int m_tiles, int n_tiles) {
     }
   }
   EXPECT_EQ(static_cast<int>(seen.size()), m_tiles * n_tiles);
+}
+
+// parallel_for calls fn once per index on any number of threads (more threads than indices, none);
+// an exception stops the loop and is rethrown once every thread has joined.
+TEST(ParallelFor, EveryIndexOnceAndTheFirstErrorRethrown) {
+  for (int threads : {1, 2, 7, 64}) {
+    for (int64_t n : {0, 1, 5, 1000}) {
+      std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+      detail::parallel_for(n, threads, [&](int64_t i) { hits[static_cast<size_t>(i)].fetch_add(1); });
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(hits[static_cast<size_t>(i)].load(), 1) << threads << " " << n;
+    }
+    std::atomic<int64_t> calls{0};
+    EXPECT_THROW(detail::parallel_for(100000, threads,
+                                      [&](int64_t i) {
+                                        calls.fetch_add(1);
+                                        if (i == 10) throw std::runtime_error("index 10");
+                                      }),
+                 std::runtime_error);
+    EXPECT_LT(calls.load(), 100000) << "the loop goes on after an error (threads " << threads << ")";
+  }
 }
 
 TEST(TileScheduler, GroupedRasterCoversEveryTileOnce) {

@@ -47,8 +47,9 @@ def _run_rank(rank, world, init_file, result_file, case, device, *args):
             f.write(repr(result))
         dist.barrier()  # no rank tears gloo down while the other still reads its last message
         dist.destroy_process_group()
-        # leave without running C++ static destructors: gloo's transport threads raced them once on a
-        # loaded 2-core CI machine once (std::terminate, SIGABRT, no Python exception)
+        # leave without the interpreter's teardown: a gloo worker thread can still be releasing a
+        # completed collective's tensors, which needs the GIL, and a thread that asks for it while the
+        # interpreter finalizes aborts the process (std::terminate, SIGABRT, no Python exception)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -336,23 +337,36 @@ def _cpu_launch_env():
     return pathlib.Path(__file__).resolve().parents[2], env
 
 
+# two CPU processes under torch.distributed.run
+DIST_RUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _launch(cmd, env, timeout=600):
+    """subprocess.run(cmd) with its output captured as text"""
+    import subprocess
+
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _failed(r):
+    """the end of a failed run's output, stdout and stderr"""
+    return f"exit status {r.returncode}\n-- stdout:\n{r.stdout[-2000:]}\n-- stderr:\n{r.stderr[-3000:]}"
+
+
 def test_train_script_tp2_on_gloo_matches_tp1(tmp_path):
     """examples/train_mla.py --tp 2 (and --tp 2 --sp) under torch.distributed.run (two CPU processes,
     gloo): the same losses as one process (bf16 rounding of the all-reduced partial sums aside)."""
     import csv
-    import subprocess
 
     root, env = _cpu_launch_env()
     common = [str(root / "examples" / "train_mla.py"), "--steps", "3", "--text-file",
               str(root / "tests" / "python" / "data" / "tiny_corpus.txt")]
-    dist_run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     runs = {}
-    for name, launch, extra in (("tp1", [sys.executable], ["--tp", "1"]), ("tp2", dist_run, ["--tp", "2"]),
-                                ("tp2-sp", dist_run, ["--tp", "2", "--sp"])):
+    for name, launch, extra in (("tp1", [sys.executable], ["--tp", "1"]), ("tp2", DIST_RUN, ["--tp", "2"]),
+                                ("tp2-sp", DIST_RUN, ["--tp", "2", "--sp"])):
         out = tmp_path / name
-        r = subprocess.run(launch + common + extra + ["--out", str(out)], capture_output=True, text=True,
-                           timeout=600, env=env)
-        assert r.returncode == 0, r.stderr[-3000:]
+        r = _launch(launch + common + extra + ["--out", str(out)], env)
+        assert r.returncode == 0, _failed(r)
         assert ("sequence parallel" in r.stdout) == (name == "tp2-sp"), r.stdout
         with open(out / "loss_bf16.csv") as f:
             runs[name] = [float(row["loss"]) for row in csv.DictReader(f)]
@@ -373,14 +387,12 @@ def test_train_script_checkpoints_load_at_any_tp(tmp_path):
     root, env = _cpu_launch_env()
     common = [str(root / "examples" / "train_mla.py"), "--steps", "2", "--text-file",
               str(root / "tests" / "python" / "data" / "tiny_corpus.txt"), "--save"]
-    dist_run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     held = {}
     for name, launch, extra in (("a", [sys.executable], []),
-                                ("b", dist_run, ["--tp", "2", "--sp", "--load", str(tmp_path / "a")]),
+                                ("b", DIST_RUN, ["--tp", "2", "--sp", "--load", str(tmp_path / "a")]),
                                 ("c", [sys.executable], ["--load", str(tmp_path / "b")])):
-        r = subprocess.run(launch + common + extra + ["--out", str(tmp_path / name)], capture_output=True, text=True,
-                           timeout=600, env=env)
-        assert r.returncode == 0, r.stderr[-3000:]
+        r = _launch(launch + common + extra + ["--out", str(tmp_path / name)], env)
+        assert r.returncode == 0, _failed(r)
         assert (tmp_path / name / "model_bf16.pt").is_file()
         held[name] = float(re.search(r"\] done in .* held-out loss (\S+);", r.stdout).group(1))
         if name != "a":
@@ -408,13 +420,10 @@ def test_tp_step_bench_runs_on_gloo(sp):
     rows, the tp step's output against tp 1's within the bounds above, the collectives it recorded
     (--sp: with sequence parallelism, the input's all-gather among them)."""
     import re
-    import subprocess
 
     root, env = _cpu_launch_env()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(root / "bench" / "mla_tp_step.py"), "--small"] + (["--sp"] if sp else []),
-                       capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    r = _launch(DIST_RUN + [str(root / "bench" / "mla_tp_step.py"), "--small"] + (["--sp"] if sp else []), env)
+    assert r.returncode == 0, _failed(r)
     assert "not a performance figure" in r.stdout
     rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s*64\s+(bf16|mxfp8)\s.*\s(\S+)$", r.stdout, re.M)}
     assert set(rows) == {"bf16", "mxfp8"}, r.stdout
