@@ -4,8 +4,10 @@ sorted by own time (--top 0: none); before it, N forwards' wall time against the
 events, and the forward's and the step's times as bench/mla_step.py takes them (bench/timing.py: L2
 flushed, a GPU sleep before each call, medians). A forward whose host time exceeds its GPU time
 leaves the GPU idle (bench/mla_step.py's "fwd ms" then times the host). --thd: bench/mla_step.py
---thd's four packed sequences.
-Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_fwd_host.py [T] [--thd] [--recipe mxfp8] [--n 10] [--top 30]"""
+--thd's four packed sequences. --step: the same for the whole training step (forward + backward with
+fresh gradients, as bench/mla_step.py times it) instead of the forward.
+Usage: PYTHONPATH=<build>/python python3 dev/bench/mla_fwd_host.py [T] [--thd] [--step] [--recipe mxfp8] [--n 10]
+       [--top 30]"""
 import argparse
 import cProfile
 import os
@@ -27,22 +29,32 @@ def main():
     ap.add_argument("--recipe", default="mxfp8")
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--step", action="store_true")
     a = ap.parse_args()
     cu = packed(a.T) if a.thd else None
     m, x, dy = setup(a.T, a.recipe, None, a.thd)
+
+    def call():
+        if not a.step:
+            return m(x, cu_seqlens=cu)
+        x.grad = None
+        m.zero_grad(set_to_none=True)
+        m(x, cu_seqlens=cu).backward(dy)
+
     for _ in range(3):
-        m(x, cu_seqlens=cu)
+        call()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     for _ in range(a.n):
-        m(x, cu_seqlens=cu)
+        call()
     e1.record()
     t_host = (time.perf_counter() - t0) * 1e3 / a.n
     torch.cuda.synchronize()
     t_all = (time.perf_counter() - t0) * 1e3 / a.n
-    print(f"{a.recipe}{' thd' if a.thd else ''} T {a.T}: host {t_host:.3f} ms a forward until the last launch, "
+    what = "step" if a.step else "forward"
+    print(f"{a.recipe}{' thd' if a.thd else ''} T {a.T}: host {t_host:.3f} ms a {what} until the last launch, "
           f"{t_all:.3f} ms with the GPU done, events {e0.elapsed_time(e1) / a.n:.3f} ms")
     t_step, t_fwd, _ = measure(m, x, dy, flush_buffer(torch.device("cuda")), cu)
     print(f"timed as bench/mla_step.py: forward {t_fwd:.3f} ms, step {t_step:.3f} ms")
@@ -51,7 +63,7 @@ def main():
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(a.n):
-        m(x, cu_seqlens=cu)
+        call()
     torch.cuda.synchronize()
     pr.disable()
     pstats.Stats(pr).sort_stats("tottime").print_stats(a.top)
