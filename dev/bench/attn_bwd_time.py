@@ -10,9 +10,15 @@ against each peer's forward and backward on the dequantized inputs (TFLOP/s with
 kernel on copies that one pass converts from the FP8 codes) against the faster peer: that peer's
 time over itself plus a device copy of the bytes the conversions move (1 read and 2 written per
 value: the backward's Q and K in both directions and V rowwise; with the forward, K and V once
-more), timed in the same run.
-Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_bwd_time.py [H] [s ...]   (default 16, 2048)"""
+more), timed in the same run. With --exp09=BINARY (dev/cuda/09_sm90_bwd_smem_floor, built for this GPU),
+a fourth table gives the floor of the tiling: experiment 09's time a tile for the tile's GEMMs and
+memory traffic overlapped freely (MXFP8 inputs, copies by bulk copies), times the tiles an SM walks,
+plus the call's other kernels (the conversion pass, D, the accumulator's zeroing, dQ's rounding) as
+torch.profiler times them in the same run, against the faster peer.
+Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_bwd_time.py [H] [s ...] [--exp09=BINARY]
+       (default 16, 2048)"""
 import os
+import subprocess
 import sys
 
 import torch
@@ -23,11 +29,44 @@ from timing import flush_buffer, timer  # noqa: E402
 import mxmla  # noqa: E402
 from attn_fwd import load_fa4  # noqa: E402
 from parts import conversion_copy_time as copy_time  # noqa: E402  (dev/bench, this script's folder)
+from parts import kernel_times  # noqa: E402
+
+EXP09_ROWS = {  # experiment 09's rows (the mix's name starts with these), its "ns a tile" column
+    "mxfp8": "gemms + the tile's other traffic, MXFP8 inputs, copies by bulk copies (TMA)",
+    "n96": "n96 gemms + the tile's other traffic, MXFP8 inputs, copies by bulk copies",
+}
+
+
+def exp09_ns(binary):
+    """{row key: ns a tile} from one run of experiment 09."""
+    out = subprocess.run([binary], check=True, capture_output=True, text=True).stdout
+    got = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        for key, name in EXP09_ROWS.items():
+            if len(cells) >= 3 and cells[0].startswith(name):
+                got[key] = float(cells[2])
+    missing = set(EXP09_ROWS) - set(got)
+    if missing:
+        raise SystemExit(f"attn_bwd_time.py: experiment 09 printed no row for {sorted(missing)}:\n{out}")
+    return got
+
+
+def causal_tiles(s, H):
+    """Tiles (64 query rows x 96 keys) the SM90 kernel walks: causal, s_q = s_kv, every head."""
+    n = 0
+    for j in range((s + 95) // 96):
+        i_begin = j * 96 // 64 * 64
+        n += (s - i_begin + 63) // 64
+    return n * H
 
 
 def main():
-    H = int(sys.argv[1]) if len(sys.argv) > 1 else 16
-    seqs = [int(x) for x in sys.argv[2:]] or [2048]
+    exp09 = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--exp09=")), None)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    H = int(args[0]) if args else 16
+    seqs = [int(x) for x in args[1:]] or [2048]
+    floors = []  # the tiling's floor rows
     flush = flush_buffer(torch.device("cuda"))
     scale = mxmla.yarn_softmax_scale()
     fa4, fa4_error = load_fa4()
@@ -93,6 +132,13 @@ def main():
         both.append((s, t_ours_both, t_cudnn_both, t_fa4_both, 2.0 * (4 * 192 + 3 * 128) * H * s * s / 2))
         copies.append((s, copy_time(s * H * (4 * 192 + 128), flush), copy_time(s * H * (192 + 128), flush),
                        t_ours, t_cudnn, t_fa4, t_ours_both, t_cudnn_both, t_fa4_both))
+        if exp09:  # the call's kernels other than the main one, by torch.profiler (medians, per call)
+            per = kernel_times(lambda: mxmla.attention_backward(do, q8, k8, v8, o, lse, causal=True,
+                                                                softmax_scale=scale), 10, flush)
+            main_ms = sum(sorted(ts)[len(ts) // 2] * len(ts) / 10 for n, ts in per.items() if "bwd_sm90" in n)
+            other_ms = sum(sorted(ts)[len(ts) // 2] * len(ts) / 10 for n, ts in per.items() if "bwd_sm90" not in n)
+            floors.append((s, main_ms, other_ms, t_ours, min((t for t in (t_cudnn, t_fa4) if t == t),
+                                                             default=float("nan"))))
     print("forward + backward (ours: MXFP8 Q, K, V; peers: bf16 on the dequantized inputs)")
     print(f"{'s':>6s} {'ours ms':>9s} {'TFLOP/s':>8s} {'cuDNN ms':>9s} {'TFLOP/s':>8s} {'FA4 ms':>8s} {'TFLOP/s':>8s} "
           f"{'ours/best peer':>14s}")
@@ -108,6 +154,20 @@ def main():
         best_b = min((t for t in (t_cb, t_fb) if t == t), default=float("nan"))
         print(f"{s:6d} {c_b:11.3f} {c_f:11.3f} {best / (best + c_b):9.3f} {best / t_o:8.3f} "
               f"{best_b / (best_b + c_b + c_f):9.3f} {best_b / t_ob:8.3f}")
+    if floors:
+        ns = exp09_ns(exp09)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        print("floor of the tiling (experiment 09: a tile's GEMMs and memory traffic overlapped freely, MXFP8 inputs, "
+              f"{ns['mxfp8']:.1f} ns a tile; A tiles read once (n96): {ns['n96']:.1f} ns), tiles / {sms} SMs, "
+              "plus the call's other kernels; against the faster peer")
+        print(f"{'s':>6s} {'tiles/SM':>9s} {'main ms':>8s} {'floor':>7s} {'other ms':>8s} {'call ms':>8s} "
+              f"{'floor':>7s} {'n96 fl.':>7s} {'peer ms':>8s} {'ours/peer':>9s} {'floor/peer':>10s} {'n96/peer':>8s}")
+        for s, main_ms, other_ms, t_o, best in floors:
+            per_sm = causal_tiles(s, H) / sms
+            fl, fl96 = per_sm * ns["mxfp8"] * 1e-6, per_sm * ns["n96"] * 1e-6
+            print(f"{s:6d} {per_sm:9.1f} {main_ms:8.3f} {fl:7.3f} {other_ms:8.3f} {t_o:8.3f} {fl + other_ms:7.3f} "
+                  f"{fl96 + other_ms:7.3f} {best:8.3f} {best / t_o:9.3f} {best / (fl + other_ms):10.3f} "
+                  f"{best / (fl96 + other_ms):8.3f}")
     if fa4 is None:
         print(f"FA4: skipped: {fa4_error}")
 
