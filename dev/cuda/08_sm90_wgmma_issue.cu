@@ -24,12 +24,14 @@
 #include <vector>
 
 #include "cuda/ptx/common.cuh"
+#include "dev_check.h"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
 
 namespace dev08 {
 using namespace mxmla;
+using dev::clock_now;
 
 enum Shape : int { kN48SS = 0, kN128SS = 1, kN128RS = 2 };
 constexpr const char* kShapeName[] = {"m64n48k16 SS (backward: S, dP)", "m64n128k16 SS (forward: S)",
@@ -38,21 +40,6 @@ constexpr int kMacs[] = {64 * 48 * 16, 64 * 128 * 16, 64 * 128 * 16};
 constexpr int kReps = 64, kWarmup = 4, kMaxWgs = 2;
 constexpr int kSmemBytes = 8192 + 16384 + 1024;  // A [64 rows][128 bytes], B [128 rows][128 bytes], alignment
 constexpr uint32_t kBf16Pair = 0x3C803C80u;       // two bf16 1/64: the sums stay small and finite
-
-#define CHECK_CUDA(x)                                                                                  \
-  do {                                                                                                 \
-    const cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                           \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));        \
-      std::exit(1);                                                                                    \
-    }                                                                                                  \
-  } while (0)
-
-__device__ __forceinline__ long long clock_now() {
-  long long t;
-  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
-  return t;
-}
 
 // out[wg][rep][2]: issue span, whole span (cycles)
 template <int kShape, int kCount>
@@ -111,12 +98,12 @@ struct Run {
 template <int kShape, int kCount>
 Run run(int wgs, long long* d_out, float* d_sink) {
   auto kernel = issue_probe<kShape, kCount>;
-  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  DEV_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   kernel<<<1, 256, kSmemBytes>>>(wgs, d_out, d_sink);
-  CHECK_CUDA(cudaGetLastError());
-  CHECK_CUDA(cudaDeviceSynchronize());
+  DEV_CHECK_CUDA(cudaGetLastError());
+  DEV_CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<long long> h(kMaxWgs * kReps * 2);
-  CHECK_CUDA(cudaMemcpy(h.data(), d_out, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  DEV_CHECK_CUDA(cudaMemcpy(h.data(), d_out, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
   std::vector<long long> issue, whole;
   for (int rep = 0; rep < kReps; ++rep) issue.push_back(h[rep * 2]), whole.push_back(h[rep * 2 + 1]);
   std::sort(issue.begin(), issue.end());
@@ -145,21 +132,21 @@ void table(long long* d_out, float* d_sink) {
 int main() {
   using namespace dev08;
   int dev = 0, major = 0, minor = 0;
-  CHECK_CUDA(cudaGetDevice(&dev));
-  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  DEV_CHECK_CUDA(cudaGetDevice(&dev));
+  DEV_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  DEV_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (major != 9 || minor != 0) {
     std::fprintf(stderr, "08_sm90_wgmma_issue: needs an SM90 GPU (found sm_%d%d)\n", major, minor);
     return 2;
   }
   long long* d_out = nullptr;
   float* d_sink = nullptr;
-  CHECK_CUDA(cudaMalloc(&d_out, kMaxWgs * kReps * 2 * sizeof(long long)));
-  CHECK_CUDA(cudaMalloc(&d_sink, 256 * sizeof(float)));
+  DEV_CHECK_CUDA(cudaMalloc(&d_out, kMaxWgs * kReps * 2 * sizeof(long long)));
+  DEV_CHECK_CUDA(cudaMalloc(&d_sink, 256 * sizeof(float)));
   table<kN48SS, 1, 2, 4, 8, 12, 16, 20, 24>(d_out, d_sink);
   table<kN128SS, 1, 2, 4, 8, 12, 16, 20>(d_out, d_sink);
   table<kN128RS, 1, 2, 4, 8, 12, 16>(d_out, d_sink);
-  CHECK_CUDA(cudaFree(d_out));
-  CHECK_CUDA(cudaFree(d_sink));
+  DEV_CHECK_CUDA(cudaFree(d_out));
+  DEV_CHECK_CUDA(cudaFree(d_sink));
   return 0;
 }

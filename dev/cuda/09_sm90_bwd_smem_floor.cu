@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "cuda/ptx/common.cuh"
+#include "dev_check.h"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/tma.cuh"
@@ -47,6 +48,7 @@
 
 namespace dev09 {
 using namespace mxmla;
+using dev::clock_now;
 
 enum Mode : int {
   kGemms = 0, kTrafficBf16 = 1, kTrafficFp8 = 2, kN96 = 3, kN96TrafficFp8 = 4, kTrafficFp8NoRed = 5, kBulkBf16 = 6,
@@ -80,21 +82,6 @@ constexpr int kSmemBytes = kSmemUsed + 1024;
 static_assert(kSmemUsed == 188416, "the kernel's operand tiles: 184 KB");
 constexpr uint32_t kBf16Pair = 0x3C803C80u;  // two bf16 1/64
 constexpr int64_t kAccRows = 2 * 64 * 4096;  // [consumer][64 heads' rows at s 4096][96] fp32: 192 MiB
-
-#define CHECK_CUDA(x)                                                                                  \
-  do {                                                                                                 \
-    const cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                           \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));        \
-      std::exit(1);                                                                                    \
-    }                                                                                                  \
-  } while (0)
-
-__device__ __forceinline__ long long clock_now() {
-  long long t;
-  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
-  return t;
-}
 
 template <int N>
 __device__ __forceinline__ void fence_acc(float (&a)[N]) {
@@ -310,14 +297,14 @@ struct Run {
 template <int kMode>
 Run run(int sms, const uint16_t* src, float* acc, long long* d_out, float* d_sink) {
   auto kernel = tile_floor<kMode>;
-  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  DEV_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   std::vector<double> cyc, ns;
   for (int rep = 0; rep < 5; ++rep) {
     kernel<<<sms, 384, kSmemBytes>>>(src, acc, d_out, d_sink);
-    CHECK_CUDA(cudaGetLastError());
-    CHECK_CUDA(cudaDeviceSynchronize());
+    DEV_CHECK_CUDA(cudaGetLastError());
+    DEV_CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<long long> h(2 * sms), c(sms), g(sms);
-    CHECK_CUDA(cudaMemcpy(h.data(), d_out, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+    DEV_CHECK_CUDA(cudaMemcpy(h.data(), d_out, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
     for (int i = 0; i < sms; ++i) c[i] = h[2 * i], g[i] = h[2 * i + 1];
     std::sort(c.begin(), c.end());
     std::sort(g.begin(), g.end());
@@ -334,10 +321,10 @@ Run run(int sms, const uint16_t* src, float* acc, long long* d_out, float* d_sin
 int main() {
   using namespace dev09;
   int dev = 0, major = 0, minor = 0, sms = 0;
-  CHECK_CUDA(cudaGetDevice(&dev));
-  CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  DEV_CHECK_CUDA(cudaGetDevice(&dev));
+  DEV_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  DEV_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  DEV_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   if (major != 9 || minor != 0) {
     std::fprintf(stderr, "09_sm90_bwd_smem_floor: needs an SM90 GPU (found sm_%d%d)\n", major, minor);
     return 2;
@@ -348,12 +335,12 @@ int main() {
   float* acc = nullptr;
   long long* d_out = nullptr;
   float* d_sink = nullptr;
-  CHECK_CUDA(cudaMalloc(&src, src_elems * 2));
-  CHECK_CUDA(cudaMemset(src, 0x3C, src_elems * 2));
-  CHECK_CUDA(cudaMalloc(&acc, acc_bytes));
-  CHECK_CUDA(cudaMemset(acc, 0, acc_bytes));
-  CHECK_CUDA(cudaMalloc(&d_out, 2 * sms * sizeof(long long)));
-  CHECK_CUDA(cudaMalloc(&d_sink, sms * 256 * sizeof(float)));
+  DEV_CHECK_CUDA(cudaMalloc(&src, src_elems * 2));
+  DEV_CHECK_CUDA(cudaMemset(src, 0x3C, src_elems * 2));
+  DEV_CHECK_CUDA(cudaMalloc(&acc, acc_bytes));
+  DEV_CHECK_CUDA(cudaMemset(acc, 0, acc_bytes));
+  DEV_CHECK_CUDA(cudaMalloc(&d_out, 2 * sms * sizeof(long long)));
+  DEV_CHECK_CUDA(cudaMalloc(&d_sink, sms * 256 * sizeof(float)));
   // by count, a tile: tensor cycles (5 111 808 multiply-adds at 2 048 a cycle) and shared-memory bytes
   const double tensor = 5111808.0 / 2048.0;
   const double gemm_bytes[] = {348160, 348160, 348160, 266240, 266240, 348160, 348160, 348160, 266240, 348160};
@@ -372,9 +359,9 @@ int main() {
   for (int m = 0; m < kModes; ++m)
     std::printf("| %s | %.0f | %.1f | %.0f | %.0f | %.0f |\n", kModeName[m], runs[m].cycles, runs[m].ns, tensor,
                 gemm_bytes[m] + other_bytes[m], (gemm_bytes[m] + other_bytes[m]) / 128.0);
-  CHECK_CUDA(cudaFree(src));
-  CHECK_CUDA(cudaFree(acc));
-  CHECK_CUDA(cudaFree(d_out));
-  CHECK_CUDA(cudaFree(d_sink));
+  DEV_CHECK_CUDA(cudaFree(src));
+  DEV_CHECK_CUDA(cudaFree(acc));
+  DEV_CHECK_CUDA(cudaFree(d_out));
+  DEV_CHECK_CUDA(cudaFree(d_sink));
   return 0;
 }
