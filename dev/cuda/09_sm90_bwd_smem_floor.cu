@@ -7,8 +7,8 @@
 // and dV's and dK's B once per 64-row block of d), and the tile writes and reads 160 KB more (the
 // producer's copies, P̂ᵀ and dŜᵀ, the dQ staging and its bulk reductions): 4 000 cycles at 128
 // bytes a cycle with bf16 inputs. This measures what the hardware does with that mix, with no
-// dependencies between its parts and no softmax, so that it is a floor for any schedule of this
-// tiling (the mixes, the table's rows):
+// dependencies between its parts and no softmax: the floor of any schedule that issues this tiling's
+// operations as this kernel does (the mixes, the table's rows):
 //   gemms      the five GEMMs of both consumers, every wgmma issued back to back, one wait a tile
 //   +traffic   the same, and the tile's other traffic issued under them: the producer's copies of
 //              the next tile (Q_s and dO: bf16 inputs; with Q_g: MXFP8 inputs' second Q copy), by
