@@ -18,6 +18,7 @@ torch.profiler times them in the same run, against the faster peer.
 Usage: PYTHONPATH=<build>/python python3 dev/bench/attn_bwd_time.py [H] [s ...] [--exp09=BINARY]
        (default 16, 2048)"""
 import os
+import statistics
 import subprocess
 import sys
 
@@ -135,8 +136,8 @@ def main():
         if exp09:  # the call's kernels other than the main one, by torch.profiler (medians, per call)
             per = kernel_times(lambda: mxmla.attention_backward(do, q8, k8, v8, o, lse, causal=True,
                                                                 softmax_scale=scale), 10, flush)
-            main_ms = sum(sorted(ts)[len(ts) // 2] * len(ts) / 10 for n, ts in per.items() if "bwd_sm90" in n)
-            other_ms = sum(sorted(ts)[len(ts) // 2] * len(ts) / 10 for n, ts in per.items() if "bwd_sm90" not in n)
+            main_ms = sum(statistics.median(ts) * len(ts) / 10 for n, ts in per.items() if "bwd_sm90" in n)
+            other_ms = sum(statistics.median(ts) * len(ts) / 10 for n, ts in per.items() if "bwd_sm90" not in n)
             floors.append((s, main_ms, other_ms, t_ours, min((t for t in (t_cudnn, t_fa4) if t == t),
                                                              default=float("nan"))))
     print("forward + backward (ours: MXFP8 Q, K, V; peers: bf16 on the dequantized inputs)")
