@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""The training run's parity against the bf16 recipe's own run-to-run noise, from train_mla.py logs.
+
+    python3 dev/bench/parity_table.py LOG [LOG ...]
+
+Each LOG is the output of one `examples/train_mla.py` run (its "training:" line names the seed and the
+peak learning rate, its "[recipe] done in ..." lines the final training loss — the mean of the last 10 %
+of the steps — and the held-out loss). Logs of the same seed and learning rate are grouped. Each
+recipe's gap is taken against the bf16 run of its own log; a second log of the same seed ("replica")
+also gives each recipe's gap against its own run in the first log ("bf16 again", "mxfp8 again"): how
+far a recipe lands from itself, same weights, same batches (the kernels are not bitwise reproducible
+run to run, and training amplifies such differences). Gaps are
+relative, in per cent. The summary gives, per kind of gap and learning rate, the number of gaps, their
+mean, standard deviation and standard error, and their root mean square; the "again" rows' spread is the
+resolution of a parity claim made with this setup.
+"""
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections import OrderedDict, defaultdict
+
+TRAINING = re.compile(r"^training: .* peak lr (\S+), seed (\d+);")
+DONE = re.compile(r"^\[(\S+)\] done in [0-9.]+ s: final loss ([0-9.]+) .*held-out loss ([0-9.]+)")
+
+
+def parse(path):
+    lr = seed = None
+    runs = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = TRAINING.match(line)
+            if m:
+                lr, seed = m.group(1), int(m.group(2))
+            m = DONE.match(line)
+            if m:
+                runs.append((m.group(1), float(m.group(2)), float(m.group(3))))
+    if lr is None:
+        raise SystemExit(f"parity_table.py: {path}: no 'training:' line (not a train_mla.py log?)")
+    return lr, seed, runs
+
+
+def stats(xs):
+    n = len(xs)
+    mean = sum(xs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else float("nan")
+    return mean, sd, sd / math.sqrt(n) if n > 1 else float("nan")
+
+
+def main(argv):
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    groups = OrderedDict()  # (lr, seed) -> one {recipe: (final, held)} per log (a replica)
+    for path in argv:
+        lr, seed, runs = parse(path)
+        groups.setdefault((lr, seed), []).append({r[0]: (r[1], r[2]) for r in runs})
+    rows = []
+    gaps = defaultdict(list)  # (lr, name) -> [(training gap, held-out gap)]
+
+    def gap(name, lr, seed, run, ref):
+        g = (100 * (run[0] - ref[0]) / ref[0], 100 * (run[1] - ref[1]) / ref[1])
+        gaps[(lr, name)].append(g)
+        rows.append((lr, seed, name, *run, *ref, *g))
+
+    for (lr, seed), replicas in groups.items():
+        for i, rep in enumerate(replicas):
+            if "bf16" not in rep:
+                print(f"lr {lr} seed {seed}: a log without a bf16 run, skipped", file=sys.stderr)
+                continue
+            for recipe, run in rep.items():
+                if recipe != "bf16":  # against the same log's bf16 run
+                    gap(recipe, lr, seed, run, rep["bf16"])
+            if i:  # a recipe against its own first run of this seed
+                for recipe, run in rep.items():
+                    if recipe in replicas[0]:
+                        gap(f"{recipe} again", lr, seed, run, replicas[0][recipe])
+    print(f"{'lr':>8} {'seed':>4} {'recipe':>12} {'training':>9} {'held-out':>9} {'bf16 tr.':>9} {'bf16 h-o':>9}"
+          f" {'gap tr. %':>10} {'gap h-o %':>10}")
+    for lr, seed, name, fin, held, rf, rh, gt, gh in rows:
+        print(f"{lr:>8} {seed:>4} {name:>12} {fin:9.4f} {held:9.4f} {rf:9.4f} {rh:9.4f} {gt:+10.2f} {gh:+10.2f}")
+    print()
+    print(f"{'lr':>8} {'recipe':>12} {'runs':>5} {'training gap: mean, sd, se %':>30} {'held-out gap: mean, sd, se %':>30}"
+          f" {'rms %':>14}")
+    for (lr, name), gs in sorted(gaps.items()):
+        tr = stats([g[0] for g in gs])
+        ho = stats([g[1] for g in gs])
+        rms = (math.sqrt(sum(g[0] ** 2 for g in gs) / len(gs)), math.sqrt(sum(g[1] ** 2 for g in gs) / len(gs)))
+        print(f"{lr:>8} {name:>12} {len(gs):>5} {tr[0]:+10.2f} {tr[1]:8.2f} {tr[2]:8.2f}    {ho[0]:+10.2f} {ho[1]:8.2f}"
+              f" {ho[2]:8.2f}    {rms[0]:5.2f} {rms[1]:5.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
