@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The training run's parity against the bf16 recipe's own run-to-run noise, from train_mla.py logs.
 
-    python3 dev/bench/parity_table.py LOG [LOG ...]
+    python3 dev/bench/parity_table.py [--windows N] LOG [LOG ...]
 
 Each LOG is the output of one `examples/train_mla.py` run (its "training:" line names the seed and the
 peak learning rate, its "[recipe] done in ..." lines the final training loss — the mean of the last 10 %
@@ -13,10 +13,16 @@ run to run, and training amplifies such differences). Gaps are
 relative, in per cent. The summary gives, per kind of gap and learning rate, the number of gaps, their
 mean, standard deviation and standard error, and their root mean square; the "again" rows' spread is the
 resolution of a parity claim made with this setup.
+
+--windows N adds, per recipe, the gap of the mean training loss over each N-step window of the run, from
+the loss curves that train_mla.py wrote beside each log (LOG without ".log" as its --out folder:
+loss_bf16.csv, loss_<recipe>.csv): how the gap and its seed-to-seed spread grow along the run.
 """
 from __future__ import annotations
 
+import csv
 import math
+import os
 import re
 import sys
 from collections import OrderedDict, defaultdict
@@ -48,7 +54,46 @@ def stats(xs):
     return mean, sd, sd / math.sqrt(n) if n > 1 else float("nan")
 
 
+def curve(path):
+    with open(path, newline="") as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+def window_table(paths, n):
+    """Per (lr, recipe, window): the gap of the window's mean loss against bf16's, over every log with curves."""
+    table = OrderedDict()
+    for path in paths:
+        lr, _, runs = parse(path)
+        folder = path[:-4] if path.endswith(".log") else path
+        ref = os.path.join(folder, "loss_bf16.csv")
+        if not os.path.exists(ref):
+            print(f"{path}: no {ref}, left out of the windows", file=sys.stderr)
+            continue
+        b = curve(ref)
+        for recipe, _, _ in runs:
+            other = os.path.join(folder, f"loss_{recipe}.csv")
+            if recipe == "bf16" or not os.path.exists(other):
+                continue
+            m = curve(other)
+            for w0 in range(0, min(len(b), len(m)), n):
+                bw, mw = b[w0:w0 + n], m[w0:w0 + n]
+                g = 100 * (sum(mw) / len(mw) - sum(bw) / len(bw)) / (sum(bw) / len(bw))
+                table.setdefault((lr, recipe, w0), []).append(g)
+    print(f"{'lr':>8} {'recipe':>12} {'steps':>11} {'runs':>5} {'gap mean %':>11} {'sd':>6} {'se':>6} {'above bf16':>11}")
+    for (lr, recipe, w0), gs in table.items():
+        mean, sd, se = stats(gs)
+        steps = f"{w0 + 1}-{w0 + n}"
+        print(f"{lr:>8} {recipe:>12} {steps:>11} {len(gs):>5} {mean:+11.2f} {sd:6.2f} {se:6.2f}"
+              f" {sum(g > 0 for g in gs):>7} / {len(gs)}")
+
+
 def main(argv):
+    windows = None
+    if argv[:1] == ["--windows"]:
+        if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+            print("parity_table.py: --windows takes a positive number of steps", file=sys.stderr)
+            return 2
+        windows, argv = int(argv[1]), argv[2:]
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
@@ -89,6 +134,9 @@ def main(argv):
         rms = (math.sqrt(sum(g[0] ** 2 for g in gs) / len(gs)), math.sqrt(sum(g[1] ** 2 for g in gs) / len(gs)))
         print(f"{lr:>8} {name:>12} {len(gs):>5} {tr[0]:+10.2f} {tr[1]:8.2f} {tr[2]:8.2f}    {ho[0]:+10.2f} {ho[1]:8.2f}"
               f" {ho[2]:8.2f}    {rms[0]:5.2f} {rms[1]:5.2f}")
+    if windows:
+        print()
+        window_table(argv, windows)
     return 0
 
 

@@ -428,3 +428,42 @@ def test_sass_summary_rejects_other_csv(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "dev" / "scripts" / "sass-summary"), str(bad)], capture_output=True,
                        text=True)
     assert r.returncode != 0 and "no header row" in r.stderr
+
+
+# ----------------------------------------------------------------------------- dev/bench/parity_table.py
+def _write_run(folder, seed, results, curves):
+    """A train_mla.py log (the lines parity_table.py reads) and its loss curves in the --out folder beside it."""
+    folder.mkdir()
+    lines = [f"training: 4 steps x 2 sequences x 8 bytes, peak lr 0.002, seed {seed}; recipes bf16, mxfp8"]
+    for recipe, (final, held) in results.items():
+        lines.append(f"[{recipe}] done in 1.0 s: final loss {final:.4f} (mean of the last 1 steps), held-out loss "
+                     f"{held:.4f}; wrote {folder}/loss_{recipe}.csv")
+        rows = "".join(f"{i + 1},{v}\n" for i, v in enumerate(curves[recipe]))
+        (folder / f"loss_{recipe}.csv").write_text("step,loss\n" + rows)
+    log = folder.parent / f"{folder.name}.log"
+    log.write_text("\n".join(lines) + "\n")
+    return str(log)
+
+
+def test_parity_table_gaps_and_windows(tmp_path):
+    b = [1.0, 1.0, 2.0, 2.0]
+    logs = [_write_run(tmp_path / "gap-7", 7, {"bf16": (1.0, 2.0), "mxfp8": (1.01, 1.98)},
+                       {"bf16": b, "mxfp8": [1.1, 1.1, 2.0, 2.0]}),
+            _write_run(tmp_path / "gap-8", 8, {"bf16": (1.0, 2.0), "mxfp8": (1.03, 2.02)},
+                       {"bf16": b, "mxfp8": [1.0, 1.0, 2.2, 2.2]})]
+    out = subprocess.run([sys.executable, str(ROOT / "dev" / "bench" / "parity_table.py"), "--windows", "2", *logs],
+                         check=True, capture_output=True, text=True).stdout
+    rows = [l.split() for l in out.splitlines()]
+    assert ["0.002", "7", "mxfp8", "1.0100", "1.9800", "1.0000", "2.0000", "+1.00", "-1.00"] in rows
+    assert ["0.002", "8", "mxfp8", "1.0300", "2.0200", "1.0000", "2.0000", "+3.00", "+1.00"] in rows
+    # training gaps +1, +3: mean 2, sd sqrt(2), se 1; held-out -1, +1: mean 0, sd sqrt(2), se 1
+    assert ["0.002", "mxfp8", "2", "+2.00", "1.41", "1.00", "+0.00", "1.41", "1.00", "2.24", "1.00"] in rows
+    # windows of 2 steps: seed 7 +10 % then 0, seed 8 0 then +10 %
+    assert ["0.002", "mxfp8", "1-2", "2", "+5.00", "7.07", "5.00", "1", "/", "2"] in rows
+    assert ["0.002", "mxfp8", "3-4", "2", "+5.00", "7.07", "5.00", "1", "/", "2"] in rows
+
+
+def test_parity_table_rejects_a_bad_window(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "dev" / "bench" / "parity_table.py"), "--windows", "0", "x.log"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--windows takes a positive number of steps" in r.stderr
