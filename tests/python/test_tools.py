@@ -467,3 +467,35 @@ def test_parity_table_rejects_a_bad_window(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "dev" / "bench" / "parity_table.py"), "--windows", "0", "x.log"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--windows takes a positive number of steps" in r.stderr
+
+
+# ----------------------------------------------------------------------------- dev/bench/repro_probe.py
+def _probe(*args):
+    pytest.importorskip("torch")
+    mxmla = pytest.importorskip("mxmla")
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(mxmla.__file__).resolve().parent.parent))
+    return subprocess.run([sys.executable, str(ROOT / "dev" / "bench" / "repro_probe.py"), "--layers", "1",
+                           "--hidden", "64", "--seq", "32", "--batch", "4", "--device", "cpu", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_repro_probe_finds_nothing_on_the_cpu(recipe):
+    r = _probe("--recipe", recipe, "--repeats", "2", "--batches", "1")
+    assert r.returncode == 0, r.stderr
+    assert "loss" in r.stdout and "the same bits in every repeat" in r.stdout
+    assert "all parameter gradients: the same bits; weights after the step: the same bits" in r.stdout
+    assert "no module's own backward differed between repeats" in r.stdout
+
+
+def test_repro_probe_names_a_perturbed_module():
+    r = _probe("--recipe", "bf16", "--repeats", "3", "--batches", "1", "--self-check", "layers.0.ffn.w1")
+    assert r.returncode == 0, r.stderr
+    assert "not reproducible: layers.0.ffn.w1 (Linear): its parameters' gradients (batches [0])" in r.stdout
+    assert "first differing gradient: the one reaching layers.0.ffn_norm" in r.stdout
+    assert "all parameter gradients: differ in 2 repeats" in r.stdout
+
+
+def test_repro_probe_rejects_one_repeat():
+    r = _probe("--repeats", "1")
+    assert r.returncode == 2 and "--repeats must be at least 2" in r.stderr
