@@ -463,10 +463,27 @@ def test_parity_table_gaps_and_windows(tmp_path):
     assert ["0.002", "mxfp8", "3-4", "2", "+5.00", "7.07", "5.00", "1", "/", "2"] in rows
 
 
+def test_parity_table_adjusts_for_the_early_gap(tmp_path):
+    # early gaps (steps 1-2) 1, 2, 3 %; final gaps 1 + 2 x early (training), 0.5 + 1 x early (held-out)
+    b = [1.0, 1.0, 2.0, 2.0]
+    logs = [_write_run(tmp_path / f"gap-{e}", e, {"bf16": (1.0, 2.0), "mxfp8": (1 + (1 + 2 * e) / 100,
+                                                                               2 * (1 + (0.5 + e) / 100))},
+                       {"bf16": b, "mxfp8": [1 + e / 100, 1 + e / 100, 2.0, 2.0]}) for e in (1, 2, 3)]
+    out = subprocess.run([sys.executable, str(ROOT / "dev" / "bench" / "parity_table.py"), "--adjust", "1-2", *logs],
+                         check=True, capture_output=True, text=True).stdout
+    rows = [l.split() for l in out.splitlines()]
+    assert "final gap = a + b x (gap in steps 1-2), least squares over the runs:" in out
+    assert ["0.002", "mxfp8", "3", "training", "+1.00", "0.00", "2.00", "0.00", "1.00", "0.00", "2.00"] in rows
+    assert ["0.002", "mxfp8", "3", "held-out", "+0.50", "0.00", "1.00", "0.00", "1.00", "0.00", "1.00"] in rows
+
+
 def test_parity_table_rejects_a_bad_window(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "dev" / "bench" / "parity_table.py"), "--windows", "0", "x.log"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--windows takes a positive number of steps" in r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "dev" / "bench" / "parity_table.py"), "--adjust", "400-201",
+                        "x.log"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--adjust takes a window of steps FIRST-LAST" in r.stderr
 
 
 # ----------------------------------------------------------------------------- dev/bench/repro_probe.py
