@@ -1,7 +1,9 @@
 """One MLA block's training step (forward + backward) at DeepSeek-V3 dims, the recipes of
 mxmla.nn.MLA, same weights, same run: "bf16" (torch's GEMMs = cuBLAS, torch SDPA, RoPE in torch),
 "mxfp8" (mxmla's MXFP8 GEMMs, fused Q up-projection, MXFP8 attention forward and backward) and
-"block-fp8" (DeepSeek-V3's recipe: every Linear on mxmla's block-FP8 GEMM, attention as in "bf16").
+"block-fp8" (DeepSeek-V3's recipe: every Linear on mxmla's block-FP8 GEMM, attention as in "bf16");
+with --recipes also "mxfp8-linears" ("mxfp8" with fp8_attention=False: the Linears in MXFP8, the
+attention as in "bf16").
 hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope / rope / v 128 / 64 / 128, b 1, causal, bshd.
 Times: medians of the calls, L2 flushed before each (bench/timing.py); a step is forward + backward
 with fresh gradients. Peak memory: the most allocated during one step above what was allocated
@@ -60,13 +62,15 @@ def setup(T, recipe, ref=None, thd=False):
     lead = (T,) if thd else (1, T)
     x = torch.randn(*lead, 7168, generator=g).to(torch.bfloat16).cuda().requires_grad_()
     dy = torch.randn(*lead, 7168, generator=g).to(torch.bfloat16).cuda()
-    m = mnn.MLA(**kw, recipe=recipe).cuda()
+    extra = dict(recipe="mxfp8", fp8_attention=False) if recipe == "mxfp8-linears" else dict(recipe=recipe)
+    m = mnn.MLA(**kw, **extra).cuda()
     if ref is not None:
         m.load_state_dict(ref)
     return m, x, dy
 
 
-RECIPES = ("bf16", "mxfp8", "block-fp8")
+RECIPES = ("bf16", "mxfp8", "block-fp8")  # the default run
+KNOWN = RECIPES + ("mxfp8-linears",)
 
 
 def pool_peaks(T, recipes, thd=False):
@@ -100,16 +104,16 @@ def main():
     if "--recipes" in args:
         i = args.index("--recipes")
         recipes = ["bf16"] + [r for r in args[i + 1].split(",") if r and r != "bf16"]
-        bad = [r for r in recipes if r not in RECIPES]
+        bad = [r for r in recipes if r not in KNOWN]
         if bad:
-            sys.exit(f"mla_step.py: --recipes: unknown {bad}; known: {', '.join(RECIPES)}")
+            sys.exit(f"mla_step.py: --recipes: unknown {bad}; known: {', '.join(KNOWN)}")
         del args[i:i + 2]
     thd = "--thd" in args
     seqs = [int(a) for a in args if a != "--thd"] or [4096]
     flush = flush_buffer(torch.device("cuda"))
     print("MLA block, DeepSeek-V3 dims (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, 128 / 64 / 128), causal, " +
           ("thd: T tokens in four packed sequences" if thd else "b 1"))
-    print(f"{'T':>6s} {'recipe':>9s} {'step ms':>9s} {'fwd ms':>8s} {'peak GiB':>9s} {'torch only':>10s}")
+    print(f"{'T':>6s} {'recipe':>13s} {'step ms':>9s} {'fwd ms':>8s} {'peak GiB':>9s} {'torch only':>10s}")
     for T in seqs:
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
         child = subprocess.run([sys.executable, __file__, "--pool-peaks", str(T), ",".join(recipes)] +
@@ -125,7 +129,7 @@ def main():
             ref = ref if ref is not None else m.state_dict()
             res[recipe] = measure(m, x, dy, flush, packed(T) if thd else None)
             s, f, p = res[recipe]
-            print(f"{T:6d} {recipe:>9s} {s:9.3f} {f:8.3f} {peaks[recipe]:9.2f} {p:10.2f}")
+            print(f"{T:6d} {recipe:>13s} {s:9.3f} {f:8.3f} {peaks[recipe]:9.2f} {p:10.2f}")
             del m, x, dy
             torch.cuda.empty_cache()
         sb, fb, _ = res["bf16"]

@@ -14,7 +14,10 @@ any other file instead. The last 1% of the bytes is held out for the final evalu
 
 Recipes (--recipe, comma-separated): "bf16" is the baseline (every Linear and the attention in
 bf16, fp32 master weights, AdamW); "mxfp8" runs every Linear on mxmla's MXFP8 GEMM and the attention
-on MXFP8 Q, K, V (forward and backward). With "mxfp8" in the run every recipe uses MXFP8-friendly
+on MXFP8 Q, K, V (forward and backward); "mxfp8-linears" runs the Linears as "mxfp8" does and the
+attention in bf16 as "bf16" does (mxmla.nn.MLA's fp8_attention=False, TransformerEngine's fp8_dpa off);
+"block-fp8" is DeepSeek-V3's recipe (the Linears on the block-FP8 GEMM, the attention in bf16).
+With "mxfp8" or "mxfp8-linears" in the run every recipe uses MXFP8-friendly
 MLA dims (multiples of 32; on a GPU DeepSeek-V3's head dims 192 / 128), so that all start from the
 same weights. With two or more recipes the script prints the final loss gap of each against the
 first. At these small dims every recipe's eager step is bound by the host (Python, launches);
@@ -122,8 +125,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="bf16",
                    help="comma-separated recipes, each trained from the same weights and data order (bf16; mxfp8 "
-                        "needs the MXFP8 GEMM and attention backward; block-fp8, DeepSeek-V3's recipe: the Linears "
-                        "on the block-FP8 GEMM). Default: bf16")
+                        "needs the MXFP8 GEMM and attention backward; mxfp8-linears: the Linears in MXFP8, the "
+                        "attention in bf16; block-fp8, DeepSeek-V3's recipe: the Linears on the block-FP8 GEMM). "
+                        "Default: bf16")
     p.add_argument("--steps", type=int, help=f"optimizer steps (GPU {GPU_CONFIG['steps']}, CPU {CPU_CONFIG['steps']})")
     p.add_argument("--layers", type=int, help=f"blocks (GPU {GPU_CONFIG['layers']}, CPU {CPU_CONFIG['layers']})")
     p.add_argument("--hidden", type=int, help=f"model width (GPU {GPU_CONFIG['hidden']}, CPU {CPU_CONFIG['hidden']})")
@@ -212,12 +216,13 @@ def lr_at(step: int, steps: int, peak: float) -> float:
 
 
 def mla_dims(cfg: Dict, recipes, device: str, cp: int = 1) -> Dict:
-    """The MLA dims every recipe of the run shares (same initial weights). With "mxfp8" among the
-    recipes, or with context parallelism (mxmla's attention under every recipe), they must suit MXFP8:
-    every Linear's dims multiples of 32, head dims multiples of 32, and on a GPU the attention kernel's
+    """The MLA dims every recipe of the run shares (same initial weights). With "mxfp8" (or
+    "mxfp8-linears") among the recipes, or with context parallelism (mxmla's attention under every
+    recipe), they must suit MXFP8: every Linear's dims multiples of 32, head dims multiples of 32, and
+    on a GPU the attention kernel's
     (d_qk, d_v) = (192, 128) (DeepSeek-V3's heads: nope 128, rope 64, v 128). Otherwise the Decoder's
     defaults."""
-    if "mxfp8" not in recipes and cp == 1:
+    if not {"mxfp8", "mxfp8-linears"} & set(recipes) and cp == 1:
         return {}
     h = cfg["hidden"]
     if h % 32:
@@ -233,7 +238,8 @@ def build_model(recipe: str, cfg: Dict, seed: int, device: str, dims: Dict = Non
     from mxmla.nn import Decoder
 
     par = par or Parallel()
-    return Decoder(cfg["hidden"], cfg["layers"], cfg["heads"], max_seq_len=cfg["seq"], recipe=recipe, seed=seed,
+    extra = dict(recipe="mxfp8", fp8_attention=False) if recipe == "mxfp8-linears" else dict(recipe=recipe)
+    return Decoder(cfg["hidden"], cfg["layers"], cfg["heads"], max_seq_len=cfg["seq"], **extra, seed=seed,
                    device=device, tp_group=par.tp_group, cp_group=par.cp_group, cp_comm_type=par.cp_comm_type,
                    deterministic=deterministic,
                    sequence_parallel=sequence_parallel, **(dims or {}))

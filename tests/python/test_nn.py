@@ -143,6 +143,68 @@ def test_mla_thd_attention_calls_sdpa_with_4d_inputs(recipe, monkeypatch):
     assert shapes == [(1, 4, 6, 24), (1, 4, 10, 24)]
 
 
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "thd"])
+def test_mla_mxfp8_linears_with_bf16_attention(layout, monkeypatch):
+    """MLA(recipe="mxfp8", fp8_attention=False) (TransformerEngine's fp8_dpa off): every Linear on the
+    MXFP8 GEMM, the attention in bf16 through torch's SDPA (no MXFP8 attention op, no fused Q op) on
+    the same weights as the default mxfp8 block; every parameter gets a gradient, and the output
+    differs from the bf16 block's (whose Linears do not quantize). How close it stays to the bf16
+    block: test_mla_fp8_recipe_tracks_the_bf16_block."""
+    import mxmla.nn.qproj as nq
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append(tuple(q.shape))
+        return real(q, k, v, **kw)
+
+    def refuse(*a, **k):
+        raise AssertionError("the MXFP8 attention ran")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    for name in ("attention_from_latent", "q_up"):
+        monkeypatch.setattr(nq, name, refuse)
+    kw = dict(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
+              max_seq_len=64, layout=layout, seed=7)
+    m = mnn.MLA(**kw, recipe="mxfp8", fp8_attention=False)
+    assert "fp8_attention=False" in repr(m) and m.fp8_attention is False
+    assert mnn.MLA(**kw, recipe="mxfp8").fp8_attention is True
+    for (n, p), (n2, p2) in zip(m.state_dict().items(), mnn.MLA(**kw, recipe="mxfp8").state_dict().items()):
+        assert n == n2 and torch.equal(p, p2)
+    shape = {"bshd": (2, 20, 64), "sbhd": (20, 2, 64), "thd": (40, 64)}[layout]
+    x = randn(*shape, seed=5).to(torch.bfloat16)
+    cu = [0, 20, 40] if layout == "thd" else None
+    xi = x.clone().requires_grad_()
+    y = m(xi, cu_seqlens=cu)
+    y.float().square().mean().backward()
+    assert calls and all(len(c) == 4 for c in calls)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+    assert not torch.equal(y, mnn.MLA(**kw)(x, cu_seqlens=cu))  # the bf16 block's Linears do not quantize
+
+
+def test_mla_fp8_attention_checks_and_reaches_every_block():
+    for recipe in ("bf16", "block-fp8"):
+        with pytest.raises(ValueError, match=f"fp8_attention=True needs recipe 'mxfp8' \\(MXFP8 attention\\); "
+                                             f"recipe '{recipe}' runs its attention in bf16"):
+            mnn.MLA(64, 2, 32, 32, 32, 32, 32, recipe=recipe, fp8_attention=True)
+        assert mnn.MLA(64, 2, 32, 32, 32, 32, 32, recipe=recipe, fp8_attention=False).fp8_attention is False
+    with pytest.raises(TypeError, match="mxmla.nn.MLA: fp8_attention must be a bool, got int"):
+        mnn.MLA(64, 2, 32, 32, 32, 32, 32, recipe="mxfp8", fp8_attention=1)
+    # MXFP8 attention wants head dims in 32-blocks; a bf16 one does not (the Linears' dims still are)
+    with pytest.raises(ValueError, match="recipe 'mxfp8' needs nope_dim \\+ rope_dim \\(56\\)"):
+        mnn.MLA(64, 4, 32, 32, nope_dim=24, rope_dim=32, v_dim=32, recipe="mxfp8")
+    m = mnn.MLA(64, 4, 32, 32, nope_dim=24, rope_dim=32, v_dim=32, recipe="mxfp8", fp8_attention=False,
+                max_seq_len=16)
+    assert m(randn(1, 8, 64, seed=2).to(torch.bfloat16)).shape == (1, 8, 64)
+    d = mnn.Decoder(64, 2, 2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32, inter_dim=64,
+                    max_seq_len=16, recipe="mxfp8", fp8_attention=False)
+    assert all(b.attn.fp8_attention is False for b in d.layers) and d.config["fp8_attention"] is False
+    assert "fp8_attention" not in mnn.Decoder(64, 2, 2, max_seq_len=16).config  # only when given
+    with pytest.raises(ValueError, match="mxmla.nn.Decoder: fp8_attention=True needs recipe 'mxfp8'"):
+        mnn.Decoder(64, 2, 2, max_seq_len=16, fp8_attention=True)
+
+
 def test_mla_input_errors():
     m = mla()
     with pytest.raises(ValueError, match="hidden=64"):
@@ -607,17 +669,19 @@ def test_kv_from_projection_is_the_split_and_concatenation(dtype, nope, dv, rope
         torch.testing.assert_close(got[1], want[1], rtol=1e-15 if dtype == torch.float64 else 1e-2, atol=0)
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8", "mxfp8-linears"])
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 def test_mla_fp8_recipe_tracks_the_bf16_block(recipe, layout):
     """Same weights, same input: the FP8 block's output, input gradient and every parameter's gradient
     stay within the quantization noise of the bf16 block: relative RMS of the output and dx < 10 %
     (measured 7 % for both recipes), of the parameter gradients < 25 % (measured 4-15 %: at
     initialization the attention is nearly uniform and the query path's gradient is a difference of
-    nearly equal terms). "block-fp8": every Linear on the block-FP8 GEMM, attention in bf16."""
+    nearly equal terms). "block-fp8": every Linear on the block-FP8 GEMM, attention in bf16;
+    "mxfp8-linears": recipe "mxfp8" with fp8_attention=False."""
     kw = dict(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
               max_seq_len=64, layout=layout, seed=7)
-    ref, fp8 = mnn.MLA(**kw), mnn.MLA(**kw, recipe=recipe)
+    extra = dict(recipe="mxfp8", fp8_attention=False) if recipe == "mxfp8-linears" else dict(recipe=recipe)
+    ref, fp8 = mnn.MLA(**kw), mnn.MLA(**kw, **extra)
     g = torch.Generator().manual_seed(1)
     x = torch.randn((2, 40, 64) if layout == "bshd" else (80, 64), generator=g).to(torch.bfloat16)
     cu = [0, 40, 80] if layout == "thd" else None
@@ -821,8 +885,9 @@ def mla_step_bits(m, x, cu=None, layout=None):
 
 def mla_output_projection_keeps_the_attention_output(recipe, device="cpu"):
     # (DeepSeek-V3's head dims: the ones torch's SDPA takes to cuDNN on the GPU)
+    extra = dict(recipe="mxfp8", fp8_attention=False) if recipe == "mxfp8-linears" else dict(recipe=recipe)
     m = mnn.MLA(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=128, rope_dim=64, v_dim=128,
-                max_seq_len=64, seed=9, recipe=recipe, device=device)
+                max_seq_len=64, seed=9, device=device, **extra)
     x = randn(2, 64, 64, seed=4).to(device=device, dtype=torch.bfloat16).requires_grad_()
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.data_ptr()) or t, lambda t: t):
@@ -1013,12 +1078,14 @@ def test_train_script_end_to_end(tmp_path):
 
 
 def test_train_script_runs_the_fp8_recipes_beside_bf16(tmp_path):
-    r = subprocess.run([sys.executable, str(SCRIPT), "--text-file", str(TEXT), "--recipe", "bf16,mxfp8,block-fp8",
-                        "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+    recipes = ("bf16", "mxfp8", "block-fp8", "mxfp8-linears")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--text-file", str(TEXT), "--recipe", ",".join(recipes),
+                        "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
                        env=_script_env())
     assert r.returncode == 0, r.stderr
-    assert "final loss gap mxfp8 - bf16" in r.stdout and "final loss gap block-fp8 - bf16" in r.stdout
-    for recipe in ("bf16", "mxfp8", "block-fp8"):
+    for recipe in recipes[1:]:
+        assert f"final loss gap {recipe} - bf16" in r.stdout, recipe
+    for recipe in recipes:
         assert (tmp_path / f"loss_{recipe}.csv").exists(), recipe
 
 

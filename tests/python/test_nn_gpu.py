@@ -182,17 +182,23 @@ def _grads(m, x):
     return o.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+def _recipe_kw(recipe):
+    """MLA / Decoder arguments of a recipe name; "mxfp8-linears": "mxfp8" with fp8_attention=False."""
+    return dict(recipe="mxfp8", fp8_attention=False) if recipe == "mxfp8-linears" else dict(recipe=recipe)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8", "mxfp8-linears"])
 def test_mla_block_tracks_bf16_at_deepseek_v3_dims(recipe):
     """DeepSeek-V3's MLA (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope 128, rope 64, v 128),
     T 512, causal, the same weights: the "mxfp8" block (MXFP8 GEMMs, MXFP8 attention forward and
-    backward) and the "block-fp8" block (block-FP8 GEMMs, attention in bf16) against the "bf16" block.
+    backward), the "block-fp8" block (block-FP8 GEMMs, attention in bf16) and "mxfp8" with
+    fp8_attention=False (MXFP8 GEMMs, attention in bf16) against the "bf16" block.
     Bounds: relative RMS of the output and dx < 10 %, of every parameter gradient < 25 % (the CPU
     test's bounds at small dims; the measured values are printed)."""
     kw = dict(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128,
               max_seq_len=512, layout="bshd", seed=11)
     ref = mnn.MLA(**kw).cuda()
-    mx = mnn.MLA(**kw, recipe=recipe).cuda()
+    mx = mnn.MLA(**kw, **_recipe_kw(recipe)).cuda()
     mx.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 512, 7168, generator=g).to(torch.bfloat16).cuda()
@@ -295,14 +301,14 @@ def test_mla_mxfp8_deterministic_gradients_are_bitwise_reproducible(layout):
         assert rel(a, b) < 1e-2
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8", "mxfp8-linears"])
 def test_decoder_trains_on_the_gpu(recipe):
     """(block-fp8: its SwiGLU quantizes x once for w1 / w3 and defers w2's wgrad, its MLA likewise for
     wq_a / wkv_a and wo)"""
     torch.manual_seed(0)
     data = mnn.byte_tokens(TEXT.read_text())
     d = mnn.Decoder(hidden=64, layers=2, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=128, rope_dim=64,
-                    v_dim=128, max_seq_len=64, seed=0, recipe=recipe).cuda()
+                    v_dim=128, max_seq_len=64, seed=0, **_recipe_kw(recipe)).cuda()
     opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     seq, losses = 64, []
@@ -319,10 +325,11 @@ def test_decoder_trains_on_the_gpu(recipe):
     assert sum(losses[-5:]) / 5 < 0.65 * losses[0], losses
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8", "mxfp8-linears"])
 def test_mla_output_projection_keeps_the_attention_output_it_reads(recipe):
     """wo keeps the attention's saved O for its wgrad instead of an FP8 copy of its own, under both FP8
-    recipes (block-fp8: cuDNN's SDPA returns O in the query's bshd layout, rows of its own memory)."""
+    recipes (block-fp8, and mxfp8 with its attention in bf16: cuDNN's SDPA returns O in the query's bshd
+    layout, rows of its own memory)."""
     from test_nn import mla_output_projection_keeps_the_attention_output
 
     mla_output_projection_keeps_the_attention_output(recipe, "cuda")

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import Linear, RMSNorm, SwiGLU, check_bool, check_recipe, child_seed, default_inter_dim, generator, \
-    init_normal_, resolve_dtypes
+from .layers import Linear, RMSNorm, SwiGLU, check_bool, check_recipe, child_seed, default_inter_dim, \
+    fp8_attention_of, generator, init_normal_, resolve_dtypes
 from .mla import MLA, CuSeqlens
 from .tp import UnshardedStateDict, check_sp_split, gather_from_sp, scatter_to_sp, tp_size_rank
 
@@ -32,7 +32,7 @@ class Block(nn.Module):
     and the output are this rank's slice of the sequence; the norms normalize the slice (their weight
     gradients summed over the ranks), MLA and the MLP gather it and reduce-scatter their outputs.
     cp_group: MLA context parallel (see there): x is this rank's two chunks of each sequence; the
-    norms and the MLP work on them as they are."""
+    norms and the MLP work on them as they are. fp8_attention: MLA's (see there)."""
 
     def __init__(self, hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, nope_dim: int, rope_dim: int,
                  v_dim: int, inter_dim: int, recipe: str = "bf16", yarn: Any = None, *, max_seq_len: int = 4096,
@@ -40,7 +40,7 @@ class Block(nn.Module):
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
                  out_init_std: Optional[float] = None, seed: int = 0, tp_group: Any = None,
                  deterministic: bool = False, sequence_parallel: bool = False, cp_group: Any = None,
-                 cp_comm_type: str = "p2p"):
+                 cp_comm_type: str = "p2p", fp8_attention: Optional[bool] = None):
         super().__init__()
         check_recipe(recipe, "mxmla.nn.Block")
         sequence_parallel = check_bool("mxmla.nn.Block", "sequence_parallel", sequence_parallel)
@@ -51,7 +51,7 @@ class Block(nn.Module):
                         rope_base=rope_base, max_seq_len=max_seq_len, norm_eps=norm_eps, dtype=dtype,
                         params_dtype=params_dtype, init_std=init_std, out_init_std=out_init_std, seed=child_seed(g),
                         tp_group=tp_group, deterministic=deterministic, sequence_parallel=sequence_parallel,
-                        cp_group=cp_group, cp_comm_type=cp_comm_type)
+                        cp_group=cp_group, cp_comm_type=cp_comm_type, fp8_attention=fp8_attention)
         self.ffn_norm = RMSNorm(hidden, norm_eps, params_dtype)
         self.ffn = SwiGLU(hidden, inter_dim, recipe, dtype, params_dtype, init_std, out_init_std, seed=child_seed(g),
                           tp_group=tp_group, sequence_parallel=sequence_parallel)
@@ -105,6 +105,7 @@ class Decoder(UnshardedStateDict, nn.Module):
             tokens'; the parameters' gradients are to be summed over the group. cp_comm_type: "p2p"
             or "a2a" (see MLA).
         deterministic: every MLA block's attention backward in a fixed summation order (see MLA).
+        fp8_attention: every MLA block's (see MLA): False under "mxfp8" runs the attention in bf16.
         device: where the model lives.
 
     forward(tokens, cu_seqlens=None) -> logits (fp32; float64 for a float64 model):
@@ -119,7 +120,7 @@ class Decoder(UnshardedStateDict, nn.Module):
                  norm_eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16, params_dtype: Optional[torch.dtype] = None,
                  init_std: float = 0.02, seed: int = 0, device: Any = None, tp_group: Any = None,
                  deterministic: bool = False, sequence_parallel: bool = False, cp_group: Any = None,
-                 cp_comm_type: str = "p2p"):
+                 cp_comm_type: str = "p2p", fp8_attention: Optional[bool] = None):
         super().__init__()
         what = "mxmla.nn.Decoder"
         self.sequence_parallel = check_bool(what, "sequence_parallel", sequence_parallel)
@@ -137,6 +138,8 @@ class Decoder(UnshardedStateDict, nn.Module):
                    rope_dim=rope_dim, v_dim=v_dim or nope_dim, inter_dim=inter_dim or default_inter_dim(hidden),
                    vocab_size=vocab_size, max_seq_len=max_seq_len)
         self.config = dict(cfg, recipe=recipe, yarn=yarn)
+        if fp8_attention is not None:  # only when given (the configurations saved before it stay loadable)
+            self.config["fp8_attention"] = fp8_attention_of(what, self.recipe, fp8_attention)
         g = generator(seed)
         out_std = init_std / math.sqrt(2 * layers)
         self.embed = nn.Parameter(torch.empty(vocab_size, hidden, dtype=params_dtype))
@@ -146,7 +149,8 @@ class Decoder(UnshardedStateDict, nn.Module):
                   cfg["inter_dim"], recipe, yarn, max_seq_len=max_seq_len, rope_base=rope_base, norm_eps=norm_eps,
                   dtype=dtype, params_dtype=params_dtype, init_std=init_std, out_init_std=out_std,
                   seed=child_seed(g), tp_group=tp_group, deterministic=deterministic,
-                  sequence_parallel=sequence_parallel, cp_group=cp_group, cp_comm_type=cp_comm_type)
+                  sequence_parallel=sequence_parallel, cp_group=cp_group, cp_comm_type=cp_comm_type,
+                  fp8_attention=fp8_attention)
             for _ in range(layers))
         self.norm = RMSNorm(hidden, norm_eps, params_dtype)
         # the output head in bf16 under every recipe (DeepSeek-V3 §3.3.1 keeps it in higher precision)

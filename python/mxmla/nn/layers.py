@@ -34,6 +34,18 @@ def check_recipe(recipe: str, what: str) -> str:
     return recipe
 
 
+def fp8_attention_of(what: str, recipe: str, fp8_attention) -> bool:
+    """Whether a recipe's attention runs in MXFP8: None -> the recipe's own (only "mxfp8"'s is); False
+    -> bf16 under any recipe; True -> needs "mxfp8". A TypeError / ValueError naming the argument else."""
+    if fp8_attention is None:
+        return recipe == "mxfp8"
+    check_bool(what, "fp8_attention", fp8_attention)
+    if fp8_attention and recipe != "mxfp8":
+        raise ValueError(f"{what}: fp8_attention=True needs recipe 'mxfp8' (MXFP8 attention); recipe {recipe!r} "
+                         "runs its attention in bf16")
+    return fp8_attention
+
+
 def check_bool(what: str, name: str, value) -> bool:
     """value, or a TypeError naming the argument when it is not a bool."""
     if not isinstance(value, bool):

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import rope as _rope
-from .layers import Linear, RMSNorm, check_bool, check_recipe, child_seed, generator, resolve_dtypes
+from .layers import Linear, RMSNorm, check_bool, check_recipe, child_seed, fp8_attention_of, generator, \
+    resolve_dtypes
 from .tp import UnshardedStateDict, copy_to_tp, gather_from_sp, keep_shards, reduce_from_tp, reduce_scatter_to_sp, \
     tp_size_rank
 
@@ -183,9 +184,15 @@ class MLA(UnshardedStateDict, nn.Module):
         seed: the weights are drawn from this seed (CPU generator): the same seed gives the same
             weights on any device and at any dtype.
         device: where the module lives (built on the CPU, then moved).
-        deterministic: under "mxfp8", the attention backward adds dQ's parts in a fixed order
+        fp8_attention: whether the attention runs in MXFP8 (TransformerEngine's fp8_dpa). None (default):
+            the recipe's own — MXFP8 under "mxfp8", bf16 under "bf16" and "block-fp8". False under
+            "mxfp8": every Linear in MXFP8 as before, the attention in bf16 as "block-fp8" runs it (the
+            query by wq_b's MXFP8 GEMM and mxmla's RoPE instead of the fused Q op, K and V assembled
+            without concatenation passes, torch's SDPA saving bf16 q, K, V and O); the head dims need
+            not be multiples of 32 then (the Linears' dims still must). True needs "mxfp8".
+        deterministic: with MXFP8 attention, its backward adds dQ's parts in a fixed order
             (attention_backward's deterministic=True: bitwise reproducible gradients, at about 1.1x the
-            backward's time); under "bf16" torch's SDPA follows torch.use_deterministic_algorithms.
+            backward's time); a bf16 attention (torch's SDPA) follows torch.use_deterministic_algorithms.
         delay_wgrad: under the FP8 recipes, the output projection's weight gradient runs after the
             rest of the block's backward instead of first (mxmla.nn.layers.DeferredWgrad): its fp32
             gradient (4·hidden·heads·v_dim bytes, 448 MiB at DeepSeek-V3's dims) is then allocated
@@ -230,13 +237,14 @@ class MLA(UnshardedStateDict, nn.Module):
                  params_dtype: Optional[torch.dtype] = None, init_std: float = 0.02,
                  out_init_std: Optional[float] = None, seed: int = 0, device: Any = None, tp_group: Any = None,
                  deterministic: bool = False, delay_wgrad: bool = True, sequence_parallel: bool = False,
-                 cp_group: Any = None, cp_comm_type: str = "p2p"):
+                 cp_group: Any = None, cp_comm_type: str = "p2p", fp8_attention: Optional[bool] = None):
         super().__init__()
         what = "mxmla.nn.MLA"
         self.deterministic = check_bool(what, "deterministic", deterministic)
         self.sequence_parallel = check_bool(what, "sequence_parallel", sequence_parallel)
         self.delay_wgrad = check_bool(what, "delay_wgrad", delay_wgrad)
         self.recipe = check_recipe(recipe, what)
+        self.fp8_attention = fp8_attention_of(what, self.recipe, fp8_attention)
         self.dtype, params_dtype = resolve_dtypes(what, dtype, params_dtype)
         dims = dict(hidden=hidden, heads=heads, kv_lora_rank=kv_lora_rank, nope_dim=nope_dim, rope_dim=rope_dim,
                     v_dim=v_dim, max_seq_len=max_seq_len)
@@ -249,7 +257,7 @@ class MLA(UnshardedStateDict, nn.Module):
             raise ValueError(f"{what}: rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
         if layout not in LAYOUTS:
             raise ValueError(f"{what}: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-        if self.recipe == "mxfp8" and ((nope_dim + rope_dim) % 32 or v_dim % 32):
+        if self.fp8_attention and ((nope_dim + rope_dim) % 32 or v_dim % 32):
             raise ValueError(f"{what}: recipe 'mxfp8' needs nope_dim + rope_dim ({nope_dim + rope_dim}) and v_dim "
                              f"({v_dim}) to be multiples of 32 (the MXFP8 blocks of q, k and v along the head dim)")
         self.tp_group = tp_group
@@ -421,7 +429,7 @@ class MLA(UnshardedStateDict, nn.Module):
         # sequence parallelism reduce-scattered into this rank's slice of the sequence)
         # wo's weight gradient after the rest of the block's backward: its anchor is recorded first
         defer = self.wo.deferred_wgrad() if self.delay_wgrad else None
-        fused_q = self.recipe == "mxfp8" and not cp
+        fused_q = self.fp8_attention and not cp
         # the FP8 recipes: x quantized once for wq_a and wkv_a (one pass, one saved copy for their wgrads)
         xq = self.wkv_a.quantize_input(x) if (self.recipe != "bf16" and self.q_lora_rank
                                               and not torch.compiler.is_compiling()) else None
@@ -446,7 +454,8 @@ class MLA(UnshardedStateDict, nn.Module):
                                       cu_seqlens=cu if thd else None, max_seqlen=(longest or None) if thd else None)
         else:
             kv = self.wkv_b(lat).unflatten(-1, (self.local_heads, self.nope_dim + self.v_dim))
-            if self.recipe == "block-fp8":  # K and V without torch.cat in either direction
+            if self.recipe == "block-fp8" or (self.recipe == "mxfp8" and not self.fp8_attention):
+                # K and V for a bf16 attention without torch.cat in either direction
                 k, v = _KVFromProjection.apply(kv, k_pe, self.nope_dim)
             else:
                 k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -455,15 +464,15 @@ class MLA(UnshardedStateDict, nn.Module):
                 from .cp import context_parallel_attention
 
                 o = context_parallel_attention(q, k, v, self.cp_group, causal=True, softmax_scale=self.softmax_scale,
-                                               layout=layout, cu_seqlens=cu, fp8=self.recipe == "mxfp8",
+                                               layout=layout, cu_seqlens=cu, fp8=self.fp8_attention,
                                                deterministic=self.deterministic, cp_comm_type=self.cp_comm_type)
             else:
                 o = self._attention(q, k, v, layout, cu)
-        # the attention saves O (mxfp8: attention_from_latent; block-fp8: torch's SDPA in one call, not
-        # thd's per-sequence calls and their concatenation): wo's wgrad quantizes O from it instead of
-        # wo saving an FP8 copy of its own
+        # the attention saves O (MXFP8 attention: attention_from_latent; bf16 attention under an FP8 recipe:
+        # torch's SDPA in one call, not thd's per-sequence calls and their concatenation): wo's wgrad
+        # quantizes O from it instead of wo saving an FP8 copy of its own
         o2 = o.flatten(-2)
-        keep_o = self.recipe == "mxfp8" or (self.recipe == "block-fp8" and layout != "thd")
+        keep_o = self.fp8_attention or (self.recipe != "bf16" and layout != "thd")
         y = self.wo(o2, wgrad=defer, save_original_input=True) if keep_o else self.wo(o2, wgrad=defer)
         return reduce_scatter_to_sp(y, seq_dim, g) if sp else reduce_from_tp(y, g)
 
@@ -472,6 +481,7 @@ class MLA(UnshardedStateDict, nn.Module):
                 f"kv_lora_rank={self.kv_lora_rank}, nope_dim={self.nope_dim}, rope_dim={self.rope_dim}, "
                 f"v_dim={self.v_dim}, recipe={self.recipe!r}, dtype={self.dtype}, layout={self.layout!r}, "
                 f"softmax_scale={self.softmax_scale:.6g}, yarn={self.yarn!r}" +
+                (", fp8_attention=False" if self.recipe == "mxfp8" and not self.fp8_attention else "") +
                 (", deterministic=True" if self.deterministic else "") +
                 ("" if self.delay_wgrad else ", delay_wgrad=False") +
                 (f", cp={self.cp_size} ({self.cp_comm_type})" if self.cp_size > 1 else "") +
