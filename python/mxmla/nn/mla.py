@@ -259,7 +259,8 @@ class MLA(UnshardedStateDict, nn.Module):
             raise ValueError(f"{what}: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         if self.fp8_attention and ((nope_dim + rope_dim) % 32 or v_dim % 32):
             raise ValueError(f"{what}: recipe 'mxfp8' needs nope_dim + rope_dim ({nope_dim + rope_dim}) and v_dim "
-                             f"({v_dim}) to be multiples of 32 (the MXFP8 blocks of q, k and v along the head dim)")
+                             f"({v_dim}) to be multiples of 32 (the MXFP8 blocks of q, k and v along the head dim; "
+                             "fp8_attention=False runs the attention in bf16)")
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = tp_size_rank(tp_group)
         self.cp_group = cp_group
