@@ -9,9 +9,10 @@ batch of random bytes at a time: REPEATS times, from the same weights, the scrip
 (forward, backward, gradient clipping, one AdamW step of a fresh optimizer). Every module's outputs,
 the gradient that reaches each of them (a tensor hook on each output), every parameter's gradient,
 the loss and the updated weights are compared bit for bit with the first repeat's. Printed: per
-module in backward order, what differed; then where the backward stops being reproducible: the
-first gradient (in the order they arrive) that differs between repeats, and any module whose own
-parameters' gradients differ while the gradient reaching its output does not. Exit status 0 in every case (a probe, not a test); 2 on bad arguments.
+module in backward order, what differed; then where the step stops being reproducible: the first
+module whose output differs (forward), the first gradient (in the order they arrive) that differs
+between repeats, and any module whose own parameters' gradients differ while the gradient reaching
+its output does not. Exit status 0 in every case (a probe, not a test); 2 on bad arguments.
 """
 from __future__ import annotations
 
@@ -179,6 +180,11 @@ def main(argv=None) -> int:
             rows.append((name, fo, go, po))
             fmt = lambda d: "-" if d is None else "same" if d[0] == 0 else f"{d[0]}x {d[1]:.2e}"  # noqa: E731
             print(f"{name or '(the model: embedding)':<34} {fmt(fo):>14} {fmt(go):>16} {fmt(po):>16}")
+        # the forward: the first module (in forward order) whose output differs computed it differently
+        fwd_bad = next((n for n in first["fwd"] if differs(lambda r: r["fwd"].get(n, []))[0]), None)
+        if fwd_bad is not None:
+            print(f"first differing output (forward): {fwd_bad}")
+            sources.setdefault(f"forward, {fwd_bad}", []).append(bi)
         # where the backward stops being reproducible: the first gradient (in arrival order) that differs came
         # out of the backward run between its arrival and the previous one's; a module whose parameters'
         # gradients differ while the gradient reaching it does not computes them itself
