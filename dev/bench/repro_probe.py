@@ -6,9 +6,10 @@
 
 One Decoder as examples/train_mla.py builds it (its GPU configuration unless told otherwise), one
 batch of random bytes at a time: REPEATS times, from the same weights, the script's training step
-(forward, backward, gradient clipping, one AdamW step of a fresh optimizer). Every module's outputs,
-the gradient that reaches each of them (a tensor hook on each output), every parameter's gradient,
-the loss and the updated weights are compared bit for bit with the first repeat's. Printed: per
+(its train_step: forward, backward, gradient clipping, one AdamW step of a fresh optimizer). Every
+module's outputs, the gradient that reaches each of them (a tensor hook on each output), every
+parameter's gradient (as clipped), the loss and the updated weights are compared bit for bit with
+the first repeat's. Printed: per
 module in backward order, what differed; then where the step stops being reproducible: the first
 module whose output differs (forward), the first gradient (in the order they arrive) that differs
 between repeats, and any module whose own parameters' gradients differ while the gradient reaching
@@ -134,14 +135,8 @@ def main(argv=None) -> int:
             model.load_state_dict(state0)
             opt = train_mla.make_optimizer(model, cfg["lr"])
             rec = Recorder(model, a.self_check if rep else None)
-            loss = model.loss(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = train_mla.train_step(model, opt, x, y)  # the script's step: gradients clipped, then AdamW
             grads = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters()}
-            from mxmla.nn.tp import clip_grad_norm_
-
-            clip_grad_norm_(model, 1.0, None)
-            opt.step()
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             rec.close()

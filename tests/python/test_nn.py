@@ -669,6 +669,11 @@ def test_kv_from_projection_is_the_split_and_concatenation(dtype, nope, dv, rope
         torch.testing.assert_close(got[1], want[1], rtol=1e-15 if dtype == torch.float64 else 1e-2, atol=0)
 
 
+def recipe_kw(recipe):
+    """MLA / Decoder arguments of a recipe name; "mxfp8-linears": "mxfp8" with fp8_attention=False."""
+    return dict(recipe="mxfp8", fp8_attention=False) if recipe == "mxfp8-linears" else dict(recipe=recipe)
+
+
 @pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8", "mxfp8-linears"])
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 def test_mla_fp8_recipe_tracks_the_bf16_block(recipe, layout):
@@ -680,8 +685,7 @@ def test_mla_fp8_recipe_tracks_the_bf16_block(recipe, layout):
     "mxfp8-linears": recipe "mxfp8" with fp8_attention=False."""
     kw = dict(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=32, rope_dim=32, v_dim=32,
               max_seq_len=64, layout=layout, seed=7)
-    extra = dict(recipe="mxfp8", fp8_attention=False) if recipe == "mxfp8-linears" else dict(recipe=recipe)
-    ref, fp8 = mnn.MLA(**kw), mnn.MLA(**kw, **extra)
+    ref, fp8 = mnn.MLA(**kw), mnn.MLA(**kw, **recipe_kw(recipe))
     g = torch.Generator().manual_seed(1)
     x = torch.randn((2, 40, 64) if layout == "bshd" else (80, 64), generator=g).to(torch.bfloat16)
     cu = [0, 40, 80] if layout == "thd" else None
@@ -885,9 +889,8 @@ def mla_step_bits(m, x, cu=None, layout=None):
 
 def mla_output_projection_keeps_the_attention_output(recipe, device="cpu"):
     # (DeepSeek-V3's head dims: the ones torch's SDPA takes to cuDNN on the GPU)
-    extra = dict(recipe="mxfp8", fp8_attention=False) if recipe == "mxfp8-linears" else dict(recipe=recipe)
     m = mnn.MLA(hidden=64, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=128, rope_dim=64, v_dim=128,
-                max_seq_len=64, seed=9, device=device, **extra)
+                max_seq_len=64, seed=9, device=device, **recipe_kw(recipe))
     x = randn(2, 64, 64, seed=4).to(device=device, dtype=torch.bfloat16).requires_grad_()
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.data_ptr()) or t, lambda t: t):

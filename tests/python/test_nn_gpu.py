@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import mxmla  # noqa: E402
 import mxmla.nn as mnn  # noqa: E402
+from test_nn import recipe_kw  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device visible (the GPU check runs these)")
@@ -182,11 +183,6 @@ def _grads(m, x):
     return o.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}
 
 
-def _recipe_kw(recipe):
-    """MLA / Decoder arguments of a recipe name; "mxfp8-linears": "mxfp8" with fp8_attention=False."""
-    return dict(recipe="mxfp8", fp8_attention=False) if recipe == "mxfp8-linears" else dict(recipe=recipe)
-
-
 @pytest.mark.parametrize("recipe", ["mxfp8", "block-fp8", "mxfp8-linears"])
 def test_mla_block_tracks_bf16_at_deepseek_v3_dims(recipe):
     """DeepSeek-V3's MLA (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope 128, rope 64, v 128),
@@ -198,7 +194,7 @@ def test_mla_block_tracks_bf16_at_deepseek_v3_dims(recipe):
     kw = dict(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512, nope_dim=128, rope_dim=64, v_dim=128,
               max_seq_len=512, layout="bshd", seed=11)
     ref = mnn.MLA(**kw).cuda()
-    mx = mnn.MLA(**kw, **_recipe_kw(recipe)).cuda()
+    mx = mnn.MLA(**kw, **recipe_kw(recipe)).cuda()
     mx.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 512, 7168, generator=g).to(torch.bfloat16).cuda()
@@ -308,7 +304,7 @@ def test_decoder_trains_on_the_gpu(recipe):
     torch.manual_seed(0)
     data = mnn.byte_tokens(TEXT.read_text())
     d = mnn.Decoder(hidden=64, layers=2, heads=2, q_lora_rank=32, kv_lora_rank=32, nope_dim=128, rope_dim=64,
-                    v_dim=128, max_seq_len=64, seed=0, **_recipe_kw(recipe)).cuda()
+                    v_dim=128, max_seq_len=64, seed=0, **recipe_kw(recipe)).cuda()
     opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     seq, losses = 64, []

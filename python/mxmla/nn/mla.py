@@ -455,7 +455,7 @@ class MLA(UnshardedStateDict, nn.Module):
                                       cu_seqlens=cu if thd else None, max_seqlen=(longest or None) if thd else None)
         else:
             kv = self.wkv_b(lat).unflatten(-1, (self.local_heads, self.nope_dim + self.v_dim))
-            if self.recipe == "block-fp8" or (self.recipe == "mxfp8" and not self.fp8_attention):
+            if self.recipe != "bf16" and not self.fp8_attention:
                 # K and V for a bf16 attention without torch.cat in either direction
                 k, v = _KVFromProjection.apply(kv, k_pe, self.nope_dim)
             else:
