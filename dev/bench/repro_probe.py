@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Which part of a training step is not bitwise reproducible.
 
-    PYTHONPATH=<build>/python python3 dev/bench/repro_probe.py [--recipe mxfp8] [--deterministic]
-        [--repeats 4] [--batches 2] [--layers N --hidden N --heads N --seq N --batch N] [--device cuda]
+    PYTHONPATH=<build>/python python3 dev/bench/repro_probe.py [--recipe mxfp8] [--deterministic] [--torch-deterministic]
+        [--repeats 4] [--batches 2] [--save FILE | --against FILE] [--layers N --hidden N --heads N --seq N --batch N] [--device cuda]
 
 One Decoder as examples/train_mla.py builds it (its GPU configuration unless told otherwise), one
 batch of random bytes at a time: REPEATS times, from the same weights, the script's training step
@@ -30,6 +30,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="mxfp8", help="bf16, mxfp8 or block-fp8 (default mxfp8)")
     p.add_argument("--deterministic", action="store_true", help="the model's deterministic=True")
+    p.add_argument("--torch-deterministic", action="store_true",
+                   help="also torch.use_deterministic_algorithms(True, warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+                        "(torch's own kernels in their deterministic forms)")
     p.add_argument("--repeats", type=int, default=4, help="steps from the same state per batch (default 4)")
     p.add_argument("--batches", type=int, default=2, help="batches, each probed on its own (default 2)")
     for k in ("layers", "hidden", "heads", "seq", "batch"):
@@ -38,6 +41,11 @@ def parse_args(argv):
     p.add_argument("--self-check", metavar="MODULE", default=None,
                    help="the probe's own check: in every repeat but the first, scale the gradient that reaches "
                         "MODULE's output by 1 + 2^-7 once it is recorded (the probe must name MODULE)")
+    p.add_argument("--save", metavar="FILE", default=None,
+                   help="write each batch's first repeat (outputs, gradients, weights after the step) to FILE")
+    p.add_argument("--against", metavar="FILE", default=None,
+                   help="compare every repeat with the first repeats that another process saved with --save "
+                        "(same arguments otherwise): is the step reproducible across processes")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when usable)")
     a = p.parse_args(argv)
     if a.repeats < 2 or a.batches < 1:
@@ -110,9 +118,13 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     import copy
 
+    if a.torch_deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
     import torch
     import train_mla
 
+    if a.torch_deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = dict(train_mla.GPU_CONFIG if device.startswith("cuda") else train_mla.CPU_CONFIG)
     for k in ("layers", "hidden", "heads", "seq", "batch"):
@@ -122,11 +134,18 @@ def main(argv=None) -> int:
     model = train_mla.build_model(a.recipe, cfg, a.seed, device, dims, None, a.deterministic)
     state0 = copy.deepcopy(model.state_dict())
     names = [n for n, _ in model.named_parameters()]
-    print(f"repro_probe: {a.recipe}{', deterministic' if a.deterministic else ''}, {cfg['layers']} layers, hidden "
+    print(f"repro_probe: {a.recipe}{', deterministic' if a.deterministic else ''}"
+          f"{', torch deterministic' if a.torch_deterministic else ''}, {cfg['layers']} layers, hidden "
           f"{cfg['hidden']}, {cfg['heads']} heads, {cfg['batch']} x {cfg['seq']} bytes, {device}; "
           f"{a.repeats} repeats of a step on each of {a.batches} random batches", flush=True)
     g = torch.Generator().manual_seed(a.seed + 1)
     sources = OrderedDict()
+    saved, other = [], None
+    if a.against:
+        other = torch.load(a.against, map_location=device)
+        if len(other) != a.batches:
+            raise SystemExit(f"repro_probe: --against {a.against} holds {len(other)} batches, this run has {a.batches}")
+        print(f"repro_probe: every repeat compared with the first repeats of {a.against} (another process)")
     for bi in range(a.batches):
         xy = torch.randint(0, 256, (cfg["batch"], cfg["seq"] + 1), generator=g).to(device)
         x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
@@ -142,6 +161,9 @@ def main(argv=None) -> int:
             rec.close()
             runs.append(dict(loss=loss.detach().clone(), fwd=rec.fwd, grad=rec.grad, pgrad=grads,
                              weights={n: p.detach().clone() for n, p in model.named_parameters()}))
+        saved.append(runs[0])
+        if other is not None:  # the other process's first repeat is the reference; every repeat here is compared
+            runs.insert(0, other[bi])
         first = runs[0]
         print(f"\nbatch {bi}: loss {first['loss'].item():.6f}, "
               f"{'the same bits' if all(same(r['loss'], first['loss']) for r in runs[1:]) else 'DIFFERS'} "
@@ -199,6 +221,9 @@ def main(argv=None) -> int:
               f"weights after the step: {'the same bits' if wt[0] == 0 else f'differ in {wt[0]} repeats'}")
         if pg[0] == 0 and wt[0]:
             print("the gradients are reproducible but the update is not: gradient clipping or the optimizer")
+    if a.save:
+        torch.save(saved, a.save)
+        print(f"repro_probe: first repeats written to {a.save}")
     print()
     if sources:
         for where, bs in sources.items():

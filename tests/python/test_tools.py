@@ -513,6 +513,23 @@ def test_repro_probe_names_a_perturbed_module():
     assert "all parameter gradients: differ in 2 repeats" in r.stdout
 
 
+def test_repro_probe_compares_across_processes(tmp_path):
+    """--save in one process, --against in another: the same step agrees; another seed's weights do not."""
+    f = tmp_path / "first.pt"
+    r = _probe("--recipe", "bf16", "--repeats", "2", "--batches", "1", "--save", str(f))
+    assert r.returncode == 0, r.stderr
+    assert f.exists() and f"first repeats written to {f}" in r.stdout
+    r = _probe("--recipe", "bf16", "--repeats", "2", "--batches", "1", "--against", str(f))
+    assert r.returncode == 0, r.stderr
+    assert "compared with the first repeats of" in r.stdout
+    assert "all parameter gradients: the same bits; weights after the step: the same bits" in r.stdout
+    r = _probe("--recipe", "bf16", "--repeats", "2", "--batches", "1", "--seed", "5", "--against", str(f))
+    assert r.returncode == 0, r.stderr
+    assert "first differing output (forward)" in r.stdout and "differ in 2 repeats" in r.stdout
+    r = _probe("--recipe", "bf16", "--repeats", "2", "--batches", "2", "--against", str(f))
+    assert r.returncode != 0 and "holds 1 batches, this run has 2" in r.stderr
+
+
 def test_repro_probe_rejects_one_repeat():
     r = _probe("--repeats", "1")
     assert r.returncode == 2 and "--repeats must be at least 2" in r.stderr
