@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """Which part of a training step is not bitwise reproducible.
 
-    PYTHONPATH=<build>/python python3 dev/bench/repro_probe.py [--recipe mxfp8] [--deterministic] [--torch-deterministic]
-        [--repeats 4] [--batches 2] [--save FILE | --against FILE] [--layers N --hidden N --heads N --seq N --batch N] [--device cuda]
+    PYTHONPATH=<build>/python python3 dev/bench/repro_probe.py [--recipe mxfp8] [--deterministic]
+        [--torch-deterministic] [--repeats 4] [--batches 2] [--steps-before N]
+        [--save FILE | --against FILE] [--layers N --hidden N --heads N --seq N --batch N] [--device cuda]
 
 One Decoder as examples/train_mla.py builds it (its GPU configuration unless told otherwise), one
 batch of random bytes at a time: REPEATS times, from the same weights, the script's training step
-(its train_step: forward, backward, gradient clipping, one AdamW step of a fresh optimizer). Every
+(its train_step: forward, backward, gradient clipping, one AdamW step of a fresh optimizer; with
+--steps-before N, N steps on other batches first). Every
 module's outputs, the gradient that reaches each of them (a tensor hook on each output), every
 parameter's gradient (as clipped), the loss and the updated weights are compared bit for bit with
-the first repeat's. Printed: per
+the first repeat's (with --against, with the first repeats another process saved with --save). Printed: per
 module in backward order, what differed; then where the step stops being reproducible: the first
 module whose output differs (forward), the first gradient (in the order they arrive) that differs
 between repeats, and any module whose own parameters' gradients differ while the gradient reaching
-its output does not. Exit status 0 in every case (a probe, not a test); 2 on bad arguments.
+its output does not. Exit status 0 in every case (a probe, not a test); 2 on bad arguments, 1 when
+--against's file does not fit the run.
 """
 from __future__ import annotations
 
@@ -38,6 +41,9 @@ def parse_args(argv):
     for k in ("layers", "hidden", "heads", "seq", "batch"):
         p.add_argument(f"--{k}", type=int, help=f"default: train_mla.py's GPU configuration (CPU's on a CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps-before", type=int, default=0, metavar="N",
+                   help="N training steps (the same optimizer, N more random batches) before each probed step, "
+                        "so that the probed step is step N + 1 of a run (default 0)")
     p.add_argument("--self-check", metavar="MODULE", default=None,
                    help="the probe's own check: in every repeat but the first, scale the gradient that reaches "
                         "MODULE's output by 1 + 2^-7 once it is recorded (the probe must name MODULE)")
@@ -48,8 +54,8 @@ def parse_args(argv):
                         "(same arguments otherwise): is the step reproducible across processes")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when usable)")
     a = p.parse_args(argv)
-    if a.repeats < 2 or a.batches < 1:
-        p.error("--repeats must be at least 2 and --batches at least 1")
+    if a.repeats < 2 or a.batches < 1 or a.steps_before < 0:
+        p.error("--repeats must be at least 2, --batches at least 1 and --steps-before at least 0")
     return a
 
 
@@ -137,7 +143,8 @@ def main(argv=None) -> int:
     print(f"repro_probe: {a.recipe}{', deterministic' if a.deterministic else ''}"
           f"{', torch deterministic' if a.torch_deterministic else ''}, {cfg['layers']} layers, hidden "
           f"{cfg['hidden']}, {cfg['heads']} heads, {cfg['batch']} x {cfg['seq']} bytes, {device}; "
-          f"{a.repeats} repeats of a step on each of {a.batches} random batches", flush=True)
+          f"{a.repeats} repeats of a step on each of {a.batches} random batches"
+          f"{f', each after {a.steps_before} steps' if a.steps_before else ''}", flush=True)
     g = torch.Generator().manual_seed(a.seed + 1)
     sources = OrderedDict()
     saved, other = [], None
@@ -146,13 +153,19 @@ def main(argv=None) -> int:
         if len(other) != a.batches:
             raise SystemExit(f"repro_probe: --against {a.against} holds {len(other)} batches, this run has {a.batches}")
         print(f"repro_probe: every repeat compared with the first repeats of {a.against} (another process)")
-    for bi in range(a.batches):
+    def batch():
         xy = torch.randint(0, 256, (cfg["batch"], cfg["seq"] + 1), generator=g).to(device)
-        x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+        return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+
+    for bi in range(a.batches):
+        before = [batch() for _ in range(a.steps_before)]
+        x, y = batch()
         runs = []
         for rep in range(a.repeats):
             model.load_state_dict(state0)
             opt = train_mla.make_optimizer(model, cfg["lr"])
+            for xb, yb in before:  # the run up to the probed step (compared only through its result)
+                train_mla.train_step(model, opt, xb, yb)
             rec = Recorder(model, a.self_check if rep else None)
             loss = train_mla.train_step(model, opt, x, y)  # the script's step: gradients clipped, then AdamW
             grads = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters()}

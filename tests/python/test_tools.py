@@ -498,8 +498,9 @@ def _probe(*args):
 
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
 def test_repro_probe_finds_nothing_on_the_cpu(recipe):
-    r = _probe("--recipe", recipe, "--repeats", "2", "--batches", "1")
+    r = _probe("--recipe", recipe, "--repeats", "2", "--batches", "1", "--steps-before", "1")
     assert r.returncode == 0, r.stderr
+    assert "each after 1 steps" in r.stdout
     assert "loss" in r.stdout and "the same bits in every repeat" in r.stdout
     assert "all parameter gradients: the same bits; weights after the step: the same bits" in r.stdout
     assert "no module's own backward differed between repeats" in r.stdout
@@ -533,3 +534,5 @@ def test_repro_probe_compares_across_processes(tmp_path):
 def test_repro_probe_rejects_one_repeat():
     r = _probe("--repeats", "1")
     assert r.returncode == 2 and "--repeats must be at least 2" in r.stderr
+    r = _probe("--steps-before", "-1")
+    assert r.returncode == 2 and "--steps-before at least 0" in r.stderr
