@@ -137,7 +137,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, help=f"peak learning rate (GPU {GPU_CONFIG['lr']}, CPU {CPU_CONFIG['lr']})")
     p.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
     p.add_argument("--deterministic", action="store_true",
-                   help="the mxfp8 attention backward in a fixed summation order (reproducible runs, ~1.1x its time)")
+                   help="the mxfp8 attention backward in a fixed summation order (~1.1x its time) and torch's "
+                        "deterministic algorithms: reproducible mxfp8 runs")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when usable, else cpu)")
     p.add_argument("--out", default="train_mla_out", help="output folder (default train_mla_out)")
     p.add_argument("--text-file", default=None, help=f"train on this file instead of {CORPUS_PACKAGE}'s documentation")
@@ -515,11 +516,15 @@ def plot(path: Path, results: Dict[str, Dict], title: str) -> Optional[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.deterministic:  # cuBLAS's reproducible workspaces; set before CUDA starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
         import torch
     except ImportError:
         print("train_mla.py: needs torch (pip install torch)", file=sys.stderr)
         return 2
+    if args.deterministic:  # torch's own kernels in their fixed-order forms (some have no fixed order by default)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     device, why_cpu = pick_device(args.device)
     par, device, rank = init_parallel(args.tp, args.cp, device, args.cp_comm)
     if rank != 0:  # one rank reports and writes the outputs
@@ -565,7 +570,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{f'; context parallel over {args.cp} ranks ({args.cp_comm})' if args.cp > 1 else ''}"
           f"{', sequence parallel' if args.sp else ''}", flush=True)
     print(f"training: {cfg['steps']} steps x {cfg['batch']} sequences x {cfg['seq']} bytes, peak lr {cfg['lr']}, "
-          f"seed {args.seed}; recipes {', '.join(args.recipes)}", flush=True)
+          f"seed {args.seed}; recipes {', '.join(args.recipes)}"
+          f"{'; deterministic (torch.use_deterministic_algorithms on)' if args.deterministic else ''}", flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

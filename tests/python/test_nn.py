@@ -1092,6 +1092,22 @@ def test_train_script_runs_the_fp8_recipes_beside_bf16(tmp_path):
         assert (tmp_path / f"loss_{recipe}.csv").exists(), recipe
 
 
+def test_train_script_deterministic_runs_repeat(tmp_path):
+    """--deterministic switches torch's deterministic algorithms on (in the script's own process) and two
+    runs give the same loss curve."""
+    curves = []
+    for k in range(2):
+        out = tmp_path / str(k)
+        r = subprocess.run([sys.executable, str(SCRIPT), "--text-file", str(TEXT), "--recipe", "mxfp8", "--steps", "3",
+                            "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "32", "--batch", "4",
+                            "--deterministic", "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, env=_script_env())
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "; deterministic (torch.use_deterministic_algorithms on)" in r.stdout
+        curves.append((out / "loss_mxfp8.csv").read_text())
+    assert curves[0] == curves[1] and len(curves[0].splitlines()) == 4
+
+
 def test_train_script_cuda_graph_needs_a_gpu_and_one_process(tmp_path, capsys):
     tm = load_script()
     args = ["--text-file", str(TEXT), "--steps", "2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq",
