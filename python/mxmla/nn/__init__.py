@@ -25,8 +25,10 @@ parameters in fp32) and ``"mxfp8"`` (every Linear on mxmla's MXFP8 GEMM with its
 ``MXFP8LinearFunction``; attention on MXFP8 Q, K, V with mxmla's forward and backward,
 ``MXFP8Attention``; ``MLA`` with a q_lora rank on sbhd / bshd: the fused Q up-projection and
 ``attention_from_latent``) and ``"block-fp8"`` (DeepSeek-V3's recipe: every Linear on mxmla's
-block-FP8 GEMM, ``BlockFP8LinearFunction``; the attention in bf16 as in "bf16"). On a GPU the FP8
-recipes run mxmla's CUDA kernels; the README says how fast against the bf16 recipe.
+block-FP8 GEMM, ``BlockFP8LinearFunction``; the attention in bf16 as in "bf16"). ``fp8_attention=False``
+of MLA, Block and Decoder keeps "mxfp8"'s Linears and runs the attention in bf16 (TransformerEngine's
+``fp8_dpa`` off). On a GPU the FP8 recipes run mxmla's CUDA kernels; the README says how fast against
+the bf16 recipe.
 
 Needs torch (``import mxmla`` does not import this subpackage, and works without torch).
 """
