@@ -102,7 +102,9 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Array, lse: Array, *,
     copy). o: the forward's bf16 output; lse: its float32 LSE ([b, h, s_q]; thd [h, t]).
     causal, bottom_right, softmax_scale, layout, cu_seqlens_*, max_seqlen_*: as for ``attention``
     (layout is detected from q, k, v). deterministic: a fixed summation order (the reference always
-    has one). A row without visible keys gets dQ = 0; thd tokens outside every sequence get 0.
+    has one); torch tensors take it also while ``torch.use_deterministic_algorithms(True)`` is on, as
+    torch's own kernels do. A row without visible keys gets dQ = 0; thd tokens outside every sequence
+    get 0.
 
     CUDA tensors run the GPU kernels (the README's "Backward and autograd" section: on SM90 a
     warp-specialized tensor-core kernel with dQ summed in fp32, elsewhere slower kernels)."""
@@ -156,6 +158,7 @@ def attention_backward(do: Any, q: Any, k: Any, v: Any, o: Array, lse: Array, *,
     specs = [_mx_spec(t) if isinstance(t, MXFP8Tensor) else "" for t in (do, q, k, v)]
     bufs = [x for g in groups for x in g]
     if torch_kind:
+        deterministic = deterministic or torch.are_deterministic_algorithms_enabled()  # torch's switch, as its ops
         return _dispatch.call("attention_backward", bufs, specs[0], specs[1], specs[2], specs[3], q_fmt, kv_fmt, causal,
                               bottom_right, scale, o, lse, cu_q, cu_kv, seqlens[0], seqlens[1],
                               deterministic)

@@ -207,6 +207,35 @@ def test_numpy_inputs_and_deterministic_runs_are_identical():
         assert np.array_equal(x.view(torch.int16).numpy().view(np.uint16), y)
 
 
+def test_torch_deterministic_algorithms_switch_the_fixed_order_on(monkeypatch):
+    """torch.use_deterministic_algorithms(True) makes deterministic=False take the fixed order (torch
+    tensors, as torch's own ops); deterministic=True always does; numpy inputs are not torch's to switch."""
+    from mxmla import _dispatch
+
+    seen = []
+    call = _dispatch.call
+
+    def spy(name, *a):
+        if name == "attention_backward":
+            seen.append(a[-1])  # its last argument: deterministic
+        return call(name, *a)
+
+    monkeypatch.setattr(_dispatch, "call", spy)
+    CASE.update(causal=True, br=False)
+    do, q, k, v, o, lse = make("bshd", 1, 17, 17, 2, 2, 32, 32, "mxfp8", seed=3)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for on in (False, True):
+            torch.use_deterministic_algorithms(on)
+            for det in (False, True):
+                dq, dk, dv = mxmla.attention_backward(do, q, k, v, o, lse, causal=True, layout="bshd",
+                                                      deterministic=det)
+                assert dq.shape == q.shape and dv.dtype == torch.bfloat16
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == [False, True, True, True]
+
+
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
 def test_dot_product_attention_module_gradients(fmt):
     g = torch.Generator().manual_seed(11)

@@ -192,7 +192,8 @@ class MLA(UnshardedStateDict, nn.Module):
             not be multiples of 32 then (the Linears' dims still must). True needs "mxfp8".
         deterministic: with MXFP8 attention, its backward adds dQ's parts in a fixed order
             (attention_backward's deterministic=True: bitwise reproducible gradients, at about 1.1x the
-            backward's time); a bf16 attention (torch's SDPA) follows torch.use_deterministic_algorithms.
+            backward's time; also while torch.use_deterministic_algorithms(True) is on); a bf16
+            attention (torch's SDPA) follows torch.use_deterministic_algorithms.
         delay_wgrad: under the FP8 recipes, the output projection's weight gradient runs after the
             rest of the block's backward instead of first (mxmla.nn.layers.DeferredWgrad): its fp32
             gradient (4·hidden·heads·v_dim bytes, 448 MiB at DeepSeek-V3's dims) is then allocated
