@@ -153,6 +153,7 @@ def main(argv=None) -> int:
         if len(other) != a.batches:
             raise SystemExit(f"repro_probe: --against {a.against} holds {len(other)} batches, this run has {a.batches}")
         print(f"repro_probe: every repeat compared with the first repeats of {a.against} (another process)")
+
     def batch():
         xy = torch.randint(0, 256, (cfg["batch"], cfg["seq"] + 1), generator=g).to(device)
         return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()

@@ -209,7 +209,7 @@ def test_numpy_inputs_and_deterministic_runs_are_identical():
 
 def test_torch_deterministic_algorithms_switch_the_fixed_order_on(monkeypatch):
     """torch.use_deterministic_algorithms(True) makes deterministic=False take the fixed order (torch
-    tensors, as torch's own ops); deterministic=True always does; numpy inputs are not torch's to switch."""
+    tensors, as torch's own ops); deterministic=True always does."""
     from mxmla import _dispatch
 
     seen = []
