@@ -514,17 +514,24 @@ def plot(path: Path, results: Dict[str, Dict], title: str) -> Optional[str]:
     return None
 
 
+def torch_deterministic() -> None:
+    """torch's own kernels in their fixed-order forms (some have no fixed order by default; mxmla's attention
+    backward follows the same switch) and cuBLAS's reproducible workspaces (read when cuBLAS starts)."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if args.deterministic:  # cuBLAS's reproducible workspaces; set before CUDA starts
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
         import torch
     except ImportError:
         print("train_mla.py: needs torch (pip install torch)", file=sys.stderr)
         return 2
-    if args.deterministic:  # torch's own kernels in their fixed-order forms (some have no fixed order by default)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    if args.deterministic:
+        torch_deterministic()
     device, why_cpu = pick_device(args.device)
     par, device, rank = init_parallel(args.tp, args.cp, device, args.cp_comm)
     if rank != 0:  # one rank reports and writes the outputs

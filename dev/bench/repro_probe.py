@@ -124,13 +124,11 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     import copy
 
-    if a.torch_deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
     import torch
     import train_mla
 
     if a.torch_deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        train_mla.torch_deterministic()  # what the script's --deterministic adds to the model's
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = dict(train_mla.GPU_CONFIG if device.startswith("cuda") else train_mla.CPU_CONFIG)
     for k in ("layers", "hidden", "heads", "seq", "batch"):
