@@ -514,13 +514,14 @@ def plot(path: Path, results: Dict[str, Dict], title: str) -> Optional[str]:
     return None
 
 
-def torch_deterministic() -> None:
+def torch_deterministic(strict: bool = False) -> None:
     """torch's own kernels in their fixed-order forms (some have no fixed order by default; mxmla's attention
-    backward follows the same switch) and cuBLAS's reproducible workspaces (read when cuBLAS starts)."""
+    backward follows the same switch) and cuBLAS's reproducible workspaces (read when cuBLAS starts). strict:
+    torch raises at an op that has no fixed-order form instead of warning (warn_only=False)."""
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=not strict)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

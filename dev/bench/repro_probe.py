@@ -2,7 +2,7 @@
 """Which part of a training step is not bitwise reproducible.
 
     PYTHONPATH=<build>/python python3 dev/bench/repro_probe.py [--recipe mxfp8] [--deterministic]
-        [--torch-deterministic] [--repeats 4] [--batches 2] [--steps-before N]
+        [--torch-deterministic] [--torch-strict] [--repeats 4] [--batches 2] [--steps-before N]
         [--save FILE | --against FILE] [--layers N --hidden N --heads N --seq N --batch N] [--device cuda]
 
 One Decoder as examples/train_mla.py builds it (its GPU configuration unless told otherwise), one
@@ -36,6 +36,9 @@ def parse_args(argv):
     p.add_argument("--torch-deterministic", action="store_true",
                    help="also torch.use_deterministic_algorithms(True, warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 "
                         "(torch's own kernels in their deterministic forms)")
+    p.add_argument("--torch-strict", action="store_true",
+                   help="--torch-deterministic with warn_only=False: torch raises at an op without a fixed-order form "
+                        "(and some backends, e.g. cuDNN attention's backward, take their fixed order only so)")
     p.add_argument("--repeats", type=int, default=4, help="steps from the same state per batch (default 4)")
     p.add_argument("--batches", type=int, default=2, help="batches, each probed on its own (default 2)")
     for k in ("layers", "hidden", "heads", "seq", "batch"):
@@ -127,8 +130,8 @@ def main(argv=None) -> int:
     import torch
     import train_mla
 
-    if a.torch_deterministic:
-        train_mla.torch_deterministic()  # what the script's --deterministic adds to the model's
+    if a.torch_deterministic or a.torch_strict:
+        train_mla.torch_deterministic(a.torch_strict)  # what the script's --deterministic adds to the model's
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = dict(train_mla.GPU_CONFIG if device.startswith("cuda") else train_mla.CPU_CONFIG)
     for k in ("layers", "hidden", "heads", "seq", "batch"):
@@ -139,7 +142,8 @@ def main(argv=None) -> int:
     state0 = copy.deepcopy(model.state_dict())
     names = [n for n, _ in model.named_parameters()]
     print(f"repro_probe: {a.recipe}{', deterministic' if a.deterministic else ''}"
-          f"{', torch deterministic' if a.torch_deterministic else ''}, {cfg['layers']} layers, hidden "
+          f"{', torch deterministic' if a.torch_deterministic or a.torch_strict else ''}"
+          f"{' (strict)' if a.torch_strict else ''}, {cfg['layers']} layers, hidden "
           f"{cfg['hidden']}, {cfg['heads']} heads, {cfg['batch']} x {cfg['seq']} bytes, {device}; "
           f"{a.repeats} repeats of a step on each of {a.batches} random batches"
           f"{f', each after {a.steps_before} steps' if a.steps_before else ''}", flush=True)

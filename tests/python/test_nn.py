@@ -1108,6 +1108,24 @@ def test_train_script_deterministic_runs_repeat(tmp_path):
     assert curves[0] == curves[1] and len(curves[0].splitlines()) == 4
 
 
+def test_torch_deterministic_warns_or_raises(monkeypatch):
+    """torch_deterministic(): torch's deterministic algorithms on with warn_only (the script's --deterministic),
+    strict=True without it (repro_probe.py --torch-strict), cuBLAS's fixed workspace unless one is set."""
+    tm = load_script()
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        tm.torch_deterministic()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        tm.torch_deterministic(strict=True)
+        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def test_train_script_cuda_graph_needs_a_gpu_and_one_process(tmp_path, capsys):
     tm = load_script()
     args = ["--text-file", str(TEXT), "--steps", "2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq",

@@ -506,6 +506,13 @@ def test_repro_probe_finds_nothing_on_the_cpu(recipe):
     assert "no module's own backward differed between repeats" in r.stdout
 
 
+def test_repro_probe_torch_strict_on_the_cpu():
+    r = _probe("--recipe", "bf16", "--repeats", "2", "--batches", "1", "--torch-strict")
+    assert r.returncode == 0, r.stderr
+    assert "torch deterministic (strict)" in r.stdout
+    assert "all parameter gradients: the same bits; weights after the step: the same bits" in r.stdout
+
+
 def test_repro_probe_names_a_perturbed_module():
     r = _probe("--recipe", "bf16", "--repeats", "3", "--batches", "1", "--self-check", "layers.0.ffn.w1")
     assert r.returncode == 0, r.stderr
