@@ -1113,7 +1113,8 @@ def test_torch_deterministic_warns_or_raises(monkeypatch):
     strict=True without it (repro_probe.py --torch-strict), cuBLAS's fixed workspace unless one is set."""
     tm = load_script()
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # (recorded first, so that the undo also removes what
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")      # torch_deterministic sets where nothing was set)
     try:
         tm.torch_deterministic()
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
