@@ -131,14 +131,7 @@ void table(long long* d_out, float* d_sink) {
 
 int main() {
   using namespace dev08;
-  int dev = 0, major = 0, minor = 0;
-  DEV_CHECK_CUDA(cudaGetDevice(&dev));
-  DEV_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  DEV_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major != 9 || minor != 0) {
-    std::fprintf(stderr, "08_sm90_wgmma_issue: needs an SM90 GPU (found sm_%d%d)\n", major, minor);
-    return 2;
-  }
+  mxmla::dev::require_sm90("08_sm90_wgmma_issue");
   long long* d_out = nullptr;
   float* d_sink = nullptr;
   DEV_CHECK_CUDA(cudaMalloc(&d_out, kMaxWgs * kReps * 2 * sizeof(long long)));

@@ -320,15 +320,7 @@ Run run(int sms, const uint16_t* src, float* acc, long long* d_out, float* d_sin
 
 int main() {
   using namespace dev09;
-  int dev = 0, major = 0, minor = 0, sms = 0;
-  DEV_CHECK_CUDA(cudaGetDevice(&dev));
-  DEV_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  DEV_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  DEV_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (major != 9 || minor != 0) {
-    std::fprintf(stderr, "09_sm90_bwd_smem_floor: needs an SM90 GPU (found sm_%d%d)\n", major, minor);
-    return 2;
-  }
+  const int sms = mxmla::dev::require_sm90("09_sm90_bwd_smem_floor");
   const size_t src_elems = size_t{64} * (8 * 512) * 8 + 8;  // 64 tiles' copies (with Q_g), bf16
   const size_t acc_bytes = size_t{kAccRows} * 96 * 4;
   uint16_t* src = nullptr;
