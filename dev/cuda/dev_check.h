@@ -1,5 +1,6 @@
-// mxmla experiments — what the self-contained drivers (no library link: 08, 09) share: a CUDA
-// runtime call checked with its file and line, and the SM's cycle counter. Not part of the library.
+// mxmla experiments — what the drivers 08, 09 (self-contained: no library link) and 10 share: a CUDA
+// runtime call checked with its file and line, the SM90 check, and the SM's cycle counter. Not part of
+// the library.
 #pragma once
 
 #include <cuda_runtime.h>
