@@ -54,9 +54,8 @@ struct Prob {
   uint16_t *ko, *vo;                 // bf16 copies [H][S][d]
 };
 
-// chunk ci of unit (h, j): K chunks first (row ci / 12, column block ci % 12), then V's
-__device__ __forceinline__ void chunk_words(const Prob& p, int h, int j, int ci, const uint4& codes, const uint4& e,
-                                            bool k_part, uint32_t (&w)[8]) {
+// A chunk's 16 codes with their scale byte (K: e.x) or bytes (V) -> 16 bf16 (w[i]: values 2i, 2i + 1)
+__device__ __forceinline__ void chunk_words(const uint4& codes, const uint4& e, bool k_part, uint32_t (&w)[8]) {
   uint4 stage[2];
   if (k_part)
     detail::attn_fp8::fp8_chunk_words<true, true, true>(codes, e, stage, w);
@@ -76,14 +75,14 @@ __global__ void ref_kernel(const Prob p) {
     const int row = ci / kKc, c = ci % kKc, s = j * kBN + row;
     const uint4 codes = *reinterpret_cast<const uint4*>(p.kc + (int64_t{s} * p.H + h) * kDk + 16 * c);
     const uint4 e = make_uint4(p.ks[(int64_t{h} * p.S + s) * (kDk / 32) + c / 2], 0, 0, 0);
-    chunk_words(p, h, j, ci, codes, e, true, w);
+    chunk_words(codes, e, true, w);
     uint4* o = reinterpret_cast<uint4*>(p.ko + (int64_t{h} * p.S + s) * kDk + 16 * c);
     o[0] = make_uint4(w[0], w[1], w[2], w[3]), o[1] = make_uint4(w[4], w[5], w[6], w[7]);
   } else {
     const int cv = ci - kBN * kKc, row = cv / kVc, c = cv % kVc, s = j * kBN + row;
     const uint4 codes = *reinterpret_cast<const uint4*>(p.vc + (int64_t{s} * p.H + h) * kDv + 16 * c);
     const uint4 e = *reinterpret_cast<const uint4*>(p.vs + (int64_t{h} * (p.S / 32) + s / 32) * kDv + 16 * c);
-    chunk_words(p, h, j, ci, codes, e, false, w);
+    chunk_words(codes, e, false, w);
     uint4* o = reinterpret_cast<uint4*>(p.vo + (int64_t{h} * p.S + s) * kDv + 16 * c);
     o[0] = make_uint4(w[0], w[1], w[2], w[3]), o[1] = make_uint4(w[4], w[5], w[6], w[7]);
   }
@@ -131,11 +130,11 @@ __global__ void __launch_bounds__(kRegsThreads, 1) regs_kernel(const Prob p) {
       uint4* o;
       if (ci < kBN * kKc) {
         const int row = ci / kKc, c = ci % kKc, s = j * kBN + row;
-        if (kConvert) chunk_words(p, h, j, ci, cur[i].codes, cur[i].e, true, w);
+        if (kConvert) chunk_words(cur[i].codes, cur[i].e, true, w);
         o = reinterpret_cast<uint4*>(p.ko + (int64_t{h} * p.S + s) * kDk + 16 * c);
       } else {
         const int cv = ci - kBN * kKc, row = cv / kVc, c = cv % kVc, s = j * kBN + row;
-        if (kConvert) chunk_words(p, h, j, ci, cur[i].codes, cur[i].e, false, w);
+        if (kConvert) chunk_words(cur[i].codes, cur[i].e, false, w);
         o = reinterpret_cast<uint4*>(p.vo + (int64_t{h} * p.S + s) * kDv + 16 * c);
       }
       if (!kConvert) {
@@ -218,7 +217,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           e = *reinterpret_cast<const uint4*>(sm.in_sc[s] + (ci / kVc / 32) * kDv + 16 * (ci % kVc));
         }
         uint32_t w[8];
-        chunk_words(p, 0, 0, ci, codes, e, kp, w);
+        chunk_words(codes, e, kp, w);
         uint4* dst = reinterpret_cast<uint4*>(sm.out[o] + 32 * ci);
         dst[0] = make_uint4(w[0], w[1], w[2], w[3]), dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
       }
