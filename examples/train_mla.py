@@ -138,7 +138,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
     p.add_argument("--deterministic", action="store_true",
                    help="the mxfp8 attention backward in a fixed summation order (~1.1x its time) and torch's "
-                        "deterministic algorithms: reproducible mxfp8 runs")
+                        "deterministic algorithms, strict (torch raises at an op without a fixed-order form, as "
+                        "Megatron's --deterministic-mode): reproducible runs")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when usable, else cpu)")
     p.add_argument("--out", default="train_mla_out", help="output folder (default train_mla_out)")
     p.add_argument("--text-file", default=None, help=f"train on this file instead of {CORPUS_PACKAGE}'s documentation")
@@ -532,7 +533,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("train_mla.py: needs torch (pip install torch)", file=sys.stderr)
         return 2
     if args.deterministic:
-        torch_deterministic()
+        torch_deterministic(strict=True)
     device, why_cpu = pick_device(args.device)
     par, device, rank = init_parallel(args.tp, args.cp, device, args.cp_comm)
     if rank != 0:  # one rank reports and writes the outputs
@@ -579,7 +580,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{', sequence parallel' if args.sp else ''}", flush=True)
     print(f"training: {cfg['steps']} steps x {cfg['batch']} sequences x {cfg['seq']} bytes, peak lr {cfg['lr']}, "
           f"seed {args.seed}; recipes {', '.join(args.recipes)}"
-          f"{'; deterministic (torch.use_deterministic_algorithms on)' if args.deterministic else ''}", flush=True)
+          f"{'; deterministic (torch.use_deterministic_algorithms on, strict)' if args.deterministic else ''}", flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1093,7 +1093,7 @@ def test_train_script_runs_the_fp8_recipes_beside_bf16(tmp_path):
 
 
 def test_train_script_deterministic_runs_repeat(tmp_path):
-    """--deterministic switches torch's deterministic algorithms on (in the script's own process) and two
+    """--deterministic switches torch's deterministic algorithms on, strict (in the script's own process), and two
     runs give the same loss curve."""
     curves = []
     for k in range(2):
@@ -1103,14 +1103,15 @@ def test_train_script_deterministic_runs_repeat(tmp_path):
                             "--deterministic", "--out", str(out)],
                            capture_output=True, text=True, timeout=300, env=_script_env())
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "; deterministic (torch.use_deterministic_algorithms on)" in r.stdout
+        assert "; deterministic (torch.use_deterministic_algorithms on, strict)" in r.stdout
         curves.append((out / "loss_mxfp8.csv").read_text())
     assert curves[0] == curves[1] and len(curves[0].splitlines()) == 4
 
 
 def test_torch_deterministic_warns_or_raises(monkeypatch):
-    """torch_deterministic(): torch's deterministic algorithms on with warn_only (the script's --deterministic),
-    strict=True without it (repro_probe.py --torch-strict), cuBLAS's fixed workspace unless one is set."""
+    """torch_deterministic(): torch's deterministic algorithms on with warn_only (repro_probe.py
+    --torch-deterministic), strict=True without it (the script's --deterministic, repro_probe.py --torch-strict),
+    cuBLAS's fixed workspace unless one is set."""
     tm = load_script()
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # (recorded first, so that the undo also removes what
