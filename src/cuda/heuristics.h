@@ -144,6 +144,41 @@ inline int64_t elementwise_grid(int64_t units, int threads_per_block) {
 // group's kernels and freed (stream-ordered) before the next group's is made. One group when it
 // fits, and without copies (bf16 reads: the accumulator alone, as cuDNN's backward holds it too);
 // each split adds a kernel drain. hkv >= 1; returns 1 .. hkv.
+// The SM90 attention backward's dispatch order (non-deterministic): its grid is (key blocks, KV heads of the
+// launch), one CTA per key block, and the GPU starts the CTAs in the order of that grid, x fastest.
+// Causal, a head's first key blocks walk the most query tiles, so with the heads one after another the
+// last head's longest CTAs start last and run on while the other SMs have nothing left (list
+// scheduling of the launch's CTAs, H100's 132 SMs, s 4096: 1.046x the ideal time with the launch's 64
+// heads, 1.024x with 128). Here the heads run in chunks of this many, key-block-major inside a chunk
+// (key block 0 of the chunk's heads, then key block 1, ...), so that the launch ends on short CTAs
+// (1.016x / 1.008x in the same model), while the CTAs in flight still span about as many heads as
+// before (about sms / key blocks: their query-side tiles shared in L2). 1 is the previous order.
+// MXMLA_ATTN_BWD_ORDER_G in the environment forces it (A/B runs, tests). key_blocks, heads, sms >= 1.
+inline int64_t attn_bwd_order_heads(int64_t key_blocks, int64_t heads, int64_t sms) {
+  const int64_t forced = env_forced("MXMLA_ATTN_BWD_ORDER_G", int64_t{1} << 20);
+  const int64_t g = forced > 0 ? forced : (sms + key_blocks - 1) / key_blocks;
+  return std::max<int64_t>(1, std::min(g, heads));
+}
+
+// ... and the CTA that starts lin-th (lin = blockIdx.y · key_blocks + blockIdx.x < key_blocks · heads,
+// which the launcher keeps inside 32 bits) in that order: its key block and head of the launch. Chunk
+// c holds heads c·g .. c·g + g − 1, the last one also the heads % g left over (a short last chunk
+// would end the launch on long CTAs again); inside a chunk of n heads, CTA r takes key block r / n and
+// head r % n. g = 1: key block lin % key_blocks of head lin / key_blocks, the grid's own order. (Host
+// and device: the kernel's prologue and the CPU tests.)
+struct AttnBwdCta {
+  uint32_t kb, head;
+};
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline AttnBwdCta attn_bwd_cta(uint32_t lin, uint32_t key_blocks, uint32_t heads, uint32_t g) {
+  const uint32_t chunks = heads / g > 1 ? heads / g : 1, by_lin = lin / (g * key_blocks);
+  const uint32_t chunk = by_lin < chunks - 1 ? by_lin : chunks - 1, h_first = chunk * g;
+  const uint32_t n = chunk == chunks - 1 ? heads - h_first : g, r = lin - h_first * key_blocks;
+  return {r / n, h_first + r % n};
+}
+
 inline int64_t attn_bwd_head_groups(int64_t copy_bytes_per_kv_head, int64_t acc_bytes_per_kv_head, int64_t hkv) {
   constexpr int64_t kBudget = int64_t{512} << 20;
   if (copy_bytes_per_kv_head == 0) return 1;

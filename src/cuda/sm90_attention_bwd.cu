@@ -8,9 +8,10 @@
 //   P_ij = exp(s_ij − LSE_i),  dS_ij = P_ij · (dP_ij − D_i) · scale;  P̂, dŜ = bf16(P), bf16(dS)
 //   dV = P̂ᵀ·dO_g,  dK = dŜᵀ·Q_g,  dQ = dŜ·K_g
 //
-// CTA = (96 keys j0.., kv head hk, sequence b); grid (key blocks, Hkv, B): the CTAs in flight share
-// a head's query-side tiles in L2, the key blocks with the most query rows (causal: the first) start
-// first. 384 threads:
+// CTA = (96 keys j0.., kv head hk, sequence b); grid (key blocks, Hkv, B), started in chunks of a few
+// heads, key block by key block inside a chunk (heuristics::attn_bwd_order_heads): the CTAs in flight
+// share their heads' query-side tiles in L2, the key blocks with the most query rows (causal: the
+// first) start first, and a launch ends on short ones. 384 threads:
 //   all          FP8 K_s, K_g, V: converted once by every thread before the roles split (the
 //                conversion pass's bits; rows past a sequence's end zero), into the layouts below
 //   WG0          producer: cp.async copies into shared memory (rows past a sequence's end
@@ -64,6 +65,8 @@
 #include "cuda/attention_bwd_common.cuh"
 #include "cuda/attention_stage.cuh"
 #include "cuda/cuda_check.h"
+#include "cuda/heuristics.h"
+#include "cuda/launch.h"
 #include "cuda/numerics.cuh"
 #include "cuda/ptx/common.cuh"
 #include "cuda/ptx/cp_async.cuh"
@@ -127,7 +130,8 @@ struct Params {
   float* dq_acc;  // fp32 [2][dq_rows][d_qk / 2] (see above), zeroed: rows dq_row0 .. dq_row0 + dq_rows − 1
   int* dq_flag;   // deterministic: int32 [2][dq_rows], zeroed (a query tile's count at its first row)
   int64_t dq_rows, dq_row0;
-  int64_t hk0;  // the first KV head of the launch (blockIdx.y = hk − hk0)
+  int64_t hk0;  // the first KV head of the launch
+  uint32_t order_g;  // not kDet: the launch's KV heads in chunks of this many, key-block-major inside (below)
   bool q_once;    // Q_g is Q_s (read from the stage; no Q_g copies)
 };
 static_assert(sizeof(Params) <= 4000, "kernel parameter space");
@@ -362,9 +366,21 @@ __global__ void __launch_bounds__(384, 1) bwd_sm90(const __grid_constant__ Param
   extern __shared__ uint8_t smem_raw[];
   Smem<C>& sm = *reinterpret_cast<Smem<C>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const AttentionBwdProblem& p = prm.p;
-  // the key block (kDet: the last first, see above)
-  const int64_t kb = kDet ? int64_t{gridDim.x} - 1 - blockIdx.x : int64_t{blockIdx.x};
-  const int64_t j0 = kb * C::kBN, hk = prm.hk0 + blockIdx.y, b = blockIdx.z;
+  // the key block and KV head. kDet: blockIdx.x = the last key block − kb (see above), blockIdx.y the
+  // head. Else the CTAs in the GPU's start order (x fastest) take the launch's heads in chunks of
+  // prm.order_g, key-block-major inside a chunk (heuristics::attn_bwd_order_heads: the launch ends on
+  // short key blocks; order_g 1 is the heads one after another)
+  int64_t kb, hk;
+  if constexpr (kDet) {
+    kb = int64_t{gridDim.x} - 1 - blockIdx.x, hk = prm.hk0 + blockIdx.y;
+  } else if (prm.order_g == 1) {  // (also where the launch's CTAs outnumber 32 bits: see the launcher)
+    kb = blockIdx.x, hk = prm.hk0 + blockIdx.y;
+  } else {
+    const heuristics::AttnBwdCta x =
+        heuristics::attn_bwd_cta(blockIdx.y * gridDim.x + blockIdx.x, gridDim.x, gridDim.y, prm.order_g);
+    kb = x.kb, hk = prm.hk0 + x.head;
+  }
+  const int64_t j0 = kb * C::kBN, b = blockIdx.z;
   const Seq s = seq_of(p, b);
   if (j0 >= s.skv) return;  // (uniform: the whole CTA)
   const int nj = static_cast<int>(imin(C::kBN, s.skv - j0));
@@ -733,13 +749,17 @@ void launch(const Params& prm, int64_t n_kv, cudaStream_t s) {
   const AttentionBwdProblem& p = prm.p;
   MXMLA_CUDA_CHECK(cudaFuncSetAttribute(bwd_sm90<kDqk, kDv, kDet, kFp8Kv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(kSmem)));
-  // key blocks fastest: the CTAs in flight share a head's Q, dO (and LSE, D) in L2; within a head the
-  // first key blocks (causal: the most query tiles) start first (kDet: the last, see the kernel)
+  // the CTAs in flight share a few heads' Q, dO (and LSE, D) in L2; within a head the first key blocks
+  // (causal: the most query tiles) start first (kDet: the last, see the kernel), and (not kDet) the
+  // heads run in chunks, key block by key block, so that a launch ends on short CTAs
   const unsigned key_blocks = grid_dim(kOp, (p.Skv + C::kBN - 1) / C::kBN, true, "keys"),
                  heads = grid_dim(kOp, n_kv, false, "heads");
+  const bool fits32 = uint64_t{key_blocks} * heads <= UINT32_MAX;  // (the kernel's CTA index)
+  const auto order_g = fits32 ? static_cast<uint32_t>(heuristics::attn_bwd_order_heads(key_blocks, heads, device_sms())) : 1u;
   for_sequence_chunks(kOp, p.B, p.thd, [&](int64_t b0, unsigned n) {
     Params c = prm;
     c.p = attn_bwd::sequence_chunk(p, b0, n);
+    c.order_g = order_g;
     bwd_sm90<kDqk, kDv, kDet, kFp8Kv><<<dim3(key_blocks, heads, n), C::kThreads, kSmem, s>>>(c);
     MXMLA_CUDA_CHECK(cudaGetLastError());
   });

@@ -206,6 +206,53 @@ TEST(Heuristics, AttnBwdHeadGroups) {
   EXPECT_EQ(attn_bwd_head_groups(int64_t{1} << 40, 0, 3), 3);    // never more groups than heads
 }
 
+// The attention backward's dispatch order: chunks of about sms / key blocks heads, key-block-major
+// inside a chunk; every (key block, head) exactly once; a launch ends on its last chunk's last key
+// blocks, and that chunk is never shorter than the others.
+TEST(Heuristics, AttnBwdOrderCoversEveryCtaOnceAndEndsOnShortBlocks) {
+  using namespace detail::heuristics;
+  const char* name = "MXMLA_ATTN_BWD_ORDER_G";
+  unsetenv(name);
+  EXPECT_EQ(attn_bwd_order_heads(43, 64, 132), 4);   // DeepSeek-V3, s 4096 (96-key blocks), 64 heads a launch
+  EXPECT_EQ(attn_bwd_order_heads(86, 43, 132), 2);   // s 8192
+  EXPECT_EQ(attn_bwd_order_heads(22, 128, 132), 6);  // s 2048
+  EXPECT_EQ(attn_bwd_order_heads(11, 3, 132), 3);    // never more than the launch's heads
+  EXPECT_EQ(attn_bwd_order_heads(2000, 128, 132), 1);
+  setenv(name, "5", 1);
+  EXPECT_EQ(attn_bwd_order_heads(43, 64, 132), 5);
+  setenv(name, "0", 1);  // not a forced value
+  EXPECT_EQ(attn_bwd_order_heads(43, 64, 132), 4);
+  unsetenv(name);
+  for (const uint32_t nkb : {1u, 2u, 11u, 43u}) {
+    for (const uint32_t heads : {1u, 3u, 7u, 16u, 64u}) {
+      for (const uint32_t g : {1u, 2u, 3u, 4u, 5u, 7u, 16u, 64u}) {
+        if (g > heads) continue;
+        std::vector<int> seen(static_cast<size_t>(nkb) * heads, 0);
+        for (uint32_t lin = 0; lin < nkb * heads; ++lin) {
+          const AttnBwdCta x = attn_bwd_cta(lin, nkb, heads, g);
+          ASSERT_LT(x.kb, nkb);
+          ASSERT_LT(x.head, heads);
+          ++seen[static_cast<size_t>(x.head) * nkb + x.kb];
+          // chunks of g heads in order, the last one with the heads left over
+          const uint32_t chunks = std::max(1u, heads / g), chunk = std::min(lin / (g * nkb), chunks - 1);
+          EXPECT_EQ(std::min(x.head / g, chunks - 1), chunk) << nkb << " " << heads << " " << g << " " << lin;
+          if (g == 1) EXPECT_TRUE(x.kb == lin % nkb && x.head == lin / nkb) << "g 1 is the grid's own order";
+          if (lin > 0) {  // inside a chunk: key block 0 of its heads first, then key block 1, ...
+            const AttnBwdCta prev = attn_bwd_cta(lin - 1, nkb, heads, g);
+            if (std::min(prev.head / g, chunks - 1) == chunk)
+              EXPECT_GE(x.kb, prev.kb) << nkb << " " << heads << " " << g << " " << lin;
+          }
+        }
+        for (const int n : seen) ASSERT_EQ(n, 1) << nkb << " " << heads << " " << g;
+        // the last CTAs started: the last key block of each head of the last chunk (g or more heads)
+        const uint32_t last_heads = heads - (std::max(1u, heads / g) - 1) * g;
+        EXPECT_GE(last_heads, g);
+        for (uint32_t i = 1; i <= last_heads; ++i) EXPECT_EQ(attn_bwd_cta(nkb * heads - i, nkb, heads, g).kb, nkb - 1);
+      }
+    }
+  }
+}
+
 #if MXMLA_WITH_CUDA
 // The attention kernels put the sequences on a grid's z (at most 65535): thd launches run over
 // chunks that take every sequence once, in order; the other formats are refused past 65535 with an

@@ -455,6 +455,34 @@ def test_cuda_deterministic_is_bitwise_reproducible_across_schedules(case, monke
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_dispatch_order_changes_only_dq_rounding(causal, monkeypatch):
+    """The SM90 kernel starts its CTAs in chunks of heads, key block by key block inside a chunk
+    (MXMLA_ATTN_BWD_ORDER_G forces the chunk; 1 is the heads one after another). Each CTA computes its
+    keys' dK, dV alone, so they are the same bits in every order (chunks that divide the heads and a
+    chunk order that leaves a short last one; MXFP8 Q, K, V with both copies); dQ, added across CTAs
+    in the order they run, stays within the backward's bound of the float64 reference."""
+    g = torch.Generator().manual_seed(12)
+    b, s, h, dqk = 1, 700, 12, 192  # 8 key blocks: the default chunk is all 12 heads (132 SMs)
+    q, k = (torch.randn(b, s, h, dqk, generator=g).to(torch.bfloat16) for _ in range(2))
+    v, do = (torch.randn(b, s, h, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    q8, k8, v8 = (mxmla.quantize_attention(x, "bshd") for x in (q, k, v))
+    kw = dict(causal=causal, layout="bshd")
+    o, lse = mxmla.attention(q8, k8, v8, return_lse=True, **kw)
+    ref = mxmla.attention_backward(do, q8, k8, v8, o, lse, **kw)
+    args = [do.cuda(), _cuda(q8), _cuda(k8), _cuda(v8), o.cuda(), lse.cuda()]
+    runs = {}
+    for order in ("1", "5", "3", "12", ""):
+        monkeypatch.setenv("MXMLA_ATTN_BWD_ORDER_G", order)
+        runs[order] = mxmla.attention_backward(*args, **kw)
+        torch.cuda.synchronize()
+    for order, run in runs.items():
+        for name, x, r in zip(("dq", "dk", "dv"), run, ref):
+            _near(x, r, f"{name} order {order!r}")
+        assert torch.equal(run[1], runs["1"][1]) and torch.equal(run[2], runs["1"][2]), order
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU check runs this)")
 def test_cuda_thd_and_deepseek_dims_and_the_module():
     g = torch.Generator().manual_seed(4)
     cu = [0, 5, 5, 6, 140]
