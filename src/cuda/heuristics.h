@@ -147,16 +147,19 @@ inline int64_t elementwise_grid(int64_t units, int threads_per_block) {
 // The SM90 attention backward's dispatch order (non-deterministic): its grid is (key blocks, KV heads of the
 // launch), one CTA per key block, and the GPU starts the CTAs in the order of that grid, x fastest.
 // Causal, a head's first key blocks walk the most query tiles, so with the heads one after another the
-// last head's longest CTAs start last and run on while the other SMs have nothing left (list
-// scheduling of the launch's CTAs, H100's 132 SMs, s 4096: 1.046x the ideal time with the launch's 64
-// heads, 1.024x with 128). Here the heads run in chunks of this many, key-block-major inside a chunk
-// (key block 0 of the chunk's heads, then key block 1, ...), so that the launch ends on short CTAs
-// (1.016x / 1.008x in the same model), while the CTAs in flight still span about as many heads as
-// before (about sms / key blocks: their query-side tiles shared in L2). 1 is the previous order.
-// MXMLA_ATTN_BWD_ORDER_G in the environment forces it (A/B runs, tests). key_blocks, heads, sms >= 1.
-inline int64_t attn_bwd_order_heads(int64_t key_blocks, int64_t heads, int64_t sms) {
+// last head's longest CTAs start last and run on while the other SMs have little left. Here the heads
+// run in chunks of this many, key-block-major inside a chunk (key block 0 of the chunk's heads, then key
+// block 1, ...), so that a launch ends on shorter CTAs, while the CTAs in flight still span a few heads
+// (their query-side tiles shared in L2). By measurement (dev/bench/attn_bwd_order.py, H100, MXFP8 inputs,
+// 128 heads in the launcher's groups, 9 rounds against chunks of 1, the previous order): chunks of 3
+// took 0.983 / 0.983 / 0.980 / 1.001x the time at s 2048 / 4096 / 6144 / 8192 (22 / 43 / 64 / 86 key
+// blocks), chunks of 2 0.998 / 0.989 / 0.987 / 0.991x; chunks of about sms / key blocks (6 at s 2048)
+// gained nothing there. So 3 up to kAttnBwdChunkMaxKeyBlocks key blocks, else 1. MXMLA_ATTN_BWD_ORDER_G in
+// the environment forces it (A/B runs, tests). key_blocks, heads >= 1.
+inline constexpr int64_t kAttnBwdChunkHeads = 3, kAttnBwdChunkMaxKeyBlocks = 64;
+inline int64_t attn_bwd_order_heads(int64_t key_blocks, int64_t heads) {
   const int64_t forced = env_forced("MXMLA_ATTN_BWD_ORDER_G", int64_t{1} << 20);
-  const int64_t g = forced > 0 ? forced : (sms + key_blocks - 1) / key_blocks;
+  const int64_t g = forced > 0 ? forced : key_blocks <= kAttnBwdChunkMaxKeyBlocks ? kAttnBwdChunkHeads : 1;
   return std::max<int64_t>(1, std::min(g, heads));
 }
 

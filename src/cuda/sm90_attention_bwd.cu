@@ -66,7 +66,6 @@
 #include "cuda/attention_stage.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/heuristics.h"
-#include "cuda/launch.h"
 #include "cuda/numerics.cuh"
 #include "cuda/ptx/common.cuh"
 #include "cuda/ptx/cp_async.cuh"
@@ -755,7 +754,7 @@ void launch(const Params& prm, int64_t n_kv, cudaStream_t s) {
   const unsigned key_blocks = grid_dim(kOp, (p.Skv + C::kBN - 1) / C::kBN, true, "keys"),
                  heads = grid_dim(kOp, n_kv, false, "heads");
   const bool fits32 = uint64_t{key_blocks} * heads <= UINT32_MAX;  // (the kernel's CTA index)
-  const auto order_g = fits32 ? static_cast<uint32_t>(heuristics::attn_bwd_order_heads(key_blocks, heads, device_sms())) : 1u;
+  const auto order_g = fits32 ? static_cast<uint32_t>(heuristics::attn_bwd_order_heads(key_blocks, heads)) : 1u;
   for_sequence_chunks(kOp, p.B, p.thd, [&](int64_t b0, unsigned n) {
     Params c = prm;
     c.p = attn_bwd::sequence_chunk(p, b0, n);

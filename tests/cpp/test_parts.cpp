@@ -206,22 +206,23 @@ TEST(Heuristics, AttnBwdHeadGroups) {
   EXPECT_EQ(attn_bwd_head_groups(int64_t{1} << 40, 0, 3), 3);    // never more groups than heads
 }
 
-// The attention backward's dispatch order: chunks of about sms / key blocks heads, key-block-major
+// The attention backward's dispatch order: chunks of 3 heads up to 64 key blocks, key-block-major
 // inside a chunk; every (key block, head) exactly once; a launch ends on its last chunk's last key
 // blocks, and that chunk is never shorter than the others.
 TEST(Heuristics, AttnBwdOrderCoversEveryCtaOnceAndEndsOnShortBlocks) {
   using namespace detail::heuristics;
   const char* name = "MXMLA_ATTN_BWD_ORDER_G";
   unsetenv(name);
-  EXPECT_EQ(attn_bwd_order_heads(43, 64, 132), 4);   // DeepSeek-V3, s 4096 (96-key blocks), 64 heads a launch
-  EXPECT_EQ(attn_bwd_order_heads(86, 43, 132), 2);   // s 8192
-  EXPECT_EQ(attn_bwd_order_heads(22, 128, 132), 6);  // s 2048
-  EXPECT_EQ(attn_bwd_order_heads(11, 3, 132), 3);    // never more than the launch's heads
-  EXPECT_EQ(attn_bwd_order_heads(2000, 128, 132), 1);
+  EXPECT_EQ(attn_bwd_order_heads(43, 64), 3);   // DeepSeek-V3, s 4096 (96-key blocks), 64 heads a launch
+  EXPECT_EQ(attn_bwd_order_heads(22, 128), 3);  // s 2048
+  EXPECT_EQ(attn_bwd_order_heads(64, 128), 3);  // s 6144
+  EXPECT_EQ(attn_bwd_order_heads(86, 43), 1);   // s 8192: the heads one after another
+  EXPECT_EQ(attn_bwd_order_heads(11, 2), 2);    // never more than the launch's heads
+  EXPECT_EQ(attn_bwd_order_heads(1, 1), 1);
   setenv(name, "5", 1);
-  EXPECT_EQ(attn_bwd_order_heads(43, 64, 132), 5);
+  EXPECT_EQ(attn_bwd_order_heads(86, 64), 5);
   setenv(name, "0", 1);  // not a forced value
-  EXPECT_EQ(attn_bwd_order_heads(43, 64, 132), 4);
+  EXPECT_EQ(attn_bwd_order_heads(43, 64), 3);
   unsetenv(name);
   for (const uint32_t nkb : {1u, 2u, 11u, 43u}) {
     for (const uint32_t heads : {1u, 3u, 7u, 16u, 64u}) {

@@ -463,7 +463,7 @@ def test_cuda_dispatch_order_changes_only_dq_rounding(causal, monkeypatch):
     chunk order that leaves a short last one; MXFP8 Q, K, V with both copies); dQ, added across CTAs
     in the order they run, stays within the backward's bound of the float64 reference."""
     g = torch.Generator().manual_seed(12)
-    b, s, h, dqk = 1, 700, 12, 192  # 8 key blocks: the default chunk is all 12 heads (132 SMs)
+    b, s, h, dqk = 1, 700, 12, 192  # 8 key blocks: by default chunks of 3 heads
     q, k = (torch.randn(b, s, h, dqk, generator=g).to(torch.bfloat16) for _ in range(2))
     v, do = (torch.randn(b, s, h, 128, generator=g).to(torch.bfloat16) for _ in range(2))
     q8, k8, v8 = (mxmla.quantize_attention(x, "bshd") for x in (q, k, v))
