@@ -137,13 +137,6 @@ inline int64_t elementwise_grid(int64_t units, int threads_per_block) {
   return (units + threads_per_block - 1) / threads_per_block;
 }
 
-// The attention backward's SM90 path: into how many groups of KV heads to split the work, so that
-// its scratch — the bf16 copies its preprocess makes of the FP8 query-side reads, and where the dQ
-// accumulator splits with the heads (b = 1 or thd) that too (copy_bytes / acc_bytes for one KV head
-// and its query heads) — stays within kBudget at a time: each group's scratch is made, used by that
-// group's kernels and freed (stream-ordered) before the next group's is made. One group when it
-// fits, and without copies (bf16 reads: the accumulator alone, as cuDNN's backward holds it too);
-// each split adds a kernel drain. hkv >= 1; returns 1 .. hkv.
 // The SM90 attention backward's dispatch order (non-deterministic): its grid is (key blocks, KV heads of the
 // launch), one CTA per key block, and the GPU starts the CTAs in the order of that grid, x fastest.
 // Causal, a head's first key blocks walk the most query tiles, so with the heads one after another the
@@ -182,6 +175,13 @@ inline AttnBwdCta attn_bwd_cta(uint32_t lin, uint32_t key_blocks, uint32_t heads
   return {r / n, h_first + r % n};
 }
 
+// The attention backward's SM90 path: into how many groups of KV heads to split the work, so that
+// its scratch — the bf16 copies its preprocess makes of the FP8 query-side reads, and where the dQ
+// accumulator splits with the heads (b = 1 or thd) that too (copy_bytes / acc_bytes for one KV head
+// and its query heads) — stays within kBudget at a time: each group's scratch is made, used by that
+// group's kernels and freed (stream-ordered) before the next group's is made. One group when it
+// fits, and without copies (bf16 reads: the accumulator alone, as cuDNN's backward holds it too);
+// each split adds a kernel drain. hkv >= 1; returns 1 .. hkv.
 inline int64_t attn_bwd_head_groups(int64_t copy_bytes_per_kv_head, int64_t acc_bytes_per_kv_head, int64_t hkv) {
   constexpr int64_t kBudget = int64_t{512} << 20;
   if (copy_bytes_per_kv_head == 0) return 1;
