@@ -26,9 +26,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
-mp = pytest.importorskip("torch.multiprocessing")
+pytest.importorskip("torch.multiprocessing")
 
-from test_tp import _run_rank, tp_slice  # noqa: E402  (a rank's process; the shard of a whole gradient)
+from test_tp import spawn_ranks, tp_slice  # noqa: E402  (ranks' processes with a deadline; the shard of a whole gradient)
 
 
 def _spawn(world, case, *args, device="cpu"):
@@ -37,7 +37,7 @@ def _spawn(world, case, *args, device="cpu"):
         pytest.skip("torch.distributed with gloo is not available in this torch")
     with tempfile.TemporaryDirectory() as d:
         init, out = os.path.join(d, "init"), os.path.join(d, "result")
-        mp.spawn(_run_rank, args=(world, init, out, case, device, *args), nprocs=world, join=True)
+        spawn_ranks((world, init, out, case, device, *args), world, case.__name__)
         errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if ".err" in f]
         assert not errs, errs[0]
         return [eval(open(f"{out}.rank{r}").read()) for r in range(world)]  # noqa: S307 - our own repr

@@ -12,6 +12,7 @@ with and without sequence parallelism) is compared the same way, with the bounds
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -202,12 +203,30 @@ def _pretrained_case(rank, world, device, backend, naming, *_):
     return dict(bad=bad, errs={"sharded": len(dims_of)}, sd_same=same, reload=len(dims_of) == 6)
 
 
+# how long the rank processes of one test may run before it fails instead of hanging the suite
+SPAWN_TIMEOUT_S = float(os.environ.get("MXMLA_TEST_SPAWN_TIMEOUT", "300"))
+
+
+def spawn_ranks(args, nprocs, what):
+    """mp.spawn(_run_rank, args, nprocs) with a deadline: ranks still running after SPAWN_TIMEOUT_S
+    seconds are killed and the test fails naming `what` (a rank that raised fails it as before)."""
+    ctx = mp.spawn(_run_rank, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"{what}: its {nprocs} rank processes were still running after {SPAWN_TIMEOUT_S:.0f} s "
+                        "(MXMLA_TEST_SPAWN_TIMEOUT sets the limit); killed")
+
+
 def _spawn(recipe, layout, q_lora, device, sp=False, case=_mla_case):
     """case (_mla_case) on two processes; both ranks' results merged (bad / errs keyed by rank; the
     state dict checks true on both); a rank's traceback fails the test."""
     with tempfile.TemporaryDirectory() as d:
         init, out = os.path.join(d, "init"), os.path.join(d, "result")
-        mp.spawn(_run_rank, args=(2, init, out, case, device, recipe, layout, q_lora, sp), nprocs=2, join=True)
+        spawn_ranks((2, init, out, case, device, recipe, layout, q_lora, sp), 2, case.__name__)
         errs = [open(os.path.join(d, f)).read() for f in os.listdir(d) if ".err" in f]
         assert not errs, errs[0]
         ranks = [eval(open(f"{out}.rank{r}").read()) for r in range(2)]  # noqa: S307 - our own repr
@@ -215,6 +234,23 @@ def _spawn(recipe, layout, q_lora, device, sp=False, case=_mla_case):
                     errs={f"rank{r} {k}": v for r, x in enumerate(ranks) for k, v in x["errs"].items()},
                     sd_same=all(x["sd_same"] for x in ranks), reload=all(x["reload"] for x in ranks),
                     errors=[x.get("errors", []) for x in ranks])
+
+
+def _sleep_case(rank, world, device, backend):
+    time.sleep(120)
+
+
+def test_spawned_ranks_that_hang_fail_the_test_instead_of_the_suite(monkeypatch):
+    """A case whose ranks outlive the deadline fails its test, naming the case, and its processes are
+    killed (the deadline shortened to 3 s here)."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch")
+    monkeypatch.setattr(sys.modules[__name__], "SPAWN_TIMEOUT_S", 3.0)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as d:
+        with pytest.raises(pytest.fail.Exception, match=r"_sleep_case: its 2 rank processes were still running after 3 s"):
+            spawn_ranks((2, os.path.join(d, "init"), os.path.join(d, "result"), _sleep_case, "cpu"), 2, "_sleep_case")
+    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.parametrize("recipe,layout,q_lora", [("bf16", "bshd", 32), ("bf16", "thd", 0), ("mxfp8", "bshd", 32),
