@@ -241,8 +241,8 @@ def _sleep_case(rank, world, device, backend):
 
 
 def test_spawned_ranks_that_hang_fail_the_test_instead_of_the_suite(monkeypatch):
-    """A case whose ranks outlive the deadline fails its test, naming the case, and its processes are
-    killed (the deadline shortened to 3 s here)."""
+    """A case whose ranks outlive the deadline fails its test, naming the case, soon after the deadline
+    (shortened to 3 s here), not when the ranks' 120 s sleep ends."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch")
     monkeypatch.setattr(sys.modules[__name__], "SPAWN_TIMEOUT_S", 3.0)
