@@ -543,3 +543,27 @@ def test_repro_probe_rejects_one_repeat():
     assert r.returncode == 2 and "--repeats must be at least 2" in r.stderr
     r = _probe("--steps-before", "-1")
     assert r.returncode == 2 and "--steps-before at least 0" in r.stderr
+
+
+# ----------------------------------------------------------------------------- dev/bench/twin_spread.py
+def _twin(*args):
+    pytest.importorskip("torch")
+    mxmla = pytest.importorskip("mxmla")
+    corpus = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(mxmla.__file__).resolve().parent.parent))
+    return subprocess.run([sys.executable, str(ROOT / "dev" / "bench" / "twin_spread.py"), "--steps", "3", "--seq", "32",
+                           "--batch", "4", "--hidden", "32", "--layers", "1", "--eval-windows", "4", "--threads", "1",
+                           "--text-file", str(corpus), "--seeds", "0", "1", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_twin_spread_sees_no_gap_without_a_nudge_and_one_with_it():
+    """--eps 0: the twin is the same run (the CPU is deterministic), every gap +0.000 %; a 1 % nudge of the
+    initial weights moves the losses."""
+    r = _twin("--eps", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("(+0.000 %)") == 4 and "training rms 0.000 %" in r.stdout, r.stdout
+    r = _twin("--eps", "1e-2")
+    assert r.returncode == 0, r.stderr
+    gaps = [float(g) for g in re.findall(r"\(([+-]\d+\.\d+) %\)", r.stdout)]
+    assert len(gaps) == 4 and any(g != 0.0 for g in gaps), r.stdout

@@ -1,0 +1,88 @@
+"""How far two bf16 training runs of examples/train_mla.py drift apart when they differ by almost nothing.
+
+The GPU's parity runs (docs/performance.md, "Training") cannot resolve a 0.5 % loss gap because one run
+lands 0.7 % (bf16) to 2.3 % (mxfp8) from its own twin: the same seed, weights and batches, differing only
+in the GPU's non-deterministic summation orders. This script measures that sensitivity where runs are
+deterministic (the CPU with torch's bf16 recipe; on a GPU with --deterministic, any recipe): per seed it
+trains the model twice, the twin's initial weights multiplied by (1 + eps · N(0, 1)), and reports the
+twin's final losses against the first run's, in %. Comparing settings (the corpus's size against the tokens trained, i.e. epochs; the learning rate)
+says which setup a parity run should use to resolve a small gap with few seeds.
+
+    python3 dev/bench/twin_spread.py --corpus-bytes 1000000 --steps 1500 --seeds 0 1 2 3
+    python3 dev/bench/twin_spread.py --corpus-bytes 0 ...   (the whole corpus)
+
+Prints one line per seed and the standard deviation of the twin gaps (training: mean loss of the last
+10 % of steps; held-out: every held-out window, up to --eval-windows). Not a test. The size options
+default to train_mla.py's CPU configuration on any device.
+"""
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import torch  # noqa: E402
+
+import train_mla as tm  # noqa: E402
+
+
+def run(cfg, train, val, seed, eps, eval_windows, recipe, device, deterministic):
+    model = tm.build_model(recipe, cfg, seed, device, tm.mla_dims(cfg, [recipe], device), deterministic=deterministic)
+    if eps:
+        g = torch.Generator().manual_seed(10_000 + seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + eps * torch.randn(p.shape, generator=g).to(p.dtype))
+    r = tm.train_recipe(recipe, model, train, val, cfg, seed, device, log_every=cfg["steps"] + 1)
+    held = tm.held_out_loss(model, val, cfg, device, max_windows=eval_windows)
+    return tm.final_loss(r["losses"]), held
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for k, v in tm.CPU_CONFIG.items():
+        p.add_argument(f"--{k}", type=type(v), default=v)
+    p.add_argument("--corpus-bytes", type=int, default=0, help="train on the corpus's first N bytes (0: all)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--eps", type=float, default=1e-5, help="the twin's relative weight perturbation")
+    p.add_argument("--eval-windows", type=int, default=1024)
+    p.add_argument("--recipe", default="bf16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--deterministic", action="store_true", help="as train_mla.py's (needed for twins on a GPU)")
+    p.add_argument("--text-file", help="as train_mla.py's")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.deterministic:
+        tm.torch_deterministic(strict=True)
+    cfg = {k: getattr(a, k) for k in tm.SIZE_KEYS}
+    data, source, _ = tm.load_corpus(a.text_file)
+    if a.corpus_bytes:
+        data = data[:a.corpus_bytes]
+    train, val = tm.split_corpus(data, cfg["seq"])
+    epochs = cfg["steps"] * cfg["batch"] * cfg["seq"] / len(train)
+    print(f"corpus {len(train):,} training bytes ({epochs:.2f} epochs), {len(val):,} held out; {cfg}; eps {a.eps}; "
+          f"{a.recipe} on {a.device}{' (deterministic)' if a.deterministic else ''}",
+          flush=True)
+    gaps_t, gaps_h = [], []
+    for seed in a.seeds:
+        args = (a.eval_windows, a.recipe, a.device, a.deterministic)
+        t0, h0 = run(cfg, train, val, seed, 0.0, *args)
+        t1, h1 = run(cfg, train, val, seed, a.eps, *args)
+        gaps_t.append(100 * (t1 / t0 - 1))
+        gaps_h.append(100 * (h1 / h0 - 1))
+        print(f"seed {seed}: training {t0:.4f} / twin {t1:.4f} ({gaps_t[-1]:+.3f} %), held-out {h0:.4f} / "
+              f"{h1:.4f} ({gaps_h[-1]:+.3f} %)", flush=True)
+    if len(gaps_t) > 1:
+        rms = lambda xs: math.sqrt(sum(x * x for x in xs) / len(xs))  # noqa: E731
+        print(f"twin gaps over {len(gaps_t)} seeds: training rms {rms(gaps_t):.3f} % (sd {statistics.stdev(gaps_t):.3f}), "
+              f"held-out rms {rms(gaps_h):.3f} % (sd {statistics.stdev(gaps_h):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
