@@ -29,13 +29,14 @@ import torch  # noqa: E402
 import train_mla as tm  # noqa: E402
 
 
-def run(cfg, train, val, seed, eps, eval_windows, recipe, device, deterministic):
-    model = tm.build_model(recipe, cfg, seed, device, tm.mla_dims(cfg, [recipe], device), deterministic=deterministic)
+def run(cfg, train, val, seed, eps, eval_windows, recipe, device, deterministic, mxfp8_dims):
+    dims = tm.mla_dims(cfg, [recipe] + (["mxfp8"] if mxfp8_dims else []), device)
+    model = tm.build_model(recipe, cfg, seed, device, dims, deterministic=deterministic)
     if eps:
         g = torch.Generator().manual_seed(10_000 + seed)
         with torch.no_grad():
             for p in model.parameters():
-                p.mul_(1 + eps * torch.randn(p.shape, generator=g).to(p.dtype))
+                p.mul_(1 + eps * torch.randn(p.shape, generator=g).to(p.device, p.dtype))
     r = tm.train_recipe(recipe, model, train, val, cfg, seed, device, log_every=cfg["steps"] + 1)
     held = tm.held_out_loss(model, val, cfg, device, max_windows=eval_windows)
     return tm.final_loss(r["losses"]), held
@@ -53,6 +54,8 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--deterministic", action="store_true", help="as train_mla.py's (needed for twins on a GPU)")
     p.add_argument("--text-file", help="as train_mla.py's")
+    p.add_argument("--mxfp8-dims", action="store_true",
+                   help="the MLA dims that every recipe of train_mla.py --recipe bf16,mxfp8 shares (for bf16)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = p.parse_args(argv)
     if a.threads:
@@ -70,7 +73,7 @@ def main(argv=None):
           flush=True)
     gaps_t, gaps_h = [], []
     for seed in a.seeds:
-        args = (a.eval_windows, a.recipe, a.device, a.deterministic)
+        args = (a.eval_windows, a.recipe, a.device, a.deterministic, a.mxfp8_dims)
         t0, h0 = run(cfg, train, val, seed, 0.0, *args)
         t1, h1 = run(cfg, train, val, seed, a.eps, *args)
         gaps_t.append(100 * (t1 / t0 - 1))
