@@ -4,8 +4,9 @@ The GPU's parity runs (docs/performance.md, "Training") cannot resolve a 0.5 % l
 lands 0.7 % (bf16) to 2.3 % (mxfp8) from its own twin: the same seed, weights and batches, differing only
 in the GPU's non-deterministic summation orders. This script measures that sensitivity where runs are
 deterministic (the CPU with torch's bf16 recipe; on a GPU with --deterministic, any recipe): per seed it
-trains the model twice, the twin's initial weights multiplied by (1 + eps · N(0, 1)), and reports the
-twin's final losses against the first run's, in %. Comparing settings (the corpus's size against the tokens trained, i.e. epochs; the learning rate)
+trains the model twice, the twin's initial weights multiplied by (1 + eps · N(0, 1)) (and with
+--grad-noise G its gradients by (1 + G · N(0, 1)) at every step), and reports the twin's final losses
+against the first run's, in %. Comparing settings (the corpus's size against the tokens trained, i.e. epochs; the learning rate)
 says which setup a parity run should use to resolve a small gap with few seeds.
 
     python3 dev/bench/twin_spread.py --corpus-bytes 1000000 --steps 1500 --seeds 0 1 2 3
@@ -29,7 +30,22 @@ import torch  # noqa: E402
 import train_mla as tm  # noqa: E402
 
 
-def run(cfg, train, val, seed, eps, eval_windows, recipe, device, deterministic, mxfp8_dims):
+class NoisyGrads(tm.Parallel):
+    """One process (no groups), every gradient multiplied by (1 + rel · N(0, 1)) after each backward: a
+    perturbation at every step, as the GPU's changing summation orders make one, instead of once."""
+
+    def __init__(self, rel, seed):
+        super().__init__()
+        self.rel, self.gen = rel, torch.Generator().manual_seed(20_000 + seed)
+
+    def mean_grads(self, model) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1 + self.rel * torch.randn(p.grad.shape, generator=self.gen).to(p.device, p.dtype))
+
+
+def run(cfg, train, val, seed, eps, eval_windows, recipe, device, deterministic, mxfp8_dims, grad_noise=0.0):
     dims = tm.mla_dims(cfg, [recipe] + (["mxfp8"] if mxfp8_dims else []), device)
     model = tm.build_model(recipe, cfg, seed, device, dims, deterministic=deterministic)
     if eps:
@@ -37,7 +53,8 @@ def run(cfg, train, val, seed, eps, eval_windows, recipe, device, deterministic,
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1 + eps * torch.randn(p.shape, generator=g).to(p.device, p.dtype))
-    r = tm.train_recipe(recipe, model, train, val, cfg, seed, device, log_every=cfg["steps"] + 1)
+    par = NoisyGrads(grad_noise, seed) if grad_noise else None
+    r = tm.train_recipe(recipe, model, train, val, cfg, seed, device, log_every=cfg["steps"] + 1, par=par)
     held = tm.held_out_loss(model, val, cfg, device, max_windows=eval_windows)
     return tm.final_loss(r["losses"]), held
 
@@ -49,6 +66,8 @@ def main(argv=None):
     p.add_argument("--corpus-bytes", type=int, default=0, help="train on the corpus's first N bytes (0: all)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--eps", type=float, default=1e-5, help="the twin's relative weight perturbation")
+    p.add_argument("--grad-noise", type=float, default=0.0,
+                   help="the twin's gradients multiplied by (1 + G · N(0, 1)) at every step (besides --eps)")
     p.add_argument("--eval-windows", type=int, default=1024)
     p.add_argument("--recipe", default="bf16")
     p.add_argument("--device", default="cpu")
@@ -68,14 +87,14 @@ def main(argv=None):
         data = data[:a.corpus_bytes]
     train, val = tm.split_corpus(data, cfg["seq"])
     epochs = cfg["steps"] * cfg["batch"] * cfg["seq"] / len(train)
-    print(f"corpus {len(train):,} training bytes ({epochs:.2f} epochs), {len(val):,} held out; {cfg}; eps {a.eps}; "
+    print(f"corpus {len(train):,} training bytes ({epochs:.2f} epochs), {len(val):,} held out; {cfg}; eps {a.eps}; grad noise {a.grad_noise}; "
           f"{a.recipe} on {a.device}{' (deterministic)' if a.deterministic else ''}",
           flush=True)
     gaps_t, gaps_h = [], []
     for seed in a.seeds:
         args = (a.eval_windows, a.recipe, a.device, a.deterministic, a.mxfp8_dims)
         t0, h0 = run(cfg, train, val, seed, 0.0, *args)
-        t1, h1 = run(cfg, train, val, seed, a.eps, *args)
+        t1, h1 = run(cfg, train, val, seed, a.eps, *args, grad_noise=a.grad_noise)
         gaps_t.append(100 * (t1 / t0 - 1))
         gaps_h.append(100 * (h1 / h0 - 1))
         print(f"seed {seed}: training {t0:.4f} / twin {t1:.4f} ({gaps_t[-1]:+.3f} %), held-out {h0:.4f} / "

@@ -559,11 +559,15 @@ def _twin(*args):
 
 def test_twin_spread_sees_no_gap_without_a_nudge_and_one_with_it():
     """--eps 0: the twin is the same run (the CPU is deterministic), every gap +0.000 %; a 1 % nudge of the
-    initial weights moves the losses."""
+    initial weights moves the losses, and so does noise on the twin's gradients alone."""
     r = _twin("--eps", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("(+0.000 %)") == 4 and "training rms 0.000 %" in r.stdout, r.stdout
     r = _twin("--eps", "1e-2")
+    assert r.returncode == 0, r.stderr
+    gaps = [float(g) for g in re.findall(r"\(([+-]\d+\.\d+) %\)", r.stdout)]
+    assert len(gaps) == 4 and any(g != 0.0 for g in gaps), r.stdout
+    r = _twin("--eps", "0", "--grad-noise", "1e-1")  # the same initial weights, noisy gradients every step
     assert r.returncode == 0, r.stderr
     gaps = [float(g) for g in re.findall(r"\(([+-]\d+\.\d+) %\)", r.stdout)]
     assert len(gaps) == 4 and any(g != 0.0 for g in gaps), r.stdout
