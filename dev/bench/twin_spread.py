@@ -1,4 +1,4 @@
-"""How far two bf16 training runs of examples/train_mla.py drift apart when they differ by almost nothing.
+"""How far two training runs of examples/train_mla.py drift apart when they differ by almost nothing.
 
 The GPU's parity runs (docs/performance.md, "Training") cannot resolve a 0.5 % loss gap because one run
 lands 0.7 % (bf16) to 2.3 % (mxfp8) from its own twin: the same seed, weights and batches, differing only
@@ -6,8 +6,9 @@ in the GPU's non-deterministic summation orders. This script measures that sensi
 deterministic (the CPU with torch's bf16 recipe; on a GPU with --deterministic, any recipe): per seed it
 trains the model twice, the twin's initial weights multiplied by (1 + eps · N(0, 1)) (and with
 --grad-noise G its gradients by (1 + G · N(0, 1)) at every step), and reports the twin's final losses
-against the first run's, in %. Comparing settings (the corpus's size against the tokens trained, i.e. epochs; the learning rate)
-says which setup a parity run should use to resolve a small gap with few seeds.
+against the first run's, in %. Comparing settings (the corpus's size against the tokens trained, i.e.
+epochs; the learning rate) says which setup a parity run should use to resolve a small gap with few
+seeds.
 
     python3 dev/bench/twin_spread.py --corpus-bytes 1000000 --steps 1500 --seeds 0 1 2 3
     python3 dev/bench/twin_spread.py --corpus-bytes 0 ...   (the whole corpus)
@@ -87,8 +88,8 @@ def main(argv=None):
         data = data[:a.corpus_bytes]
     train, val = tm.split_corpus(data, cfg["seq"])
     epochs = cfg["steps"] * cfg["batch"] * cfg["seq"] / len(train)
-    print(f"corpus {len(train):,} training bytes ({epochs:.2f} epochs), {len(val):,} held out; {cfg}; eps {a.eps}; grad noise {a.grad_noise}; "
-          f"{a.recipe} on {a.device}{' (deterministic)' if a.deterministic else ''}",
+    print(f"corpus {len(train):,} training bytes ({epochs:.2f} epochs), {len(val):,} held out; {cfg}; eps {a.eps}; "
+          f"grad noise {a.grad_noise}; {a.recipe} on {a.device}{' (deterministic)' if a.deterministic else ''}",
           flush=True)
     gaps_t, gaps_h = [], []
     for seed in a.seeds:
