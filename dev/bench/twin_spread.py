@@ -31,6 +31,13 @@ import torch  # noqa: E402
 import train_mla as tm  # noqa: E402
 
 
+def jitter(tensors, rel, gen):
+    """Each tensor multiplied in place by (1 + rel · N(0, 1)), the normals drawn on the CPU from gen."""
+    with torch.no_grad():
+        for t in tensors:
+            t.mul_(1 + rel * torch.randn(t.shape, generator=gen).to(t.device, t.dtype))
+
+
 class NoisyGrads(tm.Parallel):
     """One process (no groups), every gradient multiplied by (1 + rel · N(0, 1)) after each backward: a
     perturbation at every step, as the GPU's changing summation orders make one, instead of once."""
@@ -40,20 +47,14 @@ class NoisyGrads(tm.Parallel):
         self.rel, self.gen = rel, torch.Generator().manual_seed(20_000 + seed)
 
     def mean_grads(self, model) -> None:
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(1 + self.rel * torch.randn(p.grad.shape, generator=self.gen).to(p.device, p.dtype))
+        jitter([p.grad for p in model.parameters() if p.grad is not None], self.rel, self.gen)
 
 
 def run(cfg, train, val, seed, eps, eval_windows, recipe, device, deterministic, mxfp8_dims, grad_noise=0.0):
     dims = tm.mla_dims(cfg, [recipe] + (["mxfp8"] if mxfp8_dims else []), device)
     model = tm.build_model(recipe, cfg, seed, device, dims, deterministic=deterministic)
     if eps:
-        g = torch.Generator().manual_seed(10_000 + seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(1 + eps * torch.randn(p.shape, generator=g).to(p.device, p.dtype))
+        jitter(list(model.parameters()), eps, torch.Generator().manual_seed(10_000 + seed))
     par = NoisyGrads(grad_noise, seed) if grad_noise else None
     r = tm.train_recipe(recipe, model, train, val, cfg, seed, device, log_every=cfg["steps"] + 1, par=par)
     held = tm.held_out_loss(model, val, cfg, device, max_windows=eval_windows)
