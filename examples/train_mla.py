@@ -427,12 +427,18 @@ class GraphedStep:
 
 
 def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Dict, seed: int, device: str,
-                 log_every: int, par: Parallel = None, cuda_graph: bool = False) -> Dict:
+                 log_every: int, par: Parallel = None, cuda_graph: bool = False, opt=None,
+                 span: Sequence[int] = None) -> Dict:
+    """Trains model over the run's steps (cfg["steps"]; the data order and learning-rate schedule drawn
+    from seed), or over the steps [first, last) of span only, continuing with opt (a make_optimizer
+    optimizer, graph=cuda_graph; None: a fresh one). Returns the span's losses, its wall time and the
+    held-out loss after it."""
     import torch
 
     torch.manual_seed(seed)
-    opt = make_optimizer(model, cfg["lr"], graph=cuda_graph)
+    opt = opt or make_optimizer(model, cfg["lr"], graph=cuda_graph)
     offsets = batch_offsets(len(train), cfg["seq"], cfg["batch"], cfg["steps"], seed)
+    first, last = span or (0, cfg["steps"])
     losses: List[float] = []
     pending = []  # this interval's losses, still on the device (one synchronization per progress line)
     t0 = time.perf_counter()
@@ -441,10 +447,10 @@ def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Di
     if cuda_graph:  # the eager warm-up steps on a side stream, as torch's CUDA graph notes ask
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-    for step in range(cfg["steps"]):
+    for step in range(first, last):
         x, y = windows(train, offsets[step], cfg["seq"])
         lr = lr_at(step, cfg["steps"], cfg["lr"])
-        if cuda_graph and step < GRAPH_WARMUP:
+        if cuda_graph and step < first + GRAPH_WARMUP:
             with torch.cuda.stream(side):
                 set_lr(opt, lr)
                 loss = train_step(model, opt, x.to(device), y.to(device))
@@ -459,15 +465,15 @@ def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Di
             set_lr(opt, lr)
             loss = train_step(model, opt, x.to(device, non_blocking=True), y.to(device, non_blocking=True), par)
         pending.append(loss.detach())
-        if (step + 1) % log_every == 0 or step + 1 == cfg["steps"]:
+        if (step + 1) % log_every == 0 or step + 1 == last:
             losses += torch.stack(pending).float().tolist()
             pending = []
             bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
             if bad:
-                raise SystemExit(f"train_mla.py: [{recipe}] the loss is {losses[bad[0]]} at step {bad[0] + 1}")
+                raise SystemExit(f"train_mla.py: [{recipe}] the loss is {losses[bad[0]]} at step {first + bad[0] + 1}")
             dt = time.perf_counter() - t0
             print(f"[{recipe}] step {step + 1:>{len(str(cfg['steps']))}}/{cfg['steps']}  loss {losses[-1]:.4f}  "
-                  f"lr {lr:.2e}  {dt:6.1f} s  {tokens * (step + 1) / dt / 1e3:7.1f}k tok/s", flush=True)
+                  f"lr {lr:.2e}  {dt:6.1f} s  {tokens * (step + 1 - first) / dt / 1e3:7.1f}k tok/s", flush=True)
     seconds = time.perf_counter() - t0
     return dict(losses=losses, seconds=seconds, held_out=held_out_loss(model, val, cfg, device, par=par))
 

@@ -50,51 +50,72 @@ class NoisyGrads(tm.Parallel):
         jitter([p.grad for p in model.parameters() if p.grad is not None], self.rel, self.gen)
 
 
-def run(cfg, train, val, seed, eps, eval_windows, recipe, device, deterministic, mxfp8_dims, grad_noise=0.0):
+def run(cfg, train, val, seed, eps, eval_windows, recipe, device, deterministic, mxfp8_dims, cuda_graph=False,
+        grad_noise=0.0):
     dims = tm.mla_dims(cfg, [recipe] + (["mxfp8"] if mxfp8_dims else []), device)
     model = tm.build_model(recipe, cfg, seed, device, dims, deterministic=deterministic)
     if eps:
         jitter(list(model.parameters()), eps, torch.Generator().manual_seed(10_000 + seed))
     par = NoisyGrads(grad_noise, seed) if grad_noise else None
-    r = tm.train_recipe(recipe, model, train, val, cfg, seed, device, log_every=cfg["steps"] + 1, par=par)
+    r = tm.train_recipe(recipe, model, train, val, cfg, seed, device, log_every=cfg["steps"] + 1, par=par,
+                        cuda_graph=cuda_graph)
     held = tm.held_out_loss(model, val, cfg, device, max_windows=eval_windows)
     return tm.final_loss(r["losses"]), held
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_options(description, seeds):
+    """The options that twin_spread.py and branch_gap.py share: train_mla.py's sizes (its CPU
+    configuration by default, on any device), seeds, device and the run's form."""
+    p = argparse.ArgumentParser(description=description)
     for k, v in tm.CPU_CONFIG.items():
         p.add_argument(f"--{k}", type=type(v), default=v)
-    p.add_argument("--corpus-bytes", type=int, default=0, help="train on the corpus's first N bytes (0: all)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--eps", type=float, default=1e-5, help="the twin's relative weight perturbation")
-    p.add_argument("--grad-noise", type=float, default=0.0,
-                   help="the twin's gradients multiplied by (1 + G · N(0, 1)) at every step (besides --eps)")
-    p.add_argument("--eval-windows", type=int, default=1024)
-    p.add_argument("--recipe", default="bf16")
+    p.add_argument("--seeds", type=int, nargs="+", default=seeds)
+    p.add_argument("--eval-windows", type=int, default=1024, help="held-out windows evaluated after a run")
     p.add_argument("--device", default="cpu")
     p.add_argument("--deterministic", action="store_true", help="as train_mla.py's (needed for twins on a GPU)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="as train_mla.py's (the step as one CUDA graph, as the GPU's parity runs take it)")
     p.add_argument("--text-file", help="as train_mla.py's")
     p.add_argument("--mxfp8-dims", action="store_true",
                    help="the MLA dims that every recipe of train_mla.py --recipe bf16,mxfp8 shares (for bf16)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    a = p.parse_args(argv)
+    return p
+
+
+def start(p, a):
+    """Checks the shared options, sets torch's threads and deterministic mode; returns the size config."""
+    if a.cuda_graph and a.device == "cpu":
+        p.error("--cuda-graph needs a CUDA --device")
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.deterministic:
         tm.torch_deterministic(strict=True)
-    cfg = {k: getattr(a, k) for k in tm.SIZE_KEYS}
+    return {k: getattr(a, k) for k in tm.SIZE_KEYS}
+
+
+def main(argv=None):
+    p = run_options(__doc__.split("\n\n")[0], [0, 1, 2])
+    p.add_argument("--corpus-bytes", type=int, default=0, help="train on the corpus's first N bytes (0: all)")
+    p.add_argument("--eps", type=float, default=1e-5, help="the twin's relative weight perturbation")
+    p.add_argument("--grad-noise", type=float, default=0.0,
+                   help="the twin's gradients multiplied by (1 + G · N(0, 1)) at every step (besides --eps)")
+    p.add_argument("--recipe", default="bf16")
+    a = p.parse_args(argv)
+    if a.cuda_graph and a.grad_noise:
+        p.error("--cuda-graph takes no --grad-noise (its noise is drawn eagerly, on the CPU)")
+    cfg = start(p, a)
     data, source, _ = tm.load_corpus(a.text_file)
     if a.corpus_bytes:
         data = data[:a.corpus_bytes]
     train, val = tm.split_corpus(data, cfg["seq"])
     epochs = cfg["steps"] * cfg["batch"] * cfg["seq"] / len(train)
     print(f"corpus {len(train):,} training bytes ({epochs:.2f} epochs), {len(val):,} held out; {cfg}; eps {a.eps}; "
-          f"grad noise {a.grad_noise}; {a.recipe} on {a.device}{' (deterministic)' if a.deterministic else ''}",
+          f"grad noise {a.grad_noise}; {a.recipe} on {a.device}{' (deterministic)' if a.deterministic else ''}"
+          f"{' (CUDA graph)' if a.cuda_graph else ''}",
           flush=True)
     gaps_t, gaps_h = [], []
     for seed in a.seeds:
-        args = (a.eval_windows, a.recipe, a.device, a.deterministic, a.mxfp8_dims)
+        args = (a.eval_windows, a.recipe, a.device, a.deterministic, a.mxfp8_dims, a.cuda_graph)
         t0, h0 = run(cfg, train, val, seed, 0.0, *args)
         t1, h1 = run(cfg, train, val, seed, a.eps, *args, grad_noise=a.grad_noise)
         gaps_t.append(100 * (t1 / t0 - 1))

@@ -568,3 +568,62 @@ def test_twin_spread_sees_no_gap_without_a_nudge_and_one_with_it():
         assert r.returncode == 0, r.stderr
         gaps = [float(g) for g in re.findall(r"\(([+-]\d+\.\d+) %\)", r.stdout)]
         assert len(gaps) == 4 and any(g != 0.0 for g in gaps), (args, r.stdout)
+
+
+def test_twin_spread_refuses_a_cuda_graph_on_the_cpu():
+    r = _twin("--cuda-graph")
+    assert r.returncode == 2 and "--cuda-graph needs a CUDA --device" in r.stderr, (r.stdout, r.stderr)
+    r = _twin("--cuda-graph", "--device", "cuda", "--grad-noise", "1e-3")
+    assert r.returncode == 2 and "--cuda-graph takes no --grad-noise" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_twin_spread_graphed_and_deterministic_twins_are_the_same_run_on_the_gpu():
+    """On the GPU with --deterministic and the step as a CUDA graph (past the eager warm-up steps), an
+    un-nudged twin repeats its first run bit for bit, for both recipes."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU: the graphed twins run on the GPU only")
+    for recipe in ("bf16", "mxfp8"):
+        r = _twin("--eps", "0", "--device", "cuda", "--cuda-graph", "--deterministic", "--recipe", recipe,
+                  "--mxfp8-dims", "--steps", "8")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.count("(+0.000 %)") == 4 and "(CUDA graph)" in r.stdout, (recipe, r.stdout)
+
+
+# ----------------------------------------------------------------------------- dev/bench/branch_gap.py
+def _branch(*args):
+    pytest.importorskip("torch")
+    mxmla = pytest.importorskip("mxmla")
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(mxmla.__file__).resolve().parent.parent))
+    return subprocess.run([sys.executable, str(ROOT / "dev" / "bench" / "branch_gap.py"), "--steps", "6", "--seq", "32",
+                           "--batch", "4", "--hidden", "32", "--layers", "1", "--eval-windows", "4", "--threads", "1",
+                           "--text-file", str(ROOT / "README.md"), "--branch-at", "3", "--seeds", "0", "1", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_branch_gap_control_without_a_nudge_is_the_reference_and_a_recipe_moves_the_loss():
+    """--eps 0: the control continuation is the reference one (the CPU is deterministic), every gap
+    +0.000 %; mxfp8 continuing the same trunk lands elsewhere; a nudge of 1 % moves the control."""
+    r = _branch("--eps", "0", "--mxfp8-dims")
+    assert r.returncode == 0, r.stderr
+    control = re.findall(r"bf16~ \d+\.\d+ \(([+-]\d+\.\d+) %\) / \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
+    assert control == [("+0.000", "+0.000")] * 2, r.stdout
+    mx = re.findall(r"mxfp8 \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
+    assert len(mx) == 2 and any(float(g) != 0.0 for g in mx), r.stdout
+    assert "mxfp8 against bf16 over 2 seeds" in r.stdout and "bf16~ against bf16 over 2 seeds" in r.stdout
+    r = _branch("--eps", "1e-2", "--recipes", "block-fp8")
+    assert r.returncode == 0, r.stderr
+    control = re.findall(r"bf16~ \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
+    assert len(control) == 2 and any(float(g) != 0.0 for g in control) and "block-fp8 " in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--recipes", "bf16"), "--recipes: bf16 is not a list of distinct recipes to branch into"),
+    (("--recipes", "mxfp8,mxfp8"), "--recipes: mxfp8,mxfp8 is not a list of distinct recipes"),
+    (("--branch-at", "6"), "--branch-at must lie strictly between 0 and --steps (6), got 6"),
+    (("--branch-at", "0"), "--branch-at must lie strictly between 0 and --steps (6), got 0"),
+    (("--cuda-graph",), "--cuda-graph needs a CUDA --device"),
+])
+def test_branch_gap_bad_arguments(args, message):
+    r = _branch(*args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
