@@ -85,14 +85,14 @@ def main(argv=None):
         trunk = (r["losses"], copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
         del model, opt
         ref = continue_from(trunk, "bf16", cfg, train, val, seed, a, dims)
-        line = [f"seed {seed}: bf16 {ref[0]:.4f} / held-out {ref[1]:.4f}"]
-        for n in names:
+        print(f"seed {seed} bf16: {ref[0]:.4f} / held-out {ref[1]:.4f}", flush=True)
+        for n in names:  # a line per continuation as it ends (a run cut short keeps what it measured)
             t, h = continue_from(trunk, "bf16" if n == CONTROL else n, cfg, train, val, seed, a, dims,
                                  eps=a.eps if n == CONTROL else 0.0)
             gaps[n][0].append(100 * (t / ref[0] - 1))
             gaps[n][1].append(100 * (h / ref[1] - 1))
-            line.append(f"{n} {t:.4f} ({gaps[n][0][-1]:+.3f} %) / {h:.4f} ({gaps[n][1][-1]:+.3f} %)")
-        print("; ".join(line), flush=True)
+            print(f"seed {seed} {n}: {t:.4f} ({gaps[n][0][-1]:+.3f} %) / held-out {h:.4f} ({gaps[n][1][-1]:+.3f} %)",
+                  flush=True)
     if len(a.seeds) > 1:
         for n in names:
             gt, gh = gaps[n]

@@ -606,15 +606,15 @@ def test_branch_gap_control_without_a_nudge_is_the_reference_and_a_recipe_moves_
     +0.000 %; mxfp8 continuing the same trunk lands elsewhere; a nudge of 1 % moves the control."""
     r = _branch("--eps", "0", "--mxfp8-dims")
     assert r.returncode == 0, r.stderr
-    control = re.findall(r"bf16~ \d+\.\d+ \(([+-]\d+\.\d+) %\) / \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
+    control = re.findall(r"bf16~: \d+\.\d+ \(([+-]\d+\.\d+) %\) / held-out \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
     assert control == [("+0.000", "+0.000")] * 2, r.stdout
-    mx = re.findall(r"mxfp8 \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
+    mx = re.findall(r"mxfp8: \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
     assert len(mx) == 2 and any(float(g) != 0.0 for g in mx), r.stdout
     assert "mxfp8 against bf16 over 2 seeds" in r.stdout and "bf16~ against bf16 over 2 seeds" in r.stdout
     r = _branch("--eps", "1e-2", "--recipes", "block-fp8")
     assert r.returncode == 0, r.stderr
-    control = re.findall(r"bf16~ \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
-    assert len(control) == 2 and any(float(g) != 0.0 for g in control) and "block-fp8 " in r.stdout, r.stdout
+    control = re.findall(r"bf16~: \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
+    assert len(control) == 2 and any(float(g) != 0.0 for g in control) and "seed 1 block-fp8: " in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("args,message", [
