@@ -41,8 +41,8 @@ BRANCHES = ("mxfp8", "mxfp8-linears", "block-fp8")  # train_mla.py's recipes bes
 
 
 def continue_from(trunk, recipe, cfg, train, val, seed, a, dims, eps=0.0):
-    """(final training loss of the whole run, held-out loss) of recipe continuing trunk = (losses,
-    model state, optimizer state) from step --branch-at to the end."""
+    """(final training loss of the whole run, held-out loss, the whole run's loss curve) of recipe
+    continuing trunk = (losses, model state, optimizer state) from step --branch-at to the end."""
     losses, model_state, opt_state = trunk
     model = tm.build_model(recipe, cfg, seed, a.device, dims, deterministic=a.deterministic)
     model.load_state_dict(model_state)
@@ -52,7 +52,18 @@ def continue_from(trunk, recipe, cfg, train, val, seed, a, dims, eps=0.0):
     opt.load_state_dict(copy.deepcopy(opt_state))
     r = tm.train_recipe(recipe, model, train, val, cfg, seed, a.device, log_every=cfg["steps"] + 1,
                         cuda_graph=a.cuda_graph, opt=opt, span=(a.branch_at, cfg["steps"]))
-    return tm.final_loss(losses + r["losses"]), tm.held_out_loss(model, val, cfg, a.device, max_windows=a.eval_windows)
+    curve = losses + r["losses"]
+    return tm.final_loss(curve), tm.held_out_loss(model, val, cfg, a.device, max_windows=a.eval_windows), curve
+
+
+def window_gaps(curves, ref, first, width):
+    """[(first step, last step, [per seed: % gap of the window's mean loss])] of curves against ref (lists
+    of per-seed loss curves), windows of width steps from step first (0-based) to the end."""
+    out = []
+    for lo in range(first, len(ref[0]), width):
+        hi = min(lo + width, len(ref[0]))
+        out.append((lo + 1, hi, [100 * (sum(c[lo:hi]) / sum(r[lo:hi]) - 1) for c, r in zip(curves, ref)]))
+    return out
 
 
 def main(argv=None):
@@ -60,7 +71,18 @@ def main(argv=None):
     p.add_argument("--branch-at", type=int, default=400, help="the trunk's steps (bf16), before the recipes part")
     p.add_argument("--recipes", default="mxfp8", help="comma-separated recipes continuing the trunk (besides bf16)")
     p.add_argument("--eps", type=float, default=1e-5, help="the control continuation's relative weight nudge")
+    p.add_argument("--window", type=int, default=200, help="steps a window of the gaps' table after the branch")
+    p.add_argument("--out", help="a folder for every continuation's loss curve (seed<S>_<name>.csv, the whole run) "
+                                 "and held-out loss (seed<S>_held_out.csv)")
+    p.add_argument("--tables", nargs="+", metavar="DIR",
+                   help="train nothing: the tables over the seeds that runs with --out left in these folders "
+                        "(--branch-at and --window as those runs had them)")
     a = p.parse_args(argv)
+    if a.tables:
+        try:
+            return tables(a.tables, a.branch_at, a.window)
+        except ValueError as e:
+            p.error(str(e))
     recipes = [r for r in a.recipes.split(",") if r]
     unknown = [r for r in recipes if r not in BRANCHES]
     if unknown or len(set(recipes)) != len(recipes):
@@ -77,6 +99,10 @@ def main(argv=None):
           f"{' (CUDA graph)' if a.cuda_graph else ''}", flush=True)
     names = [CONTROL] + recipes
     gaps = {n: ([], []) for n in names}
+    curves = {n: [] for n in ["bf16"] + names}
+    out = Path(a.out) if a.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
     for seed in a.seeds:
         model = tm.build_model("bf16", cfg, seed, a.device, dims, deterministic=a.deterministic)
         opt = tm.make_optimizer(model, cfg["lr"], graph=a.cuda_graph)
@@ -86,20 +112,64 @@ def main(argv=None):
         del model, opt
         ref = continue_from(trunk, "bf16", cfg, train, val, seed, a, dims)
         print(f"seed {seed} bf16: {ref[0]:.4f} / held-out {ref[1]:.4f}", flush=True)
-        for n in names:  # a line per continuation as it ends (a run cut short keeps what it measured)
-            t, h = continue_from(trunk, "bf16" if n == CONTROL else n, cfg, train, val, seed, a, dims,
-                                 eps=a.eps if n == CONTROL else 0.0)
+        for n in ["bf16"] + names:  # a line per continuation as it ends (a run cut short keeps what it measured)
+            t, h, curve = ref if n == "bf16" else continue_from(trunk, "bf16" if n == CONTROL else n, cfg, train, val,
+                                                                seed, a, dims, eps=a.eps if n == CONTROL else 0.0)
+            curves[n].append(curve)
+            if out:
+                tm.write_csv(out / f"seed{seed}_{n}.csv", curve)
+                with (out / f"seed{seed}_held_out.csv").open("w" if n == "bf16" else "a") as f:
+                    f.write(f"continuation,held_out\n{n},{h:.6f}\n" if n == "bf16" else f"{n},{h:.6f}\n")
+            if n == "bf16":
+                continue
             gaps[n][0].append(100 * (t / ref[0] - 1))
             gaps[n][1].append(100 * (h / ref[1] - 1))
             print(f"seed {seed} {n}: {t:.4f} ({gaps[n][0][-1]:+.3f} %) / held-out {h:.4f} ({gaps[n][1][-1]:+.3f} %)",
                   flush=True)
-    if len(a.seeds) > 1:
-        for n in names:
-            gt, gh = gaps[n]
+    report(names, curves, {n: curves["bf16"] for n in names}, gaps, a.branch_at, a.window)
+    return 0
+
+
+def report(names, curves, refs, gaps, branch_at, window):
+    """The gaps by window of steps after the branch (curves[n] against refs[n], bf16's curves of the same
+    seeds), and (over two seeds or more) the final gaps' mean."""
+    for n in names:
+        table = window_gaps(curves[n], refs[n], branch_at, window)
+        cells = [f"{lo}-{hi} {statistics.mean(g):+.3f}" + (f" ({statistics.stdev(g):.3f})" if len(g) > 1 else "")
+                 for lo, hi, g in table]
+        print(f"{n} against bf16 by window of steps, mean % (sd): " + ", ".join(cells))
+    for n in names:
+        gt, gh = gaps[n]
+        if len(gt) > 1:
             rms = lambda xs: math.sqrt(sum(x * x for x in xs) / len(xs))  # noqa: E731
+            se = lambda xs: statistics.stdev(xs) / math.sqrt(len(xs))  # noqa: E731
             print(f"{n} against bf16 over {len(gt)} seeds: training mean {statistics.mean(gt):+.3f} % (sd "
-                  f"{statistics.stdev(gt):.3f}, rms {rms(gt):.3f}), held-out mean {statistics.mean(gh):+.3f} % "
-                  f"(sd {statistics.stdev(gh):.3f}, rms {rms(gh):.3f})")
+                  f"{statistics.stdev(gt):.3f}, se {se(gt):.3f}, rms {rms(gt):.3f}), held-out mean "
+                  f"{statistics.mean(gh):+.3f} % (sd {statistics.stdev(gh):.3f}, se {se(gh):.3f}, rms {rms(gh):.3f})")
+
+
+def tables(folders, branch_at, window):
+    """report() over the curves and held-out losses that runs with --out left in folders (every seed
+    found, e.g. one process's folder per seed)."""
+    curves, held, seeds = {}, {}, []
+    for d in map(Path, folders):
+        for f in sorted(d.glob("seed*_held_out.csv")):
+            seed = f.name[len("seed"):-len("_held_out.csv")]
+            seeds.append(seed)
+            for row in f.read_text().split()[1:]:
+                n, h = row.split(",")
+                held[seed, n] = float(h)
+                rows = (d / f"seed{seed}_{n}.csv").read_text().split()[1:]
+                curves.setdefault(n, {})[seed] = [float(r.split(",")[1]) for r in rows]
+    if not seeds:
+        raise ValueError(f"--tables: no seed*_held_out.csv in {', '.join(folders)}")
+    names = [n for n in curves if n != "bf16"]
+    ref = {sd: (tm.final_loss(curves["bf16"][sd]), held[sd, "bf16"]) for sd in seeds}
+    gaps = {n: ([100 * (tm.final_loss(curves[n][sd]) / ref[sd][0] - 1) for sd in seeds if sd in curves[n]],
+                [100 * (held[sd, n] / ref[sd][1] - 1) for sd in seeds if sd in curves[n]]) for n in names}
+    print(f"branch_gap.py --tables: seeds {' '.join(seeds)}")
+    report(names, {n: [c[sd] for sd in seeds if sd in c] for n, c in curves.items()},
+           {n: [curves["bf16"][sd] for sd in seeds if sd in curves[n]] for n in names}, gaps, branch_at, window)
     return 0
 
 

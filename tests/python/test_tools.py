@@ -601,11 +601,22 @@ def _branch(*args):
                           capture_output=True, text=True, env=env, timeout=600)
 
 
-def test_branch_gap_control_without_a_nudge_is_the_reference_and_a_recipe_moves_the_loss():
+def test_branch_gap_control_without_a_nudge_is_the_reference_and_a_recipe_moves_the_loss(tmp_path):
     """--eps 0: the control continuation is the reference one (the CPU is deterministic), every gap
-    +0.000 %; mxfp8 continuing the same trunk lands elsewhere; a nudge of 1 % moves the control."""
-    r = _branch("--eps", "0", "--mxfp8-dims")
+    +0.000 %; mxfp8 continuing the same trunk lands elsewhere; a nudge of 1 % moves the control. The
+    curves share the trunk's steps and part after it."""
+    r = _branch("--eps", "0", "--mxfp8-dims", "--window", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
+    assert "bf16~ against bf16 by window of steps, mean % (sd): 4-5 +0.000 (0.000), 6-6 +0.000 (0.000)" in r.stdout
+    for seed in (0, 1):
+        ref, ctl, mx = ([row.split(",")[1] for row in (tmp_path / f"seed{seed}_{n}.csv").read_text().split()[1:]]
+                        for n in ("bf16", "bf16~", "mxfp8"))
+        assert len(ref) == 6 and ctl == ref and mx[:3] == ref[:3] and mx[3:] != ref[3:], (ref, mx)
+    summary = [ln for ln in r.stdout.splitlines() if " against bf16 " in ln]
+    assert len(summary) == 4, r.stdout
+    t = _branch("--window", "2", "--tables", str(tmp_path))  # the same tables from the saved curves
+    assert t.returncode == 0, t.stderr
+    assert [ln for ln in t.stdout.splitlines() if " against bf16 " in ln] == summary, (t.stdout, summary)
     control = re.findall(r"bf16~: \d+\.\d+ \(([+-]\d+\.\d+) %\) / held-out \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
     assert control == [("+0.000", "+0.000")] * 2, r.stdout
     mx = re.findall(r"mxfp8: \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
@@ -623,6 +634,7 @@ def test_branch_gap_control_without_a_nudge_is_the_reference_and_a_recipe_moves_
     (("--branch-at", "6"), "--branch-at must lie strictly between 0 and --steps (6), got 6"),
     (("--branch-at", "0"), "--branch-at must lie strictly between 0 and --steps (6), got 0"),
     (("--cuda-graph",), "--cuda-graph needs a CUDA --device"),
+    (("--tables", str(ROOT / "docs")), "--tables: no seed*_held_out.csv in"),
 ])
 def test_branch_gap_bad_arguments(args, message):
     r = _branch(*args)
