@@ -23,7 +23,6 @@ Not a test. The size options default to train_mla.py's CPU configuration on any 
 """
 import copy
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT / "dev" / "bench"))
 import torch  # noqa: E402
 
 import train_mla as tm  # noqa: E402
+from parity_table import curve, rel_gap, stats  # noqa: E402
 from twin_spread import jitter, run_options, start  # noqa: E402
 
 CONTROL = "bf16~"  # the nudged bf16 continuation's label
@@ -52,8 +52,8 @@ def continue_from(trunk, recipe, cfg, train, val, seed, a, dims, eps=0.0):
     opt.load_state_dict(copy.deepcopy(opt_state))
     r = tm.train_recipe(recipe, model, train, val, cfg, seed, a.device, log_every=cfg["steps"] + 1,
                         cuda_graph=a.cuda_graph, opt=opt, span=(a.branch_at, cfg["steps"]))
-    curve = losses + r["losses"]
-    return tm.final_loss(curve), tm.held_out_loss(model, val, cfg, a.device, max_windows=a.eval_windows), curve
+    whole = losses + r["losses"]
+    return tm.final_loss(whole), tm.held_out_loss(model, val, cfg, a.device, max_windows=a.eval_windows), whole
 
 
 def window_gaps(curves, ref, first, width):
@@ -62,7 +62,7 @@ def window_gaps(curves, ref, first, width):
     out = []
     for lo in range(first, len(ref[0]), width):
         hi = min(lo + width, len(ref[0]))
-        out.append((lo + 1, hi, [100 * (sum(c[lo:hi]) / sum(r[lo:hi]) - 1) for c, r in zip(curves, ref)]))
+        out.append((lo + 1, hi, [rel_gap(c[lo:hi], r[lo:hi]) for c, r in zip(curves, ref)]))
     return out
 
 
@@ -110,17 +110,17 @@ def main(argv=None):
                             cuda_graph=a.cuda_graph, opt=opt, span=(0, a.branch_at))
         trunk = (r["losses"], copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
         del model, opt
-        ref = continue_from(trunk, "bf16", cfg, train, val, seed, a, dims)
-        print(f"seed {seed} bf16: {ref[0]:.4f} / held-out {ref[1]:.4f}", flush=True)
         for n in ["bf16"] + names:  # a line per continuation as it ends (a run cut short keeps what it measured)
-            t, h, curve = ref if n == "bf16" else continue_from(trunk, "bf16" if n == CONTROL else n, cfg, train, val,
-                                                                seed, a, dims, eps=a.eps if n == CONTROL else 0.0)
-            curves[n].append(curve)
+            t, h, run = continue_from(trunk, "bf16" if n == CONTROL else n, cfg, train, val, seed, a, dims,
+                                      eps=a.eps if n == CONTROL else 0.0)
+            curves[n].append(run)
             if out:
-                tm.write_csv(out / f"seed{seed}_{n}.csv", curve)
+                tm.write_csv(out / f"seed{seed}_{n}.csv", run)
                 with (out / f"seed{seed}_held_out.csv").open("w" if n == "bf16" else "a") as f:
-                    f.write(f"continuation,held_out\n{n},{h:.6f}\n" if n == "bf16" else f"{n},{h:.6f}\n")
+                    f.write(("continuation,held_out\n" if n == "bf16" else "") + f"{n},{h:.6f}\n")
             if n == "bf16":
+                ref = t, h
+                print(f"seed {seed} bf16: {t:.4f} / held-out {h:.4f}", flush=True)
                 continue
             gaps[n][0].append(100 * (t / ref[0] - 1))
             gaps[n][1].append(100 * (h / ref[1] - 1))
@@ -135,17 +135,16 @@ def report(names, curves, refs, gaps, branch_at, window):
     seeds), and (over two seeds or more) the final gaps' mean."""
     for n in names:
         table = window_gaps(curves[n], refs[n], branch_at, window)
-        cells = [f"{lo}-{hi} {statistics.mean(g):+.3f}" + (f" ({statistics.stdev(g):.3f})" if len(g) > 1 else "")
+        cells = [f"{lo}-{hi} {stats(g)[0]:+.3f}" + (f" ({stats(g)[1]:.3f})" if len(g) > 1 else "")
                  for lo, hi, g in table]
         print(f"{n} against bf16 by window of steps, mean % (sd): " + ", ".join(cells))
+    rms = lambda xs: math.sqrt(sum(x * x for x in xs) / len(xs))  # noqa: E731
     for n in names:
-        gt, gh = gaps[n]
-        if len(gt) > 1:
-            rms = lambda xs: math.sqrt(sum(x * x for x in xs) / len(xs))  # noqa: E731
-            se = lambda xs: statistics.stdev(xs) / math.sqrt(len(xs))  # noqa: E731
-            print(f"{n} against bf16 over {len(gt)} seeds: training mean {statistics.mean(gt):+.3f} % (sd "
-                  f"{statistics.stdev(gt):.3f}, se {se(gt):.3f}, rms {rms(gt):.3f}), held-out mean "
-                  f"{statistics.mean(gh):+.3f} % (sd {statistics.stdev(gh):.3f}, se {se(gh):.3f}, rms {rms(gh):.3f})")
+        if len(gaps[n][0]) > 1:
+            (mt, sdt, set_), (mh, sdh, seh) = (stats(g) for g in gaps[n])
+            print(f"{n} against bf16 over {len(gaps[n][0])} seeds: training mean {mt:+.3f} % (sd {sdt:.3f}, se "
+                  f"{set_:.3f}, rms {rms(gaps[n][0]):.3f}), held-out mean {mh:+.3f} % (sd {sdh:.3f}, se {seh:.3f}, "
+                  f"rms {rms(gaps[n][1]):.3f})")
 
 
 def tables(folders, branch_at, window):
@@ -159,8 +158,7 @@ def tables(folders, branch_at, window):
             for row in f.read_text().split()[1:]:
                 n, h = row.split(",")
                 held[seed, n] = float(h)
-                rows = (d / f"seed{seed}_{n}.csv").read_text().split()[1:]
-                curves.setdefault(n, {})[seed] = [float(r.split(",")[1]) for r in rows]
+                curves.setdefault(n, {})[seed] = curve(d / f"seed{seed}_{n}.csv")
     if not seeds:
         raise ValueError(f"--tables: no seed*_held_out.csv in {', '.join(folders)}")
     names = [n for n in curves if n != "bf16"]
