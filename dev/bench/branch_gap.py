@@ -9,7 +9,7 @@ trunk (bf16, the run's own data order and learning-rate schedule) is trained onc
 - as bf16 (the reference continuation),
 - as bf16 again with its weights multiplied by (1 + --eps · N(0, 1)) at the branch (the control: how far
   a continuation lands from the reference when nothing but a tiny nudge differs; with --deterministic
-  nothing else differs),
+  nothing else differs; --no-control leaves it out),
 - as each recipe of --recipes (default mxfp8),
 and the final training loss (the mean of the run's last 10 % of steps) and the held-out loss of each
 continuation are printed against the reference's, in %. Over seeds, a recipe's mean gap against the
@@ -71,6 +71,8 @@ def main(argv=None):
     p.add_argument("--branch-at", type=int, default=400, help="the trunk's steps (bf16), before the recipes part")
     p.add_argument("--recipes", default="mxfp8", help="comma-separated recipes continuing the trunk (besides bf16)")
     p.add_argument("--eps", type=float, default=1e-5, help="the control continuation's relative weight nudge")
+    p.add_argument("--no-control", action="store_true",
+                   help="no control continuation (e.g. where earlier runs of the same seeds measured it)")
     p.add_argument("--window", type=int, default=200, help="steps a window of the gaps' table after the branch")
     p.add_argument("--out", help="a folder for every continuation's loss curve (seed<S>_<name>.csv, the whole run) "
                                  "and held-out loss (seed<S>_held_out.csv)")
@@ -95,9 +97,10 @@ def main(argv=None):
     data, source, _ = tm.load_corpus(a.text_file)
     train, val = tm.split_corpus(data, cfg["seq"])
     print(f"corpus {len(train):,} training bytes, {len(val):,} held out; {cfg}; branch at step {a.branch_at}; "
-          f"control eps {a.eps}; on {a.device}{' (deterministic)' if a.deterministic else ''}"
+          f"{'no control' if a.no_control else f'control eps {a.eps}'}; on {a.device}"
+          f"{' (deterministic)' if a.deterministic else ''}"
           f"{' (CUDA graph)' if a.cuda_graph else ''}", flush=True)
-    names = [CONTROL] + recipes
+    names = ([] if a.no_control else [CONTROL]) + recipes
     gaps = {n: ([], []) for n in names}
     curves = {n: [] for n in ["bf16"] + names}
     out = Path(a.out) if a.out else None

@@ -603,8 +603,8 @@ def _branch(*args):
 
 def test_branch_gap_control_without_a_nudge_is_the_reference_and_a_recipe_moves_the_loss(tmp_path):
     """--eps 0: the control continuation is the reference one (the CPU is deterministic), every gap
-    +0.000 %; mxfp8 continuing the same trunk lands elsewhere; a nudge of 1 % moves the control. The
-    curves share the trunk's steps and part after it."""
+    +0.000 %; mxfp8 continuing the same trunk lands elsewhere; a nudge of 1 % moves the control;
+    --no-control leaves the control out. The curves share the trunk's steps and part after it."""
     r = _branch("--eps", "0", "--mxfp8-dims", "--window", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "bf16~ against bf16 by window of steps, mean % (sd): 4-5 +0.000 (0.000), 6-6 +0.000 (0.000)" in r.stdout
@@ -626,6 +626,11 @@ def test_branch_gap_control_without_a_nudge_is_the_reference_and_a_recipe_moves_
     assert r.returncode == 0, r.stderr
     control = re.findall(r"bf16~: \d+\.\d+ \(([+-]\d+\.\d+) %\)", r.stdout)
     assert len(control) == 2 and any(float(g) != 0.0 for g in control) and "seed 1 block-fp8: " in r.stdout, r.stdout
+    r = _branch("--no-control", "--recipes", "mxfp8-linears", "--out", str(tmp_path / "nc"))
+    assert r.returncode == 0, r.stderr
+    assert "no control" in r.stdout and "bf16~" not in r.stdout and "seed 1 mxfp8-linears: " in r.stdout, r.stdout
+    assert sorted(f.name for f in (tmp_path / "nc").iterdir()) == [
+        f"seed{s}_{n}.csv" for s in (0, 1) for n in ("bf16", "held_out", "mxfp8-linears")], r.stdout
 
 
 @pytest.mark.parametrize("args,message", [
