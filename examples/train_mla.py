@@ -428,11 +428,11 @@ class GraphedStep:
 
 def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Dict, seed: int, device: str,
                  log_every: int, par: Parallel = None, cuda_graph: bool = False, opt=None,
-                 span: Sequence[int] = None) -> Dict:
+                 span: Sequence[int] = None, eval_windows: int = 64) -> Dict:
     """Trains model over the run's steps (cfg["steps"]; the data order and learning-rate schedule drawn
     from seed), or over the steps [first, last) of span only, continuing with opt (a make_optimizer
     optimizer, graph=cuda_graph; None: a fresh one). Returns the span's losses, its wall time and the
-    held-out loss after it."""
+    held-out loss after it over eval_windows held-out windows (0: not evaluated, None)."""
     import torch
 
     torch.manual_seed(seed)
@@ -475,7 +475,8 @@ def train_recipe(recipe: str, model, train: np.ndarray, val: np.ndarray, cfg: Di
             print(f"[{recipe}] step {step + 1:>{len(str(cfg['steps']))}}/{cfg['steps']}  loss {losses[-1]:.4f}  "
                   f"lr {lr:.2e}  {dt:6.1f} s  {tokens * (step + 1 - first) / dt / 1e3:7.1f}k tok/s", flush=True)
     seconds = time.perf_counter() - t0
-    return dict(losses=losses, seconds=seconds, held_out=held_out_loss(model, val, cfg, device, par=par))
+    held_out = held_out_loss(model, val, cfg, device, max_windows=eval_windows, par=par) if eval_windows else None
+    return dict(losses=losses, seconds=seconds, held_out=held_out)
 
 
 def final_loss(losses: Sequence[float]) -> float:

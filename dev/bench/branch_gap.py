@@ -51,9 +51,10 @@ def continue_from(trunk, recipe, cfg, train, val, seed, a, dims, eps=0.0):
     opt = tm.make_optimizer(model, cfg["lr"], graph=a.cuda_graph)
     opt.load_state_dict(copy.deepcopy(opt_state))
     r = tm.train_recipe(recipe, model, train, val, cfg, seed, a.device, log_every=cfg["steps"] + 1,
-                        cuda_graph=a.cuda_graph, opt=opt, span=(a.branch_at, cfg["steps"]))
+                        cuda_graph=a.cuda_graph, opt=opt, span=(a.branch_at, cfg["steps"]),
+                        eval_windows=a.eval_windows)
     whole = losses + r["losses"]
-    return tm.final_loss(whole), tm.held_out_loss(model, val, cfg, a.device, max_windows=a.eval_windows), whole
+    return tm.final_loss(whole), r["held_out"], whole
 
 
 def window_gaps(curves, ref, first, width):
@@ -110,7 +111,7 @@ def main(argv=None):
         model = tm.build_model("bf16", cfg, seed, a.device, dims, deterministic=a.deterministic)
         opt = tm.make_optimizer(model, cfg["lr"], graph=a.cuda_graph)
         r = tm.train_recipe("bf16", model, train, val, cfg, seed, a.device, log_every=cfg["steps"] + 1,
-                            cuda_graph=a.cuda_graph, opt=opt, span=(0, a.branch_at))
+                            cuda_graph=a.cuda_graph, opt=opt, span=(0, a.branch_at), eval_windows=0)
         trunk = (r["losses"], copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
         del model, opt
         for n in ["bf16"] + names:  # a line per continuation as it ends (a run cut short keeps what it measured)

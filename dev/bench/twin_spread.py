@@ -58,9 +58,8 @@ def run(cfg, train, val, seed, eps, eval_windows, recipe, device, deterministic,
         jitter(list(model.parameters()), eps, torch.Generator().manual_seed(10_000 + seed))
     par = NoisyGrads(grad_noise, seed) if grad_noise else None
     r = tm.train_recipe(recipe, model, train, val, cfg, seed, device, log_every=cfg["steps"] + 1, par=par,
-                        cuda_graph=cuda_graph)
-    held = tm.held_out_loss(model, val, cfg, device, max_windows=eval_windows)
-    return tm.final_loss(r["losses"]), held
+                        cuda_graph=cuda_graph, eval_windows=eval_windows)
+    return tm.final_loss(r["losses"]), r["held_out"]
 
 
 def run_options(description, seeds):
