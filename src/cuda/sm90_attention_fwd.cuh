@@ -101,6 +101,14 @@ struct Kernel {
   // instantiation by a same-run A/B (H200, ptxas of CUDA 13.0): the FP8 inputs' instantiation
   // 1.1-1.6 % faster with true, the bf16-only one 2.9-4.6 % slower (docs/notes-attention.md).
   static constexpr bool kRescaleUnderS = kAnyInputs;
+  // The producer's and the dequantizer's register budgets (their sum is Cfg's). The bf16-only
+  // instantiation's dequantizer is idle, so its producer takes its registers: ptxas spills nothing
+  // where 24 spilled 364 bytes, and a same-run A/B (H100, 3 rounds) timed bf16 inputs 0.9-2.8 %
+  // faster. With every mode Cfg's 24 / 72 stay: 40 / 56 or 32 / 64 (fewer spills) made the fused
+  // path, whose dequantizer is on the critical path, 13 % slower (dev/patches/attn_fwd_producer_regs.patch).
+  static constexpr int kRegsProducer = kAnyInputs ? C::kRegsProducer : 72;
+  static constexpr int kRegsDequant = kAnyInputs ? C::kRegsDequant : 24;
+  static_assert(kRegsProducer + kRegsDequant == C::kRegsProducer + C::kRegsDequant, "register file");
   struct alignas(1024) Smem {
     uint8_t q[C::kQkBlocks][C::kBM * 128];   // bf16 Q, 128-byte swizzle
     uint8_t k0[C::kQkBlocks][C::kBN * 128];  // bf16 K, slot 0
@@ -403,7 +411,7 @@ __global__ void __launch_bounds__(512, 1)
   });
 
   if (wg == 0) {  // ---------------------------------------------------------------- producer
-    ptx::setmaxnreg_dec<C::kRegsProducer>();
+    ptx::setmaxnreg_dec<K::kRegsProducer>();
     if (threadIdx.x != 0) return;
     ptx::prefetch_tmap(&tmap_q);
     ptx::prefetch_tmap(&tmap_k);
@@ -467,7 +475,7 @@ __global__ void __launch_bounds__(512, 1)
   }
 
   if (wg == 1) {  // ---------------------------------------------------------------- dequantizer
-    ptx::setmaxnreg_dec<C::kRegsDequant>();
+    ptx::setmaxnreg_dec<K::kRegsDequant>();
     if (!fp8() && !q_fp8()) return;
     constexpr bool kE4 = K::kE4M3;
     const int row = threadIdx.x - 128, lane = threadIdx.x % 32;
