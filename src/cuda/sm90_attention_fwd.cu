@@ -2,8 +2,8 @@
 // sm90_attention_fwd.cuh (MXFP8 or bf16 Q, K, V; bf16 wgmma with fp32 accumulation, online
 // softmax). MXFP8 inputs are converted to bf16 once by a pass before the kernel (staged, the
 // default where it applies) or inside the kernel per tile (fused): attention_fwd_cuda below.
-// Instantiations: (d_qk, d_v) in {(192, 128), (128, 128)} x codes {E4M3, E5M2}; bf16 inputs (and
-// staged copies) run the E4M3 one with the dequantizer idle.
+// Instantiations: (d_qk, d_v) in {(192, 128), (128, 128)} x {bf16 inputs (the dequantizer idle);
+// the staged path's (Q's codes, E4M3 or E5M2); every mode, the fused path's (E4M3 or E5M2)}.
 #include <cuda.h>  // CUtensorMap (types only)
 #include <cuda_runtime.h>
 
@@ -59,9 +59,9 @@ CUtensorMap operand_map(const char* arg, const AttnTensorView& v, bool fp8, int6
 }
 
 // q_codes: pr.q is FP8 (codes and scales, pr.fmt) while K and V are bf16 (pr.fp8 false; the staged path).
-template <int kDqk, int kDv, bool kE4M3, bool kAnyInputs = true>
+template <int kDqk, int kDv, bool kE4M3, attn::Inputs kIn>
 void launch(const AttentionProblem& pr, bool q_codes, cudaStream_t stream) {
-  using K = attn::Kernel<kDqk, kDv, kE4M3, kAnyInputs>;
+  using K = attn::Kernel<kDqk, kDv, kE4M3, kIn>;
   attn::Params p{};
   p.B = static_cast<int>(pr.B), p.H = static_cast<int>(pr.H), p.Hkv = static_cast<int>(pr.Hkv);
   p.Sq = static_cast<int>(pr.Sq), p.Skv = static_cast<int>(pr.Skv);
@@ -140,19 +140,27 @@ bool staged_applies(const AttentionProblem& p, const AttnRead (&r)[3]) {
   return ok;
 }
 
-void run(const AttentionProblem& p, cudaStream_t s, bool q_codes = false) {
-  if (!p.fp8 && !q_codes) {  // bf16 Q, K, V: the instantiation without the FP8 modes
-    if (p.Dqk == 192) launch<192, 128, true, false>(p, q_codes, s);
-    else launch<128, 128, true, false>(p, q_codes, s);
-    return;
-  }
+template <attn::Inputs kIn>
+void launch_fp8(const AttentionProblem& p, bool q_codes, cudaStream_t s) {
   const bool e4m3 = p.fmt == Fp8Format::kE4M3;
   if (p.Dqk == 192) {
-    if (e4m3) launch<192, 128, true>(p, q_codes, s);
-    else launch<192, 128, false>(p, q_codes, s);
+    if (e4m3) launch<192, 128, true, kIn>(p, q_codes, s);
+    else launch<192, 128, false, kIn>(p, q_codes, s);
   } else {
-    if (e4m3) launch<128, 128, true>(p, q_codes, s);
-    else launch<128, 128, false>(p, q_codes, s);
+    if (e4m3) launch<128, 128, true, kIn>(p, q_codes, s);
+    else launch<128, 128, false, kIn>(p, q_codes, s);
+  }
+}
+
+void run(const AttentionProblem& p, cudaStream_t s, bool q_codes = false) {
+  using attn::Inputs;
+  if (!p.fp8 && !q_codes) {  // bf16 Q, K, V: the instantiation without the FP8 modes
+    if (p.Dqk == 192) launch<192, 128, true, Inputs::kBf16>(p, q_codes, s);
+    else launch<128, 128, true, Inputs::kBf16>(p, q_codes, s);
+  } else if (!p.fp8) {  // the staged path: Q's codes, bf16 K and V
+    launch_fp8<Inputs::kQCodes>(p, q_codes, s);
+  } else {  // the fused path
+    launch_fp8<Inputs::kAny>(p, q_codes, s);
   }
 }
 

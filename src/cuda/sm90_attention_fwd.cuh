@@ -88,13 +88,18 @@ struct Params {
   int* tile_counter;  // non-null: tiles claimed from this counter (zero at launch), else t = b, b + G, ...
 };
 
-// kAnyInputs false: bf16 Q, K, V only (p.fp8 and p.q_fp8 false), the producer without the FP8
-// branches and the dequantizer idle at compile time; true: every mode, chosen by p.fp8 / p.q_fp8.
-template <int kDqk, int kDv, bool kE4M3Codes, bool kAnyInputs = true>
+// The inputs an instantiation takes: kBf16, bf16 Q, K, V only (p.fp8 and p.q_fp8 false), the
+// producer without the FP8 branches and the dequantizer idle at compile time; kQCodes, the staged
+// path's (Q's FP8 codes, expanded in place by the dequantizer, K and V bf16: p.q_fp8 true, p.fp8
+// false); kAny, every mode, chosen by p.fp8 / p.q_fp8 (the fused path's).
+enum class Inputs { kBf16, kQCodes, kAny };
+
+template <int kDqk, int kDv, bool kE4M3Codes, Inputs kInputs = Inputs::kAny>
 struct Kernel {
   using C = Cfg<kDqk, kDv>;
   static constexpr bool kE4M3 = kE4M3Codes;
-  static constexpr bool kAny = kAnyInputs;
+  static constexpr Inputs kIn = kInputs;
+  static constexpr bool kAnyInputs = kInputs != Inputs::kBf16;  // an FP8 instantiation
   // When O takes a key block's rescale: false, once the previous P·V has landed (before the next S
   // GEMM's issue); true, after the next S GEMM's issue, under it (FlashAttention-3's place). Either
   // way the multiplication falls between the same two P·V accumulations: the same bits. Chosen per
@@ -106,8 +111,14 @@ struct Kernel {
   // where 24 spilled 364 bytes, and a same-run A/B (H100, 3 rounds) timed bf16 inputs 0.9-2.8 %
   // faster. With every mode Cfg's 24 / 72 stay: 40 / 56 or 32 / 64 (fewer spills) made the fused
   // path, whose dequantizer is on the critical path, 13 % slower (dev/patches/attn_fwd_producer_regs.patch).
-  static constexpr int kRegsProducer = kAnyInputs ? C::kRegsProducer : 72;
-  static constexpr int kRegsDequant = kAnyInputs ? C::kRegsDequant : 24;
+  // The staged path's instantiation, whose dequantizer expands Q only: 48 / 48 (ptxas, d_qk 192:
+  // 156 bytes of spills; 436 with 24 / 72, 712 in the every-mode instantiation it ran on before).
+  // Same-run A/B against it there (H100, 3 rounds): 0.957 / 0.981 / 0.990x the time at s 2048 /
+  // 4096 / 8192; 40 / 56, 0.955 / 0.980 / 0.998x (dev/patches/attn_fwd_staged_instantiation.patch).
+  static constexpr int kRegsProducer =
+      kInputs == Inputs::kBf16 ? 72 : (kInputs == Inputs::kQCodes ? 48 : C::kRegsProducer);
+  static constexpr int kRegsDequant =
+      kInputs == Inputs::kBf16 ? 24 : (kInputs == Inputs::kQCodes ? 48 : C::kRegsDequant);
   static_assert(kRegsProducer + kRegsDequant == C::kRegsProducer + C::kRegsDequant, "register file");
   struct alignas(1024) Smem {
     uint8_t q[C::kQkBlocks][C::kBM * 128];   // bf16 Q, 128-byte swizzle
@@ -388,8 +399,8 @@ __global__ void __launch_bounds__(512, 1)
   auto& sm = sm90::aligned_shared<typename K::Smem>(smem_raw);
   const int wg = ptx::warpgroup_index();
   // the modes, read from the parameters at each use (the bf16-only instantiation: false at compile time)
-  const auto fp8 = [&] { return K::kAny && p.fp8; };
-  const auto q_fp8 = [&] { return K::kAny && p.q_fp8; };
+  const auto fp8 = [&] { return K::kIn == Inputs::kAny && p.fp8; };
+  const auto q_fp8 = [&] { return K::kIn == Inputs::kQCodes || (K::kIn == Inputs::kAny && p.q_fp8); };
   const uint32_t kv_mask = fp8() ? 0u : 1u, kv_shift = fp8() ? 0u : 1u;  // K / V slots: 1 (FP8) or 2
   constexpr int kQCodes = C::kQkBlocks * 128 * 64;  // q_fp8: where Q's codes land in the Q tile
 
