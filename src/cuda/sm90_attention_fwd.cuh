@@ -398,7 +398,8 @@ __global__ void __launch_bounds__(512, 1)
   extern __shared__ uint8_t smem_raw[];
   auto& sm = sm90::aligned_shared<typename K::Smem>(smem_raw);
   const int wg = ptx::warpgroup_index();
-  // the modes, read from the parameters at each use (the bf16-only instantiation: false at compile time)
+  // the modes, read from the parameters at each use (compile-time constants but in the every-mode
+  // instantiation: both false with bf16 inputs, q_fp8 true and fp8 false on the staged path)
   const auto fp8 = [&] { return K::kIn == Inputs::kAny && p.fp8; };
   const auto q_fp8 = [&] { return K::kIn == Inputs::kQCodes || (K::kIn == Inputs::kAny && p.q_fp8); };
   const uint32_t kv_mask = fp8() ? 0u : 1u, kv_shift = fp8() ? 0u : 1u;  // K / V slots: 1 (FP8) or 2
