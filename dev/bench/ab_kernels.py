@@ -17,6 +17,8 @@ on four packed sequences (thd); with --only qprojbwd the backward of mxmla.nn.ML
 T 4096, 128 heads, K 1536: RoPE backward, quantization and the two GEMMs); with --only
 attnfwd the attention forward at the same dims, s 2048 / 4096 / 8192, on the MXFP8 tensors (the
 default path; at s 4096 also MXMLA_ATTN_FWD=fused) and on the dequantized bf16 tensors; with --only
+attnfwdthd the same on dev/bench/attn_fwd_thd.py's eight packed sequences (16 476 tokens; MXFP8 and
+bf16 inputs); with --only
 gemm the MXFP8 GEMM's fprop, dgrad and wgrad of the Q up-projection at T 16384 and 4096 (N 24576, K 1536), and 8192³.
 With --only qblock the fused Q up-projection on block-FP8 x and W (DeepSeek-V3 recipe) at the qproj shapes;
 with --only bquant the block-FP8 quantization of bf16 [16384, 24576] (both directions, rowwise, transposed; 1 x 128
@@ -35,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from timing import flush_buffer, timer  # noqa: E402  (bench/timing.py, the harness's timer)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from parts import attention_inputs  # noqa: E402
+from parts import attention_inputs, packed_fwd_mxfp8, packed_sequences  # noqa: E402
 
 import mxmla  # noqa: E402
 
@@ -176,6 +178,15 @@ def main() -> int:
                 case(name, run, lambda run=run: [run()])
                 os.environ.pop("MXMLA_ATTN_FWD", None)
             del q8, k8, v8, qb, kb, vb
+    if "attnfwdthd" in only:  # the forward on dev/bench/attn_fwd_thd.py's eight packed sequences (its inputs)
+        lens, _, cu, q, k, v = packed_sequences([], dev)
+        (q8, _), (k8, _), (v8, _) = (packed_fwd_mxfp8(x, rw) for x, rw in ((q, True), (k, True), (v, False)))
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens), causal=True)
+        for name, args in (("mxfp8", (q8, k8, v8)), ("bf16", (q, k, v))):
+            def run(args=args):
+                return mxmla.attention(*args, **kw)
+            case(f"attention fwd thd {name}", run, lambda run=run: [run()])
+        del q, k, v, q8, k8, v8
     if "linear" in only:  # mxmla.nn.Linear (recipe mxfp8) forward + backward at the MLA block's shapes, T 4096
         import mxmla.nn as mnn
         for K, N in ((512, 32768), (16384, 7168), (7168, 1536)):

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import flush_buffer, timer  # noqa: E402
-from parts import conversion_copy_time, kernel_times, packed_sequences, print_kernels  # noqa: E402
+from parts import conversion_copy_time, kernel_times, packed_fwd_mxfp8, packed_sequences, print_kernels  # noqa: E402
 from attn_fwd import _with_env as with_env  # noqa: E402
 
 import mxmla  # noqa: E402
@@ -42,15 +42,8 @@ def main() -> int:
     flush = flush_buffer(dev)
     lens, t, cu, q, k, v = packed_sequences(sys.argv[1:], dev, H, D_QK, D_V)
     mx = max(lens)
-    def quant(x, rowwise):  # token-major [t, h*d] (V's columnwise blocks run along tokens), codes viewed [t, h, d]
-        m = mxmla.quantize(x.reshape(t, -1), rowwise=rowwise, columnwise=not rowwise, swizzle="--swizzle" in sys.argv)
-        codes = (m.rowwise_data if rowwise else m.columnwise_data).reshape(x.shape)
-        mx3 = mxmla.MXFP8Tensor(m.shape, m.fp8_format, m.scale_layout, codes if rowwise else None,
-                                m.rowwise_scale_inv, None if rowwise else codes, m.columnwise_scale_inv)
-        deq = lambda: mxmla.dequantize(m, torch.bfloat16, columnwise=not rowwise).reshape(x.shape)  # noqa: E731
-        return mx3, deq
-
-    (q8, q_deq), (k8, k_deq), (v8, v_deq) = quant(q, True), quant(k, True), quant(v, False)
+    swz = "--swizzle" in sys.argv
+    (q8, q_deq), (k8, k_deq), (v8, v_deq) = (packed_fwd_mxfp8(x, rw, swz) for x, rw in ((q, True), (k, True), (v, False)))
     qd, kd, vd = q_deq(), k_deq(), v_deq()
     kw = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx, max_seqlen_kv=mx, causal=True)
     ours = lambda: mxmla.attention(q8, k8, v8, **kw)  # noqa: E731

@@ -119,6 +119,17 @@ def packed_sequences(argv, dev, h=128, d_qk=192, d_v=128):
     return lens, t, cu, q, k, v
 
 
+def packed_fwd_mxfp8(x, rowwise, swizzle=False):
+    """The attention forward's packed operand: x [t, h, d] bf16 quantized token-major by mxmla.quantize
+    on [t, h·d] (rowwise: Q, K; columnwise, its blocks along the packed tokens: V), the codes viewed
+    [t, h, d]. Returns (the MXFP8Tensor, a function that dequantizes it to bf16 [t, h, d])."""
+    m = mxmla.quantize(x.reshape(x.shape[0], -1), rowwise=rowwise, columnwise=not rowwise, swizzle=swizzle)
+    codes = (m.rowwise_data if rowwise else m.columnwise_data).reshape(x.shape)
+    mx3 = mxmla.MXFP8Tensor(m.shape, m.fp8_format, m.scale_layout, codes if rowwise else None,
+                            m.rowwise_scale_inv, None if rowwise else codes, m.columnwise_scale_inv)
+    return mx3, lambda: mxmla.dequantize(m, torch.bfloat16, columnwise=not rowwise).reshape(x.shape)
+
+
 def conversion_copy_time(values, flush, dev="cuda"):
     """Median ms of a device-to-device copy of the bytes a conversion of `values` FP8 codes to bf16
     moves (1 read and 2 written per value: 3·values bytes in all), L2 flushed (bench/timing.py)."""
