@@ -15,9 +15,16 @@ and the final training loss (the mean of the run's last 10 % of steps) and the h
 continuation are printed against the reference's, in %. Over seeds, a recipe's mean gap against the
 control's spread says whether the recipe moves the loss once the early divergence is out of the way.
 
+--branch-at takes several steps too (e.g. 100,200,300: how the gap depends on where the recipes part):
+the trunk is then trained once, up to each branch point in turn (each leg continues the previous one's
+weights and optimizer state as a continuation does), the control and every recipe continue from each
+point (labelled NAME@STEP), and the bf16 reference continues once, from the last point: with
+--deterministic a bf16 continuation ends on the same losses from any point, so one reference serves
+all (on the GPU, 2026-12-07: the same printed losses branched at step 200 and at step 400).
+
     PYTHONPATH=<build>/python python3 dev/bench/branch_gap.py --device cuda --deterministic --cuda-graph \\
         --mxfp8-dims --text-file T --layers 4 --hidden 512 --heads 8 --seq 512 --batch 32 --lr 2e-3 \\
-        --steps 2000 --branch-at 400 --seeds 0 1
+        --steps 2000 --branch-at 400 --seeds 0 1   (or --branch-at 100,200,300)
 
 Not a test. The size options default to train_mla.py's CPU configuration on any device.
 """
@@ -40,10 +47,13 @@ CONTROL = "bf16~"  # the nudged bf16 continuation's label
 BRANCHES = ("mxfp8", "mxfp8-linears", "block-fp8")  # train_mla.py's recipes besides bf16
 
 
-def continue_from(trunk, recipe, cfg, train, val, seed, a, dims, eps=0.0):
+def continue_from(trunk, recipe, cfg, train, val, seed, a, dims, eps=0.0, to=None, eval_windows=None):
     """(final training loss of the whole run, held-out loss, the whole run's loss curve) of recipe
-    continuing trunk = (losses, model state, optimizer state) from step --branch-at to the end."""
+    continuing trunk = (losses, model state, optimizer state), trained for its len(losses) steps, to step
+    `to` (default the end; the curve and its final loss then cover the whole run; short of the end, a
+    trunk's leg: (losses, model state, optimizer state) at step `to`)."""
     losses, model_state, opt_state = trunk
+    end = cfg["steps"] if to is None else to
     model = tm.build_model(recipe, cfg, seed, a.device, dims, deterministic=a.deterministic)
     model.load_state_dict(model_state)
     if eps:
@@ -51,9 +61,11 @@ def continue_from(trunk, recipe, cfg, train, val, seed, a, dims, eps=0.0):
     opt = tm.make_optimizer(model, cfg["lr"], graph=a.cuda_graph)
     opt.load_state_dict(copy.deepcopy(opt_state))
     r = tm.train_recipe(recipe, model, train, val, cfg, seed, a.device, log_every=cfg["steps"] + 1,
-                        cuda_graph=a.cuda_graph, opt=opt, span=(a.branch_at, cfg["steps"]),
-                        eval_windows=a.eval_windows)
+                        cuda_graph=a.cuda_graph, opt=opt, span=(len(losses), end),
+                        eval_windows=a.eval_windows if eval_windows is None else eval_windows)
     whole = losses + r["losses"]
+    if to is not None:
+        return whole, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     return tm.final_loss(whole), r["held_out"], whole
 
 
@@ -69,7 +81,8 @@ def window_gaps(curves, ref, first, width):
 
 def main(argv=None):
     p = run_options(__doc__.split("\n\n")[0], [0, 1])
-    p.add_argument("--branch-at", type=int, default=400, help="the trunk's steps (bf16), before the recipes part")
+    p.add_argument("--branch-at", default="400",
+                   help="the trunk's steps (bf16), before the recipes part; comma-separated for several branch points")
     p.add_argument("--recipes", default="mxfp8", help="comma-separated recipes continuing the trunk (besides bf16)")
     p.add_argument("--eps", type=float, default=1e-5, help="the control continuation's relative weight nudge")
     p.add_argument("--no-control", action="store_true",
@@ -81,9 +94,15 @@ def main(argv=None):
                    help="train nothing: the tables over the seeds that runs with --out left in these folders "
                         "(--branch-at and --window as those runs had them)")
     a = p.parse_args(argv)
+    try:
+        points = sorted({int(x) for x in a.branch_at.split(",") if x.strip()})
+    except ValueError:
+        points = []
+    if not points:
+        p.error(f"--branch-at: {a.branch_at!r} is not a step or a comma-separated list of steps")
     if a.tables:
         try:
-            return tables(a.tables, a.branch_at, a.window)
+            return tables(a.tables, points[0], a.window)
         except ValueError as e:
             p.error(str(e))
     recipes = [r for r in a.recipes.split(",") if r]
@@ -91,17 +110,23 @@ def main(argv=None):
     if unknown or len(set(recipes)) != len(recipes):
         p.error(f"--recipes: {', '.join(unknown) or a.recipes} is not a list of distinct recipes to branch into "
                 f"(each one of {', '.join(BRANCHES)}; bf16 always continues)")
-    if not 0 < a.branch_at < a.steps:
-        p.error(f"--branch-at must lie strictly between 0 and --steps ({a.steps}), got {a.branch_at}")
+    for b in points:
+        if not 0 < b < a.steps:
+            p.error(f"--branch-at must lie strictly between 0 and --steps ({a.steps}), got {b}")
     cfg = start(p, a)
     dims = tm.mla_dims(cfg, ["bf16"] + recipes + (["mxfp8"] if a.mxfp8_dims else []), a.device)
     data, source, _ = tm.load_corpus(a.text_file)
     train, val = tm.split_corpus(data, cfg["seq"])
-    print(f"corpus {len(train):,} training bytes, {len(val):,} held out; {cfg}; branch at step {a.branch_at}; "
+    print(f"corpus {len(train):,} training bytes, {len(val):,} held out; {cfg}; "
+          f"branch at step{'s' if len(points) > 1 else ''} {', '.join(map(str, points))}; "
           f"{'no control' if a.no_control else f'control eps {a.eps}'}; on {a.device}"
           f"{' (deterministic)' if a.deterministic else ''}"
           f"{' (CUDA graph)' if a.cuda_graph else ''}", flush=True)
-    names = ([] if a.no_control else [CONTROL]) + recipes
+    label = (lambda n, b: f"{n}@{b}") if len(points) > 1 else (lambda n, b: n)  # noqa: E731
+    kinds = ([] if a.no_control else [CONTROL]) + recipes
+    legs = [(b, n, label(n, b)) for b in points for n in kinds]  # (branch point, recipe or control, label)
+    names = [lab for _, _, lab in legs]
+    branch_of = {lab: b for b, _, lab in legs}
     gaps = {n: ([], []) for n in names}
     curves = {n: [] for n in ["bf16"] + names}
     out = Path(a.out) if a.out else None
@@ -111,12 +136,15 @@ def main(argv=None):
         model = tm.build_model("bf16", cfg, seed, a.device, dims, deterministic=a.deterministic)
         opt = tm.make_optimizer(model, cfg["lr"], graph=a.cuda_graph)
         r = tm.train_recipe("bf16", model, train, val, cfg, seed, a.device, log_every=cfg["steps"] + 1,
-                            cuda_graph=a.cuda_graph, opt=opt, span=(0, a.branch_at), eval_windows=0)
-        trunk = (r["losses"], copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+                            cuda_graph=a.cuda_graph, opt=opt, span=(0, points[0]), eval_windows=0)
+        trunks = {points[0]: (r["losses"], copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))}
         del model, opt
-        for n in ["bf16"] + names:  # a line per continuation as it ends (a run cut short keeps what it measured)
-            t, h, run = continue_from(trunk, "bf16" if n == CONTROL else n, cfg, train, val, seed, a, dims,
-                                      eps=a.eps if n == CONTROL else 0.0)
+        for prev, b in zip(points, points[1:]):  # the trunk's next legs, bf16 continuing to each branch point
+            trunks[b] = continue_from(trunks[prev], "bf16", cfg, train, val, seed, a, dims, to=b, eval_windows=0)
+        # a line per continuation as it ends (a run cut short keeps what it measured)
+        for b, kind, n in [(points[-1], "bf16", "bf16")] + legs:
+            t, h, run = continue_from(trunks[b], "bf16" if kind == CONTROL else kind, cfg, train, val, seed, a, dims,
+                                      eps=a.eps if kind == CONTROL else 0.0)
             curves[n].append(run)
             if out:
                 tm.write_csv(out / f"seed{seed}_{n}.csv", run)
@@ -130,15 +158,15 @@ def main(argv=None):
             gaps[n][1].append(100 * (h / ref[1] - 1))
             print(f"seed {seed} {n}: {t:.4f} ({gaps[n][0][-1]:+.3f} %) / held-out {h:.4f} ({gaps[n][1][-1]:+.3f} %)",
                   flush=True)
-    report(names, curves, {n: curves["bf16"] for n in names}, gaps, a.branch_at, a.window)
+    report(names, curves, {n: curves["bf16"] for n in names}, gaps, branch_of, a.window)
     return 0
 
 
-def report(names, curves, refs, gaps, branch_at, window):
-    """The gaps by window of steps after the branch (curves[n] against refs[n], bf16's curves of the same
-    seeds), and (over two seeds or more) the final gaps' mean."""
+def report(names, curves, refs, gaps, branch_of, window):
+    """The gaps by window of steps after each continuation's branch point (branch_of[n]; curves[n]
+    against refs[n], bf16's curves of the same seeds), and (over two seeds or more) the final gaps' mean."""
     for n in names:
-        table = window_gaps(curves[n], refs[n], branch_at, window)
+        table = window_gaps(curves[n], refs[n], branch_of[n], window)
         cells = [f"{lo}-{hi} {stats(g)[0]:+.3f}" + (f" ({stats(g)[1]:.3f})" if len(g) > 1 else "")
                  for lo, hi, g in table]
         print(f"{n} against bf16 by window of steps, mean % (sd): " + ", ".join(cells))
@@ -153,7 +181,8 @@ def report(names, curves, refs, gaps, branch_at, window):
 
 def tables(folders, branch_at, window):
     """report() over the curves and held-out losses that runs with --out left in folders (every seed
-    found, e.g. one process's folder per seed)."""
+    found, e.g. one process's folder per seed); a continuation labelled NAME@STEP branched at STEP, the
+    others at branch_at."""
     curves, held, seeds = {}, {}, []
     for d in map(Path, folders):
         for f in sorted(d.glob("seed*_held_out.csv")):
@@ -170,8 +199,9 @@ def tables(folders, branch_at, window):
     gaps = {n: ([100 * (tm.final_loss(curves[n][sd]) / ref[sd][0] - 1) for sd in seeds if sd in curves[n]],
                 [100 * (held[sd, n] / ref[sd][1] - 1) for sd in seeds if sd in curves[n]]) for n in names}
     print(f"branch_gap.py --tables: seeds {' '.join(seeds)}")
+    branch_of = {n: int(n.rsplit("@", 1)[1]) if "@" in n else branch_at for n in names}
     report(names, {n: [c[sd] for sd in seeds if sd in c] for n, c in curves.items()},
-           {n: [curves["bf16"][sd] for sd in seeds if sd in curves[n]] for n in names}, gaps, branch_at, window)
+           {n: [curves["bf16"][sd] for sd in seeds if sd in curves[n]] for n in names}, gaps, branch_of, window)
     return 0
 
 

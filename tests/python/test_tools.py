@@ -633,11 +633,35 @@ def test_branch_gap_control_without_a_nudge_is_the_reference_and_a_recipe_moves_
         f"seed{s}_{n}.csv" for s in (0, 1) for n in ("bf16", "held_out", "mxfp8-linears")], r.stdout
 
 
+def test_branch_gap_several_branch_points_share_one_trunk_and_one_reference(tmp_path):
+    """--branch-at 2,4: the trunk's second leg continues the first; the control (--eps 0) from either
+    point ends on the reference's losses, which continued from the last point (so a bf16 continuation
+    does not depend on where it branched); each recipe's curve shares the trunk's steps up to its own
+    point and parts after it; the window tables start at each point; --tables gives the same lines."""
+    r = _branch("--eps", "0", "--mxfp8-dims", "--window", "2", "--branch-at", "4,2", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "branch at steps 2, 4;" in r.stdout, r.stdout
+    assert "bf16~@2 against bf16 by window of steps, mean % (sd): 3-4 +0.000 (0.000), 5-6 +0.000 (0.000)" in r.stdout
+    assert "bf16~@4 against bf16 by window of steps, mean % (sd): 5-6 +0.000 (0.000)" in r.stdout
+    for seed in (0, 1):
+        ref, c2, c4, m2, m4 = ([row.split(",")[1] for row in (tmp_path / f"seed{seed}_{n}.csv").read_text().split()[1:]]
+                               for n in ("bf16", "bf16~@2", "bf16~@4", "mxfp8@2", "mxfp8@4"))
+        assert len(ref) == 6 and c2 == ref and c4 == ref, (ref, c2, c4)
+        assert m2[:2] == ref[:2] and m2[2:] != ref[2:] and m4[:4] == ref[:4] and m4[4:] != ref[4:], (ref, m2, m4)
+    summary = [ln for ln in r.stdout.splitlines() if " against bf16 " in ln]
+    assert len(summary) == 8, r.stdout
+    t = _branch("--window", "2", "--tables", str(tmp_path))
+    assert t.returncode == 0, t.stderr
+    assert sorted(ln for ln in t.stdout.splitlines() if " against bf16 " in ln) == sorted(summary), (t.stdout, summary)
+
+
 @pytest.mark.parametrize("args,message", [
     (("--recipes", "bf16"), "--recipes: bf16 is not a list of distinct recipes to branch into"),
     (("--recipes", "mxfp8,mxfp8"), "--recipes: mxfp8,mxfp8 is not a list of distinct recipes"),
     (("--branch-at", "6"), "--branch-at must lie strictly between 0 and --steps (6), got 6"),
     (("--branch-at", "0"), "--branch-at must lie strictly between 0 and --steps (6), got 0"),
+    (("--branch-at", "2,7"), "--branch-at must lie strictly between 0 and --steps (6), got 7"),
+    (("--branch-at", "2,x"), "--branch-at: '2,x' is not a step or a comma-separated list of steps"),
     (("--cuda-graph",), "--cuda-graph needs a CUDA --device"),
     (("--tables", str(ROOT / "docs")), "--tables: no seed*_held_out.csv in"),
 ])
