@@ -47,26 +47,39 @@ CONTROL = "bf16~"  # the nudged bf16 continuation's label
 BRANCHES = ("mxfp8", "mxfp8-linears", "block-fp8")  # train_mla.py's recipes besides bf16
 
 
-def continue_from(trunk, recipe, cfg, train, val, seed, a, dims, eps=0.0, to=None, eval_windows=None):
-    """(final training loss of the whole run, held-out loss, the whole run's loss curve) of recipe
-    continuing trunk = (losses, model state, optimizer state), trained for its len(losses) steps, to step
-    `to` (default the end; the curve and its final loss then cover the whole run; short of the end, a
-    trunk's leg: (losses, model state, optimizer state) at step `to`)."""
-    losses, model_state, opt_state = trunk
-    end = cfg["steps"] if to is None else to
+def resume(trunk, recipe, cfg, seed, a, dims, eps=0.0):
+    """(model, optimizer) of recipe holding trunk's model and optimizer state (trunk = (losses, model
+    state, optimizer state)), its weights nudged by a relative eps if eps."""
+    _, model_state, opt_state = trunk
     model = tm.build_model(recipe, cfg, seed, a.device, dims, deterministic=a.deterministic)
     model.load_state_dict(model_state)
     if eps:
         jitter(list(model.parameters()), eps, torch.Generator().manual_seed(30_000 + seed))
     opt = tm.make_optimizer(model, cfg["lr"], graph=a.cuda_graph)
     opt.load_state_dict(copy.deepcopy(opt_state))
-    r = tm.train_recipe(recipe, model, train, val, cfg, seed, a.device, log_every=cfg["steps"] + 1,
-                        cuda_graph=a.cuda_graph, opt=opt, span=(len(losses), end),
-                        eval_windows=a.eval_windows if eval_windows is None else eval_windows)
-    whole = losses + r["losses"]
-    if to is not None:
-        return whole, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    return model, opt
+
+
+def train_span(recipe, model, opt, start, end, cfg, train, val, seed, a, eval_windows):
+    return tm.train_recipe(recipe, model, train, val, cfg, seed, a.device, log_every=cfg["steps"] + 1,
+                           cuda_graph=a.cuda_graph, opt=opt, span=(start, end), eval_windows=eval_windows)
+
+
+def continue_from(trunk, recipe, cfg, train, val, seed, a, dims, eps=0.0):
+    """(final training loss of the whole run, held-out loss, the whole run's loss curve) of recipe
+    continuing trunk = (losses, model state, optimizer state), trained for its len(losses) steps, to
+    the end."""
+    model, opt = resume(trunk, recipe, cfg, seed, a, dims, eps)
+    r = train_span(recipe, model, opt, len(trunk[0]), cfg["steps"], cfg, train, val, seed, a, a.eval_windows)
+    whole = trunk[0] + r["losses"]
     return tm.final_loss(whole), r["held_out"], whole
+
+
+def extend_trunk(trunk, to, cfg, train, val, seed, a, dims):
+    """The bf16 trunk's next leg: trunk continued to step `to`, as a continuation continues it."""
+    model, opt = resume(trunk, "bf16", cfg, seed, a, dims)
+    r = train_span("bf16", model, opt, len(trunk[0]), to, cfg, train, val, seed, a, 0)
+    return trunk[0] + r["losses"], copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
 
 
 def window_gaps(curves, ref, first, width):
@@ -135,12 +148,11 @@ def main(argv=None):
     for seed in a.seeds:
         model = tm.build_model("bf16", cfg, seed, a.device, dims, deterministic=a.deterministic)
         opt = tm.make_optimizer(model, cfg["lr"], graph=a.cuda_graph)
-        r = tm.train_recipe("bf16", model, train, val, cfg, seed, a.device, log_every=cfg["steps"] + 1,
-                            cuda_graph=a.cuda_graph, opt=opt, span=(0, points[0]), eval_windows=0)
+        r = train_span("bf16", model, opt, 0, points[0], cfg, train, val, seed, a, 0)
         trunks = {points[0]: (r["losses"], copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))}
         del model, opt
         for prev, b in zip(points, points[1:]):  # the trunk's next legs, bf16 continuing to each branch point
-            trunks[b] = continue_from(trunks[prev], "bf16", cfg, train, val, seed, a, dims, to=b, eval_windows=0)
+            trunks[b] = extend_trunk(trunks[prev], b, cfg, train, val, seed, a, dims)
         # a line per continuation as it ends (a run cut short keeps what it measured)
         for b, kind, n in [(points[-1], "bf16", "bf16")] + legs:
             t, h, run = continue_from(trunks[b], "bf16" if kind == CONTROL else kind, cfg, train, val, seed, a, dims,

@@ -99,13 +99,12 @@ struct Kernel {
   using C = Cfg<kDqk, kDv>;
   static constexpr bool kE4M3 = kE4M3Codes;
   static constexpr Inputs kIn = kInputs;
-  static constexpr bool kAnyInputs = kInputs != Inputs::kBf16;  // an FP8 instantiation
   // When O takes a key block's rescale: false, once the previous P·V has landed (before the next S
   // GEMM's issue); true, after the next S GEMM's issue, under it (FlashAttention-3's place). Either
   // way the multiplication falls between the same two P·V accumulations: the same bits. Chosen per
   // instantiation by a same-run A/B (H200, ptxas of CUDA 13.0): the FP8 inputs' instantiation
   // 1.1-1.6 % faster with true, the bf16-only one 2.9-4.6 % slower (docs/notes-attention.md).
-  static constexpr bool kRescaleUnderS = kAnyInputs;
+  static constexpr bool kRescaleUnderS = kInputs != Inputs::kBf16;  // true in the FP8 instantiations
   // The producer's and the dequantizer's register budgets (their sum is Cfg's). The bf16-only
   // instantiation's dequantizer is idle, so its producer takes its registers: ptxas spills nothing
   // where 24 spilled 364 bytes, and a same-run A/B (H100, 3 rounds) timed bf16 inputs 0.9-2.8 %
