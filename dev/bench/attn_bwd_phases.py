@@ -82,11 +82,12 @@ def backward_calls(H, s):
                                                          layout="bshd"))]
 
 
-def main():
+def main(report=None):
+    """report(label, fn) for both calls at the command line's [H s] (default: this script's run)."""
     H = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     s = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
     for label, fn in backward_calls(H, s):
-        run(label, fn)
+        (report or run)(label, fn)
 
 
 if __name__ == "__main__":
