@@ -8,8 +8,9 @@ tokens) and prints, in cycles a CTA (means over the launch's CTAs): the prologue
 roles' split -> K / V landed -> the first stage landed), the tile loop, the epilogue (the loop's end
 -> consumer 0's end -> the CTA's last role's end), the gap to the next CTA on the same SM (clock64 is
 the SM's own counter), and the share of the SMs' time (first entry to last end on each SM) that each
-takes. The first tile's loads are the prologue's last part: what a persistent kernel could overlap
-with the previous CTA's epilogue, not remove.
+takes; then how long the SMs idle at the launch's ends (%globaltimer). The first tile's loads are
+the prologue's last part: what a persistent kernel could overlap with the previous CTA's
+epilogue, not remove.
 Usage: PYTHONPATH=<probe build>/python python3 dev/bench/attn_bwd_cta_phases.py [H s]   (default 128 4096)"""
 import sys
 from pathlib import Path
@@ -59,6 +60,14 @@ def run(label, fn):
     loop = a[:, 5] - a[:, 4]
     print(f"  loop cycles a tile {np.sum(loop) / np.sum(tiles):.0f}; outside the loop (all but it, gaps included) "
           f"{(1 - loop.sum() / span_sum) * 100:.2f} % of the SMs' time")
+    # the launch's ends (%globaltimer, ns, comparable across SMs): how long each SM idles after its
+    # last CTA (consumer 0's end) until the launch's last one, and before its first CTA's entry
+    g0, g1 = a[:, 10].min(), a[:, 11].max()
+    sm_first = np.array([a[a[:, 0] == sm, 10].min() for sm in np.unique(a[:, 0])])
+    sm_last = np.array([a[a[:, 0] == sm, 11].max() for sm in np.unique(a[:, 0])])
+    print(f"  launch {(g1 - g0) / 1e3:.1f} us (first entry to last end); SMs idle after their last CTA "
+          f"{np.mean(g1 - sm_last) / (g1 - g0) * 100:.2f} %, before their first {np.mean(sm_first - g0) / (g1 - g0) * 100:.2f} % "
+          f"of it (means over SMs)")
 
 
 if __name__ == "__main__":
