@@ -40,14 +40,17 @@ def run(label, fn):
         "loop end -> consumer 0 end (dK, dV out)": a[:, 6] - a[:, 5],
         "consumer 0 end -> the CTA's last role's end": end - a[:, 6],
     }
-    gaps, span_sum = [], 0
+    # per SM (its CTAs in start order): the gaps between them and its span (clock64), and its first
+    # entry and last end by %globaltimer (ns, comparable across SMs: the launch's ends)
+    gaps, span_sum, sm_first, sm_last = [], 0, [], []
     for sm in np.unique(a[:, 0]):
-        b = a[a[:, 0] == sm]
-        o = np.argsort(b[:, 1])
-        e, s = end[a[:, 0] == sm][o], b[o, 1]
+        on = a[:, 0] == sm
+        o = np.argsort(a[on, 1])
+        s, e = a[on, 1][o], end[on][o]
         gaps.extend(s[1:] - e[:-1])
         span_sum += e[-1] - s[0]
-    gaps = np.array(gaps)
+        sm_first.append(a[on, 10].min()), sm_last.append(a[on, 11].max())
+    gaps, sm_first, sm_last = np.array(gaps), np.array(sm_first), np.array(sm_last)
     gt = (a[:, 11] - a[:, 10]).astype(np.float64)
     ghz = np.median((a[:, 6] - a[:, 1]) / np.where(gt > 0, gt, np.nan))
     tiles = a[:, 9]
@@ -60,11 +63,9 @@ def run(label, fn):
     loop = a[:, 5] - a[:, 4]
     print(f"  loop cycles a tile {np.sum(loop) / np.sum(tiles):.0f}; outside the loop (all but it, gaps included) "
           f"{(1 - loop.sum() / span_sum) * 100:.2f} % of the SMs' time")
-    # the launch's ends (%globaltimer, ns, comparable across SMs): how long each SM idles after its
-    # last CTA (consumer 0's end) until the launch's last one, and before its first CTA's entry
-    g0, g1 = a[:, 10].min(), a[:, 11].max()
-    sm_first = np.array([a[a[:, 0] == sm, 10].min() for sm in np.unique(a[:, 0])])
-    sm_last = np.array([a[a[:, 0] == sm, 11].max() for sm in np.unique(a[:, 0])])
+    # how long each SM idles after its last CTA (consumer 0's end) until the launch's last one, and
+    # before its first CTA's entry
+    g0, g1 = sm_first.min(), sm_last.max()
     print(f"  launch {(g1 - g0) / 1e3:.1f} us (first entry to last end); SMs idle after their last CTA "
           f"{np.mean(g1 - sm_last) / (g1 - g0) * 100:.2f} %, before their first {np.mean(sm_first - g0) / (g1 - g0) * 100:.2f} % "
           f"of it (means over SMs)")
